@@ -1,0 +1,60 @@
+"""Single-process references written from the math, independent of tsp_core's kernels: explicit
+score matrices and masks, plain autograd."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+
+def rope(t: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """t [B, H, S, d] rotated at positions pos [S] (HF rotate_half convention, float32 angles)."""
+    freqs = pos[:, None].float() * inv_freq(t.shape[-1], theta)[None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(t.dtype), emb.sin().to(t.dtype)
+    half = t.shape[-1] // 2
+    rot = torch.cat([-t[..., half:], t[..., :half]], -1)
+    return t * cos + rot * sin
+
+
+def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
+              head_dim: int, *, causal: bool = True, window: int | None = None) -> torch.Tensor:
+    B, S, _ = x.shape
+    pos = torch.arange(S)
+
+    def proj(name: str, n: int) -> torch.Tensor:
+        return F.linear(x, w[f"{name}_weight"], w.get(f"{name}_bias")).view(B, S, n, head_dim).transpose(1, 2)
+
+    q = rope(proj("q", num_heads), pos)
+    k = rope(proj("k", num_kv_heads), pos)
+    v = proj("v", num_kv_heads)
+    g = num_heads // num_kv_heads
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = q @ k.transpose(-1, -2) * head_dim ** -0.5
+    i, j = pos[:, None], pos[None, :]
+    visible = torch.ones(S, S, dtype=torch.bool)
+    if causal:
+        visible &= j <= i
+    if window is not None:
+        visible &= j > i - window
+    a = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
+    return F.linear(a.transpose(1, 2).reshape(B, S, -1), w["o_weight"], w.get("o_bias"))
+
+
+def gated_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], activation: str = "silu") -> torch.Tensor:
+    g = F.linear(x, w["gate_weight"], w.get("gate_bias"))
+    act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+    return F.linear(act * F.linear(x, w["up_weight"], w.get("up_bias")), w["down_weight"],
+                    w.get("down_bias"))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    """Fail loudly unless max|actual - expected| <= tol * max(1, max|expected|)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    scale = max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
+    assert err <= tol * scale, f"{what}: max abs error {err:.3e} > {tol:.0e} * {scale:.3g}"

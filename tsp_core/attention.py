@@ -1,0 +1,324 @@
+"""TSP attention (DESIGN 3.1): broadcast each rank's head group in turn, gather that group's K/V,
+attend with the local queries, accumulate the output projection locally.
+
+The schedule is one ``torch.autograd.Function`` so that the backward keeps only this rank's own
+weight shard and the local Q/K/V/output/LSE of its own tokens (DESIGN 4): weights and K/V that came
+from other ranks are fetched again in the backward instead of being saved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm, flash, rope
+from .layout import local_segments
+from .mesh import TSPMesh
+from .packing import FlatPack
+from .params import local, local_replicated, replicated_parameter, shard_slice, sharded_parameter
+
+
+def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> None:
+    """Raise, naming the numbers, when the heads cannot be split over ``tsp_size`` ranks."""
+    if num_heads % tsp_size:
+        raise ValueError(f"tsp_size ({tsp_size}) must divide num_attention_heads ({num_heads})")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide "
+                         f"num_attention_heads ({num_heads})")
+    if num_kv_heads % tsp_size and tsp_size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tsp_size ({tsp_size}): one "
+                         f"must divide the other, so that each rank's query heads share whole "
+                         f"key/value heads; pick tsp_size from the divisors or multiples of "
+                         f"{num_kv_heads}")
+    if hidden_size < 1 or head_dim < 1:
+        raise ValueError(f"hidden_size ({hidden_size}) and head_dim ({head_dim}) must be positive")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static shape and pattern of one TSP attention layer."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tsp_size: int
+    layout: str = "zigzag"
+    causal: bool = True
+    sliding_window: int | None = None
+    scale: float | None = None
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.tsp_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tsp_size)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold a copy of the same key/value head (MQA-like: nkv < D)."""
+        return max(1, self.tsp_size // self.num_kv_heads)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim ** -0.5
+
+
+def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, L, n*d] -> [B, n, L, d]"""
+    B, L, _ = t.shape
+    return t.view(B, L, n, -1).transpose(1, 2)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[B, n, L, d] -> [B, L, n*d]"""
+    B, n, L, d = t.shape
+    return t.transpose(1, 2).reshape(B, L, n * d)
+
+
+class _Rounds:
+    """Owner-broadcast of every rank's packed shard in turn, one round prefetched ahead."""
+
+    def __init__(self, own: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.own, self.group = own, group
+        self.size, self.me = dist.get_world_size(group), dist.get_rank(group)
+        self._pending = self._start(0)
+
+    def _start(self, r: int):
+        buf = self.own if r == self.me else torch.empty_like(self.own)
+        return buf, comm.broadcast(buf, r, self.group, async_op=True)
+
+    def __iter__(self):
+        for r in range(self.size):
+            buf, handle = self._pending
+            handle.wait()
+            if r + 1 < self.size:
+                self._pending = self._start(r + 1)
+            yield r, buf
+
+
+class _TSPAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, *weights):
+        B, L, _ = x.shape
+        pack = FlatPack([w.shape for w in weights])
+        own = pack.pack(weights)
+        nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
+        D = spec.tsp_size
+        seq = L * D
+        pieces = flash.plan_pieces(local_segments(seq, dist.get_rank(group), D, spec.layout),
+                                   seq, spec.causal, spec.sliding_window)
+        q_all = x.new_empty(D, B, nq, L, d)
+        kv_all = x.new_empty(D, 2, B, nkv, L, d)
+        out_all = x.new_empty(D, B, nq, L, d)
+        lse_all = None
+        y = torch.zeros_like(x)
+        for r, buf in _Rounds(own, group):
+            wq, wk, wv, wo, *b = pack.unpack(buf)
+            bq, bk, bv = b if b else (None, None, None)
+            q_all[r] = rope.apply(_heads(F.linear(x, wq, bq), nq), cos, sin)
+            kv_all[r, 0] = rope.apply(_heads(F.linear(x, wk, bk), nkv), cos, sin)
+            kv_all[r, 1] = _heads(F.linear(x, wv, bv), nkv)
+            kv = comm.all_gather_sequence(kv_all[r], group, dim=3, layout=spec.layout)
+            o, lse = flash.attention_forward(q_all[r], kv[0], kv[1], pieces, spec.softmax_scale)
+            del kv
+            if lse_all is None:
+                lse_all = lse.new_empty(D, *lse.shape)
+            out_all[r], lse_all[r] = o, lse
+            y.view(B * L, -1).addmm_(_flat(o).reshape(B * L, -1), wo.t())
+        ctx.spec, ctx.group, ctx.pack, ctx.pieces = spec, group, pack, pieces
+        ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, group, pack, pieces = ctx.spec, ctx.group, ctx.pack, ctx.pieces
+        x, cos, sin, q_all, kv_all, out_all, lse_all, *weights = ctx.saved_tensors
+        B, L, h = x.shape
+        nq, nkv = spec.local_heads, spec.local_kv_heads
+        dy = dy.contiguous()
+        x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
+        dx = torch.zeros_like(x)
+        me = dist.get_rank(group)
+        mine, others = None, []
+        for r, buf in _Rounds(pack.pack(weights), group):
+            wq, wk, wv, wo, *b = pack.unpack(buf)
+            kv = comm.all_gather_sequence(kv_all[r], group, dim=3, layout=spec.layout)
+            o = out_all[r]
+            do = _heads(F.linear(dy, wo.t()), nq).contiguous()
+            dq, dk, dv = flash.attention_backward(do, q_all[r], kv[0], kv[1], o, lse_all[r],
+                                                  pieces, spec.softmax_scale)
+            del kv
+            dkv = comm.reduce_scatter_sequence(torch.stack([dk, dv]), group, dim=3,
+                                               layout=spec.layout)
+            del dk, dv
+            dq = _flat(rope.apply_backward(dq, cos, sin)).reshape(B * L, -1)
+            dk = _flat(rope.apply_backward(dkv[0], cos, sin)).reshape(B * L, -1)
+            dv = _flat(dkv[1]).reshape(B * L, -1)
+            dx2 = dx.view(B * L, h)
+            dx2.addmm_(dq, wq).addmm_(dk, wk).addmm_(dv, wv)
+            grads = [dq.t() @ x2, dk.t() @ x2, dv.t() @ x2, dy2.t() @ _flat(o).reshape(B * L, -1)]
+            if b:
+                grads += [dq.sum(0), dk.sum(0), dv.sum(0)]
+            gbuf = pack.pack(grads)
+            pending = (gbuf, comm.reduce(gbuf, r, group, async_op=True))
+            if r == me:
+                mine = pending
+            else:
+                others.append(pending)
+                if len(others) > 1:  # at most one foreign gradient reduce in flight
+                    others.pop(0)[1].wait()
+        for _, handle in others:
+            handle.wait()
+        mine[1].wait()
+        grads = pack.unpack(mine[0])
+        if spec.kv_replicas > 1:
+            _sum_kv_replicas(grads, spec, group)
+        return (dx, None, None, None, None, *grads)
+
+
+def _sum_kv_replicas(grads: list[torch.Tensor], spec: AttentionSpec, group) -> None:
+    """Ranks sharing one key/value head (nkv < D) each hold a copy; its true gradient is the sum
+    over the copies. One all-reduce of an [nkv, ...] buffer, each rank writing its head's slot."""
+    kv_grads = [grads[1], grads[2]] + ([grads[5], grads[6]] if len(grads) > 4 else [])
+    flat = torch.cat([g.reshape(-1) for g in kv_grads])
+    slots = flat.new_zeros(spec.num_kv_heads, flat.numel())
+    head = dist.get_rank(group) // spec.kv_replicas
+    slots[head] = flat
+    comm.all_reduce(slots, group)
+    for g, s in zip(kv_grads, slots[head].split([g.numel() for g in kv_grads])):
+        g.copy_(s.view_as(g))
+
+
+class TSPAttention(nn.Module):
+    """Multi-head / grouped-query attention with TSP: rank p owns query heads
+    [p*nq/D, (p+1)*nq/D), the key/value heads they use, and the matching columns of o_proj.
+
+    ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
+    positions [B, S/D] and returns this rank's output tokens.
+    """
+
+    def __init__(self, mesh: TSPMesh, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, *, qkv_bias: bool = False, o_bias: bool = False,
+                 rope_theta: float = 10000.0, inv_freq: torch.Tensor | None = None,
+                 rope_scaling: float = 1.0, causal: bool = True, sliding_window: int | None = None,
+                 scale: float | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, init_seed: int = 0) -> None:
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"num_attention_heads ({num_heads}) must divide hidden_size "
+                                 f"({hidden_size}) unless head_dim is given")
+            head_dim = hidden_size // num_heads
+        check_attention_shape(mesh.size, hidden_size, num_heads, num_kv_heads, head_dim)
+        self.mesh = mesh
+        self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
+                                  mesh.layout, causal, sliding_window, scale)
+        self.rope_scaling = rope_scaling
+        if inv_freq is None:
+            inv_freq = rope.default_inv_freq(head_dim, rope_theta)
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        gen = torch.Generator().manual_seed(init_seed)
+        full = dict(
+            q_weight=torch.randn(num_heads * head_dim, hidden_size, generator=gen),
+            k_weight=torch.randn(num_kv_heads * head_dim, hidden_size, generator=gen),
+            v_weight=torch.randn(num_kv_heads * head_dim, hidden_size, generator=gen),
+            o_weight=torch.randn(hidden_size, num_heads * head_dim, generator=gen),
+        )
+        for k in full:
+            full[k] *= 0.02
+        if qkv_bias:
+            full.update(q_bias=torch.zeros(num_heads * head_dim), k_bias=torch.zeros(
+                num_kv_heads * head_dim), v_bias=torch.zeros(num_kv_heads * head_dim))
+        if o_bias:
+            full["o_bias"] = torch.zeros(hidden_size)
+        self.load_full({k: v.to(dtype=dtype or torch.get_default_dtype(), device=device)
+                        for k, v in full.items()}, _create=True)
+
+    # ---------------------------------------------------------------- weights in and out
+    def _local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        if name.startswith(("k_", "v_")) and s.kv_replicas > 1:
+            head = self.mesh.rank // s.kv_replicas
+            return full.narrow(0, head * s.head_dim, s.head_dim).clone()
+        if name == "o_bias":
+            return full.clone()
+        return shard_slice(full, self.mesh, 1 if name == "o_weight" else 0)
+
+    def load_full(self, full: dict[str, torch.Tensor], _create: bool = False) -> None:
+        """Keep this rank's slices of full (Hugging Face-shaped) weights: ``q_weight`` [nq*d, h],
+        ``k_weight``/``v_weight`` [nkv*d, h], ``o_weight`` [h, nq*d], optional ``q_bias``,
+        ``k_bias``, ``v_bias``, ``o_bias``."""
+        expected = {"q_weight": (self.spec.num_heads * self.spec.head_dim, self.spec.hidden_size),
+                    "k_weight": (self.spec.num_kv_heads * self.spec.head_dim, self.spec.hidden_size),
+                    "o_weight": (self.spec.hidden_size, self.spec.num_heads * self.spec.head_dim)}
+        expected["v_weight"] = expected["k_weight"]
+        for name, shape in expected.items():
+            if tuple(full[name].shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(full[name].shape)}, expected {shape} "
+                                 f"for hidden_size={self.spec.hidden_size}, heads="
+                                 f"{self.spec.num_heads}/{self.spec.num_kv_heads}, "
+                                 f"head_dim={self.spec.head_dim}")
+        with torch.no_grad():
+            for name, tensor in full.items():
+                part = self._local_slice(name, tensor)
+                if _create:
+                    dim = 1 if name == "o_weight" else 0
+                    param = (replicated_parameter(part, self.mesh) if name == "o_bias"
+                             else sharded_parameter(part, self.mesh, dim))
+                    setattr(self, name, param)
+                else:
+                    local(getattr(self, name)).copy_(part)
+
+    def full_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full Hugging Face-shaped weights (or their gradients), gathered over the group."""
+        s = self.spec
+        out = {}
+        for name, p in self.named_parameters():
+            t = p.grad if grads else p
+            if t is None:
+                continue
+            full = t.full_tensor()
+            if name.startswith(("k_", "v_")) and s.kv_replicas > 1:
+                full = full.view(s.tsp_size, -1, *full.shape[1:])[:: s.kv_replicas]
+                full = full.reshape(-1, *full.shape[2:])
+            out[name] = full
+        return out
+
+    def _weights(self) -> list[torch.Tensor]:
+        names = ["q_weight", "k_weight", "v_weight", "o_weight"]
+        if hasattr(self, "q_bias"):
+            names += ["q_bias", "k_bias", "v_bias"]
+        return [local(getattr(self, n)) for n in names]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        if x.dim() != 3 or x.shape[-1] != s.hidden_size:
+            raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
+                             f"[batch, local_seq, hidden_size={s.hidden_size}]")
+        if x.shape[1] % (2 if s.layout == "zigzag" else 1):
+            raise ValueError(f"local sequence length ({x.shape[1]}) must be even under the zigzag "
+                             f"layout (2 chunks per rank); shard with tsp_core.shard_batch")
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0).expand(x.shape[0], -1)
+        if tuple(position_ids.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match the "
+                             f"input's [batch, local_seq] = {tuple(x.shape[:2])}")
+        weights = self._weights()
+        if any(w.dtype != x.dtype for w in weights):
+            raise ValueError(f"input dtype ({x.dtype}) differs from the weights' "
+                             f"({weights[0].dtype}); cast one of them")
+        cos, sin = rope.cos_sin(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
+        y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, *weights)
+        if hasattr(self, "o_bias"):
+            y = y + local_replicated(self.o_bias, self.mesh)
+        return y

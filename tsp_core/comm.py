@@ -1,0 +1,332 @@
+"""Every collective TSP issues, with call and byte counters.
+
+Bytes are the per-rank traffic of the standard ring algorithms (what NCCL calls bus bytes), one
+rule for every kind so that layouts can be compared: broadcast, reduce, all-gather (of the output),
+reduce-scatter (of the input) and all-to-all move (D-1)/D of the buffer per rank, all-reduce
+2(D-1)/D, a ring hop the whole buffer. A group of one rank issues nothing and counts nothing.
+
+Raw functions (``broadcast``, ``reduce``, ...) are used inside the schedules' own autograd
+Functions; the autograd-aware ones (``owner_broadcast``, ``gather_sequence``, ``ring_shift``,
+``all_to_all``, ``sum_grad``) are for code that lets autograd run the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .layout import check_seq_len, rank_chunks
+
+KINDS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "ring_pass",
+         "all_to_all")
+
+
+@dataclass
+class CommStats:
+    """Calls and per-rank bytes by kind, plus the ordered log of (kind, bytes)."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    log: list[tuple[str, float]] = field(default_factory=list)
+
+    def record(self, kind: str, nbytes: float) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+        self.log.append((kind, nbytes))
+
+    @property
+    def total_bytes(self) -> float:
+        return float(sum(self.bytes.values()))
+
+
+_TRACKERS: list[CommStats] = [CommStats()]
+
+
+def global_stats() -> CommStats:
+    """Counters since the process started (or the last :func:`reset_global_stats`)."""
+    return _TRACKERS[0]
+
+
+def reset_global_stats() -> None:
+    _TRACKERS[0] = CommStats()
+
+
+@contextlib.contextmanager
+def track() -> Iterator[CommStats]:
+    """Count the collectives issued inside the ``with`` block."""
+    stats = CommStats()
+    _TRACKERS.append(stats)
+    try:
+        yield stats
+    finally:
+        _TRACKERS.remove(stats)
+
+
+def _record(kind: str, nbytes: float) -> None:
+    for t in _TRACKERS:
+        t.record(kind, nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Handle:
+    """Result of an async call: ``wait()`` blocks until every underlying request finished."""
+
+    def __init__(self, works: Sequence[object] = ()) -> None:
+        self._works = [w for w in works if w is not None]
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+
+
+def _run(kind: str, nbytes: float, call, async_op: bool) -> Handle | None:
+    _record(kind, nbytes)
+    work = call(async_op)
+    if async_op:
+        return Handle([work])
+    return None
+
+
+def _done(async_op: bool) -> Handle | None:
+    return Handle() if async_op else None
+
+
+# ---------------------------------------------------------------- raw, counted collectives
+
+def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: bool = False):
+    """In-place broadcast from group rank ``src``."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        return _done(async_op)
+    return _run("broadcast", _nbytes(t) * (d - 1) / d,
+                lambda a: dist.broadcast(t, group=group, group_src=src, async_op=a), async_op)
+
+
+def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool = False):
+    """In-place sum onto group rank ``dst`` (other ranks' buffers are undefined afterwards)."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        return _done(async_op)
+    return _run("reduce", _nbytes(t) * (d - 1) / d,
+                lambda a: dist.reduce(t, group=group, group_dst=dst, async_op=a), async_op)
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """In-place sum over the group."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        return _done(async_op)
+    return _run("all_reduce", 2 * _nbytes(t) * (d - 1) / d,
+                lambda a: dist.all_reduce(t, group=group, async_op=a), async_op)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool = False):
+    """``out`` (D times ``inp``'s size, contiguous) receives every rank's ``inp`` in rank order."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        out.copy_(inp.reshape(out.shape))
+        return _done(async_op)
+    return _run("all_gather", _nbytes(out) * (d - 1) / d,
+                lambda a: dist.all_gather_single(out.view(-1), inp.reshape(-1), group=group,
+                                                   async_op=a), async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                   async_op: bool = False):
+    """``out`` receives this rank's 1/D block of the sum of every rank's ``inp``."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        out.copy_(inp.reshape(out.shape))
+        return _done(async_op)
+    return _run("reduce_scatter", _nbytes(inp) * (d - 1) / d,
+                lambda a: dist.reduce_scatter_single(out.view(-1), inp.reshape(-1), group=group,
+                                                       async_op=a), async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+               out_splits: list[int] | None = None, in_splits: list[int] | None = None,
+               async_op: bool = False):
+    """``all_to_all_single`` along dim 0 with optional split sizes."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        out.copy_(inp)
+        return _done(async_op)
+    return _run("all_to_all", max(_nbytes(inp), _nbytes(out)) * (d - 1) / d,
+                lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
+                                                 async_op=a), async_op)
+
+
+def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *,
+              reverse: bool = False, tag: int = 0, async_op: bool = False):
+    """One ring hop: send ``send`` to the next rank and fill ``recv`` from the previous one
+    (the other way round with ``reverse``)."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        recv.copy_(send)
+        return _done(async_op)
+    me = dist.get_rank(group)
+    to, frm = ((me - 1) % d, (me + 1) % d) if reverse else ((me + 1) % d, (me - 1) % d)
+    _record("ring_pass", _nbytes(send))
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=to, tag=tag),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=frm, tag=tag)]
+    handle = Handle(dist.batch_isend_irecv(ops))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+# ------------------------------------------------------- sequence gather / scatter (raw)
+
+def _chunk_moves(d: int, layout: str) -> list[tuple[int, int, int]]:
+    """(rank, local chunk slot, global chunk index) for every chunk of the sequence."""
+    return [(r, i, k) for r in range(d) for i, k in enumerate(rank_chunks(r, d, layout))]
+
+
+def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
+                        layout: str) -> torch.Tensor:
+    """Full sequence (in global token order) from every rank's local tokens along ``dim``."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        return x
+    buf = x.new_empty((d, *x.shape))
+    all_gather(buf, x.contiguous(), group)
+    c = check_seq_len(x.shape[dim] * d, d, layout)
+    shape = list(x.shape)
+    shape[dim] *= d
+    full = x.new_empty(shape)
+    for r, i, k in _chunk_moves(d, layout):
+        full.narrow(dim, k * c, c).copy_(buf[r].narrow(dim, i * c, c))
+    return full
+
+
+def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup, dim: int,
+                            layout: str) -> torch.Tensor:
+    """This rank's tokens of the sum over the group of a full-sequence tensor."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        return full
+    c = check_seq_len(full.shape[dim], d, layout)
+    shape = list(full.shape)
+    shape[dim] //= d
+    buf = full.new_empty((d, *shape))
+    for r, i, k in _chunk_moves(d, layout):
+        buf[r].narrow(dim, i * c, c).copy_(full.narrow(dim, k * c, c))
+    out = full.new_empty(shape)
+    reduce_scatter(out, buf, group)
+    return out
+
+
+# ------------------------------------------------------------- autograd-aware collectives
+
+class _OwnerBroadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, group):
+        ctx.src, ctx.group = src, group
+        out = x.clone()
+        broadcast(out, src, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        reduce(g, ctx.src, ctx.group)
+        if dist.get_rank(ctx.group) != ctx.src:
+            g.zero_()
+        return g, None, None
+
+
+def owner_broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank gets the owner's ``x``; the backward sums gradients onto the owner."""
+    return _OwnerBroadcast.apply(x, src, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, layout):
+        ctx.group, ctx.dim, ctx.layout = group, dim, layout
+        return all_gather_sequence(x, group, dim, layout)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_sequence(g.contiguous(), ctx.group, ctx.dim, ctx.layout), None, None, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1,
+                    layout: str = "zigzag") -> torch.Tensor:
+    """Full sequence from local tokens; the backward reduce-scatters gradients to token owners."""
+    return _GatherSequence.apply(x, group, dim, layout)
+
+
+class _RingShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        ring_pass(x, out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        out = torch.empty_like(g)
+        ring_pass(g, out, ctx.group, reverse=True)
+        return out, None
+
+
+def ring_shift(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The previous rank's ``x``; the backward sends gradients back the other way."""
+    return _RingShift.apply(x, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        rows = sum(out_splits) if out_splits is not None else x.shape[0]
+        out = x.new_empty((rows, *x.shape[1:]))
+        all_to_all(out, x.contiguous(), group, out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        rows = sum(ctx.in_splits) if ctx.in_splits is not None else g.shape[0]
+        out = g.new_empty((rows, *g.shape[1:]))
+        all_to_all(out, g.contiguous(), ctx.group, ctx.in_splits, ctx.out_splits)
+        return out, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, group: dist.ProcessGroup, out_splits: list[int] | None = None,
+                    in_splits: list[int] | None = None) -> torch.Tensor:
+    """Exchange rows of ``x`` (dim 0) between ranks; the backward sends gradients back."""
+    return _AllToAll.apply(x, group, out_splits, in_splits)
+
+
+class _SumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        all_reduce(g, ctx.group)
+        return g, None
+
+
+def sum_grad(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Identity whose backward sums the gradient over the group: a replicated parameter used by
+    every rank on different tokens gets the gradient of all tokens."""
+    return _SumGrad.apply(x, group)

@@ -1,0 +1,127 @@
+"""The TSP device mesh: which ranks share weights and tokens, and who their ring neighbours are.
+
+A TSP group is the innermost dim of a named ``DeviceMesh`` so that it spans consecutive ranks (one
+node). Every other dim (``dp`` today; pp or ep later) replicates the TSP group, so code always names
+the dim it uses instead of assuming a 1-D mesh.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+
+
+@dataclass(frozen=True)
+class TSPMesh:
+    """A device mesh plus the name of its TSP dim and the token layout used on that dim."""
+
+    device_mesh: DeviceMesh
+    dim: str = "tsp"
+    layout: Layout = "zigzag"
+
+    def __post_init__(self) -> None:
+        names = self.device_mesh.mesh_dim_names or ()
+        if self.dim not in names:
+            raise ValueError(f"mesh has no dim named {self.dim!r} (its dims are {names}); "
+                             f"pass the name of the dim that holds the TSP group")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {LAYOUTS}")
+
+    @classmethod
+    def from_device_mesh(cls, mesh: DeviceMesh, dim: str, layout: Layout = "zigzag") -> "TSPMesh":
+        """Wrap a mesh a framework already built (Accelerate calls its dim "tp", Lightning
+        "tensor_parallel")."""
+        return cls(mesh, dim, layout)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.device_mesh.get_group(self.dim)
+
+    @property
+    def size(self) -> int:
+        return self.device_mesh.size(self._dim_index)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside its TSP group (0..size-1)."""
+        return self.device_mesh.get_local_rank(self.dim)
+
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    @property
+    def other_dims(self) -> tuple[str, ...]:
+        """Dims that replicate the TSP group (data parallel and friends)."""
+        return tuple(n for n in self.device_mesh.mesh_dim_names if n != self.dim)
+
+    @property
+    def dp_size(self) -> int:
+        """Number of TSP-group replicas (product of every non-TSP dim)."""
+        return self.device_mesh.size() // self.size
+
+    @property
+    def _dim_index(self) -> int:
+        return self.device_mesh.mesh_dim_names.index(self.dim)
+
+    def next_rank(self) -> int:
+        """Group rank of the ring successor."""
+        return (self.rank + 1) % self.size
+
+    def prev_rank(self) -> int:
+        """Group rank of the ring predecessor."""
+        return (self.rank - 1) % self.size
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group_from_env() -> None:
+    """Initialise the default process group from the launcher's environment (torchrun sets RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Without a launcher this is a one-process world."""
+    if dist.is_initialized():
+        return
+    backend = _default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def check_mesh_shape(world_size: int, tsp_size: int, dp_size: int | None) -> int:
+    """Return dp_size after checking ``dp_size * tsp_size == world_size``; raises with the numbers."""
+    if tsp_size < 1:
+        raise ValueError(f"tsp_size ({tsp_size}) must be at least 1")
+    if world_size % tsp_size:
+        raise ValueError(f"tsp_size ({tsp_size}) must divide the world size ({world_size}); "
+                         f"launch a multiple of {tsp_size} processes or pick another tsp_size")
+    if dp_size is None:
+        return world_size // tsp_size
+    if dp_size * tsp_size != world_size:
+        raise ValueError(f"dp_size ({dp_size}) * tsp_size ({tsp_size}) = {dp_size * tsp_size} "
+                         f"does not match the world size ({world_size}); leave dp_size unset to "
+                         f"use {world_size // tsp_size}")
+    return dp_size
+
+
+def init_mesh(tsp_size: int, dp_size: int | None = None, *, layout: Layout = "zigzag") -> TSPMesh:
+    """Build the ("dp", "tsp") mesh over all processes, TSP innermost, initialising the default
+    process group first when needed (gloo on CPU, NCCL on CUDA)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    init_process_group_from_env()
+    dp_size = check_mesh_shape(dist.get_world_size(), tsp_size, dp_size)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (dp_size, tsp_size), mesh_dim_names=("dp", "tsp"))
+    return TSPMesh(mesh, "tsp", layout)
