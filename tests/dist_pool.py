@@ -8,6 +8,7 @@ fails the test with that rank's traceback; a hang fails it after ``timeout`` sec
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -59,6 +60,7 @@ class DistPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
+        pickle.dumps((fn, args, kwargs))  # fail here, not silently in the queue's feeder thread
         for q in self._tasks:
             q.put((fn, args, kwargs))
         out: dict[int, Any] = {}

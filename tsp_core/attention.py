@@ -20,7 +20,7 @@ from . import comm, flash, rope
 from .layout import local_segments
 from .mesh import TSPMesh
 from .packing import FlatPack
-from .params import local, local_replicated, replicated_parameter, shard_slice, sharded_parameter
+from .params import local, local_replicated, local_weights, replicated_parameter, shard_slice, sharded_parameter
 
 
 def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
@@ -211,7 +211,7 @@ class TSPAttention(nn.Module):
                  rope_theta: float = 10000.0, inv_freq: torch.Tensor | None = None,
                  rope_scaling: float = 1.0, causal: bool = True, sliding_window: int | None = None,
                  scale: float | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, init_seed: int = 0) -> None:
+                 device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if head_dim is None:
@@ -227,7 +227,7 @@ class TSPAttention(nn.Module):
         if inv_freq is None:
             inv_freq = rope.default_inv_freq(head_dim, rope_theta)
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
-        gen = torch.Generator().manual_seed(init_seed)
+        gen = None if init_seed is None else torch.Generator().manual_seed(init_seed)
         full = dict(
             q_weight=torch.randn(num_heads * head_dim, hidden_size, generator=gen),
             k_weight=torch.randn(num_kv_heads * head_dim, hidden_size, generator=gen),
@@ -294,11 +294,9 @@ class TSPAttention(nn.Module):
             out[name] = full
         return out
 
-    def _weights(self) -> list[torch.Tensor]:
+    def _weight_names(self) -> list[str]:
         names = ["q_weight", "k_weight", "v_weight", "o_weight"]
-        if hasattr(self, "q_bias"):
-            names += ["q_bias", "k_bias", "v_bias"]
-        return [local(getattr(self, n)) for n in names]
+        return names + (["q_bias", "k_bias", "v_bias"] if hasattr(self, "q_bias") else [])
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -313,10 +311,7 @@ class TSPAttention(nn.Module):
         if tuple(position_ids.shape) != tuple(x.shape[:2]):
             raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match the "
                              f"input's [batch, local_seq] = {tuple(x.shape[:2])}")
-        weights = self._weights()
-        if any(w.dtype != x.dtype for w in weights):
-            raise ValueError(f"input dtype ({x.dtype}) differs from the weights' "
-                             f"({weights[0].dtype}); cast one of them")
+        weights = local_weights(self, self._weight_names(), x)
         cos, sin = rope.cos_sin(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, *weights)
         if hasattr(self, "o_bias"):

@@ -26,7 +26,7 @@ KINDS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "r
          "all_to_all")
 
 
-@dataclass
+@dataclass(eq=False)  # trackers are told apart by identity
 class CommStats:
     """Calls and per-rank bytes by kind, plus the ordered log of (kind, bytes)."""
 

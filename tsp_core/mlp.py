@@ -20,7 +20,7 @@ from torch import nn
 from . import comm
 from .mesh import TSPMesh
 from .packing import FlatPack
-from .params import local, local_replicated, replicated_parameter, shard_slice, sharded_parameter
+from .params import local, local_replicated, local_weights, replicated_parameter, shard_slice, sharded_parameter
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _WEIGHT_TAG, _GRAD_TAG = 1, 2
@@ -137,7 +137,7 @@ class TSPGatedMLP(nn.Module):
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, intermediate_size: int, *,
                  activation: str = "silu", bias: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, init_seed: int = 0) -> None:
+                 device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
@@ -146,7 +146,7 @@ class TSPGatedMLP(nn.Module):
                              f"({intermediate_size})")
         self.mesh = mesh
         self.spec = MLPSpec(hidden_size, intermediate_size, mesh.size, activation)
-        gen = torch.Generator().manual_seed(init_seed)
+        gen = None if init_seed is None else torch.Generator().manual_seed(init_seed)
         full = {n: torch.randn(shape, generator=gen) * 0.02 for n, shape in (
             ("gate_weight", (intermediate_size, hidden_size)),
             ("up_weight", (intermediate_size, hidden_size)),
@@ -193,10 +193,7 @@ class TSPGatedMLP(nn.Module):
         names = ["gate_weight", "up_weight", "down_weight"]
         if hasattr(self, "gate_bias"):
             names += ["gate_bias", "up_bias"]
-        weights = [local(getattr(self, n)) for n in names]
-        if any(w.dtype != x.dtype for w in weights):
-            raise ValueError(f"input dtype ({x.dtype}) differs from the weights' "
-                             f"({weights[0].dtype}); cast one of them")
+        weights = local_weights(self, names, x)
         y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, *weights)
         if hasattr(self, "down_bias"):
             y = y + local_replicated(self.down_bias, self.mesh)

@@ -17,10 +17,6 @@ class FlatPack:
         self.numel = sum(self.sizes)
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) > 1:
-            raise ValueError(f"all weight shards of a TSP layer must share one dtype, got "
-                             f"{sorted(str(d) for d in dtypes)}; cast the layer with .to(dtype)")
         return torch.cat([t.reshape(-1) for t in tensors])
 
     def unpack(self, flat: torch.Tensor) -> list[torch.Tensor]:

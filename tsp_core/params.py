@@ -54,3 +54,15 @@ def shard_slice(full: torch.Tensor, mesh: TSPMesh, dim: int) -> torch.Tensor:
         raise ValueError(f"tsp_size ({mesh.size}) must divide dim {dim} of size {size}")
     n = size // mesh.size
     return full.narrow(dim, mesh.rank * n, n).clone()
+
+
+def local_weights(module: nn.Module, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+    """Local tensors of ``module``'s named parameters, after checking that they share the input's
+    dtype (a round packs them into one buffer)."""
+    weights = [local(getattr(module, n)) for n in names]
+    for n, w in zip(names, weights):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{type(module).__name__}: input dtype ({x.dtype}) differs from "
+                             f"{n} ({w.dtype}); every weight shard and the input must share one "
+                             f"dtype: cast with .to({x.dtype})")
+    return weights

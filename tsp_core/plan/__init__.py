@@ -1,0 +1,1 @@
+"""Planning tools: fake-tensor memory simulation (and, later, the cost model)."""
