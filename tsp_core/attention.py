@@ -154,12 +154,10 @@ class _TSPAttentionFn(torch.autograd.Function):
             kv = comm.all_gather_sequence(kv_all[r], group, dim=3, layout=spec.layout)
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
-            dq, dk, dv = flash.attention_backward(do, q_all[r], kv[0], kv[1], o, lse_all[r],
-                                                  pieces, spec.softmax_scale)
+            dq, dkv = flash.attention_backward(do, q_all[r], kv, o, lse_all[r], pieces,
+                                               spec.softmax_scale)
             del kv
-            dkv = comm.reduce_scatter_sequence(torch.stack([dk, dv]), group, dim=3,
-                                               layout=spec.layout)
-            del dk, dv
+            dkv = comm.reduce_scatter_sequence(dkv, group, dim=3, layout=spec.layout)
             dq = _flat(rope.apply_backward(dq, cos, sin)).reshape(B * L, -1)
             dk = _flat(rope.apply_backward(dkv[0], cos, sin)).reshape(B * L, -1)
             dv = _flat(dkv[1]).reshape(B * L, -1)

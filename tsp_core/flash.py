@@ -20,7 +20,8 @@ Mask = Literal["full", "causal", "anticausal"]
 
 @dataclass(frozen=True)
 class Piece:
-    """Local query rows ``[q0, q1)`` against global keys ``[k0, k1)`` under ``mask``."""
+    """Local query rows ``[q0, q1)`` against global keys ``[k0, k1)`` under ``mask``; causal and
+    anticausal pieces are square, so no kernel's alignment convention for rectangles matters."""
 
     q0: int
     q1: int
@@ -55,9 +56,14 @@ def plan_pieces(segments: list[tuple[int, int]], seq_len: int, causal: bool,
                 if a > 0:
                     pieces.append(Piece(q0, q1, 0, a, "full"))
                 continue
+            if window == 1:                 # each query sees only itself
+                continue
             band0 = a - window + 1          # lower edge: t x t block, key u visible iff u >= v
-            if band0 + t > 0:
-                pieces.append(Piece(q0, q1, max(0, band0), band0 + t, "anticausal"))
+            cut = max(0, -band0)            # keys before position 0 do not exist: the first
+            if cut < t:                     # `cut` queries then see every remaining band key
+                if cut:
+                    pieces.append(Piece(q0, q0 + cut, 0, band0 + t, "full"))
+                pieces.append(Piece(q0 + cut, q1, band0 + cut, band0 + t, "anticausal"))
             if a > max(0, band0 + t):
                 pieces.append(Piece(q0, q1, max(0, band0 + t), a, "full"))
         row += end - start
@@ -67,6 +73,8 @@ def plan_pieces(segments: list[tuple[int, int]], seq_len: int, causal: bool,
 # ------------------------------------------------------------------------------- kernels
 
 def _kernel_fwd(q, k, v, causal: bool, scale: float):
+    """Flash-class kernel: CPU flash attention (native GQA); elsewhere the memory-efficient SDPA
+    kernel with K/V heads expanded for one head group (not yet verified on a GPU)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
@@ -84,6 +92,7 @@ def _kernel_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
     g = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's padded layout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         do, q, kr, vr, None, out, lse.contiguous(), seed, seed, 0.0, [True, True, True, False],
         causal, scale=scale)
@@ -128,19 +137,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces:
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
-def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, pieces: list[Piece],
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`attention_forward` w.r.t. q (local) and k, v (full sequence)."""
+def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, pieces: list[Piece],
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`attention_forward` w.r.t. q (local) and the packed full-sequence
+    ``kv`` [2, B, Hkv, S, d]; dK and dV come back packed the same way, ready for one
+    reduce-scatter."""
     dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    dkv = torch.zeros_like(kv)
     for p in pieces:
         rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
-        g_q, g_k, g_v = _piece_bwd(do[:, :, rows].contiguous(), q[:, :, rows], k[:, :, keys],
-                                   v[:, :, keys], out[:, :, rows].contiguous(),
+        g_q, g_k, g_v = _piece_bwd(do[:, :, rows].contiguous(), q[:, :, rows], kv[0, :, :, keys],
+                                   kv[1, :, :, keys], out[:, :, rows].contiguous(),
                                    lse[:, :, rows].contiguous(), p.mask, scale)
         dq[:, :, rows] += g_q
-        dk[:, :, keys] += g_k
-        dv[:, :, keys] += g_v
-    return dq, dk, dv
+        dkv[0, :, :, keys] += g_k
+        dkv[1, :, :, keys] += g_v
+    return dq, dkv
