@@ -33,16 +33,25 @@ def bad_inputs() -> list[str]:
     m = dist_pool.mesh(4)
     f64 = torch.float64
     msgs = [
-        _expect(lambda: TSPAttention(m, 48, 6, 6, 8), r"tsp_size \(4\) must divide num_attention_heads \(6\)"),
-        _expect(lambda: TSPAttention(m, 64, 8, 3, 8), r"num_key_value_heads \(3\) must divide num_attention_heads \(8\)"),
-        _expect(lambda: TSPAttention(m, 96, 12, 6, 8), r"num_key_value_heads \(6\) and tsp_size \(4\): one must divide the other"),
-        _expect(lambda: TSPGatedMLP(m, 16, 30), r"tsp_size \(4\) must divide intermediate_size \(30\)"),
+        _expect(lambda: TSPAttention(m, 48, 6, 6, 8),
+                r"tsp_size \(4\) must divide num_attention_heads \(6\)"),
+        _expect(lambda: TSPAttention(m, 64, 8, 3, 8),
+                r"num_key_value_heads \(3\) must divide num_attention_heads \(8\)"),
+        _expect(lambda: TSPAttention(m, 96, 12, 6, 8),
+                r"num_key_value_heads \(6\) and tsp_size \(4\): one must divide the other"),
+        _expect(lambda: TSPGatedMLP(m, 16, 30),
+                r"tsp_size \(4\) must divide intermediate_size \(30\)"),
     ]
     attn = TSPAttention(m, 32, 4, 2, 8, dtype=f64)
     mlp = TSPGatedMLP(m, 32, 64, dtype=f64)
     pos = torch.arange(4)
+    wrong = {k: torch.zeros(v.full_tensor().shape[0], 33) if k != "o_weight" else v.full_tensor()
+             for k, v in attn.named_parameters()}
+    msgs.append(_expect(lambda: attn.load_full(wrong),
+                        r"q_weight has shape \(32, 33\), expected \(32, 32\) for hidden_size=32"))
     msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 31, dtype=f64), pos),
-                        r"input of shape \(1, 4, 31\) does not match the layer: expected \[batch, local_seq, hidden_size=32\]"))
+                        r"input of shape \(1, 4, 31\) does not match the layer: expected "
+                        r"\[batch, local_seq, hidden_size=32\]"))
     msgs.append(_expect(lambda: mlp(torch.zeros(1, 4, 31, dtype=f64)), r"hidden_size=32"))
     msgs.append(_expect(lambda: attn(torch.zeros(1, 3, 32, dtype=f64), torch.arange(3)),
                         r"local sequence length \(3\) must be even"))
@@ -66,7 +75,8 @@ def test_bad_input_fails_everywhere_before_any_collective(pool):
 def test_mesh_shape_errors():
     with pytest.raises(ValueError, match=r"tsp_size \(3\) must divide the world size \(4\)"):
         check_mesh_shape(4, 3, None)
-    with pytest.raises(ValueError, match=r"dp_size \(3\) \* tsp_size \(2\) = 6 does not match the world size \(4\)"):
+    with pytest.raises(ValueError, match=r"dp_size \(3\) \* tsp_size \(2\) = 6 does not match "
+                                         r"the world size \(4\)"):
         check_mesh_shape(4, 2, 3)
     assert check_mesh_shape(8, 4, None) == 2
 

@@ -8,7 +8,6 @@ from other ranks are fetched again in the backward instead of being saved.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,8 @@ from . import comm, flash, rope
 from .layout import local_segments
 from .mesh import TSPMesh
 from .packing import FlatPack
-from .params import local, local_replicated, local_weights, replicated_parameter, shard_slice, sharded_parameter
+from .params import (local, local_replicated, local_weights, replicated_parameter, shard_slice,
+                     sharded_parameter)
 
 
 def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
@@ -143,7 +143,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         spec, group, pack, pieces = ctx.spec, ctx.group, ctx.pack, ctx.pieces
         x, cos, sin, q_all, kv_all, out_all, lse_all, *weights = ctx.saved_tensors
         B, L, h = x.shape
-        nq, nkv = spec.local_heads, spec.local_kv_heads
+        nq = spec.local_heads
         dy = dy.contiguous()
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
         dx = torch.zeros_like(x)

@@ -20,7 +20,8 @@ from torch import nn
 from . import comm
 from .mesh import TSPMesh
 from .packing import FlatPack
-from .params import local, local_replicated, local_weights, replicated_parameter, shard_slice, sharded_parameter
+from .params import (local, local_replicated, local_weights, replicated_parameter, shard_slice,
+                     sharded_parameter)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _WEIGHT_TAG, _GRAD_TAG = 1, 2
