@@ -27,7 +27,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
     pos = torch.arange(S)
 
     def proj(name: str, n: int) -> torch.Tensor:
-        return F.linear(x, w[f"{name}_weight"], w.get(f"{name}_bias")).view(B, S, n, head_dim).transpose(1, 2)
+        y = F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
+        return y.view(B, S, n, head_dim).transpose(1, 2)
 
     q = rope(proj("q", num_heads), pos)
     k = rope(proj("k", num_kv_heads), pos)
@@ -42,14 +43,14 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
     if window is not None:
         visible &= j > i - window
     a = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
-    return F.linear(a.transpose(1, 2).reshape(B, S, -1), w["o_weight"], w.get("o_bias"))
+    return F.linear(a.transpose(1, 2).reshape(B, S, -1), w["o_proj.weight"], w.get("o_proj.bias"))
 
 
 def gated_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], activation: str = "silu") -> torch.Tensor:
-    g = F.linear(x, w["gate_weight"], w.get("gate_bias"))
+    g = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
     act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
-    return F.linear(act * F.linear(x, w["up_weight"], w.get("up_bias")), w["down_weight"],
-                    w.get("down_bias"))
+    up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
+    return F.linear(act * up, w["down_proj.weight"], w.get("down_proj.bias"))
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:

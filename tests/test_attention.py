@@ -26,12 +26,13 @@ def pool():
 def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3  # noqa: E731
-    w = {"q_weight": r(nq * HEAD_DIM, HIDDEN), "k_weight": r(nkv * HEAD_DIM, HIDDEN),
-         "v_weight": r(nkv * HEAD_DIM, HIDDEN), "o_weight": r(HIDDEN, nq * HEAD_DIM)}
+    w = {"q_proj.weight": r(nq * HEAD_DIM, HIDDEN), "k_proj.weight": r(nkv * HEAD_DIM, HIDDEN),
+         "v_proj.weight": r(nkv * HEAD_DIM, HIDDEN), "o_proj.weight": r(HIDDEN, nq * HEAD_DIM)}
     if qkv_bias:
-        w.update(q_bias=r(nq * HEAD_DIM), k_bias=r(nkv * HEAD_DIM), v_bias=r(nkv * HEAD_DIM))
+        w.update({"q_proj.bias": r(nq * HEAD_DIM), "k_proj.bias": r(nkv * HEAD_DIM),
+                  "v_proj.bias": r(nkv * HEAD_DIM)})
     if o_bias:
-        w["o_bias"] = r(HIDDEN)
+        w["o_proj.bias"] = r(HIDDEN)
     return w
 
 

@@ -45,10 +45,10 @@ def bad_inputs() -> list[str]:
     attn = TSPAttention(m, 32, 4, 2, 8, dtype=f64)
     mlp = TSPGatedMLP(m, 32, 64, dtype=f64)
     pos = torch.arange(4)
-    wrong = {k: torch.zeros(v.full_tensor().shape[0], 33) if k != "o_weight" else v.full_tensor()
-             for k, v in attn.named_parameters()}
+    wrong = {k: torch.zeros(shape[0], 33) for k, shape in attn.full_shapes.items()}
     msgs.append(_expect(lambda: attn.load_full(wrong),
-                        r"q_weight has shape \(32, 33\), expected \(32, 32\) for hidden_size=32"))
+                        r"q_proj.weight has shape \(32, 33\), expected \(32, 32\) "
+                        r"\(hidden_size=32, heads=4/2"))
     msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 31, dtype=f64), pos),
                         r"input of shape \(1, 4, 31\) does not match the layer: expected "
                         r"\[batch, local_seq, hidden_size=32\]"))
@@ -58,11 +58,11 @@ def bad_inputs() -> list[str]:
     msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=f64), torch.arange(5)),
                         r"position_ids of shape \(1, 5\) do not match"))
     msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=torch.float32), pos),
-                        r"input dtype \(torch.float32\) differs from q_weight \(torch.float64\)"))
+                        r"input dtype \(torch.float32\) differs from q_proj.weight \(torch.float64\)"))
     with torch.no_grad():  # one shard of another dtype
-        attn.o_weight = torch.nn.Parameter(attn.o_weight.to(torch.float32))
+        attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.to(torch.float32))  # noqa
     msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=f64), pos),
-                        r"differs from o_weight \(torch.float32\)"))
+                        r"differs from o_proj.weight \(torch.float32\)"))
     dist.barrier()
     return msgs
 

@@ -27,9 +27,10 @@ def run_parity(tsp: int, activation: str, bias: bool, seq: int, batch: int) -> N
     D, p = mesh.size, mesh.rank
     gen = torch.Generator().manual_seed(3)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.5  # noqa: E731
-    w = {"gate_weight": r(FFN, HIDDEN), "up_weight": r(FFN, HIDDEN), "down_weight": r(HIDDEN, FFN)}
+    w = {"gate_proj.weight": r(FFN, HIDDEN), "up_proj.weight": r(FFN, HIDDEN),
+         "down_proj.weight": r(HIDDEN, FFN)}
     if bias:
-        w.update(gate_bias=r(FFN), up_bias=r(FFN), down_bias=r(HIDDEN))
+        w.update({"gate_proj.bias": r(FFN), "up_proj.bias": r(FFN), "down_proj.bias": r(HIDDEN)})
     layer = TSPGatedMLP(mesh, HIDDEN, FFN, activation=activation, bias=bias, dtype=torch.float64)
     layer.load_full(w)
     x = r(batch, seq, HIDDEN)

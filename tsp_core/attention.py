@@ -13,14 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from . import comm, flash, rope
 from .layout import local_segments
 from .mesh import TSPMesh
 from .packing import FlatPack
-from .params import (local, local_replicated, local_weights, replicated_parameter, shard_slice,
-                     sharded_parameter)
+from .params import (REPLICATED, ShardedModule, ShardSpec, even_spec, init_full, local_replicated,
+                     local_weights)
 
 
 def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
@@ -196,18 +195,21 @@ def _sum_kv_replicas(grads: list[torch.Tensor], spec: AttentionSpec, group) -> N
         g.copy_(s.view_as(g))
 
 
-class TSPAttention(nn.Module):
+class TSPAttention(ShardedModule):
     """Multi-head / grouped-query attention with TSP: rank p owns query heads
     [p*nq/D, (p+1)*nq/D), the key/value heads they use, and the matching columns of o_proj.
+    Parameters carry Hugging Face names and shapes: ``q_proj.weight`` [nq*d, h], ``k_proj.weight``,
+    ``v_proj.weight`` [nkv*d, h], ``o_proj.weight`` [h, nq*d], optional biases.
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
-    positions [B, S/D] and returns this rank's output tokens.
+    positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
+    cos/sin passes ``position_embeddings=(cos, sin)`` instead.
     """
 
-    def __init__(self, mesh: TSPMesh, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, *, qkv_bias: bool = False, o_bias: bool = False,
-                 rope_theta: float = 10000.0, inv_freq: torch.Tensor | None = None,
-                 rope_scaling: float = 1.0, causal: bool = True, sliding_window: int | None = None,
+    def __init__(self, mesh: TSPMesh, hidden_size: int, num_heads: int,
+                 num_kv_heads: int | None = None, head_dim: int | None = None, *,
+                 qkv_bias: bool = False, o_bias: bool = False, rope_theta: float = 10000.0,
+                 causal: bool = True, sliding_window: int | None = None,
                  scale: float | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
@@ -221,82 +223,39 @@ class TSPAttention(nn.Module):
         self.mesh = mesh
         self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
                                   mesh.layout, causal, sliding_window, scale)
-        self.rope_scaling = rope_scaling
-        if inv_freq is None:
-            inv_freq = rope.default_inv_freq(head_dim, rope_theta)
-        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
-        gen = None if init_seed is None else torch.Generator().manual_seed(init_seed)
-        full = dict(
-            q_weight=torch.randn(num_heads * head_dim, hidden_size, generator=gen),
-            k_weight=torch.randn(num_kv_heads * head_dim, hidden_size, generator=gen),
-            v_weight=torch.randn(num_kv_heads * head_dim, hidden_size, generator=gen),
-            o_weight=torch.randn(hidden_size, num_heads * head_dim, generator=gen),
-        )
-        for k in full:
-            full[k] *= 0.02
+        self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
+                             persistent=False)
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        self.full_shapes = {"q_proj.weight": (q, hidden_size), "k_proj.weight": (kv, hidden_size),
+                            "v_proj.weight": (kv, hidden_size), "o_proj.weight": (hidden_size, q)}
         if qkv_bias:
-            full.update(q_bias=torch.zeros(num_heads * head_dim), k_bias=torch.zeros(
-                num_kv_heads * head_dim), v_bias=torch.zeros(num_kv_heads * head_dim))
+            self.full_shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         if o_bias:
-            full["o_bias"] = torch.zeros(hidden_size)
-        self.load_full({k: v.to(dtype=dtype or torch.get_default_dtype(), device=device)
-                        for k, v in full.items()}, _create=True)
+            self.full_shapes["o_proj.bias"] = (hidden_size,)
+        self._create(init_full(self.full_shapes, init_seed, dtype, device))
 
-    # ---------------------------------------------------------------- weights in and out
-    def _local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+    def extra_repr(self) -> str:
         s = self.spec
-        if name.startswith(("k_", "v_")) and s.kv_replicas > 1:
-            head = self.mesh.rank // s.kv_replicas
-            return full.narrow(0, head * s.head_dim, s.head_dim).clone()
-        if name == "o_bias":
-            return full.clone()
-        return shard_slice(full, self.mesh, 1 if name == "o_weight" else 0)
+        return (f"hidden_size={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
+                f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={s.sliding_window}")
 
-    def load_full(self, full: dict[str, torch.Tensor], _create: bool = False) -> None:
-        """Keep this rank's slices of full (Hugging Face-shaped) weights: ``q_weight`` [nq*d, h],
-        ``k_weight``/``v_weight`` [nkv*d, h], ``o_weight`` [h, nq*d], optional ``q_bias``,
-        ``k_bias``, ``v_bias``, ``o_bias``."""
-        expected = {"q_weight": (self.spec.num_heads * self.spec.head_dim, self.spec.hidden_size),
-                    "k_weight": (self.spec.num_kv_heads * self.spec.head_dim, self.spec.hidden_size),
-                    "o_weight": (self.spec.hidden_size, self.spec.num_heads * self.spec.head_dim)}
-        expected["v_weight"] = expected["k_weight"]
-        for name, shape in expected.items():
-            if tuple(full[name].shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(full[name].shape)}, expected {shape} "
-                                 f"for hidden_size={self.spec.hidden_size}, heads="
-                                 f"{self.spec.num_heads}/{self.spec.num_kv_heads}, "
-                                 f"head_dim={self.spec.head_dim}")
-        with torch.no_grad():
-            for name, tensor in full.items():
-                part = self._local_slice(name, tensor)
-                if _create:
-                    dim = 1 if name == "o_weight" else 0
-                    param = (replicated_parameter(part, self.mesh) if name == "o_bias"
-                             else sharded_parameter(part, self.mesh, dim))
-                    setattr(self, name, param)
-                else:
-                    local(getattr(self, name)).copy_(part)
-
-    def full_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Full Hugging Face-shaped weights (or their gradients), gathered over the group."""
+    def shard_spec(self, name: str, rank: int) -> ShardSpec:
         s = self.spec
-        out = {}
-        for name, p in self.named_parameters():
-            t = p.grad if grads else p
-            if t is None:
-                continue
-            full = t.full_tensor()
-            if name.startswith(("k_", "v_")) and s.kv_replicas > 1:
-                full = full.view(s.tsp_size, -1, *full.shape[1:])[:: s.kv_replicas]
-                full = full.reshape(-1, *full.shape[2:])
-            out[name] = full
-        return out
+        if name == "o_proj.bias":
+            return REPLICATED
+        if name.startswith(("k_proj", "v_proj")) and s.kv_replicas > 1:
+            head = rank // s.kv_replicas  # the one key/value head this rank's query heads use
+            return ShardSpec(0, head * s.head_dim, s.head_dim, s.head_dim)
+        dim = 1 if name == "o_proj.weight" else 0
+        return even_spec(self.full_shapes[name][dim], rank, s.tsp_size, dim)
 
     def _weight_names(self) -> list[str]:
-        names = ["q_weight", "k_weight", "v_weight", "o_weight"]
-        return names + (["q_bias", "k_bias", "v_bias"] if hasattr(self, "q_bias") else [])
+        names = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
+        return names + (["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+                        if "q_proj.bias" in self.full_shapes else [])
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         s = self.spec
         if x.dim() != 3 or x.shape[-1] != s.hidden_size:
             raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
@@ -304,14 +263,19 @@ class TSPAttention(nn.Module):
         if x.shape[1] % (2 if s.layout == "zigzag" else 1):
             raise ValueError(f"local sequence length ({x.shape[1]}) must be even under the zigzag "
                              f"layout (2 chunks per rank); shard with tsp_core.shard_batch")
-        if position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0).expand(x.shape[0], -1)
-        if tuple(position_ids.shape) != tuple(x.shape[:2]):
-            raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match the "
-                             f"input's [batch, local_seq] = {tuple(x.shape[:2])}")
+        if position_embeddings is None:
+            if position_ids is None:
+                raise ValueError("pass the global position_ids of the local tokens (from "
+                                 "tsp_core.shard_batch) or position_embeddings=(cos, sin)")
+            if position_ids.dim() == 1:
+                position_ids = position_ids.unsqueeze(0).expand(x.shape[0], -1)
+            if tuple(position_ids.shape) != tuple(x.shape[:2]):
+                raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match "
+                                 f"the input's [batch, local_seq] = {tuple(x.shape[:2])}")
+            position_embeddings = rope.cos_sin(position_ids, self.inv_freq, 1.0, x.dtype)
         weights = local_weights(self, self._weight_names(), x)
-        cos, sin = rope.cos_sin(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
+        cos, sin = (t.to(x.dtype) for t in position_embeddings)
         y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, *weights)
-        if hasattr(self, "o_bias"):
-            y = y + local_replicated(self.o_bias, self.mesh)
+        if "o_proj.bias" in self.full_shapes:
+            y = y + local_replicated(self.o_proj.bias, self.mesh)
         return y

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from . import comm
 from .mesh import TSPMesh
 from .packing import FlatPack
-from .params import (local, local_replicated, local_weights, replicated_parameter, shard_slice,
-                     sharded_parameter)
+from .params import (REPLICATED, ShardedModule, ShardSpec, even_spec, init_full, local_replicated,
+                     local_weights)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _WEIGHT_TAG, _GRAD_TAG = 1, 2
@@ -132,9 +131,10 @@ class _TSPGatedMLPFn(torch.autograd.Function):
         return (dx.view(B, L, h), None, None, *pack.unpack(acc))
 
 
-class TSPGatedMLP(nn.Module):
+class TSPGatedMLP(ShardedModule):
     """Gated MLP ``down(act(gate(x)) * up(x))`` with TSP: rank p owns intermediate channels
-    [p*F/D, (p+1)*F/D) of gate and up and the same columns of down. Down's bias is replicated."""
+    [p*F/D, (p+1)*F/D) of ``gate_proj`` and ``up_proj`` and the same columns of ``down_proj``
+    (Hugging Face names and shapes); down's bias is replicated."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, intermediate_size: int, *,
                  activation: str = "silu", bias: bool = False, dtype: torch.dtype | None = None,
@@ -147,55 +147,34 @@ class TSPGatedMLP(nn.Module):
                              f"({intermediate_size})")
         self.mesh = mesh
         self.spec = MLPSpec(hidden_size, intermediate_size, mesh.size, activation)
-        gen = None if init_seed is None else torch.Generator().manual_seed(init_seed)
-        full = {n: torch.randn(shape, generator=gen) * 0.02 for n, shape in (
-            ("gate_weight", (intermediate_size, hidden_size)),
-            ("up_weight", (intermediate_size, hidden_size)),
-            ("down_weight", (hidden_size, intermediate_size)))}
+        f, h = intermediate_size, hidden_size
+        self.full_shapes = {"gate_proj.weight": (f, h), "up_proj.weight": (f, h),
+                            "down_proj.weight": (h, f)}
         if bias:
-            full.update(gate_bias=torch.zeros(intermediate_size),
-                        up_bias=torch.zeros(intermediate_size), down_bias=torch.zeros(hidden_size))
-        self.load_full({k: v.to(dtype=dtype or torch.get_default_dtype(), device=device)
-                        for k, v in full.items()}, _create=True)
+            self.full_shapes.update({"gate_proj.bias": (f,), "up_proj.bias": (f,),
+                                     "down_proj.bias": (h,)})
+        self._create(init_full(self.full_shapes, init_seed, dtype, device))
 
-    def load_full(self, full: dict[str, torch.Tensor], _create: bool = False) -> None:
-        """Keep this rank's slices of full (Hugging Face-shaped) weights: ``gate_weight``,
-        ``up_weight`` [F, h], ``down_weight`` [h, F], optional ``gate_bias``, ``up_bias``,
-        ``down_bias``."""
+    def extra_repr(self) -> str:
         s = self.spec
-        for name, shape in (("gate_weight", (s.intermediate_size, s.hidden_size)),
-                            ("up_weight", (s.intermediate_size, s.hidden_size)),
-                            ("down_weight", (s.hidden_size, s.intermediate_size))):
-            if tuple(full[name].shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(full[name].shape)}, expected {shape} "
-                                 f"for hidden_size={s.hidden_size}, "
-                                 f"intermediate_size={s.intermediate_size}")
-        with torch.no_grad():
-            for name, tensor in full.items():
-                dim = 1 if name == "down_weight" else 0
-                part = tensor.clone() if name == "down_bias" else shard_slice(tensor, self.mesh, dim)
-                if _create:
-                    param = (replicated_parameter(part, self.mesh) if name == "down_bias"
-                             else sharded_parameter(part, self.mesh, dim))
-                    setattr(self, name, param)
-                else:
-                    local(getattr(self, name)).copy_(part)
+        return (f"hidden_size={s.hidden_size}, intermediate_size={s.intermediate_size}, "
+                f"tsp_size={s.tsp_size}, activation={s.activation}")
 
-    def full_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Full Hugging Face-shaped weights (or their gradients), gathered over the group."""
-        return {n: (p.grad if grads else p).full_tensor() for n, p in self.named_parameters()
-                if not grads or p.grad is not None}
+    def shard_spec(self, name: str, rank: int) -> ShardSpec:
+        if name == "down_proj.bias":
+            return REPLICATED
+        dim = 1 if name == "down_proj.weight" else 0
+        return even_spec(self.spec.intermediate_size, rank, self.spec.tsp_size, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         if x.dim() != 3 or x.shape[-1] != s.hidden_size:
             raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
                              f"[batch, local_seq, hidden_size={s.hidden_size}]")
-        names = ["gate_weight", "up_weight", "down_weight"]
-        if hasattr(self, "gate_bias"):
-            names += ["gate_bias", "up_bias"]
-        weights = local_weights(self, names, x)
-        y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, *weights)
-        if hasattr(self, "down_bias"):
-            y = y + local_replicated(self.down_bias, self.mesh)
+        names = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+        if "gate_proj.bias" in self.full_shapes:
+            names += ["gate_proj.bias", "up_proj.bias"]
+        y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, *local_weights(self, names, x))
+        if "down_proj.bias" in self.full_shapes:
+            y = y + local_replicated(self.down_proj.bias, self.mesh)
         return y

@@ -4,23 +4,30 @@ normalises different tokens with the same weight)."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .mesh import TSPMesh
-from .params import local_replicated, replicated_parameter
+from .params import REPLICATED, ShardedModule, ShardSpec, init_full, local_replicated
 
 
-class TSPRMSNorm(nn.Module):
-    """Llama-style RMSNorm: ``weight * x / sqrt(mean(x^2) + eps)``, computed in float32."""
+class TSPRMSNorm(ShardedModule):
+    """Llama-style RMSNorm with the Hugging Face numerics (normalised in float32 whatever the
+    input dtype, then cast back and scaled), so a parallelized model gives HF's numbers."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, eps: float = 1e-6,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.mesh, self.eps = mesh, eps
-        self.weight = replicated_parameter(torch.ones(hidden_size, dtype=dtype, device=device), mesh)
+        self.full_shapes = {"weight": (hidden_size,)}
+        self._create(init_full(self.full_shapes, 0, dtype, device, ones=("weight",)))
+
+    def extra_repr(self) -> str:
+        return f"{self.full_shapes['weight']}, eps={self.eps}"
+
+    def shard_spec(self, name: str, rank: int) -> ShardSpec:
+        return REPLICATED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return local_replicated(self.weight, self.mesh) * x32.to(dtype)

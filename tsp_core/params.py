@@ -1,9 +1,16 @@
 """TSP parameters as DTensors on the mesh: ``Shard`` on the TSP dim for owned slices,
 ``Replicate`` everywhere else (INTEGRATION_NOTES: DCP, grad clipping and save_pretrained need
 DTensors). The schedules compute on ``to_local()`` views.
+
+Every TSP module describes each of its parameters, per rank, by a :class:`ShardSpec` against the
+full Hugging Face-shaped tensor. Creating, loading and gathering parameters is written once, in
+:class:`ShardedModule`, from those specs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
 
 import torch
 from torch import nn
@@ -13,6 +20,76 @@ from . import comm
 from .mesh import TSPMesh
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """A rank's local tensor is ``full.narrow(dim, start, length)``, zero-padded to ``local_len``
+    along ``dim`` (vocabulary padding). ``dim=None`` means replicated: the whole tensor."""
+
+    dim: int | None
+    start: int = 0
+    length: int = 0
+    local_len: int = 0
+
+
+REPLICATED = ShardSpec(None)
+
+
+def even_spec(full_len: int, rank: int, size: int, dim: int) -> ShardSpec:
+    """Rank ``rank``'s equal slice of ``full_len`` along ``dim``."""
+    if full_len % size:
+        raise ValueError(f"tsp_size ({size}) must divide dim {dim} of size {full_len}")
+    n = full_len // size
+    return ShardSpec(dim, rank * n, n, n)
+
+
+class FullSource(Protocol):
+    """Where full tensors come from: a dict in memory or a safetensors checkpoint on disk."""
+
+    def shape(self, name: str) -> tuple[int, ...] | None: ...
+
+    def read(self, name: str, dim: int | None, start: int, length: int) -> torch.Tensor: ...
+
+
+class TensorSource:
+    """Full tensors held in memory."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.tensors.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def read(self, name: str, dim: int | None, start: int, length: int) -> torch.Tensor:
+        t = self.tensors[name]
+        return t if dim is None else t.narrow(dim, start, length)
+
+
+def read_local(source: FullSource, name: str, spec: ShardSpec) -> torch.Tensor:
+    """This rank's local tensor for ``name`` according to ``spec`` (a fresh tensor)."""
+    part = source.read(name, spec.dim, spec.start, spec.length).clone()
+    if spec.dim is not None and spec.length < spec.local_len:
+        pad = list(part.shape)
+        pad[spec.dim] = spec.local_len - spec.length
+        part = torch.cat([part, part.new_zeros(pad)], dim=spec.dim)
+    return part
+
+
+def assemble_full(virtual: torch.Tensor, specs: list[ShardSpec], full_len: int) -> torch.Tensor:
+    """The full tensor from the rank-order concatenation of every rank's local tensor (what
+    ``DTensor.full_tensor()`` returns). Copies held by several ranks are taken once; padding
+    is dropped."""
+    dim = specs[0].dim
+    if dim is None:
+        return virtual
+    shape = list(virtual.shape)
+    shape[dim] = full_len
+    full = virtual.new_empty(shape)
+    for r, s in enumerate(specs):
+        full.narrow(dim, s.start, s.length).copy_(virtual.narrow(dim, r * s.local_len, s.length))
+    return full
+
+
 def _placements(mesh: TSPMesh, shard_dim: int | None):
     names = mesh.device_mesh.mesh_dim_names
     return [Shard(shard_dim) if (n == mesh.dim and shard_dim is not None) else Replicate()
@@ -20,7 +97,7 @@ def _placements(mesh: TSPMesh, shard_dim: int | None):
 
 
 def sharded_parameter(local: torch.Tensor, mesh: TSPMesh, dim: int) -> nn.Parameter:
-    """A parameter whose local tensor is this rank's slice along ``dim`` of the full tensor."""
+    """A parameter whose local tensor is this rank's slice along ``dim``."""
     shape = list(local.shape)
     shape[dim] *= mesh.size
     dt = DTensor.from_local(local.detach(), mesh.device_mesh, _placements(mesh, dim),
@@ -47,19 +124,83 @@ def local_replicated(param: torch.Tensor, mesh: TSPMesh) -> torch.Tensor:
     return comm.sum_grad(local(param), mesh.group)
 
 
-def shard_slice(full: torch.Tensor, mesh: TSPMesh, dim: int) -> torch.Tensor:
-    """This rank's equal slice of ``full`` along ``dim`` (a copy)."""
-    size = full.shape[dim]
-    if size % mesh.size:
-        raise ValueError(f"tsp_size ({mesh.size}) must divide dim {dim} of size {size}")
-    n = size // mesh.size
-    return full.narrow(dim, mesh.rank * n, n).clone()
+def init_full(shapes: Mapping[str, tuple[int, ...]], seed: int | None, dtype: torch.dtype | None,
+              device: torch.device | str | None, ones: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Full tensors for a fresh module: weights N(0, 0.02) drawn from ``seed`` (the same on every
+    rank, so a model is the same at every degree), biases zero, names in ``ones`` one;
+    ``seed=None`` leaves them uninitialised (fake-tensor simulation)."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if seed is None:
+            t = torch.empty(shape)
+        elif name in ones:
+            t = torch.ones(shape)
+        elif name.endswith("bias"):
+            t = torch.zeros(shape)
+        else:
+            t = torch.randn(shape, generator=gen) * 0.02
+        out[name] = t.to(dtype=dtype or torch.get_default_dtype(), device=device)
+    return out
+
+
+class ShardedModule(nn.Module):
+    """Base of the TSP modules. A subclass sets ``self.mesh`` and ``self.full_shapes`` (parameter
+    name -> full Hugging Face shape, nested names such as ``q_proj.weight``), implements
+    :meth:`shard_spec`, and calls :meth:`_create`."""
+
+    mesh: TSPMesh
+    full_shapes: dict[str, tuple[int, ...]]
+
+    def shard_spec(self, name: str, rank: int) -> ShardSpec:
+        raise NotImplementedError
+
+    def _create(self, full: Mapping[str, torch.Tensor]) -> None:
+        source = TensorSource(full)
+        for name in self.full_shapes:
+            spec = self.shard_spec(name, self.mesh.rank)
+            part = read_local(source, name, spec)
+            param = (replicated_parameter(part, self.mesh) if spec.dim is None
+                     else sharded_parameter(part, self.mesh, spec.dim))
+            owner = self
+            *path, attr = name.split(".")
+            for p in path:
+                if not hasattr(owner, p):
+                    owner.add_module(p, nn.Module())
+                owner = getattr(owner, p)
+            owner.register_parameter(attr, param)
+
+    def load_full(self, full: Mapping[str, torch.Tensor] | FullSource) -> None:
+        """Keep this rank's slices of full Hugging Face-shaped tensors (names relative to this
+        module, e.g. ``q_proj.weight``)."""
+        source = TensorSource(full) if isinstance(full, Mapping) else full
+        for name, expected in self.full_shapes.items():
+            got = source.shape(name)
+            if got != tuple(expected):
+                raise ValueError(f"{type(self).__name__}: {name} has shape {got}, expected "
+                                 f"{tuple(expected)} ({self.extra_repr()})")
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                local(param).copy_(read_local(source, name, self.shard_spec(name, self.mesh.rank)))
+
+    def full_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full Hugging Face-shaped parameters (or their gradients), gathered over the group;
+        every rank of the group must call it."""
+        out = {}
+        for name, p in self.named_parameters():
+            t = p.grad if grads else p
+            if t is None:
+                continue
+            specs = [self.shard_spec(name, r) for r in range(self.mesh.size)]
+            out[name] = assemble_full(t.full_tensor().detach(), specs,
+                                      self.full_shapes[name][specs[0].dim or 0])
+        return out
 
 
 def local_weights(module: nn.Module, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
     """Local tensors of ``module``'s named parameters, after checking that they share the input's
     dtype (a round packs them into one buffer)."""
-    weights = [local(getattr(module, n)) for n in names]
+    weights = [local(module.get_parameter(n)) for n in names]
     for n, w in zip(names, weights):
         if w.dtype != x.dtype:
             raise ValueError(f"{type(module).__name__}: input dtype ({x.dtype}) differs from "
