@@ -141,6 +141,7 @@ def main() -> None:
         print(f"collectives per rank over {a.steps + 1} TSP steps: "
               + ", ".join(f"{k} {v}" for k, v in sorted(stats.calls.items()))
               + f"; {stats.total_bytes / mib:.1f} MiB")
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 
