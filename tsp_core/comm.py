@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -186,6 +186,69 @@ def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, 
     return None
 
 
+# ------------------------------------------------------------------- ring schedules
+
+_WEIGHT_TAG, _GRAD_TAG = 1, 2
+
+
+class RingHop:
+    """Async ring hops of a buffer: ``start(buf)`` sends it to the next rank and receives the
+    previous rank's into a fresh buffer; ``wait()`` returns that buffer."""
+
+    def __init__(self, group: dist.ProcessGroup, tag: int) -> None:
+        self.group, self.tag, self._pending = group, tag, None
+
+    def start(self, buf: torch.Tensor) -> None:
+        recv = torch.empty_like(buf)
+        self._pending = (recv, ring_pass(buf, recv, self.group, tag=self.tag, async_op=True))
+
+    def wait(self) -> torch.Tensor:
+        recv, handle = self._pending
+        handle.wait()
+        self._pending = None
+        return recv
+
+
+def ring_over_shards(own: torch.Tensor, group: dist.ProcessGroup,
+                     compute: Callable[[int, torch.Tensor], None]) -> None:
+    """Visit every rank's shard: at step k this rank holds the shard of rank (me - k) mod D and
+    calls ``compute(owner, shard)`` while that shard already travels on to the next rank
+    (double-buffered: D-1 hops, each overlapping one step's compute)."""
+    d, me = dist.get_world_size(group), dist.get_rank(group)
+    hop = RingHop(group, _WEIGHT_TAG)
+    cur = own
+    for step in range(d):
+        if step + 1 < d:
+            hop.start(cur)
+        compute((me - step) % d, cur)
+        if step + 1 < d:
+            cur = hop.wait()
+
+
+def ring_over_shards_with_grads(own: torch.Tensor, group: dist.ProcessGroup,
+                                contribute: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The backward of :func:`ring_over_shards`: the shards circulate again (prefetched) and
+    ``contribute(owner, shard)`` returns this rank's gradient for that shard, packed like it. An
+    accumulator follows each shard, every rank adding its contribution; one last hop brings the
+    complete sum to the owner. Returns the gradient of ``own`` (D-1 weight hops, D gradient
+    hops)."""
+    d, me = dist.get_world_size(group), dist.get_rank(group)
+    weights, grads = RingHop(group, _WEIGHT_TAG), RingHop(group, _GRAD_TAG)
+    cur = own
+    acc = None
+    for step in range(d):
+        if step + 1 < d:
+            weights.start(cur)
+        acc = contribute((me - step) % d, cur)
+        if step > 0:
+            acc.add_(grads.wait())
+        if d > 1:
+            grads.start(acc)  # after the last step this hop delivers the finished sum
+        if step + 1 < d:
+            cur = weights.wait()
+    return grads.wait() if d > 1 else acc
+
+
 # ------------------------------------------------------- sequence gather / scatter (raw)
 
 def _chunk_moves(d: int, layout: str) -> list[tuple[int, int, int]]:
@@ -311,6 +374,26 @@ def all_to_all_rows(x: torch.Tensor, group: dist.ProcessGroup, out_splits: list[
                     in_splits: list[int] | None = None) -> torch.Tensor:
     """Exchange rows of ``x`` (dim 0) between ranks; the backward sends gradients back."""
     return _AllToAll.apply(x, group, out_splits, in_splits)
+
+
+class _SumOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, groups):
+        out = x.clone()
+        for g in groups:
+            all_reduce(out, g)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def sum_over(x: torch.Tensor, groups: Sequence[dist.ProcessGroup]) -> torch.Tensor:
+    """Sum of ``x`` over the groups (in turn), on every rank. The backward passes the gradient
+    through unchanged: every rank backpropagates its own copy of the same total, so each rank's
+    share of it gets the gradient once (Megatron's "reduce from model-parallel region")."""
+    return _SumOver.apply(x, tuple(groups))
 
 
 class _SumGrad(torch.autograd.Function):

@@ -64,6 +64,11 @@ class TSPMesh:
         return tuple(n for n in self.device_mesh.mesh_dim_names if n != self.dim)
 
     @property
+    def all_groups(self) -> list[dist.ProcessGroup]:
+        """One group per mesh dim, TSP first: reducing over each in turn reduces over the mesh."""
+        return [self.group] + [self.device_mesh.get_group(n) for n in self.other_dims]
+
+    @property
     def dp_size(self) -> int:
         """Number of TSP-group replicas (product of every non-TSP dim)."""
         return self.device_mesh.size() // self.size

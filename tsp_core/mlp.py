@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import comm
@@ -23,7 +22,6 @@ from .params import (REPLICATED, ShardedModule, ShardSpec, even_spec, init_full,
                      local_weights)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-_WEIGHT_TAG, _GRAD_TAG = 1, 2
 
 
 def _act(g: torch.Tensor, kind: str) -> torch.Tensor:
@@ -49,44 +47,21 @@ class MLPSpec:
     activation: str = "silu"
 
 
-class _Ring:
-    """Async ring hops of a buffer: ``start(buf)`` sends it to the next rank and receives the
-    previous rank's into a fresh buffer; ``wait()`` returns that buffer."""
-
-    def __init__(self, group: dist.ProcessGroup, tag: int) -> None:
-        self.group, self.tag, self._pending = group, tag, None
-
-    def start(self, buf: torch.Tensor) -> None:
-        recv = torch.empty_like(buf)
-        self._pending = (recv, comm.ring_pass(buf, recv, self.group, tag=self.tag, async_op=True))
-
-    def wait(self) -> torch.Tensor:
-        recv, handle = self._pending
-        handle.wait()
-        self._pending = None
-        return recv
-
-
 class _TSPGatedMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec: MLPSpec, group, *weights):
         pack = FlatPack([w.shape for w in weights])
-        own = pack.pack(weights)
         B, L, h = x.shape
         x2 = x.reshape(B * L, h)
         y = torch.zeros_like(x2)
-        ring = _Ring(group, _WEIGHT_TAG)
-        cur = own
-        for step in range(spec.tsp_size):
-            if step + 1 < spec.tsp_size:
-                ring.start(cur)
-            wg, wu, wd, *b = pack.unpack(cur)
+
+        def compute(_owner: int, shard: torch.Tensor) -> None:
+            wg, wu, wd, *b = pack.unpack(shard)
             bg, bu = b if b else (None, None)
             m = _act(F.linear(x2, wg, bg), spec.activation) * F.linear(x2, wu, bu)
             y.addmm_(m, wd.t())
-            del m
-            if step + 1 < spec.tsp_size:
-                cur = ring.wait()
+
+        comm.ring_over_shards(pack.pack(weights), group, compute)
         ctx.spec, ctx.group, ctx.pack = spec, group, pack
         ctx.save_for_backward(x, *weights)
         return y.view(B, L, h)
@@ -98,16 +73,11 @@ class _TSPGatedMLPFn(torch.autograd.Function):
         B, L, h = x.shape
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
         dx = torch.zeros_like(x2)
-        weights_ring, grads_ring = _Ring(group, _WEIGHT_TAG), _Ring(group, _GRAD_TAG)
-        cur = pack.pack(weights)
-        D = spec.tsp_size
-        acc = None
-        for step in range(D):
-            if step + 1 < D:
-                weights_ring.start(cur)
-            wg, wu, wd, *b = pack.unpack(cur)
+
+        def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
+            wg, wu, wd, *b = pack.unpack(shard)
             bg, bu = b if b else (None, None)
-            g = F.linear(x2, wg, bg)
+            g = F.linear(x2, wg, bg)  # recomputed: only the input is kept for backward
             u = F.linear(x2, wu, bu)
             a = _act(g, spec.activation)
             dm = dy2 @ wd
@@ -116,19 +86,11 @@ class _TSPGatedMLPFn(torch.autograd.Function):
             dg = dm.mul_(u).mul_(_act_grad(g, spec.activation))
             del g, u, a
             dx.addmm_(dg, wg).addmm_(du, wu)
-            contrib = [dg.t() @ x2, du.t() @ x2, d_wd] + ([dg.sum(0), du.sum(0)] if b else [])
-            del dg, du
-            acc_in = grads_ring.wait() if step > 0 else None
-            acc = pack.pack(contrib)
-            if acc_in is not None:
-                acc.add_(acc_in)
-            if D > 1:
-                grads_ring.start(acc)  # the last hop delivers the finished sum to its owner
-            if step + 1 < D:
-                cur = weights_ring.wait()
-        if D > 1:
-            acc = grads_ring.wait()
-        return (dx.view(B, L, h), None, None, *pack.unpack(acc))
+            grads = [dg.t() @ x2, du.t() @ x2, d_wd] + ([dg.sum(0), du.sum(0)] if b else [])
+            return pack.pack(grads)
+
+        grad = comm.ring_over_shards_with_grads(pack.pack(weights), group, contribute)
+        return (dx.view(B, L, h), None, None, *pack.unpack(grad))
 
 
 class TSPGatedMLP(ShardedModule):
