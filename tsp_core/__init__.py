@@ -3,9 +3,14 @@ of each weight matrix and 1/D of the tokens."""
 
 from . import comm, layout
 from .attention import TSPAttention
+from .checkpoint import full_state_dict, load_full_state_dict
 from .layout import position_ids, shard_batch, shard_sequence, unshard_sequence
 from .mesh import TSPMesh, init_mesh
 from .mlp import TSPGatedMLP
+from .norm import TSPRMSNorm
+from .parallelize import get_mesh, parallelize
+from .vocab import TSPEmbedding, TSPLMHead
 
-__all__ = ["TSPAttention", "TSPGatedMLP", "TSPMesh", "comm", "init_mesh", "layout",
-           "position_ids", "shard_batch", "shard_sequence", "unshard_sequence"]
+__all__ = ["TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh", "TSPRMSNorm",
+           "comm", "full_state_dict", "get_mesh", "init_mesh", "layout", "load_full_state_dict",
+           "parallelize", "position_ids", "shard_batch", "shard_sequence", "unshard_sequence"]

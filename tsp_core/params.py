@@ -192,8 +192,14 @@ class ShardedModule(nn.Module):
             if t is None:
                 continue
             specs = [self.shard_spec(name, r) for r in range(self.mesh.size)]
-            out[name] = assemble_full(t.full_tensor().detach(), specs,
-                                      self.full_shapes[name][specs[0].dim or 0])
+            part = local(t).detach()
+            if specs[0].dim is None:
+                out[name] = part.clone()
+                continue
+            gathered = part.new_empty((self.mesh.size, *part.shape))
+            comm.all_gather(gathered, part.contiguous(), self.mesh.group)
+            virtual = torch.cat(gathered.unbind(0), dim=specs[0].dim)
+            out[name] = assemble_full(virtual, specs, self.full_shapes[name][specs[0].dim])
         return out
 
 

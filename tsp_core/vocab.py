@@ -148,6 +148,7 @@ class TSPLMHead(ShardedModule):
         super().__init__()
         self.mesh, self.vocab_size = mesh, vocab_size
         self.full_shapes = {"weight": (vocab_size, hidden_size)}
+        self.tied = tied_to is not None
         if tied_to is not None:
             if tied_to.full_shapes["weight"] != self.full_shapes["weight"]:
                 raise ValueError(f"tied embedding has shape {tied_to.full_shapes['weight']}, "

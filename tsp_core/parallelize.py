@@ -1,0 +1,200 @@
+"""Turn a Hugging Face decoder-only causal LM into a TSP model, in place.
+
+Attention and MLP become :class:`TSPAttention` / :class:`TSPGatedMLP` holding this rank's slice of
+the model's own weights, the embedding and LM head are vocabulary-sharded, norms are replicated;
+every parameter is a DTensor with its Hugging Face name and (full) shape. The model's forward then
+takes the output of :func:`tsp_core.shard_batch` and returns a ``CausalLMOutputWithPast`` whose
+loss is the global mean, identical on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import comm
+from .attention import TSPAttention, check_attention_shape
+from .data_parallel import install_gradient_sync
+from .layout import IGNORE_INDEX
+from .mesh import TSPMesh
+from .mlp import TSPGatedMLP
+from .norm import TSPRMSNorm
+from .policies import DecoderPolicy, find_policy
+from .vocab import TSPEmbedding, TSPLMHead
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_tanh": "gelu_tanh"}
+ATTN_IMPLEMENTATION = "tsp"
+
+
+class HFTSPAttention(TSPAttention):
+    """:class:`TSPAttention` with the call signature of a Hugging Face attention module."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                cache=None, **kwargs: Any):
+        if cache is not None:
+            raise NotImplementedError("a KV cache (generation) is not supported by TSP attention "
+                                      "yet; run the forward with use_cache=False")
+        return super().forward(hidden_states, position_embeddings=position_embeddings), None
+
+
+class TSPCausalLM:
+    """Mixed in before the model's own class by :func:`parallelize`: the forward of a TSP
+    causal LM (vocabulary-parallel loss, global mean over the whole mesh)."""
+
+    _tsp_mesh: TSPMesh
+    _tsp_policy: DecoderPolicy
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                use_cache: bool | None = None, cache: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any):
+        """Takes this rank's part of a batch from :func:`tsp_core.shard_batch`. With
+        ``shift_labels`` the loss is the mean over every non-ignored token of the global batch
+        (or the global sum divided by ``num_items_in_batch``); without, ``logits`` holds the
+        local tokens' logits. ``attention_mask`` may only mark right padding, which causal
+        attention already keeps away from real tokens (``shard_batch`` checks it)."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if labels is not None:
+            raise ValueError("a TSP model takes shift_labels, shifted on the full sequence before "
+                             "sharding: pass the batch through tsp_core.shard_batch")
+        if use_cache or cache is not None or kwargs.get("past_key_values") is not None:
+            raise NotImplementedError("a KV cache (generation) is not supported by TSP yet")
+        if position_ids is None:
+            raise ValueError("a TSP model needs the global position_ids of the local tokens: "
+                             "pass the batch through tsp_core.shard_batch")
+        policy, mesh = self._tsp_policy, self._tsp_mesh
+        out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
+                                               inputs_embeds=inputs_embeds, use_cache=False,
+                                               **kwargs)
+        hidden = out.last_hidden_state
+        head: TSPLMHead = getattr(self, policy.lm_head)
+        if shift_labels is None:
+            return CausalLMOutputWithPast(logits=head(hidden))
+        loss_sum = head.loss_sum(hidden, shift_labels)
+        if num_items_in_batch is None:
+            count = (shift_labels != IGNORE_INDEX).sum().to(loss_sum.dtype)
+            for group in mesh.all_groups:
+                comm.all_reduce(count, group)
+        else:
+            count = torch.as_tensor(num_items_in_batch, dtype=loss_sum.dtype)
+        loss = comm.sum_over(loss_sum, mesh.all_groups) / count
+        return CausalLMOutputWithPast(loss=loss)
+
+
+_TSP_CLASSES: dict[type, type] = {}
+
+
+def _tsp_class(cls: type) -> type:
+    if cls not in _TSP_CLASSES:
+        _TSP_CLASSES[cls] = type(f"TSP{cls.__name__}", (TSPCausalLM, cls), {})
+    return _TSP_CLASSES[cls]
+
+
+def _register_attention_implementation() -> None:
+    """Register "tsp" with transformers so that the model builds no attention mask (the TSP
+    modules compute the causal pattern themselves; INTEGRATION_NOTES)."""
+    from transformers import AttentionInterface
+
+    def never_called(*args: Any, **kwargs: Any):
+        raise RuntimeError("TSP attention runs inside the replaced attention modules")
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, never_called)
+
+
+def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
+    """Every check that can fail, before anything is changed or communicated."""
+    if isinstance(model, TSPCausalLM):
+        raise ValueError("this model is already parallelized with TSP")
+    c = model.config
+    nq = c.num_attention_heads
+    nkv = getattr(c, "num_key_value_heads", None) or nq
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
+    check_attention_shape(mesh.size, c.hidden_size, nq, nkv, head_dim)
+    if c.intermediate_size % mesh.size:
+        raise ValueError(f"tsp_size ({mesh.size}) must divide intermediate_size "
+                         f"({c.intermediate_size})")
+    if c.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {c.hidden_act!r} is not supported by TSPGatedMLP; "
+                         f"supported: {sorted(ACTIVATIONS)}")
+    if getattr(c, "attention_dropout", 0.0):
+        raise ValueError(f"attention_dropout ({c.attention_dropout}) is not supported by TSP "
+                         f"attention; set it to 0.0")
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):
+        raise ValueError("parallelize needs materialised weights; build the model on CPU (or "
+                         "load it), then parallelize and load_full_state_dict")
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; cast it "
+                         f"to one dtype first")
+    base = getattr(model, policy.base_model)
+    for name in (policy.embed, policy.layers, policy.final_norm):
+        if not hasattr(base, name):
+            raise ValueError(f"{type(model).__name__}.{policy.base_model} has no {name!r}; the "
+                             f"policy {policy.name!r} does not describe this model")
+
+
+def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None) -> nn.Module:
+    """Convert ``model`` in place to TSP on ``mesh`` and return it."""
+    policy = policy or find_policy(model)
+    _check(model, mesh, policy)
+    c = model.config
+    p0 = next(model.parameters())
+    opts = dict(dtype=p0.dtype, device=p0.device)
+    nq = c.num_attention_heads
+    nkv = getattr(c, "num_key_value_heads", None) or nq
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
+
+    def replace(parent: nn.Module, name: str, new: nn.Module, old: nn.Module | None = None) -> None:
+        new.load_full((old or getattr(parent, name)).state_dict())
+        setattr(parent, name, new)
+
+    base = getattr(model, policy.base_model)
+    old_embed = getattr(base, policy.embed)
+    old_head = getattr(model, policy.lm_head)
+    tied = old_head.weight is old_embed.weight
+    embed = TSPEmbedding(mesh, c.vocab_size, c.hidden_size, old_embed.padding_idx,
+                         init_seed=None, **opts)
+    replace(base, policy.embed, embed)
+    for layer in getattr(base, policy.layers):
+        attn = getattr(layer, policy.attention)
+        replace(layer, policy.attention, HFTSPAttention(
+            mesh, c.hidden_size, nq, nkv, head_dim, qkv_bias=attn.q_proj.bias is not None,
+            o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
+            scale=attn.scaling, init_seed=None, **opts))
+        mlp = getattr(layer, policy.mlp)
+        replace(layer, policy.mlp, TSPGatedMLP(
+            mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[c.hidden_act],
+            bias=mlp.gate_proj.bias is not None, init_seed=None, **opts))
+        for norm in policy.layer_norms:
+            old = getattr(layer, norm)
+            replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, old.variance_epsilon, **opts))
+    old = getattr(base, policy.final_norm)
+    replace(base, policy.final_norm, TSPRMSNorm(mesh, c.hidden_size, old.variance_epsilon, **opts))
+    if tied:
+        setattr(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size, tied_to=embed))
+    else:
+        replace(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size,
+                                                 init_seed=None, **opts), old_head)
+
+    model.__class__ = _tsp_class(type(model))
+    model._tsp_mesh, model._tsp_policy = mesh, policy
+    _register_attention_implementation()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    install_gradient_sync(model, mesh)
+    return model
+
+
+def get_mesh(model: nn.Module) -> TSPMesh:
+    """The mesh ``model`` was parallelized with (shard batches with it)."""
+    mesh = getattr(model, "_tsp_mesh", None)
+    if mesh is None:
+        raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize")
+    return mesh

@@ -1,0 +1,63 @@
+"""Policies: where a Hugging Face decoder-only causal LM keeps each TSP role, one small file per
+family. A policy is found by the model's class name or ``config.model_type``; register your own
+with :func:`register_policy`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+
+def _no_window(config: Any, attention: nn.Module) -> int | None:
+    return None
+
+
+@dataclass(frozen=True)
+class DecoderPolicy:
+    """Module names of one decoder-only family (defaults: the Llama layout shared by Mistral and
+    Qwen2) and how to read a layer's sliding window."""
+
+    name: str
+    model_types: tuple[str, ...]
+    class_names: tuple[str, ...] = ()
+    base_model: str = "model"
+    embed: str = "embed_tokens"
+    layers: str = "layers"
+    final_norm: str = "norm"
+    lm_head: str = "lm_head"
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    sliding_window: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
+
+
+_POLICIES: dict[str, DecoderPolicy] = {}
+
+
+def register_policy(policy: DecoderPolicy) -> DecoderPolicy:
+    """Make ``policy`` available to :func:`tsp_core.parallelize` (idempotent by name)."""
+    _POLICIES[policy.name] = policy
+    return policy
+
+
+def supported() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def find_policy(model: nn.Module) -> DecoderPolicy:
+    """The policy for ``model``: by class name (including base classes), then model_type."""
+    names = {c.__name__ for c in type(model).__mro__}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for policy in _POLICIES.values():
+        if names & set(policy.class_names) or model_type in policy.model_types:
+            return policy
+    raise ValueError(
+        f"no TSP policy for {type(model).__name__} (model_type={model_type!r}); supported: "
+        f"{supported()}. Describe its module names with tsp_core.policies.DecoderPolicy(...) and "
+        f"pass it as parallelize(model, mesh, policy=...) or register it with "
+        f"tsp_core.policies.register_policy(...)")
+
+
+from . import llama, mistral, qwen2  # noqa: E402,F401  (each registers its family)
