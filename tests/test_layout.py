@@ -82,5 +82,8 @@ def test_shard_batch_errors():
                      "labels": torch.zeros(1, 15, dtype=torch.long)}, mesh)
     with pytest.raises(ValueError, match=r"does not know how to shard \['pixel_values'\]"):
         shard_batch({"input_ids": torch.zeros(1, 16, dtype=torch.long), "pixel_values": 1}, mesh)
+    with pytest.raises(ValueError, match=r"attention_mask rows \[1\] have a 0 before a 1"):
+        shard_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long),
+                     "attention_mask": torch.tensor([[1] * 6 + [0] * 2, [0] * 2 + [1] * 6])}, mesh)
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         shard_batch({"input_ids": torch.zeros(16, dtype=torch.long)}, mesh)

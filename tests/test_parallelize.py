@@ -96,3 +96,49 @@ def test_padding_and_ignored_labels(pools):
     # 21 tokens: padded to 24 at tsp 2 and 4; the loss is HF's on the unpadded 21 tokens
     pool_of(pools, 4).run(train_parity, "llama", 4, "float64", 21, 2)
     pool_of(pools, 4).run(train_parity, "mistral", 2, "float64", 21, 2)
+
+
+def bad_models() -> list[str]:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    mesh = dist_pool.mesh(4)
+    msgs = []
+    cases = [
+        (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
+         r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
+         r"\['llama', 'mistral', 'qwen2'\]\. Describe its module names"),
+        (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=6,
+                                      num_key_value_heads=6)),
+         r"tsp_size \(4\) must divide num_attention_heads \(6\)"),
+        (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=66,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=4)),
+         r"tsp_size \(4\) must divide intermediate_size \(66\)"),
+        (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=4, attention_dropout=0.1)),
+         r"attention_dropout \(0\.1\) is not supported"),
+    ]
+    for model, pattern in cases:
+        before = dict(model.state_dict())
+        with tsp_core.comm.track() as stats, pytest.raises(ValueError, match=pattern) as e:
+            tsp_core.parallelize(model, mesh)
+        assert not stats.calls, "a collective ran before the error"
+        assert model.state_dict().keys() == before.keys(), "the model was changed before the error"
+        msgs.append(str(e.value))
+    model = tsp_core.parallelize(hf_models.build("llama", torch.float64), mesh)
+    with pytest.raises(ValueError, match="already parallelized"):
+        tsp_core.parallelize(model, mesh)
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match="takes shift_labels"):
+        model(input_ids=ids[:, :4], position_ids=torch.arange(4)[None], labels=ids[:, :4])
+    with pytest.raises(ValueError, match="needs the global position_ids"):
+        model(input_ids=ids[:, :4])
+    with pytest.raises(ValueError, match="was not parallelized"):
+        tsp_core.get_mesh(hf_models.build("llama", torch.float64))
+    return msgs
+
+
+def test_bad_models_fail_before_any_change(pools):
+    pool_of(pools, 4).run(bad_models)

@@ -139,6 +139,14 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
             raise ValueError(f"{key} has shape {tuple(batch[key].shape)} but input_ids has "
                              f"{tuple(ids.shape)}; pass full-sequence tensors of the same shape")
 
+    if "attention_mask" in batch:
+        mask = batch["attention_mask"]
+        holes = (mask[:, 1:] > mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+        if holes:
+            raise ValueError(f"attention_mask rows {holes} have a 0 before a 1 (left padding or "
+                             f"holes); TSP's causal attention supports right padding only: pad on "
+                             f"the right (tokenizer.padding_side = 'right')")
+
     def local(x: torch.Tensor, pad: int) -> torch.Tensor:
         return shard_sequence(pad_to_multiple(x, size, pad, 1, layout), rank, size, 1, layout)
 
