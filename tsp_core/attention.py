@@ -119,7 +119,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         kv_all = x.new_empty(D, 2, B, nkv, L, d)
         out_all = x.new_empty(D, B, nq, L, d)
         lse_all = None
-        y = torch.zeros_like(x)
+        y = x.new_zeros(x.shape)  # contiguous, whatever x's strides
         for r, buf in _Rounds(own, group):
             wq, wk, wv, wo, *b = pack.unpack(buf)
             bq, bk, bv = b if b else (None, None, None)
@@ -145,7 +145,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         nq = spec.local_heads
         dy = dy.contiguous()
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
-        dx = torch.zeros_like(x)
+        dx = x.new_zeros(x.shape)
         me = dist.get_rank(group)
         mine, others = None, []
         for r, buf in _Rounds(pack.pack(weights), group):
