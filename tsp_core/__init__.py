@@ -3,7 +3,7 @@ of each weight matrix and 1/D of the tokens."""
 
 from . import comm, layout
 from .attention import TSPAttention
-from .checkpoint import full_state_dict, load_full_state_dict
+from .checkpoint import full_state_dict, load_full_state_dict, save_pretrained
 from .layout import position_ids, shard_batch, shard_sequence, unshard_sequence
 from .mesh import TSPMesh, init_mesh
 from .mlp import TSPGatedMLP
@@ -13,4 +13,5 @@ from .vocab import TSPEmbedding, TSPLMHead
 
 __all__ = ["TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh", "TSPRMSNorm",
            "comm", "full_state_dict", "get_mesh", "init_mesh", "layout", "load_full_state_dict",
-           "parallelize", "position_ids", "shard_batch", "shard_sequence", "unshard_sequence"]
+           "parallelize", "position_ids", "save_pretrained", "shard_batch", "shard_sequence",
+           "unshard_sequence"]

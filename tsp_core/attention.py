@@ -19,7 +19,7 @@ from .layout import local_segments
 from .mesh import TSPMesh
 from .packing import FlatPack
 from .params import (REPLICATED, ShardedModule, ShardSpec, even_spec, init_full, local_replicated,
-                     local_weights)
+                     schedule_inputs)
 
 
 def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
@@ -273,9 +273,10 @@ class TSPAttention(ShardedModule):
                 raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match "
                                  f"the input's [batch, local_seq] = {tuple(x.shape[:2])}")
             position_embeddings = rope.cos_sin(position_ids, self.inv_freq, 1.0, x.dtype)
-        weights = local_weights(self, self._weight_names(), x)
+        x, weights, context = schedule_inputs(self, self._weight_names(), x)
         cos, sin = (t.to(x.dtype) for t in position_embeddings)
-        y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, *weights)
+        with context:
+            y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, *weights)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
         return y

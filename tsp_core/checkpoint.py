@@ -134,3 +134,22 @@ def load_full_state_dict(model: nn.Module,
                                      f"in the model")
                 t.copy_(source.read(name, None, 0, 0))
         return getattr(source, "elements_read", 0)
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
+    """A consolidated Hugging Face checkpoint of a TSP model (config, generation config and
+    ``model.safetensors``), loadable with ``from_pretrained``. Every rank must call it (it
+    gathers); global rank 0 writes, so synchronise before other ranks read it."""
+    from safetensors.torch import save_file
+
+    state = full_state_dict(model, rank0_only=True)
+    if not state:
+        return
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop(f"{model._tsp_policy.lm_head}.weight", None)  # tied: loaded from the embedding
+    save_file({k: v.contiguous() for k, v in state.items()},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

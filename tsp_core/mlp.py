@@ -19,7 +19,7 @@ from . import comm
 from .mesh import TSPMesh
 from .packing import FlatPack
 from .params import (REPLICATED, ShardedModule, ShardSpec, even_spec, init_full, local_replicated,
-                     local_weights)
+                     schedule_inputs)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -136,7 +136,9 @@ class TSPGatedMLP(ShardedModule):
         names = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
         if "gate_proj.bias" in self.full_shapes:
             names += ["gate_proj.bias", "up_proj.bias"]
-        y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, *local_weights(self, names, x))
+        x, weights, context = schedule_inputs(self, names, x)
+        with context:
+            y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, *weights)
         if "down_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.down_proj.bias, self.mesh)
         return y

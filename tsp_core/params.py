@@ -9,6 +9,7 @@ full Hugging Face-shaped tensor. Creating, loading and gathering parameters is w
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
@@ -203,13 +204,22 @@ class ShardedModule(nn.Module):
         return out
 
 
-def local_weights(module: nn.Module, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
-    """Local tensors of ``module``'s named parameters, after checking that they share the input's
-    dtype (a round packs them into one buffer)."""
+def schedule_inputs(module: nn.Module, names: list[str], x: torch.Tensor):
+    """The input and ``module``'s local weight shards, ready for a TSP schedule, and the context
+    to run it in. Under autocast (bf16-mixed) both are cast once to the autocast dtype and the
+    schedule runs with autocast off, so its forward and backward compute in one dtype (the casts
+    are in the autograd graph: fp32 master weights get fp32 gradients). Every shard must then
+    share the input's dtype (a round packs them into one buffer)."""
     weights = [local(module.get_parameter(n)) for n in names]
+    context = contextlib.nullcontext()
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        context = torch.autocast(device, enabled=False)
     for n, w in zip(names, weights):
         if w.dtype != x.dtype:
             raise ValueError(f"{type(module).__name__}: input dtype ({x.dtype}) differs from "
                              f"{n} ({w.dtype}); every weight shard and the input must share one "
                              f"dtype: cast with .to({x.dtype})")
-    return weights
+    return x, weights, context

@@ -10,13 +10,12 @@ log-sum-exp per token, in token chunks, so no [S/D, V] float32 logits exist at o
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import comm
 from .layout import IGNORE_INDEX
 from .mesh import TSPMesh
-from .params import ShardedModule, ShardSpec, init_full, local
+from .params import ShardedModule, ShardSpec, init_full, local, schedule_inputs
 
 # logits elements per token chunk in the fused loss (64 MiB in float32)
 LOSS_CHUNK_ELEMENTS = 1 << 24
@@ -170,9 +169,11 @@ class TSPLMHead(ShardedModule):
             raise ValueError(f"shift_labels of shape {tuple(shift_labels.shape)} do not match the "
                              f"local tokens {tuple(hidden.shape[:-1])}; shard with "
                              f"tsp_core.shard_batch")
-        return _VocabParallelCE.apply(hidden.reshape(-1, hidden.shape[-1]),
-                                      shift_labels.reshape(-1), local(self.weight),
-                                      self.vocab_size, self.mesh.group)
+        hidden, (weight,), context = schedule_inputs(self, ["weight"], hidden)
+        with context:
+            return _VocabParallelCE.apply(hidden.reshape(-1, hidden.shape[-1]),
+                                          shift_labels.reshape(-1), weight, self.vocab_size,
+                                          self.mesh.group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the local tokens over the whole vocabulary [..., V] (each rank's shard is

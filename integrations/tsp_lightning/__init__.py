@@ -1,0 +1,21 @@
+"""Lightning adapter: ``Trainer(strategy="tsp")`` and ``Fabric(strategy="tsp")`` after
+``import tsp_lightning`` (Lightning has no entry point for strategies, so importing registers)."""
+
+from .fabric import TSPFabricStrategy
+from .strategy import SUPPORTED_PRECISIONS, TSPStrategy
+
+
+def register() -> None:
+    """Register "tsp" with the Trainer's and Fabric's strategy registries (idempotent)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    StrategyRegistry.register("tsp", TSPStrategy, override=True,
+                              description="Folded tensor-and-sequence parallelism (tsp_core)")
+    STRATEGY_REGISTRY.register("tsp", TSPFabricStrategy, override=True,
+                               description="Folded tensor-and-sequence parallelism (tsp_core)")
+
+
+register()
+
+__all__ = ["SUPPORTED_PRECISIONS", "TSPFabricStrategy", "TSPStrategy", "register"]

@@ -1,0 +1,54 @@
+"""What the Trainer and Fabric strategies share: sizes, precision, finding the model to convert."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import nn
+
+import tsp_core
+from tsp_core.mesh import TSPMesh, check_mesh_shape
+from tsp_core.parallelize import TSPCausalLM
+
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
+
+
+def resolve_sizes(tsp_size: Any, data_parallel_size: Any, num_nodes: int,
+                  num_processes: int) -> tuple[int, int]:
+    """(dp, tsp) after "auto" (TSP: every process of a node; dp: the rest), checked against the
+    number of processes before any process group exists."""
+    world = num_nodes * num_processes
+    tsp = num_processes if tsp_size == "auto" else int(tsp_size)
+    dp = None if data_parallel_size == "auto" else int(data_parallel_size)
+    return check_mesh_shape(world, tsp, dp), tsp
+
+
+def check_precision(precision: str) -> None:
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported by the TSP strategy; use one "
+                         f"of {list(SUPPORTED_PRECISIONS)}")
+
+
+def parallelize_target(module: nn.Module, mesh: TSPMesh) -> nn.Module:
+    """Convert the model the user means, unless it already is converted: ``module`` itself when
+    it is a supported transformers model, else its ``model`` attribute. Returns the TSP model."""
+    converted = [m for m in module.modules() if isinstance(m, TSPCausalLM)]
+    if converted:
+        return converted[0]
+    for candidate in (module, getattr(module, "model", None)):
+        if candidate is None or not hasattr(candidate, "config"):
+            continue
+        return tsp_core.parallelize(candidate, mesh)
+    raise ValueError(f"the TSP strategy converts a Hugging Face causal LM: either the module itself "
+                     f"or its `model` attribute (set in __init__ or configure_model); "
+                     f"{type(module).__name__} has neither. Or convert it yourself in "
+                     f"configure_model with tsp_core.parallelize(model, strategy.tsp_mesh)")
+
+
+def shard(batch: Any, mesh: TSPMesh) -> dict:
+    """This rank's part of a full-sequence batch (a mapping with ``input_ids``)."""
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        raise TypeError(f"the TSP strategy shards batches given as a mapping with 'input_ids' "
+                        f"(and optionally 'labels', 'attention_mask', 'position_ids'), got "
+                        f"{type(batch).__name__}")
+    return tsp_core.shard_batch(dict(batch), mesh)

@@ -1,0 +1,91 @@
+"""``TSPStrategy``: Lightning's ModelParallelStrategy with a TSP group on its tensor-parallel dim.
+
+The strategy builds the mesh, converts the LightningModule's model (the ``model`` attribute, as
+set in ``__init__`` or ``configure_model``) unless the user already did, and shards every batch
+before the step sees it, so ``return self.model(**batch).loss`` works with or without TSP. The
+model's loss is the global mean (identical on every rank), so logged losses are true ones.
+Checkpoints are torch.distributed.checkpoint folders (the base class); :meth:`export_hf` writes a
+consolidated Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.constants import default_pg_timeout
+
+import tsp_core
+from tsp_core.mesh import TSPMesh
+
+from .common import check_precision, parallelize_target, resolve_sizes, shard, SUPPORTED_PRECISIONS
+
+__all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
+
+
+class TSPStrategy(ModelParallelStrategy):
+    """``TSPStrategy(tsp_size="auto" | int, data_parallel_size="auto" | int,
+    save_distributed_checkpoint=True, layout="zigzag")``. "auto" TSP size means every process of
+    a node; data parallel takes the rest."""
+
+    strategy_name = "tsp"
+
+    def __init__(self, tsp_size: Literal["auto"] | int = "auto",
+                 data_parallel_size: Literal["auto"] | int = "auto",
+                 save_distributed_checkpoint: bool = True, layout: str = "zigzag",
+                 process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tsp_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self._layout = layout
+        self._tsp_mesh: TSPMesh | None = None
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def tsp_mesh(self) -> TSPMesh:
+        if self._tsp_mesh is None:
+            raise RuntimeError("the TSP mesh exists once the processes are set up")
+        return self._tsp_mesh
+
+    def setup_environment(self) -> None:
+        # every check that can fail runs first, identically on every rank: no rank hangs
+        check_precision(self.precision_plugin.precision)
+        self._data_parallel_size, self._tensor_parallel_size = resolve_sizes(
+            self._tensor_parallel_size, self._data_parallel_size, self.num_nodes,
+            self.num_processes)
+        super().setup_environment()
+        self._tsp_mesh = TSPMesh.from_device_mesh(self.device_mesh, "tensor_parallel",
+                                                  self._layout)
+
+    def setup(self, trainer) -> None:
+        """ModelParallelStrategy.setup, converting the model instead of requiring
+        ``configure_model`` to do it."""
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        parallelize_target(self.lightning_module, self.tsp_mesh)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
+        return shard(super().batch_to_device(batch, device, dataloader_idx), self.tsp_mesh)
+
+    def export_hf(self, path: str) -> None:
+        """Write a consolidated Hugging Face checkpoint (config + safetensors) of the converted
+        model to ``path``; every rank must call it, rank 0 writes."""
+        tsp_core.save_pretrained(parallelize_target(self.lightning_module, self.tsp_mesh), path)
+        self.barrier()
