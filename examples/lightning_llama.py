@@ -15,10 +15,9 @@ import os
 
 import lightning as L
 import torch
+import tsp_lightning  # noqa: F401  (registers strategy="tsp")
 from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
-
-import tsp_lightning  # noqa: F401  (registers strategy="tsp")
 
 
 class RandomTokens(Dataset):

@@ -12,8 +12,14 @@ FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 
 
 def build(family: str, dtype: torch.dtype, seed: int = 0):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if family == "llama":

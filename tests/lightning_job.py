@@ -11,11 +11,11 @@ import os
 import lightning as L
 import torch
 import torch.distributed as dist
+import tsp_lightning  # registers strategy="tsp"
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import tsp_core
 from tsp_core.parallelize import TSPCausalLM
-import tsp_lightning  # registers strategy="tsp"
 
 VOCAB, SEQ = 96, 24
 

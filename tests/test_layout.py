@@ -7,9 +7,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tsp_core.layout import (IGNORE_INDEX, local_segments, pad_to_multiple, position_ids,
-                             shard_batch, shard_sequence, shift_labels, to_rank_order,
-                             unshard_sequence)
+from tsp_core.layout import (
+    IGNORE_INDEX,
+    local_segments,
+    pad_to_multiple,
+    position_ids,
+    shard_batch,
+    shard_sequence,
+    shift_labels,
+    to_rank_order,
+    unshard_sequence,
+)
 
 
 def fake_mesh(rank: int, size: int, layout: str = "zigzag"):

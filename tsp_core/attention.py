@@ -18,8 +18,15 @@ from . import comm, flash, rope
 from .layout import local_segments
 from .mesh import TSPMesh
 from .packing import FlatPack
-from .params import (REPLICATED, ShardedModule, ShardSpec, even_spec, init_full, local_replicated,
-                     schedule_inputs)
+from .params import (
+    REPLICATED,
+    ShardedModule,
+    ShardSpec,
+    even_spec,
+    init_full,
+    local_replicated,
+    schedule_inputs,
+)
 
 
 def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,

@@ -18,8 +18,15 @@ import torch.nn.functional as F
 from . import comm
 from .mesh import TSPMesh
 from .packing import FlatPack
-from .params import (REPLICATED, ShardedModule, ShardSpec, even_spec, init_full, local_replicated,
-                     schedule_inputs)
+from .params import (
+    REPLICATED,
+    ShardedModule,
+    ShardSpec,
+    even_spec,
+    init_full,
+    local_replicated,
+    schedule_inputs,
+)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 

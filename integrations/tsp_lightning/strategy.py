@@ -22,7 +22,13 @@ from torch.distributed.constants import default_pg_timeout
 import tsp_core
 from tsp_core.mesh import TSPMesh
 
-from .common import check_precision, parallelize_target, resolve_sizes, shard, SUPPORTED_PRECISIONS
+from .common import (
+    SUPPORTED_PRECISIONS,
+    check_precision,
+    parallelize_target,
+    resolve_sizes,
+    shard,
+)
 
 __all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
 
