@@ -17,7 +17,7 @@ from torch import nn
 from . import comm
 from .attention import TSPAttention, check_attention_shape
 from .data_parallel import install_gradient_sync
-from .layout import IGNORE_INDEX
+from .layout import IGNORE_INDEX, shard_batch
 from .mesh import TSPMesh
 from .mlp import TSPGatedMLP
 from .norm import TSPRMSNorm
@@ -189,6 +189,26 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     _register_attention_implementation()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     install_gradient_sync(model, mesh)
+    return model
+
+
+def shard_full_batches(model: nn.Module) -> nn.Module:
+    """Let ``model(**batch)`` take the full-sequence batch (``input_ids`` and optionally
+    ``labels``, ``attention_mask``, as keywords) and shard it itself; batches that already carry
+    ``position_ids`` or ``shift_labels`` pass unchanged. For loops the user does not write
+    (Fabric, Accelerate), where no hook sees the batch first. Idempotent."""
+    if getattr(model, "_tsp_shards_inputs", False):
+        return model
+    mesh = get_mesh(model)
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if args or "input_ids" not in kwargs or "position_ids" in kwargs or "shift_labels" in kwargs:
+            return None
+        batch = {k: kwargs.pop(k) for k in ("input_ids", "labels", "attention_mask") if k in kwargs}
+        return args, {**kwargs, **shard_batch(batch, mesh)}
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model._tsp_shards_inputs = True
     return model
 
 

@@ -6,25 +6,16 @@ converted model shards full-sequence batches itself, so a Fabric loop calling
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Literal
 
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from tsp_core.mesh import TSPMesh
+from tsp_core.parallelize import shard_full_batches
 
-from .common import check_precision, parallelize_target, resolve_sizes, shard
-
-
-def _shard_full_batches(mesh: TSPMesh):
-    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-        if args or "input_ids" not in kwargs or "position_ids" in kwargs or "shift_labels" in kwargs:
-            return None  # not a full-sequence keyword batch: leave it alone
-        batch = {k: kwargs.pop(k) for k in ("input_ids", "labels", "attention_mask") if k in kwargs}
-        return args, {**kwargs, **shard(batch, mesh)}
-
-    return hook
+from .common import check_precision, parallelize_target, resolve_sizes
 
 
 class TSPFabricStrategy(ModelParallelStrategy):
@@ -58,8 +49,5 @@ class TSPFabricStrategy(ModelParallelStrategy):
                                                   self._layout)
 
     def _convert(self, module: nn.Module, _device_mesh) -> nn.Module:
-        model = parallelize_target(module, self.tsp_mesh)
-        if not getattr(model, "_tsp_fabric_hook", False):
-            model.register_forward_pre_hook(_shard_full_batches(self.tsp_mesh), with_kwargs=True)
-            model._tsp_fabric_hook = True
+        shard_full_batches(parallelize_target(module, self.tsp_mesh))
         return module

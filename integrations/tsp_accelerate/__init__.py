@@ -1,0 +1,5 @@
+"""Accelerate adapter: ``TSPAccelerator`` is a drop-in ``Accelerator`` (one changed line)."""
+
+from .accelerator import TSPAccelerator
+
+__all__ = ["TSPAccelerator"]

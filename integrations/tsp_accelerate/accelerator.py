@@ -1,0 +1,150 @@
+"""``TSPAccelerator``: Accelerate with a TSP group on the tensor-parallel axis of its
+``ParallelismConfig`` (the hook Accelerate has: INTEGRATION_NOTES).
+
+- TSP degree: ``TSPAccelerator(tsp_size=D)``; otherwise the ``tp`` size that
+  ``accelerate launch --parallelism_config_tp_size D`` (or the same key in the accelerate config
+  file) carries; otherwise every process of the node. Data parallel takes the rest.
+- ``prepare()`` converts the model with ``tsp_core.parallelize`` (optimizers built on the original
+  parameters are pointed at the converted ones, matched by name), lets it shard full-sequence
+  batches itself, and leaves the data-parallel gradient sum to ``tsp_core`` (Accelerate does none
+  with ``tp`` and no FSDP2). Every rank of a TSP group gets the same batches from Accelerate.
+- ``save_state`` / ``load_state`` write and read model and optimizer through
+  torch.distributed.checkpoint (Accelerate's own ``optimizer.bin`` comes from rank 0 only and
+  cannot hold sharded Adam state), plus schedulers, the step and every rank's RNG state.
+
+CPU compatibility shim (two lines, both tested by the 2-process CPU test): without CUDA the
+accelerator is created with ``cpu=True``, or Accelerate does not see the launcher's processes; and
+:attr:`multi_device` also answers True for a multi-process CPU run (``DistributedType.MULTI_CPU``),
+which Accelerate counts as not "multi-device" and ``ParallelismConfig`` would then refuse.
+Accelerate takes its ``tp`` path, which does no DDP wrapping: what TSP needs on CPU as on GPU.
+On a CPU-only machine ``accelerate launch --cpu`` starts a single process (multi-CPU needs
+mpirun); ``accelerate launch --multi_gpu --num_processes 2`` starts torchrun workers, which run
+on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator, ParallelismConfig
+from accelerate.utils import DistributedType
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+import tsp_core
+from tsp_core.mesh import TSPMesh, check_mesh_shape
+from tsp_core.parallelize import TSPCausalLM, shard_full_batches
+
+
+def _tsp_size(tsp_size: int | None, config: ParallelismConfig | None) -> int:
+    if tsp_size is not None:
+        return int(tsp_size)
+    if config is not None and config.tp_size > 1:
+        return config.tp_size
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true":
+        launched = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+        if launched > 1:
+            return launched
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+class TSPAccelerator(Accelerator):
+    """``Accelerator`` with TSP. Takes every ``Accelerator`` argument plus ``tsp_size`` and
+    ``layout``; ``parallelism_config`` may only set the tp size (other axes are not TSP)."""
+
+    def __init__(self, *args: Any, tsp_size: int | None = None, layout: str = "zigzag",
+                 **kwargs: Any) -> None:
+        given = kwargs.get("parallelism_config")
+        if given is not None and (given.cp_size > 1 or given.sp_size > 1 or given.dp_shard_size > 1):
+            raise ValueError(f"TSPAccelerator composes with data parallel only; got {given}")
+        size = _tsp_size(tsp_size, given)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dp = check_mesh_shape(world, size, None)  # raises with the numbers, before any collective
+        kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=dp, tp_size=size)
+        if not torch.cuda.is_available():
+            kwargs.setdefault("cpu", True)  # shim: Accelerate needs cpu=True to see a CPU world
+        super().__init__(*args, **kwargs)
+        mesh = self.torch_device_mesh
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+            self.tsp_mesh = TSPMesh.from_device_mesh(mesh, "tp", layout)
+        else:  # one process: Accelerate builds no mesh
+            self.tsp_mesh = tsp_core.init_mesh(size, layout=layout)
+
+    @property
+    def multi_device(self) -> bool:
+        """The CPU shim (see the module docstring)."""
+        return super().multi_device or (self.distributed_type == DistributedType.MULTI_CPU
+                                        and self.num_processes > 1)
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None):
+        swaps: dict[int, nn.Parameter] = {}
+        for obj in args:
+            if not isinstance(obj, nn.Module):
+                continue
+            if not isinstance(obj, TSPCausalLM):
+                old = dict(obj.named_parameters())
+                tsp_core.parallelize(obj, self.tsp_mesh)
+                new = dict(obj.named_parameters())
+                swaps.update({id(p): new[n] for n, p in old.items() if n in new})
+            shard_full_batches(obj)
+            obj._tp_size = self.tsp_mesh.size  # what Accelerate's tp path checks
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer) and swaps:
+                for group in obj.param_groups:
+                    group["params"] = [swaps.get(id(p), p) for p in group["params"]]
+        return super().prepare(*args, device_placement=device_placement)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _pairs(self) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]:
+        models = [self.unwrap_model(m) for m in self._models]
+        optims = [getattr(o, "optimizer", o) for o in self._optimizers]
+        return [(m, optims[i] if i < len(optims) else None) for i, m in enumerate(models)]
+
+    def save_state(self, output_dir: str | None = None, **_: Any) -> str:
+        if output_dir is None:
+            raise ValueError("TSPAccelerator.save_state needs an output_dir")
+        state: dict[str, Any] = {}
+        for i, (model, opt) in enumerate(self._pairs()):
+            state[f"model_{i}"] = get_model_state_dict(model)
+            if opt is not None:
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt)
+        dcp.save(state, checkpoint_id=os.path.join(output_dir, "dcp"))
+        extra = {"step": self.step, "schedulers": [s.state_dict() for s in self._schedulers]}
+        if self.is_main_process:
+            torch.save(extra, os.path.join(output_dir, "accelerator_state.pt"))
+        torch.save({"torch": torch.get_rng_state()},
+                   os.path.join(output_dir, f"rng_state_{self.process_index}.pt"))
+        self.wait_for_everyone()
+        return output_dir
+
+    def load_state(self, input_dir: str | None = None, **_: Any) -> None:
+        if input_dir is None:
+            raise ValueError("TSPAccelerator.load_state needs an input_dir")
+        pairs = self._pairs()
+        state: dict[str, Any] = {}
+        for i, (model, opt) in enumerate(pairs):
+            state[f"model_{i}"] = get_model_state_dict(model)
+            if opt is not None:
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt)
+        dcp.load(state, checkpoint_id=os.path.join(input_dir, "dcp"))
+        for i, (model, opt) in enumerate(pairs):
+            set_model_state_dict(model, state[f"model_{i}"])
+            if opt is not None:
+                set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"])
+        extra = torch.load(os.path.join(input_dir, "accelerator_state.pt"), weights_only=False)
+        self.step = extra["step"]
+        for sched, sd in zip(self._schedulers, extra["schedulers"]):
+            sched.load_state_dict(sd)
+        rng = torch.load(os.path.join(input_dir, f"rng_state_{self.process_index}.pt"))
+        torch.set_rng_state(rng["torch"])
+        if dist.is_initialized():
+            self.wait_for_everyone()
