@@ -22,9 +22,9 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
+from tsp_accelerate import TSPAccelerator
 
 import tsp_core
-from tsp_accelerate import TSPAccelerator
 
 
 def main() -> None:

@@ -88,6 +88,13 @@ class TSPCausalLM:
         return CausalLMOutputWithPast(loss=loss)
 
 
+    def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> None:
+        """An ordinary Hugging Face checkpoint (full shapes); every rank must call it."""
+        from .checkpoint import save_pretrained
+
+        save_pretrained(self, save_directory)
+
+
 _TSP_CLASSES: dict[type, type] = {}
 
 
@@ -127,9 +134,15 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
         raise ValueError(f"attention_dropout ({c.attention_dropout}) is not supported by TSP "
                          f"attention; set it to 0.0")
     params = list(model.parameters())
-    if any(p.is_meta for p in params):
-        raise ValueError("parallelize needs materialised weights; build the model on CPU (or "
-                         "load it), then parallelize and load_full_state_dict")
+    if any(p.is_meta for p in params) and not all(p.is_meta for p in params):
+        raise ValueError("some parameters are on the meta device and some are not; build the "
+                         "model either fully materialised or with every parameter on meta")
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ValueError(f"buffers {meta_buffers[:3]} are on the meta device; build the model with "
+                         f"parameters on meta but buffers materialised (e.g. accelerate's "
+                         f"init_empty_weights(include_buffers=False)), as "
+                         f"tsp_transformers.load_pretrained does")
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
         raise ValueError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; cast it "
@@ -142,18 +155,23 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
 
 
 def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None) -> nn.Module:
-    """Convert ``model`` in place to TSP on ``mesh`` and return it."""
+    """Convert ``model`` in place to TSP on ``mesh`` and return it. A model whose parameters are
+    all on the meta device gets uninitialised shards (fill them with load_full_state_dict)."""
     policy = policy or find_policy(model)
     _check(model, mesh, policy)
     c = model.config
     p0 = next(model.parameters())
-    opts = dict(dtype=p0.dtype, device=p0.device)
+    empty = p0.is_meta  # weights come later, from load_full_state_dict
+    device = (torch.device(mesh.device_type, torch.cuda.current_device())
+              if empty and mesh.device_type == "cuda" else torch.device("cpu") if empty else p0.device)
+    opts = dict(dtype=p0.dtype, device=device)
     nq = c.num_attention_heads
     nkv = getattr(c, "num_key_value_heads", None) or nq
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
 
     def replace(parent: nn.Module, name: str, new: nn.Module, old: nn.Module | None = None) -> None:
-        new.load_full((old or getattr(parent, name)).state_dict())
+        if not empty:
+            new.load_full((old or getattr(parent, name)).state_dict())
         setattr(parent, name, new)
 
     base = getattr(model, policy.base_model)

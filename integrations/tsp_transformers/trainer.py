@@ -1,0 +1,119 @@
+"""``TSPTrainingArguments`` and ``TSPTrainer``: the transformers Trainer with TSP switched on by
+one argument (``tsp_size``, also ``--tsp_size`` through ``HfArgumentParser``).
+
+The Trainer's model is converted before the Trainer sees it; its Accelerator is a
+:class:`tsp_accelerate.TSPAccelerator` (so every rank of a TSP group gets the same batches and no
+DDP wraps the model); batches are sharded by the model itself. Saving writes an ordinary Hugging
+Face checkpoint plus the optimizer through torch.distributed.checkpoint; resuming reads both back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers.trainer as hf_trainer
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import Trainer, TrainingArguments
+from tsp_accelerate import TSPAccelerator
+
+import tsp_core
+from tsp_core.parallelize import TSPCausalLM, shard_full_batches
+
+OPTIMIZER_DIR = "optimizer_dcp"
+SCHEDULER_NAME = "scheduler.pt"
+
+
+@dataclass
+class TSPTrainingArguments(TrainingArguments):
+    tsp_size: int = field(default=1, metadata={
+        "help": "TSP degree: how many processes share each weight matrix and each sequence "
+                "(1 = off). Must divide the number of processes; data parallel takes the rest."})
+
+
+class TSPTrainer(Trainer):
+    """``Trainer`` with TSP when ``args.tsp_size > 1``; otherwise exactly ``Trainer``."""
+
+    def __init__(self, model=None, args: TSPTrainingArguments | None = None, *rest: Any,
+                 **kwargs: Any) -> None:
+        self._tsp = args is not None and getattr(args, "tsp_size", 1) > 1
+        if self._tsp:
+            _ = args.world_size  # initialises the process group from the launcher's environment
+            mesh = tsp_core.init_mesh(args.tsp_size)
+            if not isinstance(model, TSPCausalLM):
+                tsp_core.parallelize(model, mesh)
+            shard_full_batches(model)
+        super().__init__(model, args, *rest, **kwargs)
+        if self._tsp and self.args.label_names is None:
+            # the TSP forward also names shift_labels; batches carry "labels" (shifted on the
+            # full sequence when the model shards them)
+            self.label_names = ["labels"]
+
+    def create_accelerator_and_postprocess(self) -> None:
+        if not self._tsp:
+            return super().create_accelerator_and_postprocess()
+        tsp_size = self.args.tsp_size
+
+        class _Accelerator(TSPAccelerator):
+            def __init__(self, *a: Any, **kw: Any) -> None:
+                kw.pop("parallelism_config", None)
+                super().__init__(*a, tsp_size=tsp_size, **kw)
+
+        original = hf_trainer.Accelerator  # the Trainer builds its accelerator from this name
+        hf_trainer.Accelerator = _Accelerator
+        try:
+            return super().create_accelerator_and_postprocess()
+        finally:
+            hf_trainer.Accelerator = original
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not self._tsp:
+            return out
+        loss = out[0] if return_outputs else out
+        if (self.args.average_tokens_across_devices and num_items_in_batch is not None
+                and (self.model_accepts_loss_kwargs or self.compute_loss_func)):
+            # the Trainer scaled the loss by the data-parallel size for DDP's averaging; the TSP
+            # loss is already the global mean and tsp_core sums data-parallel gradients
+            loss = loss / (self.accelerator.num_processes // self.get_tp_size())
+        return (loss, out[1]) if return_outputs else loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._tsp:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        tsp_core.save_pretrained(self.model, output_dir)  # every rank gathers, rank 0 writes
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        self.accelerator.wait_for_everyone()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._tsp:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.save({"optimizer": state}, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._tsp or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, OPTIMIZER_DIR))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=False))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._tsp:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        tsp_core.load_full_state_dict(model or self.model, resume_from_checkpoint)
