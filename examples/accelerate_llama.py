@@ -43,7 +43,7 @@ def main() -> None:
                                          num_key_value_heads=2, max_position_embeddings=a.seq))
     model.to(getattr(torch, a.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 128, (16, a.seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (32, a.seq), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in ids]
     loader = DataLoader(data, batch_size=2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "accelerate_llama.py")
 
 
-def run(cmd: list[str]) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run(cmd: list[str], **extra_env: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra_env)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -50,3 +50,12 @@ def test_accelerate_launch_matches_one_process(tmp_path):
     assert sorted(weights) == sorted(ref_weights)
     for name, t in ref_weights.items():
         assert_close(weights[name], t, 1e-4, name)
+
+
+def test_tsp_size_from_the_launch_environment_with_data_parallel(tmp_path):
+    # 4 processes, TSP_SIZE=2 in the launching environment: TSP degree 2 x data parallel 2
+    # (gradients summed over the data-parallel dim); the save_state / load_state round trip holds
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "4", SCRIPT,
+                  "--out", str(tmp_path)], TSP_SIZE="2")
+    assert "processes 4, TSP degree 2" in stdout, stdout

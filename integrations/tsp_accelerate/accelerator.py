@@ -1,9 +1,10 @@
 """``TSPAccelerator``: Accelerate with a TSP group on the tensor-parallel axis of its
 ``ParallelismConfig`` (the hook Accelerate has: INTEGRATION_NOTES).
 
-- TSP degree: ``TSPAccelerator(tsp_size=D)``; otherwise the ``tp`` size that
-  ``accelerate launch --parallelism_config_tp_size D`` (or the same key in the accelerate config
-  file) carries; otherwise every process of the node. Data parallel takes the rest.
+- TSP degree: ``TSPAccelerator(tsp_size=D)``; otherwise ``TSP_SIZE`` from the environment, which
+  ``accelerate launch`` passes to its workers (Accelerate 1.15 rejects unknown config-file keys
+  and forwards its own ``--parallelism_config_tp_size`` only together with FSDP2; that tp size is
+  honoured when present); otherwise every process of the node. Data parallel takes the rest.
 - ``prepare()`` converts the model with ``tsp_core.parallelize`` (optimizers built on the original
   parameters are pointed at the converted ones, matched by name), lets it shard full-sequence
   batches itself, and leaves the data-parallel gradient sum to ``tsp_core`` (Accelerate does none
@@ -46,8 +47,12 @@ from tsp_core.parallelize import TSPCausalLM, shard_full_batches
 
 
 def _tsp_size(tsp_size: int | None, config: ParallelismConfig | None) -> int:
+    """Explicit argument > ``TSP_SIZE`` in the environment (``accelerate launch`` passes the
+    environment to its workers) > a tp size given to Accelerate > every process of the node."""
     if tsp_size is not None:
         return int(tsp_size)
+    if os.environ.get("TSP_SIZE"):
+        return int(os.environ["TSP_SIZE"])
     if config is not None and config.tp_size > 1:
         return config.tp_size
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true":
@@ -69,7 +74,9 @@ class TSPAccelerator(Accelerator):
         size = _tsp_size(tsp_size, given)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = check_mesh_shape(world, size, None)  # raises with the numbers, before any collective
-        kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=dp, tp_size=size)
+        # data parallel goes on Accelerate's dp_shard axis: it refuses tp with dp_replicate alone,
+        # and without an FSDP plugin nothing shards; it only splits batches over that axis
+        kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, tp_size=size)
         if not torch.cuda.is_available():
             kwargs.setdefault("cpu", True)  # shim: Accelerate needs cpu=True to see a CPU world
         super().__init__(*args, **kwargs)
