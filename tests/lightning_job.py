@@ -10,7 +10,6 @@ import os
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import tsp_lightning  # registers strategy="tsp"
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -138,10 +137,13 @@ def main() -> None:
         torch.save(res.pop("weights"), os.path.join(a.out, "weights.pt"))
         with open(os.path.join(a.out, "result.json"), "w") as f:
             json.dump(res, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # Lightning starts the other ranks by re-running this script, so every rank ends here: tear the
+    # groups down together and skip interpreter finalisation, where gloo can abort (see
+    # tests/exit_cleanly.py)
+    from exit_cleanly import finish
+
+    finish(0)

@@ -15,6 +15,7 @@ from .reference import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "accelerate_llama.py")
+EXIT_CLEANLY = os.path.join(ROOT, "tests", "exit_cleanly.py")
 
 
 def run(cmd: list[str], **extra_env: str) -> str:
@@ -33,10 +34,10 @@ def test_accelerate_launch_matches_one_process(tmp_path):
     plain, tsp = tmp_path / "plain", tmp_path / "tsp"
     plain.mkdir()
     tsp.mkdir()
-    run([sys.executable, SCRIPT, "--plain", "--out", str(plain)])
+    run([sys.executable, EXIT_CLEANLY, SCRIPT, "--plain", "--out", str(plain)])
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", SCRIPT,
-                  "--out", str(tsp)])
+    stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", EXIT_CLEANLY,
+                  SCRIPT, "--out", str(tsp)])
     assert "processes 2, TSP degree 2" in stdout, stdout
     (ref_losses, ref_weights), (losses, weights) = load(str(plain)), load(str(tsp))
     assert len(losses) == len(ref_losses) == 6
@@ -56,6 +57,6 @@ def test_tsp_size_from_the_launch_environment_with_data_parallel(tmp_path):
     # 4 processes, TSP_SIZE=2 in the launching environment: TSP degree 2 x data parallel 2
     # (gradients summed over the data-parallel dim); the save_state / load_state round trip holds
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "4", SCRIPT,
-                  "--out", str(tmp_path)], TSP_SIZE="2")
+    stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "4", EXIT_CLEANLY,
+                  SCRIPT, "--out", str(tmp_path)], TSP_SIZE="2")
     assert "processes 4, TSP degree 2" in stdout, stdout

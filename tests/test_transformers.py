@@ -18,6 +18,7 @@ from .reference import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "trainer_job.py")
+EXIT_CLEANLY = os.path.join(ROOT, "tests", "exit_cleanly.py")
 
 
 def run(cmd: list[str]) -> None:
@@ -28,7 +29,7 @@ def run(cmd: list[str]) -> None:
 
 def torchrun(*args: str) -> None:
     run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-         "--nproc_per_node", "2", JOB, *args])
+         "--nproc_per_node", "2", EXIT_CLEANLY, JOB, *args])
 
 
 def result(out) -> tuple[dict, dict]:
@@ -50,7 +51,8 @@ def common(model: str, out_dir) -> list[str]:
 
 
 def test_tsp_trainer_matches_plain_trainer(tmp_path, saved_llama):
-    run([sys.executable, JOB, *common(saved_llama, tmp_path / "o1"), "--save_strategy", "no",
+    run([sys.executable, EXIT_CLEANLY, JOB, *common(saved_llama, tmp_path / "o1"),
+         "--save_strategy", "no",
          "--out", str(tmp_path / "plain")])
     torchrun(*common(saved_llama, tmp_path / "o2"), "--save_strategy", "no", "--tsp_size", "2",
              "--out", str(tmp_path / "tsp"))

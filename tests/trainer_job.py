@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
@@ -51,9 +50,6 @@ def main() -> None:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
         with open(os.path.join(job.out, "result.json"), "w") as f:
             json.dump({"losses": log.losses, "eval_loss": metrics["eval_loss"]}, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
