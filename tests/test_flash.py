@@ -9,15 +9,17 @@ import pytest
 import torch
 
 from tsp_core.flash import attention_backward, attention_forward, plan_pieces
-from tsp_core.layout import local_segments
+from tsp_core.layout import local_segments, row_segments
 
 from .reference import assert_close
 
 
-def explicit(q, k, v, rows, causal, window, scale):
+def explicit(q, k, v, rows, causal, window, scale, doc_of=None):
     S = k.shape[2]
     i, j = torch.tensor(rows)[:, None], torch.arange(S)[None]
     visible = torch.ones(len(rows), S, dtype=torch.bool)
+    if doc_of is not None:
+        visible &= doc_of[i] == doc_of[j]
     if causal:
         visible &= j <= i
     if window is not None:
@@ -61,3 +63,28 @@ def test_pieces_match_explicit_mask(size, layout, causal, window):
 def test_window_needs_causal():
     with pytest.raises(ValueError, match="sliding window needs causal"):
         plan_pieces([(0, 8)], 8, causal=False, window=4)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 1, 3, 7])
+def test_packed_documents_never_see_each_other(size, window):
+    docs = [8, 16, 40, 8]          # each a multiple of 2 * 4
+    seq, scale = sum(docs), 8 ** -0.5
+    doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    gen = torch.Generator().manual_seed(1)
+    for p in range(size):
+        segs = row_segments(docs, p, size)
+        rows = [t for a, b, _ in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, True, window)
+        q = torch.randn(1, 2, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        ref = explicit(q, k, v, rows, True, window, scale, doc_of)
+        out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale)
+        assert_close(out, ref.detach(), 1e-12, "output")
+        do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+        expected = torch.autograd.grad(ref, (q, k, v), do)
+        dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse,
+                                     pieces, scale)
+        for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
+            assert_close(a, b, 1e-12, f"d{name}")

@@ -9,13 +9,14 @@ from other ranks are fetched again in the backward instead of being saved.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import comm, flash, rope
-from .layout import local_segments
+from .layout import row_segments
 from .mesh import TSPMesh
 from .packing import FlatPack
 from .params import (
@@ -111,21 +112,46 @@ class _Rounds:
             yield r, buf
 
 
+@dataclass(frozen=True)
+class _RowGroup:
+    """Rows of the batch that share one token layout (packed rows may differ)."""
+
+    rows: slice | list[int]
+    docs: tuple[int, ...] | None
+    pieces: list
+
+
+def _row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
+                spec: AttentionSpec) -> list[_RowGroup]:
+    def pieces(d: tuple[int, ...] | None):
+        segs = row_segments(d or (seq,), rank, spec.tsp_size, spec.layout)
+        return flash.plan_pieces(segs, seq, spec.causal, spec.sliding_window)
+
+    if docs is None:
+        return [_RowGroup(slice(None), None, pieces(None))]
+    by_docs: dict[tuple[int, ...], list[int]] = {}
+    for b, d in enumerate(docs):
+        by_docs.setdefault(tuple(d), []).append(b)
+    if len(by_docs) == 1:
+        (d,) = by_docs
+        return [_RowGroup(slice(None), d, pieces(d))]
+    return [_RowGroup(rows, d, pieces(d)) for d, rows in by_docs.items()]
+
+
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, *weights):
+    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, *weights):
         B, L, _ = x.shape
         pack = FlatPack([w.shape for w in weights])
         own = pack.pack(weights)
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
         D = spec.tsp_size
-        seq = L * D
-        pieces = flash.plan_pieces(local_segments(seq, dist.get_rank(group), D, spec.layout),
-                                   seq, spec.causal, spec.sliding_window)
+        groups = _row_groups(docs, L * D, dist.get_rank(group), spec)
         q_all = x.new_empty(D, B, nq, L, d)
         kv_all = x.new_empty(D, 2, B, nkv, L, d)
         out_all = x.new_empty(D, B, nq, L, d)
-        lse_all = None
+        lse_all = x.new_empty(D, B, nq, L, dtype=torch.float64 if x.dtype == torch.float64
+                              else torch.float32)
         y = x.new_zeros(x.shape)  # contiguous, whatever x's strides
         for r, buf in _Rounds(own, group):
             wq, wk, wv, wo, *b = pack.unpack(buf)
@@ -133,20 +159,20 @@ class _TSPAttentionFn(torch.autograd.Function):
             q_all[r] = rope.apply(_heads(F.linear(x, wq, bq), nq), cos, sin)
             kv_all[r, 0] = rope.apply(_heads(F.linear(x, wk, bk), nkv), cos, sin)
             kv_all[r, 1] = _heads(F.linear(x, wv, bv), nkv)
-            kv = comm.all_gather_sequence(kv_all[r], group, dim=3, layout=spec.layout)
-            o, lse = flash.attention_forward(q_all[r], kv[0], kv[1], pieces, spec.softmax_scale)
-            del kv
-            if lse_all is None:
-                lse_all = lse.new_empty(D, *lse.shape)
-            out_all[r], lse_all[r] = o, lse
-            y.view(B * L, -1).addmm_(_flat(o).reshape(B * L, -1), wo.t())
-        ctx.spec, ctx.group, ctx.pack, ctx.pieces = spec, group, pack, pieces
+            for g in groups:
+                kv = comm.all_gather_sequence(kv_all[r][:, g.rows], group, 3, spec.layout, g.docs)
+                o, lse = flash.attention_forward(q_all[r][g.rows], kv[0], kv[1], g.pieces,
+                                                 spec.softmax_scale)
+                del kv
+                out_all[r][g.rows], lse_all[r][g.rows] = o, lse
+            y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
+        ctx.spec, ctx.group, ctx.pack, ctx.groups = spec, group, pack, groups
         ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        spec, group, pack, pieces = ctx.spec, ctx.group, ctx.pack, ctx.pieces
+        spec, group, pack, groups = ctx.spec, ctx.group, ctx.pack, ctx.groups
         x, cos, sin, q_all, kv_all, out_all, lse_all, *weights = ctx.saved_tensors
         B, L, h = x.shape
         nq = spec.local_heads
@@ -157,13 +183,17 @@ class _TSPAttentionFn(torch.autograd.Function):
         mine, others = None, []
         for r, buf in _Rounds(pack.pack(weights), group):
             wq, wk, wv, wo, *b = pack.unpack(buf)
-            kv = comm.all_gather_sequence(kv_all[r], group, dim=3, layout=spec.layout)
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
-            dq, dkv = flash.attention_backward(do, q_all[r], kv, o, lse_all[r], pieces,
-                                               spec.softmax_scale)
-            del kv
-            dkv = comm.reduce_scatter_sequence(dkv, group, dim=3, layout=spec.layout)
+            dq, dkv = torch.empty_like(q_all[r]), torch.empty_like(kv_all[r])
+            for g in groups:
+                kv = comm.all_gather_sequence(kv_all[r][:, g.rows], group, 3, spec.layout, g.docs)
+                dq_g, dkv_g = flash.attention_backward(do[g.rows], q_all[r][g.rows], kv,
+                                                       o[g.rows], lse_all[r][g.rows], g.pieces,
+                                                       spec.softmax_scale)
+                del kv
+                dq[g.rows] = dq_g
+                dkv[:, g.rows] = comm.reduce_scatter_sequence(dkv_g, group, 3, spec.layout, g.docs)
             dq = _flat(rope.apply_backward(dq, cos, sin)).reshape(B * L, -1)
             dk = _flat(rope.apply_backward(dkv[0], cos, sin)).reshape(B * L, -1)
             dv = _flat(dkv[1]).reshape(B * L, -1)
@@ -186,7 +216,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         grads = pack.unpack(mine[0])
         if spec.kv_replicas > 1:
             _sum_kv_replicas(grads, spec, group)
-        return (dx, None, None, None, None, *grads)
+        return (dx, None, None, None, None, None, *grads)
 
 
 def _sum_kv_replicas(grads: list[torch.Tensor], spec: AttentionSpec, group) -> None:
@@ -262,7 +292,10 @@ class TSPAttention(ShardedModule):
                         if "q_proj.bias" in self.full_shapes else [])
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                docs: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """``docs``: for packed rows, each row's document lengths (as ``shard_batch`` pads them:
+        multiples of 2D); attention then stays inside each document."""
         s = self.spec
         if x.dim() != 3 or x.shape[-1] != s.hidden_size:
             raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
@@ -270,6 +303,11 @@ class TSPAttention(ShardedModule):
         if x.shape[1] % (2 if s.layout == "zigzag" else 1):
             raise ValueError(f"local sequence length ({x.shape[1]}) must be even under the zigzag "
                              f"layout (2 chunks per rank); shard with tsp_core.shard_batch")
+        if docs is not None:
+            docs = tuple(tuple(int(n) for n in row) for row in docs)
+            if len(docs) != x.shape[0] or any(sum(row) != x.shape[1] * s.tsp_size for row in docs):
+                raise ValueError(f"docs {docs} do not describe {x.shape[0]} rows of "
+                                 f"{x.shape[1] * s.tsp_size} tokens; pass shard_batch's tsp_docs")
         if position_embeddings is None:
             if position_ids is None:
                 raise ValueError("pass the global position_ids of the local tokens (from "
@@ -283,7 +321,7 @@ class TSPAttention(ShardedModule):
         x, weights, context = schedule_inputs(self, self._weight_names(), x)
         cos, sin = (t.to(x.dtype) for t in position_embeddings)
         with context:
-            y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, *weights)
+            y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, docs, *weights)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
         return y

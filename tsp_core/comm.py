@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .layout import check_seq_len, rank_chunks
+from .layout import local_segments
 
 KINDS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "ring_pass",
          "all_to_all")
@@ -251,40 +251,46 @@ def ring_over_shards_with_grads(own: torch.Tensor, group: dist.ProcessGroup,
 
 # ------------------------------------------------------- sequence gather / scatter (raw)
 
-def _chunk_moves(d: int, layout: str) -> list[tuple[int, int, int]]:
-    """(rank, local chunk slot, global chunk index) for every chunk of the sequence."""
-    return [(r, i, k) for r in range(d) for i, k in enumerate(rank_chunks(r, d, layout))]
+def _moves(seq_len: int, d: int, layout: str,
+           docs: Sequence[int] | None) -> list[tuple[int, int, int, int]]:
+    """(rank, local offset, global start, length) of every local segment of every rank."""
+    out = []
+    for r in range(d):
+        offset = 0
+        for a, b in local_segments(seq_len, r, d, layout, docs):
+            out.append((r, offset, a, b - a))
+            offset += b - a
+    return out
 
 
-def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
-                        layout: str) -> torch.Tensor:
-    """Full sequence (in global token order) from every rank's local tokens along ``dim``."""
+def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int, layout: str,
+                        docs: Sequence[int] | None = None) -> torch.Tensor:
+    """Full sequence (in global token order) from every rank's local tokens along ``dim``;
+    ``docs`` gives the document lengths of a packed row (the same for every row of ``x``)."""
     d = dist.get_world_size(group)
     if d == 1:
         return x
     buf = x.new_empty((d, *x.shape))
     all_gather(buf, x.contiguous(), group)
-    c = check_seq_len(x.shape[dim] * d, d, layout)
     shape = list(x.shape)
     shape[dim] *= d
     full = x.new_empty(shape)
-    for r, i, k in _chunk_moves(d, layout):
-        full.narrow(dim, k * c, c).copy_(buf[r].narrow(dim, i * c, c))
+    for r, offset, start, n in _moves(shape[dim], d, layout, docs):
+        full.narrow(dim, start, n).copy_(buf[r].narrow(dim, offset, n))
     return full
 
 
-def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup, dim: int,
-                            layout: str) -> torch.Tensor:
+def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup, dim: int, layout: str,
+                            docs: Sequence[int] | None = None) -> torch.Tensor:
     """This rank's tokens of the sum over the group of a full-sequence tensor."""
     d = dist.get_world_size(group)
     if d == 1:
         return full
-    c = check_seq_len(full.shape[dim], d, layout)
     shape = list(full.shape)
     shape[dim] //= d
     buf = full.new_empty((d, *shape))
-    for r, i, k in _chunk_moves(d, layout):
-        buf[r].narrow(dim, i * c, c).copy_(full.narrow(dim, k * c, c))
+    for r, offset, start, n in _moves(full.shape[dim], d, layout, docs):
+        buf[r].narrow(dim, offset, n).copy_(full.narrow(dim, start, n))
     out = full.new_empty(shape)
     reduce_scatter(out, buf, group)
     return out

@@ -11,7 +11,7 @@ piece with the *merged* output and LSE, as ring attention does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
@@ -30,42 +30,48 @@ class Piece:
     mask: Mask
 
 
-def plan_pieces(segments: list[tuple[int, int]], seq_len: int, causal: bool,
+def plan_pieces(segments: Sequence[tuple[int, ...]], seq_len: int, causal: bool,
                 window: int | None) -> list[Piece]:
     """Pieces covering exactly the (query, key) pairs the attention pattern allows.
 
-    ``segments`` are the global ``[start, end)`` ranges of the local queries in local order.
-    ``window`` is HF's sliding window: query i sees keys j with i - window < j <= i.
+    ``segments`` are the global ``[start, end)`` ranges of the local queries in local order,
+    optionally with the start of their document as a third element (packed rows: keys before it
+    are never visible). ``window`` is HF's sliding window: query i sees keys j with
+    i - window < j <= i.
     """
     if not causal:
         if window is not None:
             raise ValueError("a sliding window needs causal attention")
-        n = sum(b - a for a, b in segments)
+        if any(len(s) > 2 and s[2] for s in segments):
+            raise ValueError("packed documents need causal attention")
+        n = sum(s[1] - s[0] for s in segments)
         return [Piece(0, n, 0, seq_len, "full")]
     if window is not None and window < 1:
         raise ValueError(f"sliding window ({window}) must be at least 1")
     pieces: list[Piece] = []
     row = 0
-    for start, end in segments:
+    for seg in segments:
+        start, end = seg[0], seg[1]
+        first = seg[2] if len(seg) > 2 else 0  # the first key of the document
         tile = end - start if window is None else max(1, min(end - start, window - 1))
         for a in range(start, end, tile):
             t = min(tile, end - a)
             q0, q1 = row + a - start, row + a - start + t
             pieces.append(Piece(q0, q1, a, a + t, "causal"))
             if window is None:
-                if a > 0:
-                    pieces.append(Piece(q0, q1, 0, a, "full"))
+                if a > first:
+                    pieces.append(Piece(q0, q1, first, a, "full"))
                 continue
             if window == 1:                 # each query sees only itself
                 continue
             band0 = a - window + 1          # lower edge: t x t block, key u visible iff u >= v
-            cut = max(0, -band0)            # keys before position 0 do not exist: the first
+            cut = max(0, first - band0)     # keys before the document do not exist: the first
             if cut < t:                     # `cut` queries then see every remaining band key
                 if cut:
-                    pieces.append(Piece(q0, q0 + cut, 0, band0 + t, "full"))
+                    pieces.append(Piece(q0, q0 + cut, first, band0 + t, "full"))
                 pieces.append(Piece(q0 + cut, q1, band0 + cut, band0 + t, "anticausal"))
-            if a > max(0, band0 + t):
-                pieces.append(Piece(q0, q1, max(0, band0 + t), a, "full"))
+            if a > max(first, band0 + t):
+                pieces.append(Piece(q0, q1, max(first, band0 + t), a, "full"))
         row += end - start
     return pieces
 

@@ -7,7 +7,7 @@ pieces (for non-causal models). Every function here is pure: no collectives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -44,16 +44,30 @@ def check_seq_len(seq_len: int, size: int, layout: str) -> int:
     return seq_len // n
 
 
-def local_segments(seq_len: int, rank: int, size: int, layout: str = "zigzag") -> list[tuple[int, int]]:
+def row_segments(docs: Sequence[int], rank: int, size: int,
+                 layout: str = "zigzag") -> list[tuple[int, int, int]]:
+    """``(start, end, doc_start)`` of this rank's tokens of one row, in local order. The row is a
+    sequence of documents (one for an unpacked row), each a multiple of ``num_chunks`` long; each
+    document is cut into chunks and dealt out like a whole sequence, so causal work stays balanced
+    whatever the mix of document lengths."""
+    segs, start = [], 0
+    for n in docs:
+        c = check_seq_len(n, size, layout)
+        segs += [(start + k * c, start + (k + 1) * c, start) for k in rank_chunks(rank, size, layout)]
+        start += n
+    return segs
+
+
+def local_segments(seq_len: int, rank: int, size: int, layout: str = "zigzag",
+                   docs: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """Global ``[start, end)`` ranges of the local tokens, in local order."""
-    c = check_seq_len(seq_len, size, layout)
-    return [(k * c, (k + 1) * c) for k in rank_chunks(rank, size, layout)]
+    return [(a, b) for a, b, _ in row_segments(docs or (seq_len,), rank, size, layout)]
 
 
 def shard_sequence(x: torch.Tensor, rank: int, size: int, dim: int = 1,
-                   layout: str = "zigzag") -> torch.Tensor:
+                   layout: str = "zigzag", docs: Sequence[int] | None = None) -> torch.Tensor:
     """This rank's tokens of a full-sequence tensor (a copy, so the full tensor can be freed)."""
-    segs = local_segments(x.shape[dim], rank, size, layout)
+    segs = local_segments(x.shape[dim], rank, size, layout, docs)
     return torch.cat([x.narrow(dim, a, b - a) for a, b in segs], dim=dim)
 
 
@@ -108,17 +122,60 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     return out
 
 
-_BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+_BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seqlens")
+
+
+def document_lengths(batch: dict[str, Any], seq: int, rows: int) -> list[list[int]]:
+    """Each row's document lengths: from ``cu_seqlens`` (one 1-D tensor for a single row, or one
+    per row), from ``position_ids`` that restart at 0 at each document (what transformers'
+    DataCollatorWithFlattening produces), else one document per row."""
+    if "cu_seqlens" in batch:
+        cu = batch["cu_seqlens"]
+        per_row = [cu] if torch.is_tensor(cu) and cu.dim() == 1 else list(cu)
+        if len(per_row) != rows:
+            raise ValueError(f"cu_seqlens describes {len(per_row)} rows, input_ids has {rows}")
+        out = []
+        for r, c in enumerate(per_row):
+            c = [int(v) for v in c]
+            if len(c) < 2 or c[0] != 0 or c[-1] != seq:
+                raise ValueError(f"cu_seqlens of row {r} must start at 0 and end at the row "
+                                 f"length ({seq}), got {c}")
+            if any(b <= a for a, b in zip(c, c[1:])):
+                raise ValueError(f"cu_seqlens of row {r} must strictly increase, got {c}")
+            out.append([b - a for a, b in zip(c, c[1:])])
+        return out
+    if "position_ids" not in batch:
+        return [[seq] for _ in range(rows)]
+    out = []
+    for r, p in enumerate(batch["position_ids"].tolist()):
+        if p[0] != 0:
+            raise ValueError(f"position_ids of row {r} start at {p[0]}: every document (or the "
+                             f"whole row) must start at position 0")
+        for i in range(1, seq):
+            if p[i] != 0 and p[i] != p[i - 1] + 1:
+                raise ValueError(f"position_ids of row {r} go from {p[i - 1]} to {p[i]} at index "
+                                 f"{i}: within a document they count up by 1, and a new document "
+                                 f"restarts at 0")
+        starts = [i for i, v in enumerate(p) if v == 0] + [seq]
+        out.append([b - a for a, b in zip(starts, starts[1:])])
+    return out
 
 
 def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
                 ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
     """This rank's part of a full-sequence batch (identical on every rank of the TSP group).
 
-    Returns ``input_ids``, ``position_ids`` (global), ``shift_labels`` (when ``labels`` is given:
-    shifted on the full sequence before sharding, so no rank needs its neighbour's first token) and
-    ``attention_mask`` (when given). The sequence is padded at the end to a multiple of 2*D (zigzag)
-    or D (contiguous); padded positions are ignored by the loss and masked out.
+    Returns ``input_ids``, ``position_ids`` (global, or per document for packed rows),
+    ``shift_labels`` (when ``labels`` is given: shifted before sharding, so no rank needs its
+    neighbour's first token, and never across a document boundary), ``attention_mask`` (when
+    given) and ``tsp_docs`` ([batch, documents]: each row's padded document lengths, which the
+    model's attention follows).
+
+    Each document is padded at its end to a multiple of 2*D (zigzag) or D (contiguous) and cut into
+    chunks dealt out like a whole sequence, which keeps causal work balanced for any mix of
+    lengths; rows are padded to one length with a trailing padding document. Padded positions are
+    ignored by the loss and masked out. Packed rows are given by ``position_ids`` that restart at 0
+    at each document (transformers' DataCollatorWithFlattening) or by ``cu_seqlens``.
     """
     unknown = sorted(set(batch) - set(_BATCH_KEYS))
     if unknown:
@@ -130,16 +187,17 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
     if ids.dim() != 2:
         raise ValueError(f"input_ids must have shape [batch, seq], got {tuple(ids.shape)}")
     size, rank, layout = mesh.size, mesh.rank, mesh.layout
-    seq = ids.shape[1]
-    if seq < 2 * size:
-        raise ValueError(f"sequence length ({seq}) is shorter than 2*tsp_size ({2 * size}): every "
-                         f"rank needs tokens of its own; use a smaller tsp_size or longer sequences")
+    rows, seq = ids.shape
     for key in ("labels", "attention_mask", "position_ids"):
         if key in batch and tuple(batch[key].shape) != tuple(ids.shape):
             raise ValueError(f"{key} has shape {tuple(batch[key].shape)} but input_ids has "
                              f"{tuple(ids.shape)}; pass full-sequence tensors of the same shape")
-
-    if "attention_mask" in batch:
+    docs = document_lengths(batch, seq, rows)
+    packed = any(len(d) > 1 for d in docs)
+    if not packed and seq < 2 * size:
+        raise ValueError(f"sequence length ({seq}) is shorter than 2*tsp_size ({2 * size}): every "
+                         f"rank needs tokens of its own; use a smaller tsp_size or longer sequences")
+    if "attention_mask" in batch and not packed:
         mask = batch["attention_mask"]
         holes = (mask[:, 1:] > mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
         if holes:
@@ -147,20 +205,42 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
                              f"holes); TSP's causal attention supports right padding only: pad on "
                              f"the right (tokenizer.padding_side = 'right')")
 
-    def local(x: torch.Tensor, pad: int) -> torch.Tensor:
-        return shard_sequence(pad_to_multiple(x, size, pad, 1, layout), rank, size, 1, layout)
+    # every document padded to a multiple of the chunk count, rows to one length
+    n = num_chunks(size, layout)
+    padded = [[-(-d // n) * n for d in row] for row in docs]
+    total = max(sum(row) for row in padded)
+    for row in padded:
+        if sum(row) < total:
+            row.append(total - sum(row))  # a padding document
+    source = torch.full((rows, total), -1, dtype=torch.long)
+    positions = torch.empty((rows, total), dtype=torch.long)
+    last_token = torch.zeros((rows, seq), dtype=torch.bool)
+    for r in range(rows):
+        src = dst = 0
+        for j, pad_len in enumerate(padded[r]):
+            d = docs[r][j] if j < len(docs[r]) else 0
+            source[r, dst:dst + d] = torch.arange(src, src + d)
+            positions[r, dst:dst + pad_len] = torch.arange(pad_len)
+            if d:
+                last_token[r, src + d - 1] = True
+            src, dst = src + d, dst + pad_len
+    index = torch.stack([torch.cat([torch.arange(a, b) for a, b, _ in
+                                    row_segments(padded[r], rank, size, layout)])
+                         for r in range(rows)]).to(ids.device)
+    source, positions = source.to(ids.device), positions.to(ids.device)
 
-    out = {"input_ids": local(ids, 0)}
-    if "position_ids" in batch:
-        pos = batch["position_ids"]
-        padded = padded_length(seq, size, layout)
-        tail = pos[:, -1:] + torch.arange(1, padded - seq + 1, device=pos.device)
-        out["position_ids"] = shard_sequence(torch.cat([pos, tail], 1), rank, size, 1, layout)
-    else:
-        pos = position_ids(padded_length(seq, size, layout), rank, size, layout, ids.device)
-        out["position_ids"] = pos.unsqueeze(0).expand(ids.shape[0], -1).contiguous()
+    def local(x: torch.Tensor, pad: int) -> torch.Tensor:
+        full = torch.where(source >= 0, x.gather(1, source.clamp(min=0)), pad)
+        return full.gather(1, index)
+
+    out = {"input_ids": local(ids, 0), "position_ids": positions.gather(1, index)}
     if "labels" in batch:
-        out["shift_labels"] = local(shift_labels(batch["labels"], ignore_index), ignore_index)
+        shifted = shift_labels(batch["labels"], ignore_index)
+        shifted[last_token.to(shifted.device)] = ignore_index  # never across documents
+        out["shift_labels"] = local(shifted, ignore_index)
     if "attention_mask" in batch:
         out["attention_mask"] = local(batch["attention_mask"], 0)
+    width = max(len(row) for row in padded)
+    out["tsp_docs"] = torch.tensor([row + [0] * (width - len(row)) for row in padded],
+                                   dtype=torch.long, device=ids.device)
     return out

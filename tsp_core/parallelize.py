@@ -37,7 +37,9 @@ class HFTSPAttention(TSPAttention):
         if cache is not None:
             raise NotImplementedError("a KV cache (generation) is not supported by TSP attention "
                                       "yet; run the forward with use_cache=False")
-        return super().forward(hidden_states, position_embeddings=position_embeddings), None
+        out = super().forward(hidden_states, position_embeddings=position_embeddings,
+                              docs=kwargs.get("tsp_docs"))
+        return out, None
 
 
 class TSPCausalLM:
@@ -53,12 +55,15 @@ class TSPCausalLM:
                 attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 use_cache: bool | None = None, cache: Any = None,
-                num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any):
+                num_items_in_batch: torch.Tensor | int | None = None,
+                tsp_docs: torch.Tensor | None = None, **kwargs: Any):
         """Takes this rank's part of a batch from :func:`tsp_core.shard_batch`. With
         ``shift_labels`` the loss is the mean over every non-ignored token of the global batch
         (or the global sum divided by ``num_items_in_batch``); without, ``logits`` holds the
         local tokens' logits. ``attention_mask`` may only mark right padding, which causal
-        attention already keeps away from real tokens (``shard_batch`` checks it)."""
+        attention already keeps away from real tokens (``shard_batch`` checks it). ``tsp_docs``
+        (from ``shard_batch``) gives each row's document lengths, so that attention of packed
+        rows stays inside each document."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         if labels is not None:
@@ -70,6 +75,8 @@ class TSPCausalLM:
             raise ValueError("a TSP model needs the global position_ids of the local tokens: "
                              "pass the batch through tsp_core.shard_batch")
         policy, mesh = self._tsp_policy, self._tsp_mesh
+        if tsp_docs is not None:  # one host transfer per step, not per layer
+            kwargs["tsp_docs"] = tuple(tuple(n for n in row if n) for row in tsp_docs.tolist())
         out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
                                                inputs_embeds=inputs_embeds, use_cache=False,
                                                **kwargs)
@@ -212,17 +219,18 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
 
 def shard_full_batches(model: nn.Module) -> nn.Module:
     """Let ``model(**batch)`` take the full-sequence batch (``input_ids`` and optionally
-    ``labels``, ``attention_mask``, as keywords) and shard it itself; batches that already carry
-    ``position_ids`` or ``shift_labels`` pass unchanged. For loops the user does not write
+    ``labels``, ``attention_mask``, ``position_ids``/``cu_seqlens`` of packed rows, as keywords)
+    and shard it itself; batches from ``shard_batch`` (they carry ``tsp_docs``) pass unchanged. For loops the user does not write
     (Fabric, Accelerate), where no hook sees the batch first. Idempotent."""
     if getattr(model, "_tsp_shards_inputs", False):
         return model
     mesh = get_mesh(model)
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-        if args or "input_ids" not in kwargs or "position_ids" in kwargs or "shift_labels" in kwargs:
-            return None
-        batch = {k: kwargs.pop(k) for k in ("input_ids", "labels", "attention_mask") if k in kwargs}
+        if args or "input_ids" not in kwargs or "tsp_docs" in kwargs:
+            return None  # not a keyword batch, or already sharded (every sharded batch has tsp_docs)
+        batch = {k: kwargs.pop(k) for k in ("input_ids", "labels", "attention_mask",
+                                            "position_ids", "cu_seqlens") if k in kwargs}
         return args, {**kwargs, **shard_batch(batch, mesh)}
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
