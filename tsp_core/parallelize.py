@@ -220,8 +220,9 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
 def shard_full_batches(model: nn.Module) -> nn.Module:
     """Let ``model(**batch)`` take the full-sequence batch (``input_ids`` and optionally
     ``labels``, ``attention_mask``, ``position_ids``/``cu_seqlens`` of packed rows, as keywords)
-    and shard it itself; batches from ``shard_batch`` (they carry ``tsp_docs``) pass unchanged. For loops the user does not write
-    (Fabric, Accelerate), where no hook sees the batch first. Idempotent."""
+    and shard it itself; batches from ``shard_batch`` (they carry ``tsp_docs``) pass unchanged.
+    For loops the user does not write (Fabric, Accelerate, the Trainer), where no hook sees the
+    batch first. Idempotent."""
     if getattr(model, "_tsp_shards_inputs", False):
         return model
     mesh = get_mesh(model)
