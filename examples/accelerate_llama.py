@@ -21,10 +21,17 @@ import os
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
 from tsp_accelerate import TSPAccelerator
 
 import tsp_core
+
+
+def documents(count: int, vocab: int = 128) -> list[dict]:
+    """Documents of 1..63 tokens, for --packed (DataCollatorWithFlattening packs them in rows)."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(1, 64, (count,), generator=gen).tolist()
+    return [{"input_ids": torch.randint(0, vocab, (n,), generator=gen).tolist()} for n in lengths]
 
 
 def main() -> None:
@@ -32,6 +39,8 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="use accelerate.Accelerator (no TSP)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--packed", action="store_true",
+                    help="several documents per row (DataCollatorWithFlattening)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -46,6 +55,8 @@ def main() -> None:
     ids = torch.randint(0, 128, (32, a.seq), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in ids]
     loader = DataLoader(data, batch_size=2)
+    if a.packed:
+        loader = DataLoader(documents(32), batch_size=2, collate_fn=DataCollatorWithFlattening())
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     batches = iter(loader)

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 import tsp_lightning  # registers strategy="tsp"
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers import DataCollatorWithFlattening
 
 import tsp_core
 from tsp_core.parallelize import TSPCausalLM
@@ -42,6 +43,21 @@ class Sequences(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class Documents(Dataset):
+    """``rows`` documents of different lengths, packed into rows by DataCollatorWithFlattening."""
+
+    def __init__(self, rows: int = 4) -> None:
+        gen = torch.Generator().manual_seed(12)
+        lengths = torch.randint(1, 30, (rows,), generator=gen).tolist()
+        self.docs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.docs[i]}
+
+
 class LitLlama(L.LightningModule):
     def __init__(self, plain_model: bool = False) -> None:
         super().__init__()
@@ -70,7 +86,8 @@ def full_weights(model) -> dict:
 
 def run_trainer(a) -> dict:
     module = LitLlama(a.bad_model)
-    data = Sequences(a.rows)
+    data = Documents(a.rows) if a.packed else Sequences(a.rows)
+    collate = DataCollatorWithFlattening() if a.packed else None
     single = a.strategy == "auto"
     # distributed runs get Lightning's injected sampler (data parallel only, shuffled, seed 0);
     # the one-process reference gets the same sampler explicitly, so both see the same order
@@ -85,7 +102,8 @@ def run_trainer(a) -> dict:
                         enable_checkpointing=bool(a.ckpt_dir), enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=a.clip,
                         use_distributed_sampler=not single, callbacks=callbacks)
-    trainer.fit(module, DataLoader(data, batch_size=2, sampler=sampler), ckpt_path=a.resume)
+    trainer.fit(module, DataLoader(data, batch_size=2, sampler=sampler, collate_fn=collate),
+                ckpt_path=a.resume)
     weights = full_weights(module.model)
     if a.export:
         trainer.strategy.export_hf(a.export)
@@ -126,6 +144,7 @@ def main() -> None:
     ap.add_argument("--resume", default=None)
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--packed", action="store_true")
     ap.add_argument("--export", default=None)
     ap.add_argument("--tsp-size", type=int, default=None)
     ap.add_argument("--bad-model", action="store_true")

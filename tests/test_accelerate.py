@@ -60,3 +60,32 @@ def test_tsp_size_from_the_launch_environment_with_data_parallel(tmp_path):
     stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "4", EXIT_CLEANLY,
                   SCRIPT, "--out", str(tmp_path)], TSP_SIZE="2")
     assert "processes 4, TSP degree 2" in stdout, stdout
+
+
+def test_packed_batches(tmp_path):
+    # the first step's batch packs documents 0 and 1 of the example into one row; its loss is the
+    # unmodified model's on each document alone
+    import runpy
+
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", EXIT_CLEANLY,
+                  SCRIPT, "--packed", "--out", str(tmp_path)])
+    assert "processes 2, TSP degree 2" in stdout, stdout
+    with open(os.path.join(tmp_path, "losses.json")) as f:
+        first = json.load(f)[0]
+    docs = runpy.run_path(SCRIPT)["documents"](32)[:2]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=64))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for d in docs:
+            t = torch.tensor(d["input_ids"])[None]
+            total += F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:],
+                                     reduction="sum").item()
+            count += t.shape[1] - 1
+    assert abs(first - total / count) <= 1e-5 * total / count, (first, total / count)

@@ -75,6 +75,31 @@ def test_resume_is_exact(tmp_path):
                 ({"losses": uninterrupted[0]["losses"][2:]}, uninterrupted[1]), tol=1e-6)
 
 
+def doc_by_doc_loss(docs: list[list[int]], model) -> float:
+    """The unmodified model on each document alone: the mean next-token loss over all of them
+    (the HF model on the packed row is no reference: its attention crosses documents)."""
+    import torch.nn.functional as F
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for d in docs:
+            t = torch.tensor(d)[None]
+            total += F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:],
+                                     reduction="sum").item()
+            count += len(d) - 1
+    return total / count
+
+
+def test_packed_batches(tmp_path):
+    # one step on one DataCollatorWithFlattening row of 2 documents (order does not matter)
+    from .lightning_job import Documents, build_llama
+
+    run_job(str(tmp_path), "--devices", "2", "--packed", "--rows", "2", "--steps", "1")
+    res, _ = result(str(tmp_path))
+    want = doc_by_doc_loss(Documents(2).docs, build_llama())
+    assert abs(res["losses"][0] - want) <= 1e-5 * want, (res["losses"], want)
+
+
 def test_fabric_matches_one_process(tmp_path):
     run_job(str(tmp_path / "ref"), "--mode", "fabric", "--strategy", "auto", "--devices", "1")
     run_job(str(tmp_path / "tsp"), "--mode", "fabric", "--devices", "2")

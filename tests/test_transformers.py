@@ -66,6 +66,30 @@ def test_tsp_trainer_matches_plain_trainer(tmp_path, saved_llama):
         assert_close(w[name], t, 1e-5, name)
 
 
+def test_packed_batches_with_data_collator_with_flattening(tmp_path, saved_llama):
+    # one step on one flattened row of 2 documents: the logged loss is the loss of the unmodified
+    # model run on each document alone (the HF model on the packed row would let them mix)
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from .trainer_job import packed_documents
+
+    args = [*common(saved_llama, tmp_path / "o"), "--packed", "true", "--num_docs", "2",
+            "--save_strategy", "no", "--tsp_size", "2", "--out", str(tmp_path / "tsp")]
+    args[args.index("--max_steps") + 1] = "1"
+    torchrun(*args)
+    res, _ = result(tmp_path / "tsp")
+    model = AutoModelForCausalLM.from_pretrained(saved_llama)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for d in packed_documents(model.config.vocab_size, 2):
+            t = torch.tensor(d)[None]
+            total += F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:],
+                                     reduction="sum").item()
+            count += len(d) - 1
+    assert abs(res["losses"][0] - total / count) <= 1e-5 * total / count, (res, total / count)
+
+
 def test_resume_from_checkpoint_is_exact(tmp_path, saved_llama):
     args = ["--tsp_size", "2"]
     torchrun(*common(saved_llama, tmp_path / "a"), *args, "--save_strategy", "steps",

@@ -9,7 +9,12 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    HfArgumentParser,
+    TrainerCallback,
+)
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
 import tsp_core
@@ -21,6 +26,15 @@ class JobArgs:
     model_path: str = field(default="")
     out: str = field(default="")
     resume: str = field(default="")
+    packed: bool = field(default=False)
+    num_docs: int = field(default=16)
+
+
+def packed_documents(vocab: int, n: int) -> list[list[int]]:
+    """``n`` documents of lengths 1..39 (DataCollatorWithFlattening packs them into rows)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 40, (n,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lengths]
 
 
 class LossLog(TrainerCallback):
@@ -35,11 +49,17 @@ class LossLog(TrainerCallback):
 def main() -> None:
     job, args = HfArgumentParser((JobArgs, TSPTrainingArguments)).parse_args_into_dataclasses()
     model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=torch.float32)
-    ids = torch.randint(0, model.config.vocab_size, (8, 24), generator=torch.Generator().manual_seed(5))
-    data = [{"input_ids": r, "labels": r} for r in ids]
+    if job.packed:  # documents of different lengths, several per row
+        data = [{"input_ids": d} for d in packed_documents(model.config.vocab_size, job.num_docs)]
+        collator = DataCollatorWithFlattening()
+    else:
+        gen = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, model.config.vocab_size, (8, 24), generator=gen)
+        data = [{"input_ids": r, "labels": r} for r in ids]
+        collator = None
     log = LossLog()
     trainer = TSPTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
-                         callbacks=[log])
+                         callbacks=[log], data_collator=collator)
     trainer.train(resume_from_checkpoint=job.resume or None)
     metrics = trainer.evaluate()
     model = trainer.model
