@@ -59,9 +59,14 @@ class Documents(Dataset):
 
 
 class LitLlama(L.LightningModule):
-    def __init__(self, plain_model: bool = False) -> None:
+    def __init__(self, unsupported_model: bool = False) -> None:
         super().__init__()
-        self.model = torch.nn.Linear(4, 4) if plain_model else build_llama()
+        if unsupported_model:  # a transformers model no TSP policy describes
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            self.model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+        else:
+            self.model = build_llama()
         self.losses: list[float] = []
         self.logged: list[float] = []
 
@@ -70,6 +75,15 @@ class LitLlama(L.LightningModule):
         self.log("train_loss", loss, on_step=True, sync_dist=True)
         self.losses.append(loss.item())
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.model(**batch).loss, sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(**{k: v for k, v in batch.items() if k != "shift_labels"}).logits.shape
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.logged.append(float(self.trainer.callback_metrics["train_loss"]))
@@ -105,10 +119,14 @@ def run_trainer(a) -> dict:
     trainer.fit(module, DataLoader(data, batch_size=2, sampler=sampler, collate_fn=collate),
                 ckpt_path=a.resume)
     weights = full_weights(module.model)
+    loader = DataLoader(data, batch_size=2, collate_fn=collate)
+    val = trainer.validate(module, loader, verbose=False)[0]["val_loss"]
+    test = trainer.test(module, loader, verbose=False)[0]["test_loss"]
+    shapes = [list(s) for s in trainer.predict(module, loader)]
     if a.export:
         trainer.strategy.export_hf(a.export)
-    return dict(losses=module.losses, logged=module.logged, weights=weights,
-                rank=trainer.global_rank)
+    return dict(losses=module.losses, logged=module.logged, weights=weights, val=val, test=test,
+                predict_shapes=shapes, rank=trainer.global_rank)
 
 
 def run_fabric(a) -> dict:

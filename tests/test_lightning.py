@@ -56,6 +56,11 @@ def test_trainer_matches_one_process(tmp_path, reference):
     # the logged train loss is the true (global) loss, not a rank's share
     for logged, true in zip(run[0]["logged"], reference[0]["losses"]):
         assert abs(logged - true) <= 1e-5 * abs(true)
+    # validate and test see sharded batches too; predict returns the local tokens' logits
+    for key in ("val", "test"):
+        assert abs(run[0][key] - reference[0][key]) <= 1e-5 * abs(reference[0][key]), key
+    assert reference[0]["predict_shapes"][0] == [2, 24, 96]
+    assert all(shape == [2, 12, 96] for shape in run[0]["predict_shapes"])
 
 
 def test_resume_is_exact(tmp_path):
@@ -126,7 +131,7 @@ def test_export_hf_checkpoint(tmp_path, reference):
 
 @pytest.mark.parametrize("args,message", [
     (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size \(2\)"),
-    (["--bad-model"], r"converts a Hugging Face causal LM"),
+    (["--bad-model"], r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported"),
     (["--precision", "16-true"], r"precision='16-true' is not supported by the TSP strategy"),
 ])
 def test_bad_configuration_fails_fast(tmp_path, args, message):

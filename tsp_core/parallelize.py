@@ -169,8 +169,12 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     c = model.config
     p0 = next(model.parameters())
     empty = p0.is_meta  # weights come later, from load_full_state_dict
-    device = (torch.device(mesh.device_type, torch.cuda.current_device())
-              if empty and mesh.device_type == "cuda" else torch.device("cpu") if empty else p0.device)
+    if not empty:
+        device = p0.device
+    elif mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     opts = dict(dtype=p0.dtype, device=device)
     nq = c.num_attention_heads
     nkv = getattr(c, "num_key_value_heads", None) or nq
