@@ -47,4 +47,13 @@ def install_gradient_sync(model: nn.Module, mesh: TSPMesh) -> None:
                 p.register_hook(hook)
                 p._tsp_dp_hooked = True
 
-    model.register_forward_pre_hook(ensure_hooks)
+    model._tsp_gradient_sync = model.register_forward_pre_hook(ensure_hooks)
+
+
+def remove_gradient_sync(model: nn.Module) -> None:
+    """Leave data-parallel gradients to an engine that syncs them itself (DeepSpeed), before the
+    first forward installs any hook."""
+    handle = getattr(model, "_tsp_gradient_sync", None)
+    if handle is not None:
+        handle.remove()
+        model._tsp_gradient_sync = None

@@ -92,6 +92,9 @@ class TSPCausalLM:
         else:
             count = torch.as_tensor(num_items_in_batch, dtype=loss_sum.dtype)
         loss = comm.sum_over(loss_sum, mesh.all_groups) / count
+        scale = getattr(self, "_tsp_grad_scale", 1)
+        if scale != 1:  # an engine that averages data-parallel gradients (DeepSpeed): same value,
+            loss = loss * scale - loss.detach() * (scale - 1)  # gradient times the dp size
         return CausalLMOutputWithPast(loss=loss)
 
 

@@ -1,0 +1,54 @@
+"""DeepSpeed + TSP: ``tsp_deepspeed.initialize`` in place of ``deepspeed.initialize``.
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 4 examples/deepspeed_llama.py --tsp 2
+
+runs TSP degree 2 x data parallel 2 with ZeRO stage 2 (``--stage``) on CPU; on GPUs drop
+DS_ACCELERATOR. Batches reach the engine as ``engine(**tsp_core.shard_batch(batch, mesh))``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import tsp_deepspeed
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tsp_core
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tsp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seq", type=int, default=512)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=704,
+                                         num_hidden_layers=4, num_attention_heads=8,
+                                         num_key_value_heads=4))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+              "zero_optimization": {"stage": a.stage},
+              "tsp": {"size": a.tsp}}          # or tsp_deepspeed.initialize(..., tsp_size=...)
+    engine, optimizer, _, _ = tsp_deepspeed.initialize(model=model, config=config,
+                                                       model_parameters=model.parameters())
+    mesh = tsp_core.get_mesh(engine.module)
+    dp_rank = mesh.device_mesh.get_coordinate()[0]
+    gen = torch.Generator().manual_seed(1 + dp_rank)       # each data-parallel replica its data
+    for step in range(a.steps):
+        ids = torch.randint(0, 4096, (2, a.seq), generator=gen)
+        loss = engine(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
+        engine.backward(loss)
+        engine.step()
+        if dist.get_rank() == 0:
+            print(f"step {step} loss {loss.item():.4f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
