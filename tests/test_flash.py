@@ -29,6 +29,18 @@ def explicit(q, k, v, rows, causal, window, scale, doc_of=None):
     return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v.repeat_interleave(g, 1)
 
 
+def check(ref, q, k, v, pieces, scale, gen) -> None:
+    """The pieces' forward and backward against the explicit-mask reference ``ref``."""
+    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale)
+    assert_close(out, ref.detach(), 1e-12, "output")
+    do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(ref, (q, k, v), do)
+    dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse, pieces,
+                                 scale)
+    for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
+        assert_close(a, b, 1e-12, f"d{name}")
+
+
 @pytest.mark.parametrize("size,layout,causal,window", [
     (d, lay, c, w) for d, lay, (c, w) in itertools.product(
         [1, 2, 3, 4], ["zigzag", "contiguous"],
@@ -49,15 +61,7 @@ def test_pieces_match_explicit_mask(size, layout, causal, window):
         q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
         k = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
         v = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-        ref = explicit(q, k, v, rows, causal, window, scale)
-        out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale)
-        assert_close(out, ref.detach(), 1e-12, "output")
-        do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-        expected = torch.autograd.grad(ref, (q, k, v), do)
-        dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse,
-                                     pieces, scale)
-        for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
-            assert_close(a, b, 1e-12, f"d{name}")
+        check(explicit(q, k, v, rows, causal, window, scale), q, k, v, pieces, scale, gen)
 
 
 def test_window_needs_causal():
@@ -79,12 +83,4 @@ def test_packed_documents_never_see_each_other(size, window):
         q = torch.randn(1, 2, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
         k = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
         v = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-        ref = explicit(q, k, v, rows, True, window, scale, doc_of)
-        out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale)
-        assert_close(out, ref.detach(), 1e-12, "output")
-        do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-        expected = torch.autograd.grad(ref, (q, k, v), do)
-        dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse,
-                                     pieces, scale)
-        for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
-            assert_close(a, b, 1e-12, f"d{name}")
+        check(explicit(q, k, v, rows, True, window, scale, doc_of), q, k, v, pieces, scale, gen)

@@ -52,3 +52,27 @@ def shard(batch: Any, mesh: TSPMesh) -> dict:
                         f"(and optionally 'labels', 'attention_mask', 'position_ids'), got "
                         f"{type(batch).__name__}")
     return tsp_core.shard_batch(dict(batch), mesh)
+
+
+class TSPMeshMixin:
+    """What the Trainer and Fabric strategies share: both subclass a ModelParallelStrategy whose
+    tensor-parallel dim holds the TSP group."""
+
+    _layout: str = "zigzag"
+    _tsp_mesh: TSPMesh | None = None
+
+    @property
+    def tsp_mesh(self) -> TSPMesh:
+        if self._tsp_mesh is None:
+            raise RuntimeError("the TSP mesh exists once the processes are set up")
+        return self._tsp_mesh
+
+    def _setup_tsp_environment(self, precision: str, setup_environment) -> None:
+        # every check that can fail runs first, identically on every rank: no rank hangs
+        check_precision(precision)
+        self._data_parallel_size, self._tensor_parallel_size = resolve_sizes(
+            self._tensor_parallel_size, self._data_parallel_size, self.num_nodes,
+            self.num_processes)
+        setup_environment()
+        self._tsp_mesh = TSPMesh.from_device_mesh(self.device_mesh, "tensor_parallel",
+                                                  self._layout)

@@ -20,20 +20,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
 import tsp_core
-from tsp_core.mesh import TSPMesh
 
-from .common import (
-    SUPPORTED_PRECISIONS,
-    check_precision,
-    parallelize_target,
-    resolve_sizes,
-    shard,
-)
+from .common import SUPPORTED_PRECISIONS, TSPMeshMixin, parallelize_target, shard
 
 __all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
 
 
-class TSPStrategy(ModelParallelStrategy):
+class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     """``TSPStrategy(tsp_size="auto" | int, data_parallel_size="auto" | int,
     save_distributed_checkpoint=True, layout="zigzag")``. "auto" TSP size means every process of
     a node; data parallel takes the rest."""
@@ -49,27 +42,13 @@ class TSPStrategy(ModelParallelStrategy):
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._layout = layout
-        self._tsp_mesh: TSPMesh | None = None
 
     @property
     def is_distributed(self) -> bool:
         return True
 
-    @property
-    def tsp_mesh(self) -> TSPMesh:
-        if self._tsp_mesh is None:
-            raise RuntimeError("the TSP mesh exists once the processes are set up")
-        return self._tsp_mesh
-
     def setup_environment(self) -> None:
-        # every check that can fail runs first, identically on every rank: no rank hangs
-        check_precision(self.precision_plugin.precision)
-        self._data_parallel_size, self._tensor_parallel_size = resolve_sizes(
-            self._tensor_parallel_size, self._data_parallel_size, self.num_nodes,
-            self.num_processes)
-        super().setup_environment()
-        self._tsp_mesh = TSPMesh.from_device_mesh(self.device_mesh, "tensor_parallel",
-                                                  self._layout)
+        self._setup_tsp_environment(self.precision_plugin.precision, super().setup_environment)
 
     def setup(self, trainer) -> None:
         """ModelParallelStrategy.setup, converting the model instead of requiring
