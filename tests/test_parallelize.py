@@ -87,10 +87,10 @@ def test_training_parity_float64(pools, family, world, tsp):
     assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
 
 
-@pytest.mark.parametrize("tsp", [4, 2])
+@pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", hf_models.FAMILIES)
-def test_training_parity_float32(pools, family, tsp):
-    pool_of(pools, 4).run(train_parity, family, tsp, "float32", 24)
+def test_training_parity_float32(pools, family, world, tsp):
+    pool_of(pools, world).run(train_parity, family, tsp, "float32", 24)
 
 
 def test_padding_and_ignored_labels(pools):
