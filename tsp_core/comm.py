@@ -22,9 +22,6 @@ import torch.distributed as dist
 
 from .layout import local_segments
 
-KINDS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "ring_pass",
-         "all_to_all")
-
 
 @dataclass(eq=False)  # trackers are told apart by identity
 class CommStats:
