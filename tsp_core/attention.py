@@ -185,15 +185,23 @@ class _TSPAttentionFn(torch.autograd.Function):
             wq, wk, wv, wo, *b = pack.unpack(buf)
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
-            dq, dkv = torch.empty_like(q_all[r]), torch.empty_like(kv_all[r])
+            parts = []
             for g in groups:
                 kv = comm.all_gather_sequence(kv_all[r][:, g.rows], group, 3, spec.layout, g.docs)
                 dq_g, dkv_g = flash.attention_backward(do[g.rows], q_all[r][g.rows], kv,
                                                        o[g.rows], lse_all[r][g.rows], g.pieces,
                                                        spec.softmax_scale)
-                del kv
-                dq[g.rows] = dq_g
-                dkv[:, g.rows] = comm.reduce_scatter_sequence(dkv_g, group, 3, spec.layout, g.docs)
+                del kv  # the full-sequence K/V and dK/dV never coexist with the next group's
+                parts.append((g.rows, dq_g,
+                              comm.reduce_scatter_sequence(dkv_g, group, 3, spec.layout, g.docs)))
+                del dkv_g
+            if len(parts) == 1:  # one layout for the whole batch: no reassembly
+                _, dq, dkv = parts[0]
+            else:
+                dq, dkv = torch.empty_like(q_all[r]), torch.empty_like(kv_all[r])
+                for rows, dq_g, dkv_g in parts:
+                    dq[rows], dkv[:, rows] = dq_g, dkv_g
+            del parts
             dq = _flat(rope.apply_backward(dq, cos, sin)).reshape(B * L, -1)
             dk = _flat(rope.apply_backward(dkv[0], cos, sin)).reshape(B * L, -1)
             dv = _flat(dkv[1]).reshape(B * L, -1)
