@@ -1,7 +1,7 @@
 """Folded tensor-and-sequence parallelism (TSP) for PyTorch: every rank of a TSP group holds 1/D
 of each weight matrix and 1/D of the tokens."""
 
-from . import comm, layout
+from . import comm, guard, layout
 from .attention import TSPAttention
 from .checkpoint import full_state_dict, load_full_state_dict, save_pretrained
 from .layout import position_ids, shard_batch, shard_sequence, unshard_sequence
@@ -9,9 +9,10 @@ from .mesh import TSPMesh, init_mesh
 from .mlp import TSPGatedMLP
 from .norm import TSPRMSNorm
 from .parallelize import get_mesh, parallelize
+from .resharding import latest_checkpoint, load_checkpoint, save_checkpoint
 from .vocab import TSPEmbedding, TSPLMHead
 
 __all__ = ["TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh", "TSPRMSNorm",
-           "comm", "full_state_dict", "get_mesh", "init_mesh", "layout", "load_full_state_dict",
-           "parallelize", "position_ids", "save_pretrained", "shard_batch", "shard_sequence",
-           "unshard_sequence"]
+           "comm", "full_state_dict", "get_mesh", "guard", "init_mesh", "latest_checkpoint", "layout",
+           "load_checkpoint", "load_full_state_dict", "parallelize", "position_ids",
+           "save_checkpoint", "save_pretrained", "shard_batch", "shard_sequence", "unshard_sequence"]

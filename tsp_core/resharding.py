@@ -1,0 +1,319 @@
+"""Sharded training checkpoints that load at any TSP degree (torch.distributed.checkpoint).
+
+A TSP parameter's DTensor describes this rank's *local* layout: vocabulary rows padded to a
+multiple of D, and with fewer KV heads than ranks, one KV head copied on several ranks. Saved as
+they are, such DTensors would only load back at the same degree. Here every parameter and every
+optimizer tensor of its shape is written under its Hugging Face name with its Hugging Face shape,
+as the chunks this rank really owns (padding dropped, each KV-head copy written once). DCP then
+reads whatever slices the loading model needs, at another degree or into a plain Hugging Face
+model. Format and guarantees: docs/checkpointing.md.
+
+A save is written to ``<path>.partial`` and renamed to ``<path>`` only after every rank's data, the
+DCP metadata and the ``tsp_checkpoint.json`` marker exist, so a process killed mid-save never
+leaves a directory that looks complete; loading refuses a directory without the marker.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .checkpoint import _sharded_modules
+from .params import local
+
+MARKER = "tsp_checkpoint.json"
+EXTRA = "extra.pt"
+FORMAT = "tsp_core.dcp"
+VERSION = 1
+
+
+# ----------------------------------------------------------- layouts: local <-> checkpoint
+
+def _chunked(full_len: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of chunk ``index`` of ``parts`` under DTensor's uneven Shard rule."""
+    per = -(-full_len // parts)
+    start = min(per * index, full_len)
+    return start, max(0, min(per, full_len - start))
+
+
+class _Layout:
+    """How one sharded parameter's local tensor maps onto its Hugging Face-shaped tensor."""
+
+    def __init__(self, module, name: str, param: DTensor) -> None:
+        mesh = module.mesh
+        d = mesh.size
+        specs = [module.shard_spec(name, r) for r in range(d)]
+        self.dim = specs[0].dim
+        self.full_shape = tuple(module.full_shapes[name])
+        self.spec = specs[mesh.rank]
+        starts = sorted({s.start for s in specs})
+        chunks = len(starts)
+        full_len = self.full_shape[self.dim]
+        copies = d // chunks
+        ok = d % chunks == 0 and all(
+            (s.start, s.length) == _chunked(full_len, chunks, r // copies) for r, s in enumerate(specs))
+        if not ok:  # a new layout must be described here before it can be checkpointed
+            raise NotImplementedError(f"{type(module).__name__}.{name}: shard layout "
+                                      f"{[(s.start, s.length) for s in specs]} is not one DCP can "
+                                      f"describe (equal chunks, optionally copied on consecutive ranks)")
+        dm = mesh.device_mesh
+        names = list(dm.mesh_dim_names)
+        i = names.index(mesh.dim)
+        if copies == 1:
+            self.mesh = dm
+            self.placements = [Shard(self.dim) if n == mesh.dim else Replicate() for n in names]
+        else:  # KV heads copied on `copies` consecutive ranks: split the TSP dim in two
+            shape = list(dm.mesh.shape)
+            shape[i:i + 1] = [chunks, copies]
+            names[i:i + 1] = [f"{mesh.dim}_chunks", f"{mesh.dim}_copies"]
+            self.mesh = DeviceMesh(dm.device_type, dm.mesh.reshape(shape), mesh_dim_names=tuple(names),
+                                   _init_backend=False)
+            self.placements = [Replicate()] * len(names)
+            self.placements[i] = Shard(self.dim)
+
+    def export(self, t: torch.Tensor) -> DTensor:
+        """Checkpoint view of a local tensor in this parameter's layout (shares its storage)."""
+        own = t.narrow(self.dim, 0, self.spec.length)
+        return DTensor.from_local(own, self.mesh, self.placements, run_check=False,
+                                  shape=torch.Size(self.full_shape),
+                                  stride=torch.empty(self.full_shape, device="meta").stride())
+
+
+def _layouts(model: nn.Module) -> dict[str, _Layout]:
+    """Sharded parameters by state-dict name (tied names included)."""
+    out = {}
+    for prefix, m in _sharded_modules(model):
+        for name, p in m.named_parameters():
+            spec = m.shard_spec(name, m.mesh.rank)
+            if spec.dim is not None:
+                out[prefix + name] = _Layout(m, name, p)
+    return out
+
+
+def _export(layouts: dict[str, _Layout], fqn: str, t: torch.Tensor):
+    layout = layouts.get(fqn)
+    if layout is not None and isinstance(t, DTensor):
+        return layout.export(t.to_local())
+    return t
+
+
+def _fresh(layouts: dict[str, _Layout], fqn: str, t: torch.Tensor):
+    """(checkpoint-shaped load target, function returning the loaded tensor in ``t``'s layout)."""
+    if not isinstance(t, DTensor):
+        buf = torch.zeros_like(t)
+        return buf, lambda: buf
+    buf = torch.zeros_like(t.to_local())
+    layout = layouts.get(fqn)
+    target = layout.export(buf) if layout is not None else DTensor.from_local(
+        buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+    def back() -> DTensor:
+        return DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return target, back
+
+
+def _map_optimizer(osd: dict, fn: Callable[[str, torch.Tensor], Any]) -> dict:
+    """``osd`` with every tensor of ``state[fqn]`` replaced by ``fn(fqn, tensor)``; tensors with
+    the parameter's shape are laid out like it, scalars (``step``) pass through ``fn`` as well."""
+    state = {fqn: {k: fn(fqn, v) if torch.is_tensor(v) else v for k, v in s.items()}
+             for fqn, s in osd["state"].items()}
+    return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def _optimizer_fn(layouts: dict[str, _Layout], model_sd: dict[str, torch.Tensor], make):
+    def fn(fqn: str, v: torch.Tensor):
+        p = model_sd.get(fqn)
+        same_layout = p is not None and isinstance(v, DTensor) and v.shape == p.shape
+        return make(layouts if same_layout else {}, fqn, v)
+    return fn
+
+
+# ------------------------------------------------------------------------ save and load
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _base_class(model: nn.Module) -> str:
+    from .parallelize import TSPCausalLM
+
+    mro = type(model).__mro__
+    return (mro[mro.index(TSPCausalLM) + 1] if isinstance(model, TSPCausalLM) else mro[0]).__name__
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> str:
+    """Write model (and optimizer) state to the directory ``path`` with torch.distributed.checkpoint,
+    every tensor under its Hugging Face name and shape, so it loads at any TSP degree or into a
+    plain model. ``extra`` (a step, scheduler state, RNG state...: anything ``torch.save`` takes,
+    taken from global rank 0) comes back from :func:`load_checkpoint`. Every rank must call it.
+    The directory appears atomically, complete; an existing one is replaced only then. Needs a
+    filesystem every rank sees."""
+    path = os.path.abspath(os.fspath(path))
+    tmp = path + ".partial"
+    buf = io.BytesIO()
+    try:  # fails here, on every rank alike, before anything is written
+        torch.save(extra, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        raise ValueError(f"save_checkpoint extra values {sorted(extra)} must be tensors, numbers, "
+                         f"strings, lists, tuples or dicts of those (torch.load weights_only); "
+                         f"{type(e).__name__}: {e}") from e
+    mesh = getattr(model, "_tsp_mesh", None)
+    model_sd = model.state_dict()
+    layouts = _layouts(model) if mesh is not None else {}
+    state: dict[str, Any] = {"model": {k: _export(layouts, k, v) for k, v in model_sd.items()}}
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer)
+        state["optimizer"] = _map_optimizer(osd, _optimizer_fn(layouts, model_sd, _export))
+    if _rank0() and os.path.exists(tmp):
+        shutil.rmtree(tmp)  # a save that died earlier
+    _barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if _rank0():
+        with open(os.path.join(tmp, EXTRA), "wb") as f:
+            f.write(buf.getvalue())
+        marker = {"format": FORMAT, "version": VERSION, "model_class": _base_class(model),
+                  "tsp_size": mesh.size if mesh else None,
+                  "dp_size": mesh.dp_size if mesh else None,
+                  "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                  "optimizer": optimizer is not None, "extra": sorted(extra),
+                  "step": extra["step"] if isinstance(extra.get("step"), int) else None}
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        old = path + ".old"
+        if os.path.exists(path):
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if os.path.exists(old):
+            shutil.rmtree(old)
+    _barrier()
+    return path
+
+
+def read_marker(path: str | os.PathLike) -> dict:
+    """The ``tsp_checkpoint.json`` of a complete checkpoint; raises if the directory is not one."""
+    path = os.fspath(path)
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        partial = path.endswith(".partial") or not os.path.isdir(path)
+        why = "does not exist" if not os.path.exists(path) else (
+            "is a save that did not finish" if partial or os.path.exists(os.path.join(path, ".metadata"))
+            else "is not a tsp_core checkpoint")
+        raise FileNotFoundError(f"{path} {why} (no {MARKER}); load a complete checkpoint, e.g. "
+                                f"tsp_core.latest_checkpoint(<checkpoint dir>)")
+    with open(marker) as f:
+        return json.load(f)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> str | None:
+    """The complete checkpoint in ``directory`` with the highest ``step`` (then the newest);
+    directories of saves that did not finish are ignored. None when there is none."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return None
+    found = []
+    for name in os.listdir(directory):
+        p = os.path.join(directory, name)
+        if name.endswith((".partial", ".old")) or not os.path.isfile(os.path.join(p, MARKER)):
+            continue
+        step = read_marker(p).get("step")
+        found.append((step if step is not None else -1, os.path.getmtime(p), p))
+    return max(found)[2] if found else None
+
+
+def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Module) -> None:
+    """Every tensor the load needs exists in the checkpoint with the same shape (checked from the
+    metadata on every rank alike, before anything is read or changed)."""
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {k: tuple(v.size) for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+    problems, missing = [], []
+    for key, t in target.items():
+        if key not in saved:
+            missing.append(key)
+        elif saved[key] != tuple(t.shape):
+            problems.append(f"{key} has shape {saved[key]} in the checkpoint, {tuple(t.shape)} here")
+    unexpected = sorted(k[len("model."):] for k in saved if k.startswith("model.")
+                        and k not in target)
+    if problems or missing or unexpected:
+        parts = problems[:3] + ([f"{len(problems) - 3} more shape differences"] if len(problems) > 3
+                                else [])
+        if missing:
+            parts.append(f"{len(missing)} tensors missing from the checkpoint (e.g. {missing[:3]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} parameters not in this model (e.g. {unexpected[:3]})")
+        raise ValueError(f"{path} holds a {marker.get('model_class')} that does not match this "
+                         f"{_base_class(model)}: " + "; ".join(parts) + ". Load it into the model it "
+                         "was saved from (same config); nothing was changed")
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load a :func:`save_checkpoint` directory into ``model`` (a TSP model at any degree, or a
+    plain model) and ``optimizer``; returns the ``extra`` values. Every rank must call it. Names
+    and shapes are checked on every rank before anything is read, so a checkpoint of another
+    model raises everywhere and leaves model and optimizer untouched."""
+    path = os.path.abspath(os.fspath(path))
+    marker = read_marker(path)
+    if marker.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {marker.get('format')!r}, expected {FORMAT!r}")
+    if optimizer is not None and not marker.get("optimizer"):
+        raise ValueError(f"{path} was saved without optimizer state; pass optimizer=None (and "
+                         f"start the optimizer fresh) or load a checkpoint saved with one")
+    mesh = getattr(model, "_tsp_mesh", None)
+    layouts = _layouts(model) if mesh is not None else {}
+    model_sd = model.state_dict()
+    state: dict[str, Any] = {"model": {}}
+    finish: dict[str, Callable[[], torch.Tensor]] = {}
+    for k, v in model_sd.items():
+        state["model"][k], finish[k] = _fresh(layouts, k, v)
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    opt_finish: dict[tuple[str, str], Callable[[], torch.Tensor]] = {}
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer)
+        make = _optimizer_fn(layouts, model_sd, _fresh)
+        state["optimizer"] = {"param_groups": osd["param_groups"], "state": {}}
+        for fqn, s in osd["state"].items():
+            state["optimizer"]["state"][fqn] = {}
+            for k, v in s.items():
+                if torch.is_tensor(v):
+                    target, opt_finish[(fqn, k)] = make(fqn, v)
+                    state["optimizer"]["state"][fqn][k] = target
+                    flat[f"optimizer.state.{fqn}.{k}"] = target
+                else:
+                    state["optimizer"]["state"][fqn][k] = v
+    _check_against(path, flat, marker, model)
+    dcp.load(state, checkpoint_id=path)
+    with torch.no_grad():
+        for k, v in model_sd.items():
+            loaded = finish[k]()
+            local(v).copy_(local(loaded))
+    if optimizer is not None:
+        osd = {"param_groups": state["optimizer"]["param_groups"],
+               "state": {fqn: {k: opt_finish[(fqn, k)]() if (fqn, k) in opt_finish else v
+                               for k, v in s.items()}
+                         for fqn, s in state["optimizer"]["state"].items()}}
+        set_optimizer_state_dict(model, optimizer, osd)
+    return torch.load(os.path.join(path, EXTRA), weights_only=True)
