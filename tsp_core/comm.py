@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from . import guard
 from .layout import local_segments
 
 
@@ -74,22 +75,34 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Handle:
-    """Result of an async call: ``wait()`` blocks until every underlying request finished."""
+    """Result of an async call: ``wait()`` blocks until every underlying request finished (a
+    backend error names the collective: :mod:`tsp_core.guard`)."""
 
-    def __init__(self, works: Sequence[object] = ()) -> None:
+    def __init__(self, works: Sequence[object] = (), call: guard.Call | None = None) -> None:
         self._works = [w for w in works if w is not None]
+        self._call = call
 
     def wait(self) -> None:
-        for w in self._works:
-            w.wait()
+        try:
+            for w in self._works:
+                w.wait()
+        except RuntimeError as e:
+            if self._call is None:
+                raise
+            guard.failed(self._call, e)
         self._works = []
 
 
-def _run(kind: str, nbytes: float, call, async_op: bool) -> Handle | None:
+def _run(kind: str, nbytes: float, call, async_op: bool,
+         group: dist.ProcessGroup | None = None) -> Handle | None:
     _record(kind, nbytes)
-    work = call(async_op)
+    checked = guard.before(kind, group, nbytes)
+    try:
+        work = call(async_op)
+    except RuntimeError as e:
+        guard.failed(checked, e)
     if async_op:
-        return Handle([work])
+        return Handle([work], checked)
     return None
 
 
@@ -105,7 +118,7 @@ def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: boo
     if d == 1:
         return _done(async_op)
     return _run("broadcast", _nbytes(t) * (d - 1) / d,
-                lambda a: dist.broadcast(t, group=group, group_src=src, async_op=a), async_op)
+                lambda a: dist.broadcast(t, group=group, group_src=src, async_op=a), async_op, group)
 
 
 def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool = False):
@@ -114,7 +127,7 @@ def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool =
     if d == 1:
         return _done(async_op)
     return _run("reduce", _nbytes(t) * (d - 1) / d,
-                lambda a: dist.reduce(t, group=group, group_dst=dst, async_op=a), async_op)
+                lambda a: dist.reduce(t, group=group, group_dst=dst, async_op=a), async_op, group)
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
@@ -123,7 +136,7 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     if d == 1:
         return _done(async_op)
     return _run("all_reduce", 2 * _nbytes(t) * (d - 1) / d,
-                lambda a: dist.all_reduce(t, group=group, async_op=a), async_op)
+                lambda a: dist.all_reduce(t, group=group, async_op=a), async_op, group)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
@@ -135,7 +148,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
         return _done(async_op)
     return _run("all_gather", _nbytes(out) * (d - 1) / d,
                 lambda a: dist.all_gather_single(out.view(-1), inp.reshape(-1), group=group,
-                                                   async_op=a), async_op)
+                                                   async_op=a), async_op, group)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
@@ -147,7 +160,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
         return _done(async_op)
     return _run("reduce_scatter", _nbytes(inp) * (d - 1) / d,
                 lambda a: dist.reduce_scatter_single(out.view(-1), inp.reshape(-1), group=group,
-                                                       async_op=a), async_op)
+                                                       async_op=a), async_op, group)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
@@ -160,7 +173,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
         return _done(async_op)
     return _run("all_to_all", max(_nbytes(inp), _nbytes(out)) * (d - 1) / d,
                 lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
-                                                 async_op=a), async_op)
+                                                 async_op=a), async_op, group)
 
 
 def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *,
@@ -174,9 +187,13 @@ def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, 
     me = dist.get_rank(group)
     to, frm = ((me - 1) % d, (me + 1) % d) if reverse else ((me + 1) % d, (me - 1) % d)
     _record("ring_pass", _nbytes(send))
+    checked = guard.before("ring_pass", group, _nbytes(send))
     ops = [dist.P2POp(dist.isend, send, group=group, group_peer=to, tag=tag),
            dist.P2POp(dist.irecv, recv, group=group, group_peer=frm, tag=tag)]
-    handle = Handle(dist.batch_isend_irecv(ops))
+    try:
+        handle = Handle(dist.batch_isend_irecv(ops), checked)
+    except RuntimeError as e:
+        guard.failed(checked, e)
     if async_op:
         return handle
     handle.wait()
