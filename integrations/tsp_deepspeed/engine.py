@@ -13,21 +13,27 @@
   own data-parallel gradient sum is switched off.
 - Under ZeRO-3 the TSP modules read their children's parameters (``q_proj.weight``, ...) in their
   own forward, so those are registered as external parameters of the TSP module.
+- Frameworks that call ``deepspeed.initialize`` themselves (Lightning's DeepSpeedStrategy,
+  Accelerate) pass no mpu; inside :func:`routed` their call goes through :func:`initialize`.
+  Their model may wrap (a LightningModule) a model they converted already: its mesh is used.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tsp_core
 from tsp_core.data_parallel import remove_gradient_sync
 from tsp_core.mesh import TSPMesh
-from tsp_core.parallelize import TSPCausalLM
+from tsp_core.parallelize import TSPCausalLM, get_mesh
 from tsp_core.params import ShardedModule
 
 
@@ -77,45 +83,102 @@ def _plain_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters())
 
 
+def _convert(model: nn.Module, size: int | None) -> tuple[nn.Module, TSPMesh]:
+    """The TSP model in ``model`` (converted here unless a framework did already) and its mesh."""
+    converted = [m for m in model.modules() if isinstance(m, TSPCausalLM)]
+    if converted:
+        mesh = get_mesh(converted[0])
+        if size is not None and int(size) != mesh.size:
+            raise ValueError(f"tsp_size ({size}) differs from the TSP degree ({mesh.size}) the model "
+                             f"was converted with; leave tsp_size unset or convert with {size}")
+        return converted[0], mesh
+    if size is None:
+        size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    mesh = tsp_core.init_mesh(int(size))
+    return tsp_core.parallelize(model, mesh), mesh
+
+
+def _count_data_parallel_ranks(config: dict, mesh: TSPMesh) -> None:
+    """DeepSpeed requires train_batch_size = micro batch x accumulation x data-parallel size.
+    Accelerate fills it in counting every process, which under TSP is never right: that exact
+    value is replaced (any other is left for DeepSpeed to judge)."""
+    micro, steps = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+    if mesh.size > 1 and isinstance(micro, int) and isinstance(steps, int) \
+            and config.get("train_batch_size") == micro * steps * mesh.device_mesh.size():
+        config["train_batch_size"] = micro * steps * mesh.dp_size
+
+
 def initialize(model: nn.Module, config: dict | str | None = None, tsp_size: int | None = None,
                model_parameters: Any = None, **kwargs: Any):
     """``deepspeed.initialize(model=..., config=..., ...)`` with TSP; returns what it returns.
-    ``tsp_size`` may also come from a ``"tsp": {"size": D}`` section of the config.
-    ``model_parameters`` (parameters or param groups of the original model) are mapped to the
-    converted model's parameters by name."""
-    import deepspeed
-
+    ``tsp_size`` may also come from a ``"tsp": {"size": D}`` section of the config (also given as
+    ``config_params``); default: every process of the node. ``model_parameters`` (parameters or
+    param groups of the model as built) and the param groups of an ``optimizer`` built on them
+    are mapped to the converted model's parameters by name."""
+    if config is None:
+        config = kwargs.pop("config_params", None)
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
     config = dict(config or {})
     section = config.pop("tsp", {})
-    size = tsp_size or section.get("size") or int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                 os.environ.get("WORLD_SIZE", "1")))
-    mesh = tsp_core.init_mesh(int(size))
     # the user's parameters refer to the model before conversion: read them (and keep them alive,
     # so their ids stay unique) before anything changes
     given = None if model_parameters is None else list(model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
-    if not isinstance(model, TSPCausalLM):
-        tsp_core.parallelize(model, mesh)
-    remove_gradient_sync(model)
-    model._tsp_grad_scale = mesh.dp_size
+    tsp_model, mesh = _convert(model, tsp_size or section.get("size"))
+    _count_data_parallel_ranks(config, mesh)
+    remove_gradient_sync(tsp_model)
+    tsp_model._tsp_grad_scale = mesh.dp_size
     params = _plain_parameters(model)
+    import deepspeed
+
     if config.get("zero_optimization", {}).get("stage", 0) == 3:
         for module in model.modules():
             if isinstance(module, ShardedModule):
                 for p in module.parameters():
                     deepspeed.zero.register_external_parameter(module, p)
+
+    def convert(p):
+        return params[names[id(p)]] if id(p) in names else p
+
     if given is None:
         model_parameters = list(params.values())
+    elif given and isinstance(given[0], dict):
+        model_parameters = [{**g, "params": [convert(p) for p in g["params"]]} for g in given]
     else:
-        def convert(p):
-            return params[names[id(p)]] if id(p) in names else p
+        model_parameters = [convert(p) for p in given]
+    optimizer = kwargs.get("optimizer")
+    if isinstance(optimizer, torch.optim.Optimizer):  # built on the parameters before conversion
+        for group in optimizer.param_groups:
+            group["params"] = [convert(p) for p in group["params"]]
+    args = kwargs.get("args")
+    if args is not None and getattr(args, "device_rank", 0) is None:
+        # Lightning passes its root device's index: None for a CPU device, which DeepSpeed
+        # compares with 0. DeepSpeed's own default is the local rank.
+        kwargs["args"] = argparse.Namespace(**{**vars(args),
+                                               "device_rank": int(os.environ.get("LOCAL_RANK", 0))})
+    ds_initialize = _ORIGINAL or deepspeed.initialize  # DeepSpeed's own, also inside routed()
+    return ds_initialize(model=model, model_parameters=model_parameters, config=config,
+                         mpu=TSPMPU(mesh), **kwargs)
 
-        if given and isinstance(given[0], dict):
-            model_parameters = [{**g, "params": [convert(p) for p in g["params"]]} for g in given]
-        else:
-            model_parameters = [convert(p) for p in given]
-    return deepspeed.initialize(model=model, model_parameters=model_parameters, config=config,
-                                mpu=TSPMPU(mesh), **kwargs)
+
+_ORIGINAL: Callable | None = None  # deepspeed.initialize while routed() has replaced it
+
+
+@contextmanager
+def routed(**defaults: Any) -> Iterator[None]:
+    """While inside, ``deepspeed.initialize`` is :func:`initialize` (with ``defaults``, e.g.
+    ``tsp_size``), for frameworks that call ``deepspeed.initialize`` themselves and pass no mpu
+    (Lightning's DeepSpeedStrategy, Accelerate's DeepSpeed path)."""
+    import deepspeed
+
+    global _ORIGINAL
+    if _ORIGINAL is not None:
+        raise RuntimeError("tsp_deepspeed.routed() is already active")
+    _ORIGINAL = deepspeed.initialize
+    deepspeed.initialize = lambda **kwargs: initialize(**{**defaults, **kwargs})
+    try:
+        yield
+    finally:
+        deepspeed.initialize, _ORIGINAL = _ORIGINAL, None
