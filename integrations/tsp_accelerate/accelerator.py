@@ -13,6 +13,13 @@
   torch.distributed.checkpoint (Accelerate's own ``optimizer.bin`` comes from rank 0 only and
   cannot hold sharded Adam state), plus schedulers, the step and every rank's RNG state.
 
+DeepSpeed (a ``DeepSpeedPlugin``, or ``accelerate launch --use_deepspeed``): Accelerate calls
+``deepspeed.initialize`` itself, with no mpu; ``prepare()`` sends that call through
+``tsp_deepspeed.initialize`` (``tsp_deepspeed.routed``), so ZeRO partitions over the data-parallel
+axis, and ``save_state`` / ``load_state`` are Accelerate's own (``engine.save_checkpoint`` writes
+every TSP rank's shards). On CPU the accelerator is created with a gloo process group instead of
+``cpu=True``, which would switch DeepSpeed off.
+
 CPU compatibility shim (two lines, both tested by the 2-process CPU test): without CUDA the
 accelerator is created with ``cpu=True``, or Accelerate does not see the launcher's processes; and
 :attr:`multi_device` also answers True for a multi-process CPU run (``DistributedType.MULTI_CPU``),
@@ -32,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator, ParallelismConfig
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -40,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 
 import tsp_core
 from tsp_core.mesh import TSPMesh, check_mesh_shape
@@ -62,6 +70,12 @@ def _tsp_size(tsp_size: int | None, config: ParallelismConfig | None) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
+def _uses_deepspeed(kwargs: dict) -> bool:
+    """What Accelerator.__init__ reads: a DeepSpeed plugin, or the launcher's environment."""
+    return kwargs.get("deepspeed_plugin") is not None or \
+        os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 class TSPAccelerator(Accelerator):
     """``Accelerator`` with TSP. Takes every ``Accelerator`` argument plus ``tsp_size`` and
     ``layout``; ``parallelism_config`` may only set the tp size (other axes are not TSP)."""
@@ -74,13 +88,27 @@ class TSPAccelerator(Accelerator):
         size = _tsp_size(tsp_size, given)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = check_mesh_shape(world, size, None)  # raises with the numbers, before any collective
-        # data parallel goes on Accelerate's dp_shard axis: it refuses tp with dp_replicate alone,
-        # and without an FSDP plugin nothing shards; it only splits batches over that axis
-        kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, tp_size=size)
+        deepspeed = _uses_deepspeed(kwargs)
+        if deepspeed:  # Accelerate's tp axis would prepare everything before DeepSpeed sees it
+            kwargs.pop("parallelism_config", None)
+        else:
+            # data parallel goes on Accelerate's dp_shard axis: it refuses tp with dp_replicate
+            # alone, and without an FSDP plugin nothing shards; it only splits batches over it
+            kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, tp_size=size)
         if not torch.cuda.is_available():
-            kwargs.setdefault("cpu", True)  # shim: Accelerate needs cpu=True to see a CPU world
+            if deepspeed:  # cpu=True would switch DeepSpeed off: a gloo process group instead
+                handlers = list(kwargs.get("kwargs_handlers") or [])
+                if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+                    kwargs["kwargs_handlers"] = handlers + [InitProcessGroupKwargs(backend="gloo")]
+            else:
+                kwargs.setdefault("cpu", True)  # shim: Accelerate needs cpu=True to see a CPU world
         super().__init__(*args, **kwargs)
         mesh = self.torch_device_mesh
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            # Accelerate's DeepSpeed data loaders give every rank of a "tp" dim of this mesh the
+            # same batches (it is where DeepSpeed's AutoTP mesh goes)
+            mesh = init_device_mesh(self.device.type, (dp, size), mesh_dim_names=("dp", "tp"))
+            self.state.ds_device_mesh = mesh
         if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
             self.tsp_mesh = TSPMesh.from_device_mesh(mesh, "tp", layout)
         else:  # one process: Accelerate builds no mesh
@@ -108,6 +136,11 @@ class TSPAccelerator(Accelerator):
             if isinstance(obj, torch.optim.Optimizer) and swaps:
                 for group in obj.param_groups:
                     group["params"] = [swaps.get(id(p), p) for p in group["params"]]
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            import tsp_deepspeed
+
+            with tsp_deepspeed.routed():  # Accelerate's own deepspeed.initialize call, with the mpu
+                return super().prepare(*args, device_placement=device_placement)
         return super().prepare(*args, device_placement=device_placement)
 
     # ------------------------------------------------------------------ checkpoints
@@ -116,7 +149,9 @@ class TSPAccelerator(Accelerator):
         optims = [getattr(o, "optimizer", o) for o in self._optimizers]
         return [(m, optims[i] if i < len(optims) else None) for i, m in enumerate(models)]
 
-    def save_state(self, output_dir: str | None = None, **_: Any) -> str:
+    def save_state(self, output_dir: str | None = None, **kwargs: Any) -> str:
+        if self.distributed_type == DistributedType.DEEPSPEED:  # every rank writes its shards
+            return super().save_state(output_dir, **kwargs)
         if output_dir is None:
             raise ValueError("TSPAccelerator.save_state needs an output_dir")
         state: dict[str, Any] = {}
@@ -133,7 +168,9 @@ class TSPAccelerator(Accelerator):
         self.wait_for_everyone()
         return output_dir
 
-    def load_state(self, input_dir: str | None = None, **_: Any) -> None:
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            return super().load_state(input_dir, **kwargs)
         if input_dir is None:
             raise ValueError("TSPAccelerator.load_state needs an input_dir")
         pairs = self._pairs()

@@ -1,0 +1,89 @@
+"""``TSPDeepSpeedStrategy``: ``Trainer(strategy="tsp_deepspeed")``, Lightning's DeepSpeedStrategy
+with a TSP group: ZeRO partitions over the data-parallel axis only.
+
+Lightning builds the engine itself and passes DeepSpeed no mpu, so the strategy converts the
+LightningModule's model first (as ``TSPStrategy`` does) and sends Lightning's
+``deepspeed.initialize`` calls through ``tsp_deepspeed.initialize`` (``tsp_deepspeed.routed``):
+the mpu, plain shards marked ``tensor_model_parallel``, the optimizer pointed at them. Batches are
+sharded before the step sees them; the sampler splits data over data-parallel ranks only.
+
+CPU (``DS_ACCELERATOR=cpu``, gloo): Lightning 2.6 refuses any accelerator but CUDA in
+``DeepSpeedStrategy.setup_environment`` and expects device indices 0..n-1 in
+``setup_distributed`` (CPU devices have none). Both checks are skipped only when Lightning's
+accelerator is the CPU and DeepSpeed's accelerator is ``cpu``; on GPUs the base class runs as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import tsp_deepspeed
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from torch.distributed.device_mesh import init_device_mesh
+
+from .common import TSPMeshMixin, parallelize_target, shard
+
+DEEPSPEED_PRECISIONS = ("32-true",)
+
+
+class TSPDeepSpeedStrategy(TSPMeshMixin, DeepSpeedStrategy):
+    """``TSPDeepSpeedStrategy(tsp_size="auto" | int, layout="zigzag", **DeepSpeedStrategy
+    arguments)`` (``stage=2`` by default, or ``config=`` a DeepSpeed config). "auto" TSP size means
+    every process of a node; data parallel (and ZeRO) takes the rest."""
+
+    strategy_name = "tsp_deepspeed"
+
+    def __init__(self, tsp_size: Literal["auto"] | int = "auto", layout: str = "zigzag",
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._tensor_parallel_size, self._data_parallel_size = tsp_size, "auto"
+        self._layout = layout
+        self.device_mesh = None
+
+    def _deepspeed_on_cpu(self) -> bool:
+        from deepspeed.accelerator import get_accelerator
+
+        return isinstance(self.accelerator, CPUAccelerator) and \
+            get_accelerator().device_name() == "cpu"
+
+    def setup_environment(self) -> None:
+        precision = self.precision_plugin.precision
+        if precision not in DEEPSPEED_PRECISIONS:  # before any process group work, on every rank
+            raise ValueError(f"precision={precision!r} is not supported by the TSP DeepSpeed "
+                             f"strategy; use one of {list(DEEPSPEED_PRECISIONS)}")
+        self._setup_tsp_environment(precision, self._setup_environment_and_mesh)
+
+    def _setup_environment_and_mesh(self) -> None:
+        if self._deepspeed_on_cpu():
+            DDPStrategy.setup_environment(self)  # the base refuses any accelerator but CUDA
+        else:
+            super().setup_environment()
+        self.device_mesh = init_device_mesh(
+            self.root_device.type, (self._data_parallel_size, self._tensor_parallel_size),
+            mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+    def setup_distributed(self) -> None:
+        if not self._deepspeed_on_cpu():
+            return super().setup_distributed()
+        # the base also checks that device indices are 0..n-1; CPU devices carry no index
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def setup(self, trainer) -> None:
+        parallelize_target(self.lightning_module, self.tsp_mesh)
+        super().setup(trainer)
+
+    def init_deepspeed(self) -> None:
+        with tsp_deepspeed.routed():
+            super().init_deepspeed()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        dp = self.world_size // self.tsp_mesh.size
+        return {"num_replicas": dp, "rank": self.global_rank // self.tsp_mesh.size}
+
+    def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
+        return shard(super().batch_to_device(batch, device, dataloader_idx), self.tsp_mesh)
