@@ -433,3 +433,60 @@ def sum_grad(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Identity whose backward sums the gradient over the group: a replicated parameter used by
     every rank on different tokens gets the gradient of all tokens."""
     return _SumGrad.apply(x, group)
+
+
+# ------------------------------------------- DTensor's collectives (the tensor-parallel baselines)
+
+def _group_size(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_world_size(_resolve_process_group(group_name))
+
+
+def _functional_bytes(name: str, args: tuple) -> tuple[str, float] | None:
+    """(kind, per-rank bytes) of one ``_c10d_functional`` op by this module's ring rule."""
+    if name in ("all_reduce", "all_reduce_"):
+        t, _op, group = args[:3]
+        d = _group_size(group)
+        return "all_reduce", 2 * _nbytes(t) * (d - 1) / d
+    if name == "all_gather_into_tensor":
+        t, d = args[0], args[1]
+        return "all_gather", _nbytes(t) * (d - 1)  # output is d times the input
+    if name == "reduce_scatter_tensor":
+        t, d = args[0], args[2]
+        return "reduce_scatter", _nbytes(t) * (d - 1) / d
+    if name == "all_to_all_single":
+        t, group = args[0], args[3]
+        d = _group_size(group)
+        return "all_to_all", _nbytes(t) * (d - 1) / d
+    if name == "broadcast":
+        t, group = args[0], args[2]
+        d = _group_size(group)
+        return "broadcast", _nbytes(t) * (d - 1) / d
+    return None
+
+
+@contextlib.contextmanager
+def count_functional_collectives() -> Iterator[None]:
+    """Record the collectives DTensor issues (``torch.ops._c10d_functional``, as used by
+    ``torch.distributed.tensor.parallel``) in the same counters and by the same byte rule as this
+    module's own, so that every layout of a benchmark is measured one way. Wrap forward and
+    backward; the counted ops still run unchanged."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # let DTensor run the op: its collectives come back here
+            if func.namespace == "_c10d_functional":
+                name = func._overloadpacket.__name__
+                if name.endswith("_coalesced"):
+                    raise NotImplementedError(f"counting {name} is not implemented")
+                counted = _functional_bytes(name, args)
+                if counted is not None:
+                    _record(*counted)
+            return func(*args, **(kwargs or {}))
+
+    with _Counter():
+        yield

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from . import comm
 from .layout import IGNORE_INDEX
@@ -46,13 +47,15 @@ class TSPEmbedding(ShardedModule):
         return vocab_spec(self.num_embeddings, rank, self.mesh.size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        group, d, me = self.mesh.group, self.mesh.size, self.mesh.rank
-        table = local(self.weight)
-        per = table.shape[0]
+        group, d = self.mesh.group, self.mesh.size
+        per = local(self.weight).shape[0]
         flat = input_ids.reshape(-1)
-        bad = ((flat < 0) | (flat >= self.num_embeddings)).any()
         owner = flat.clamp(0, self.num_embeddings - 1) // per
         order = torch.argsort(owner, stable=True)
+        if is_fake(flat):  # a memory simulation: ids have no values, assume they spread evenly
+            splits = [flat.numel() // d + (r < flat.numel() % d) for r in range(d)]
+            return self._lookup(input_ids, flat[order], order, splits, splits)
+        bad = ((flat < 0) | (flat >= self.num_embeddings)).any()
         counts = torch.bincount(owner, minlength=d)
         # exchange counts with a "bad input" flag, so every rank raises together, never hangs
         send = torch.stack([counts, bad.long().expand(d)], 1)
@@ -63,15 +66,28 @@ class TSPEmbedding(ShardedModule):
             raise ValueError(f"token ids out of range [0, {self.num_embeddings}) on TSP rank(s) "
                              f"{culprits}" + (f": this rank has {flat.min().item()}..."
                                               f"{flat.max().item()}" if bad else ""))
-        in_splits, out_splits = counts.tolist(), recv[:, 0].tolist()
-        ids = flat.new_empty(sum(out_splits))
-        comm.all_to_all(ids, flat[order].contiguous(), group, out_splits, in_splits)
+        return self._lookup(input_ids, flat[order], order, counts.tolist(), recv[:, 0].tolist())
+
+    def _lookup(self, input_ids: torch.Tensor, sorted_ids: torch.Tensor, order: torch.Tensor,
+                in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        """Send the ids (sorted by owner) to their owners, look them up, send the rows back."""
+        group, me = self.mesh.group, self.mesh.rank
+        table = local(self.weight)
+        per = table.shape[0]
+        ids = sorted_ids.new_empty(sum(out_splits))
+        comm.all_to_all(ids, sorted_ids.contiguous(), group, out_splits, in_splits)
         start = me * per
         pad = self.padding_idx
         local_pad = pad - start if pad is not None and start <= pad < start + per else None
         rows = F.embedding(ids - start, table, padding_idx=local_pad)
         back = comm.all_to_all_rows(rows, group, in_splits, out_splits)
         return back.index_select(0, torch.argsort(order)).view(*input_ids.shape, -1)
+
+
+def _in_shard(labels: torch.Tensor, lo: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which labels fall in the shard's rows [lo, lo + valid), and their column there (clamped
+    for the others): masks, not indices, so no host sync and no data-dependent shapes."""
+    return (labels >= lo) & (labels < lo + valid), (labels - lo).clamp(0, valid - 1)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -98,9 +114,9 @@ class _VocabParallelCE(torch.autograd.Function):
                 ssum[sl] = ssum[sl] * torch.exp(m[sl] - m_new) + torch.exp(
                     logits - m_new[:, None]).sum(-1)
                 m[sl] = m_new
-                lab = labels[sl]
-                rows = ((lab >= lo) & (lab < lo + valid)).nonzero().flatten()
-                target[c + rows] = logits[rows, lab[rows] - lo]
+                inside, col = _in_shard(labels[sl], lo, valid)
+                picked = logits.gather(1, col[:, None]).squeeze(1)
+                target[sl] = torch.where(inside, picked, target[sl])
 
         comm.ring_over_shards(weight.contiguous(), group, compute)
         lse = m + torch.log(ssum)
@@ -125,9 +141,8 @@ class _VocabParallelCE(torch.autograd.Function):
             for c in range(0, n if valid else 0, chunk):
                 sl = slice(c, c + chunk)
                 p = torch.exp((hidden[sl] @ shard[:valid].t()).to(lse.dtype) - lse[sl, None])
-                lab = labels[sl]
-                rows = ((lab >= lo) & (lab < lo + valid)).nonzero().flatten()
-                p[rows, lab[rows] - lo] -= 1
+                inside, col = _in_shard(labels[sl], lo, valid)
+                p.scatter_add_(1, col[:, None], -inside.to(p.dtype)[:, None])
                 p = (p * scale[sl, None]).to(hidden.dtype)
                 dh[sl] += p @ shard[:valid]
                 dw[:valid] += p.t() @ hidden[sl]

@@ -1,0 +1,115 @@
+"""The baseline layouts (tp, tp-sp, cp, tp+cp, tp-sp+cp) on the same Hugging Face models as TSP:
+loss and every gradient against the unmodified model on one process (float64), and the bytes of
+one decoder layer's forward exactly equal to the DESIGN 5 formula, for TSP too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsp_core.baselines import build, layout_specs, parse_layouts
+from tsp_core.plan.traffic import ModelShape, layer_forward_elements
+
+from . import dist_pool, hf_models
+from .reference import assert_close
+
+POOLS: dict[int, dist_pool.DistPool] = {}
+SEQ = 24  # a multiple of 2 * 4: every layout's shards are whole
+
+
+@pytest.fixture(scope="module")
+def pools():
+    yield POOLS
+    for p in POOLS.values():
+        p.close()
+    POOLS.clear()
+
+
+def pool_of(pools, size: int) -> dist_pool.DistPool:
+    if size not in pools:
+        pools[size] = dist_pool.DistPool(size)
+    return pools[size]
+
+
+def batch(vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (2, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def check_parity(family: str, layouts: str) -> list[str]:
+    import torch.distributed as dist
+
+    ref = hf_models.build(family, torch.float64)
+    data = batch(ref.config.vocab_size)
+    ref_loss = hf_models.reference_loss(ref, data["input_ids"], data["labels"])
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    done = []
+    for spec in parse_layouts(layouts, dist.get_world_size()):
+        pm = build(hf_models.build(family, torch.float64), spec)
+        loss = pm.step(data)
+        assert_close(loss, ref_loss.detach(), 1e-10, f"{family} {spec.label} loss")
+        grads = pm.full_grads()
+        assert set(grads) == set(ref_grads), f"{spec.label}: {set(grads) ^ set(ref_grads)}"
+        for name, g in ref_grads.items():
+            assert_close(grads[name], g, 1e-10, f"{family} {spec.label} grad {name}")
+        done.append(spec.label)
+    return done
+
+
+@pytest.mark.parametrize("family", hf_models.FAMILIES)
+def test_parity_world2(pools, family):
+    (done, *_) = pool_of(pools, 2).run(check_parity, family, "tp,tp-sp,cp")
+    assert done == ["tp", "tp-sp", "cp"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_parity_world4(pools, family):
+    (done, *_) = pool_of(pools, 4).run(check_parity, family, "cp,tp+cp,tp-sp+cp")
+    assert done == ["cp", "tp+cp(2x2)", "tp-sp+cp(2x2)"]
+
+
+def layer_bytes(layouts: str) -> list[tuple[str, float, float]]:
+    import torch.distributed as dist
+
+    out = []
+    for spec in parse_layouts(layouts, dist.get_world_size()):
+        model = hf_models.build("llama", torch.float32)
+        pm = build(model, spec)
+        data = batch(model.config.vocab_size)
+        with pm.layer_traffic(1) as stats:
+            pm.step(data)
+        shape = ModelShape.from_config(model.config)
+        rows, seq = data["input_ids"].shape
+        expected = layer_forward_elements(spec.name, spec.tp, spec.cp, shape, rows, seq) * 4
+        out.append((spec.label, stats.total_bytes, expected))
+    return out
+
+
+@pytest.mark.parametrize("world,layouts", [(2, "tsp,tp,tp-sp,cp"), (4, "tsp,cp,tp+cp,tp-sp+cp")])
+def test_layer_bytes_match_formula(pools, world, layouts):
+    for got in pool_of(pools, world).run(layer_bytes, layouts):
+        for label, measured, expected in got:
+            assert measured > 0, label
+            assert measured == pytest.approx(expected, rel=1e-12), (label, measured, expected)
+
+
+def test_layout_names_and_shapes():
+    assert [s.label for s in parse_layouts("tsp,tp+cp,tp-sp+cp", 8)] == [
+        "tsp", "tp+cp(2x4)", "tp+cp(4x2)", "tp-sp+cp(2x4)", "tp-sp+cp(4x2)"]
+    assert [(s.tp, s.cp) for s in layout_specs("cp", 4)] == [(1, 4)]
+    with pytest.raises(ValueError, match="3 has none"):
+        layout_specs("tp+cp", 3)
+    with pytest.raises(ValueError, match="unknown layout 'sp'"):
+        layout_specs("sp", 2)
+
+
+def test_tensor_parallel_refuses_split_heads():
+    model = hf_models.build("llama", torch.float32)  # 4 query heads, 2 key/value heads
+    (spec,) = layout_specs("tp", 4)
+    with pytest.raises(ValueError, match=r"tensor-parallel size \(4\) must divide "
+                                         r"num_key_value_heads \(2\)"):
+        build(model, spec)  # fails before any process group is needed

@@ -1,0 +1,214 @@
+"""Every layout of the side-by-side comparison behind one interface: build it on a Hugging Face
+causal LM, shard a full batch for this rank, run a training step.
+
+Names (used by the CLI and the docs): ``tsp``; ``tp`` (Megatron, no sequence parallel); ``tp-sp``
+(with sequence parallel); ``cp`` (context parallel); ``tp+cp`` and ``tp-sp+cp`` (a T x S mesh,
+tensor parallel on T inside context parallel on S), labelled e.g. ``tp+cp(4x2)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from .. import comm
+from ..data_parallel import install_gradient_sync
+from ..layout import IGNORE_INDEX, shard_batch
+from ..mesh import TSPMesh, init_mesh, init_process_group_from_env
+from ..parallelize import parallelize
+from ..policies import find_policy
+from . import context_parallel
+from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+
+LAYOUTS = ("tsp", "tp", "tp-sp", "cp", "tp+cp", "tp-sp+cp")
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """One layout at one shape: ``tp`` tensor-parallel ranks inside ``cp`` context-parallel ones
+    (TSP uses ``tp`` for its degree)."""
+
+    name: str
+    tp: int
+    cp: int
+
+    @property
+    def degree(self) -> int:
+        return self.tp * self.cp
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}({self.tp}x{self.cp})" if "+" in self.name else self.name
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.name.startswith("tp-sp")
+
+
+def layout_specs(name: str, degree: int) -> list[LayoutSpec]:
+    """The shapes a layout takes on ``degree`` ranks: every T x S = degree with T, S > 1 for the
+    2-D layouts, one shape otherwise."""
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown layout {name!r}; choose from {', '.join(LAYOUTS)}")
+    if degree < 1:
+        raise ValueError(f"degree ({degree}) must be at least 1")
+    if name in ("tsp", "tp", "tp-sp"):
+        return [LayoutSpec(name, degree, 1)]
+    if name == "cp":
+        return [LayoutSpec(name, 1, degree)]
+    splits = [LayoutSpec(name, t, degree // t) for t in range(2, degree) if degree % t == 0]
+    if not splits:
+        raise ValueError(f"{name} needs a degree with a split T x S, T and S > 1; {degree} has none")
+    return splits
+
+
+def parse_layouts(names: str, degree: int) -> list[LayoutSpec]:
+    """``"tsp,tp,tp+cp"`` -> every shape of every layout, in the given order."""
+    return [s for n in names.split(",") if n.strip() for s in layout_specs(n.strip(), degree)]
+
+
+class ParallelModel:
+    """A model laid out one way, with its batch sharding and training step.
+
+    ``step(batch)`` takes the full batch (``input_ids``, ``labels``; identical on every rank),
+    runs forward and backward and returns the global mean loss (identical on every rank).
+    ``full_grads()`` gathers every gradient to full shape by Hugging Face name.
+    """
+
+    def __init__(self, model: nn.Module, spec: LayoutSpec, mesh: TSPMesh) -> None:
+        self.model, self.spec, self.mesh = model, spec, mesh
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        policy = find_policy(self.model)
+        return getattr(getattr(self.model, policy.base_model), policy.layers)
+
+    @contextlib.contextmanager
+    def layer_traffic(self, index: int = 0) -> Iterator[comm.CommStats]:
+        """Count the collectives of decoder layer ``index``'s forward (its first call inside the
+        block: a recompute during backward is not counted)."""
+        stats = comm.CommStats()
+        state: dict[str, object] = {}
+
+        def pre(_m, _args):
+            if "cm" not in state:
+                state["cm"] = comm.track()
+                state["stats"] = state["cm"].__enter__()
+
+        def post(_m, _args, _out):
+            if "stats" in state and "done" not in state:
+                state["cm"].__exit__(None, None, None)
+                state["done"] = True
+
+        layer = self.layers[index]
+        handles = [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+        try:
+            yield stats
+        finally:
+            for hnd in handles:
+                hnd.remove()
+            if "stats" in state:
+                if "done" not in state:
+                    state["cm"].__exit__(None, None, None)
+                got: comm.CommStats = state["stats"]
+                stats.calls.update(got.calls)
+                stats.bytes.update(got.bytes)
+                stats.log.extend(got.log)
+
+    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        local = shard_batch(batch, self.mesh)
+        docs = local.pop("tsp_docs")
+        if docs.shape[1] > 1:  # packed rows, or a padding document
+            if self.spec.name != "tsp":
+                raise ValueError(f"the baseline layouts take unpacked rows whose length is a "
+                                 f"multiple of {2 * self.mesh.size}; pad them, or use tsp")
+            local["tsp_docs"] = docs
+        return local
+
+    def loss(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.spec.name == "tsp":
+            return self.model(**local).loss
+        logits = self.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                            use_cache=False).logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        labels = local["shift_labels"]
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        if isinstance(loss_sum, DTensor):
+            loss_sum = loss_sum.full_tensor()
+        count = (labels != IGNORE_INDEX).sum().to(loss_sum.dtype)
+        comm.all_reduce(count, self.mesh.group)
+        return comm.sum_over(loss_sum, [self.mesh.group]) / count
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        if self.spec.tp > 1 and self.spec.name != "tsp":
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel(), comm.count_functional_collectives():
+                yield
+        else:
+            yield
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.step_local(self.shard(batch))
+
+    def step_local(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of this rank's part of a batch (from :meth:`shard`)."""
+        with self._context():
+            loss = self.loss(local)
+            loss.backward()
+        return loss.detach()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        if self.spec.name == "tsp":
+            from ..checkpoint import _sharded_modules
+
+            return {prefix + n: g for prefix, m in _sharded_modules(self.model)
+                    for n, g in m.full_tensors(grads=True).items()}
+        return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+def build_mesh(spec: LayoutSpec) -> TSPMesh:
+    """The mesh of ``spec`` over every process (world size = ``spec.degree``): TSP's ("dp", "tsp"),
+    or ("cp", "tp") with tensor parallel innermost; the returned TSPMesh names the dim whose
+    ranks hold different tokens."""
+    init_process_group_from_env()
+    world = dist.get_world_size()
+    if world != spec.degree:
+        raise ValueError(f"{spec.label} needs {spec.degree} processes, the world has {world}")
+    if spec.name == "tsp":
+        return init_mesh(spec.tp)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    dm = init_device_mesh(device, (spec.cp, spec.tp), mesh_dim_names=("cp", "tp"))
+    return TSPMesh(dm, "cp")
+
+
+def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None) -> ParallelModel:
+    """Lay ``model`` out as ``spec`` in place (on ``mesh`` from :func:`build_mesh`, built here
+    when not given)."""
+    if spec.name != "tsp":
+        check_tensor_parallel(model.config, spec.tp)  # before any collective
+    mesh = mesh or build_mesh(spec)
+    if spec.name == "tsp":
+        return ParallelModel(parallelize(model, mesh), spec, mesh)
+    policy = find_policy(model)
+    dm = mesh.device_mesh
+    base = getattr(model, policy.base_model)
+    layers = list(getattr(base, policy.layers))
+    windows = [policy.sliding_window(model.config, getattr(layer, policy.attention))
+               for layer in layers]
+    if spec.tp > 1:
+        apply_tensor_parallel(model, dm["tp"], policy, spec.sequence_parallel)
+    context_parallel.install(model, layers, policy.attention, mesh.group, mesh.layout, windows)
+    install_gradient_sync(model, TSPMesh(dm, "tp"))  # sums every gradient over the cp dim
+    return ParallelModel(model, spec, mesh)
