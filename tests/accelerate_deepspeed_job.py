@@ -2,6 +2,8 @@
 
     accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 accelerate_deepspeed_job.py
     python accelerate_deepspeed_job.py --plain          (plain Accelerator, one process, no DeepSpeed)
+    TSP_SIZE=2 accelerate launch ... --num_processes 4 accelerate_deepspeed_job.py   (dp 2 x tsp 2;
+        its reference is --plain --batch 4: the data-parallel ranks take consecutive batches of 2)
 
 With DeepSpeed, ``accelerator.clip_grad_norm_`` leaves clipping to DeepSpeed, at the 1.0 that
 Accelerate fills in; without, it clips at 1.0 itself. The script trains 4 steps, saves the state
@@ -28,6 +30,7 @@ import tsp_core
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--batch", type=int, default=2, help="rows per process and step")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     accelerator = Accelerator(cpu=True) if a.plain else TSPAccelerator()
@@ -37,8 +40,8 @@ def main() -> None:
                                          num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, max_position_embeddings=64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
-    loader = DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=2)
+    ids = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(1))
+    loader = DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=a.batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     batches = list(loader)
 

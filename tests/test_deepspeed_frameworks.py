@@ -1,7 +1,8 @@
 """DeepSpeed through the frameworks (DS_ACCELERATOR=cpu, gloo, 2 processes): Lightning's
 ``strategy="tsp_deepspeed"`` (ZeRO-2) and Accelerate's DeepSpeed path with ``TSPAccelerator``
-(``accelerate launch --use_deepspeed --zero_stage 2``) match one plain process, with clipping
-done by DeepSpeed and active (gradient norms above the threshold)."""
+(``accelerate launch --use_deepspeed --zero_stage 2``, also dp 2 x tsp 2 on 4 processes) match
+one plain process, with clipping done by DeepSpeed and active (gradient norms above the
+threshold)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from .reference import assert_close
@@ -48,8 +50,8 @@ def test_lightning_unsupported_precision_fails_at_setup(tmp_path, monkeypatch):
                      r"use one of \['32-true'\]", proc.stderr), proc.stderr[-3000:]
 
 
-def run(cmd: list[str]) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+def run(cmd: list[str], **extra_env: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", **extra_env)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -60,15 +62,18 @@ def load(out) -> tuple[dict, dict]:
         return json.load(f), torch.load(os.path.join(out, "weights.pt"))
 
 
-def test_accelerate_deepspeed_zero2_matches_one_process(tmp_path):
+@pytest.mark.parametrize("procs", [2, 4])
+def test_accelerate_deepspeed_zero2_matches_one_process(tmp_path, procs):
+    # 4 processes: TSP_SIZE=2, so ZeRO-2 over 2 data-parallel ranks, each taking its batch of 2
+    # rows; the one process takes both batches at once
     plain, tsp = tmp_path / "plain", tmp_path / "tsp"
     plain.mkdir()
     tsp.mkdir()
-    run([sys.executable, EXIT_CLEANLY, JOB, "--plain", "--out", str(plain)])
+    run([sys.executable, EXIT_CLEANLY, JOB, "--plain", "--batch", str(procs), "--out", str(plain)])
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     stdout = run([accelerate, "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes",
-                  "2", EXIT_CLEANLY, JOB, "--out", str(tsp)])
-    assert "processes 2, distributed DistributedType.DEEPSPEED, TSP degree 2" in stdout, stdout
+                  str(procs), EXIT_CLEANLY, JOB, "--out", str(tsp)], TSP_SIZE="2")
+    assert f"processes {procs}, distributed DistributedType.DEEPSPEED, TSP degree 2" in stdout, stdout
     (ref, ref_weights), (res, weights) = load(plain), load(tsp)
     assert len(res["losses"]) == len(ref["losses"]) == 4
     for key in ("losses", "grad_norms"):
