@@ -13,7 +13,7 @@
   torch.distributed.checkpoint (Accelerate's own ``optimizer.bin`` comes from rank 0 only and
   cannot hold sharded Adam state), plus schedulers, the step and every rank's RNG state.
 
-DeepSpeed (a ``DeepSpeedPlugin``, or ``accelerate launch --use_deepspeed``): Accelerate calls
+DeepSpeed (``accelerate launch --use_deepspeed``; a ``DeepSpeedPlugin`` too, untested): Accelerate calls
 ``deepspeed.initialize`` itself, with no mpu; ``prepare()`` sends that call through
 ``tsp_deepspeed.initialize`` (``tsp_deepspeed.routed``), so ZeRO partitions over the data-parallel
 axis, and ``save_state`` / ``load_state`` are Accelerate's own (``engine.save_checkpoint`` writes
