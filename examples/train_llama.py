@@ -8,6 +8,14 @@ Hugging Face model on the whole sequence in one process; every process runs it a
 (one core each), then all processes run the TSP model together. The script prints per-step losses
 of both, tokens/s (median after warm-up) and per-rank peak memory (MemTracker over one extra step:
 parameters, gradients, optimizer state, activations and temporaries; the same tracker for both).
+
+Elastic training (docs/checkpointing.md): with ``--checkpoint-dir`` the script trains the TSP model
+only, on batches that depend only on the step number, saves a sharded checkpoint every
+``--checkpoint-every`` steps and, with ``--resume``, starts from the latest complete one. Under
+``torchrun --max-restarts N`` a job that lost a process restarts and continues exactly:
+
+    torchrun --standalone --nproc_per_node 2 --max-restarts 2 examples/train_llama.py \
+        --checkpoint-dir ckpt --checkpoint-every 2 --resume --final-weights final.pt
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import statistics
 import time
 
@@ -62,6 +71,43 @@ def train(model, make_batch, data: list[torch.Tensor], a: argparse.Namespace):
     return losses, a.batch * a.seq / statistics.median(times[a.warmup:]), int(snap["Total"])
 
 
+def elastic(a: argparse.Namespace, mesh: tsp_core.TSPMesh) -> None:
+    """TSP training that checkpoints every ``--checkpoint-every`` steps and resumes from the latest
+    complete checkpoint. The batch of step k is drawn from seed k, so a resumed run sees exactly
+    the batches an uninterrupted one would."""
+    model = tsp_core.parallelize(build(a), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    start = 0
+    latest = tsp_core.latest_checkpoint(a.checkpoint_dir) if a.resume else None
+    if latest is not None:
+        start = tsp_core.load_checkpoint(latest, model, opt)["step"]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if dist.get_rank() == 0:
+        print(f"attempt {restart}: starting at step {start}"
+              + (f" from {latest}" if latest else ""), flush=True)
+    # test hook: this global rank SIGKILLs itself at this step, on the first attempt only
+    kill = os.environ.get("TSP_TEST_KILL")  # "rank:step"
+    for step in range(start, a.steps):
+        if kill and restart == 0 and [dist.get_rank(), step] == [int(v) for v in kill.split(":")]:
+            print(f"rank {dist.get_rank()} SIGKILLs itself at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        ids = torch.randint(0, a.vocab, (a.batch, a.seq),
+                            generator=torch.Generator().manual_seed(1000 + step))
+        model.tsp_step = step
+        loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dist.get_rank() == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        if (step + 1) % a.checkpoint_every == 0 or step + 1 == a.steps:
+            tsp_core.save_checkpoint(os.path.join(a.checkpoint_dir, f"step_{step + 1:06d}"), model,
+                                     opt, step=step + 1)
+    state = tsp_core.full_state_dict(model, rank0_only=True)
+    if a.final_weights and dist.get_rank() == 0:
+        torch.save(state, a.final_weights)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -77,9 +123,21 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--tsp", type=int, default=None, help="TSP degree (default: every process)")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="elastic mode: train TSP only, saving sharded checkpoints here")
+    ap.add_argument("--checkpoint-every", type=int, default=2)
+    ap.add_argument("--resume", action="store_true",
+                    help="start from the latest complete checkpoint in --checkpoint-dir")
+    ap.add_argument("--final-weights", default=None,
+                    help="elastic mode: save the final full state dict (torch.save) here")
     a = ap.parse_args()
 
     mesh = tsp_core.init_mesh(a.tsp or int(os.environ.get("WORLD_SIZE", "1")))
+    if a.checkpoint_dir is not None:
+        elastic(a, mesh)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen) for _ in range(a.steps)]
     plain = build(a)

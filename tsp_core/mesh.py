@@ -98,7 +98,17 @@ def init_process_group_from_env() -> None:
     backend = _default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "WORLD_SIZE" in os.environ:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart != "0":
+        # A restarted torchrun job reuses the agent's store, which still holds the previous
+        # attempt's addresses: gloo read them and failed with "Connection refused" about half the
+        # time. Keys of this attempt get their own prefix.
+        store = dist.PrefixStore(f"/tsp/attempt_{restart}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+            int(os.environ["WORLD_SIZE"]), is_master=False))
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
