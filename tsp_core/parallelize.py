@@ -22,6 +22,7 @@ from .mesh import TSPMesh
 from .mlp import TSPGatedMLP
 from .norm import TSPRMSNorm
 from .policies import DecoderPolicy, find_policy
+from .validate import check_model_inputs
 from .vocab import TSPEmbedding, TSPLMHead
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -48,6 +49,7 @@ class TSPCausalLM:
 
     _tsp_mesh: TSPMesh
     _tsp_policy: DecoderPolicy
+    tsp_step: int | None = None  # set by a training loop: input errors then name the step
 
     def forward(self, input_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
@@ -77,6 +79,10 @@ class TSPCausalLM:
         policy, mesh = self._tsp_policy, self._tsp_mesh
         if tsp_docs is not None:  # one host transfer per step, not per layer
             kwargs["tsp_docs"] = tuple(tuple(n for n in row if n) for row in tsp_docs.tolist())
+        self._tsp_forward_calls = getattr(self, "_tsp_forward_calls", 0) + 1
+        # bad input raises on every rank of the group, before any schedule collective
+        check_model_inputs(self, input_ids, inputs_embeds, position_ids, shift_labels,
+                           kwargs.get("tsp_docs"))
         out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
                                                inputs_embeds=inputs_embeds, use_cache=False,
                                                **kwargs)

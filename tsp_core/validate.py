@@ -1,0 +1,145 @@
+"""Checks of a TSP model's inputs that every rank of the TSP group agrees on before the first
+schedule collective, so that bad input raises on every rank instead of hanging some of them.
+
+Each rank checks its own tokens (shapes, label range, position ids against the layout, finite
+``inputs_embeds``) and the group all-gathers one small int64 vector per rank: batch rows, local
+length, a checksum of the document lengths, the problems found and the number of non-finite
+values. Ranks whose batches differ in shape (a data loader that gave ranks of one TSP group
+different batches) are caught the same way. Cost: one all-gather of 5 integers per forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import comm
+from .layout import IGNORE_INDEX, rank_chunks, row_segments
+
+LABELS_RANGE, LABELS_SHAPE, POSITIONS_NEGATIVE, POSITIONS_LAYOUT, NONFINITE, SHAPE = (
+    1, 2, 4, 8, 16, 32)
+_FIX = {
+    LABELS_RANGE: "shift_labels outside [0, {vocab}) and not -100 (ignored): labels must be "
+                  "token ids of this model's vocabulary",
+    LABELS_SHAPE: "shift_labels whose shape differs from the input's [batch, local_seq]: build "
+                  "labels for the same tokens (tsp_core.shard_batch does)",
+    POSITIONS_NEGATIVE: "negative position_ids: positions count from 0",
+    POSITIONS_LAYOUT: "position_ids that are not the global positions of this rank's tokens in the "
+                      "mesh's layout (or per document, for packed rows): pass the full batch "
+                      "through tsp_core.shard_batch instead of building local positions yourself",
+    NONFINITE: "NaN or inf in inputs_embeds: check the data and whatever produced the embeddings",
+    SHAPE: "inputs of the wrong shape",
+}
+
+
+def _expected_positions(docs: tuple[int, ...], rank: int, size: int, layout: str,
+                        device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(a - start, b - start, device=device)
+                      for a, b, start in row_segments(docs, rank, size, layout)])
+
+
+def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
+                       inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor,
+                       shift_labels: torch.Tensor | None,
+                       docs: tuple[tuple[int, ...], ...] | None) -> None:
+    """Raise ``ValueError`` on every rank of the TSP group if any rank's input is bad or the
+    ranks' batch shapes differ. ``docs``: each row's document lengths (from ``tsp_docs``)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(position_ids):  # a memory simulation (tsp simulate): there are no values to check
+        return
+    mesh = model._tsp_mesh
+    size, rank, layout = mesh.size, mesh.rank, mesh.layout
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    problems, details = 0, []
+    x = input_ids if input_ids is not None else inputs_embeds
+    want_dims = 2 if input_ids is not None else 3
+    if x is None or x.dim() != want_dims or (inputs_embeds is not None and x.shape[-1] != hidden):
+        problems |= SHAPE
+        details.append(f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape "
+                       f"{None if x is None else tuple(x.shape)}: expected [batch, local_seq]"
+                       f"{'' if input_ids is not None else f', hidden_size={hidden}'}")
+        rows, seq = -1, -1
+    else:
+        rows, seq = x.shape[0], x.shape[1]
+    nonfinite = 0
+    if inputs_embeds is not None and inputs_embeds.is_floating_point():
+        nonfinite = int((~torch.isfinite(inputs_embeds)).sum())
+        if nonfinite:
+            problems |= NONFINITE
+            details.append(f"{nonfinite} NaN/inf values in inputs_embeds")
+    if shift_labels is not None and rows >= 0:
+        if tuple(shift_labels.shape) != (rows, seq):
+            problems |= LABELS_SHAPE
+            details.append(f"shift_labels of shape {tuple(shift_labels.shape)}, input "
+                           f"{(rows, seq)}")
+        else:
+            bad = ((shift_labels < 0) & (shift_labels != IGNORE_INDEX)) | (shift_labels >= vocab)
+            if bad.any():
+                problems |= LABELS_RANGE
+                vals = shift_labels[bad]
+                details.append(f"{int(bad.sum())} shift_labels outside [0, {vocab}) (from "
+                               f"{int(vals.min())} to {int(vals.max())})")
+    if rows >= 0:
+        pos = position_ids if position_ids.dim() == 2 else position_ids.reshape(1, -1)
+        if pos.shape[-1] != seq or pos.shape[0] not in (1, rows):
+            problems |= POSITIONS_LAYOUT
+            details.append(f"position_ids of shape {tuple(position_ids.shape)} for input "
+                           f"{(rows, seq)}")
+        elif bool((pos < 0).any()):
+            problems |= POSITIONS_NEGATIVE
+            details.append(f"position_ids from {int(pos.min())}")
+        elif seq % len(rank_chunks(rank, size, layout)) == 0:
+            row_docs = docs or ((seq * size,),) * pos.shape[0]
+            cache: dict[tuple[int, ...], torch.Tensor | None] = {}
+            for r in range(pos.shape[0]):
+                d = row_docs[r] if r < len(row_docs) else row_docs[-1]
+                if d not in cache:
+                    try:
+                        cache[d] = _expected_positions(d, rank, size, layout, pos.device)
+                    except ValueError:  # document lengths that do not split: reported below
+                        cache[d] = None
+                want = cache[d]
+                if want is None:
+                    problems |= SHAPE
+                    details.append(f"tsp_docs row {r} {list(d)} does not split over {size} ranks")
+                    break
+                if want.shape != pos[r].shape or not torch.equal(pos[r], want):
+                    problems |= POSITIONS_LAYOUT
+                    details.append(f"position_ids of row {r} start {pos[r, :6].tolist()}, expected "
+                                   f"{want[:6].tolist()} ({layout} layout, tsp_size={size})")
+                    break
+        else:
+            problems |= SHAPE
+            details.append(f"local sequence length {seq} does not split into this layout's "
+                           f"chunks ({layout}, tsp_size={size})")
+    checksum = hash(docs) & 0x7FFFFFFF if docs is not None else 0
+    mine = torch.tensor([rows, seq, checksum, problems, nonfinite], dtype=torch.int64,
+                        device=position_ids.device)
+    everyone = mine.new_empty(size * 5)
+    comm.all_gather(everyone, mine, mesh.group)
+    table = everyone.view(size, 5).tolist()
+    flags = 0
+    for row in table:
+        flags |= row[3]
+    shapes = {(r[0], r[1], r[2]) for r in table if r[0] >= 0}
+    if not flags and len(shapes) <= 1:
+        return
+    step = getattr(model, "tsp_step", None)
+    where = f"step {step}" if step is not None else \
+        f"forward call {getattr(model, '_tsp_forward_calls', 0)} (set model.tsp_step for steps)"
+    lines = []
+    for bit, text in _FIX.items():
+        culprits = [r for r, row in enumerate(table) if row[3] & bit]
+        if culprits:
+            extra = (f" ({sum(table[r][4] for r in culprits)} values)" if bit == NONFINITE else "")
+            lines.append(f"TSP rank(s) {culprits}: {text.format(vocab=vocab)}{extra}")
+    if len(shapes) > 1:
+        seen = ", ".join(f"rank {r}: {row[0]} rows x {row[1]} local tokens" for r, row in
+                         enumerate(table))
+        lines.append(f"ranks of one TSP group have different batches ({seen}); every rank of a TSP "
+                     f"group must get the same full batch (sample over the data-parallel ranks "
+                     f"only, e.g. DistributedSampler(num_replicas=mesh.dp_size))")
+    raise ValueError(f"bad input at {where}: " + "; ".join(lines)
+                     + (f". This rank (TSP rank {rank}): " + "; ".join(details) if details else ""))
