@@ -277,6 +277,20 @@ def _moves(seq_len: int, d: int, layout: str,
     return out
 
 
+def _zigzag_halves(full: torch.Tensor, buf: torch.Tensor, dim: int, d: int):
+    """Views that move an unpacked zigzag row between global order (``full``) and rank order
+    (``buf`` [d, ..., local, ...]) in two copies instead of 2d: the first halves of the sequence
+    are the ranks' first chunks in rank order, the second halves their second chunks in reverse
+    rank order (``rev``)."""
+    chunk = full.shape[dim] // (2 * d)
+    halves = full.unflatten(dim, (2, d, chunk))
+    local = buf.unflatten(dim + 1, (2, chunk))
+    rev = torch.arange(d - 1, -1, -1, device=full.device)
+    return ((halves.select(dim, 0), halves.select(dim, 1)),
+            (local.select(dim + 1, 0).movedim(0, dim), local.select(dim + 1, 1).movedim(0, dim)),
+            rev)
+
+
 def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int, layout: str,
                         docs: Sequence[int] | None = None) -> torch.Tensor:
     """Full sequence (in global token order) from every rank's local tokens along ``dim``;
@@ -289,6 +303,11 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int, lay
     shape = list(x.shape)
     shape[dim] *= d
     full = x.new_empty(shape)
+    if docs is None and layout == "zigzag":
+        (first, second), (mine, theirs), rev = _zigzag_halves(full, buf, dim, d)
+        first.copy_(mine)
+        second.index_copy_(dim, rev, theirs)
+        return full
     for r, offset, start, n in _moves(shape[dim], d, layout, docs):
         full.narrow(dim, start, n).copy_(buf[r].narrow(dim, offset, n))
     return full
@@ -303,8 +322,13 @@ def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup, dim: i
     shape = list(full.shape)
     shape[dim] //= d
     buf = full.new_empty((d, *shape))
-    for r, offset, start, n in _moves(full.shape[dim], d, layout, docs):
-        buf[r].narrow(dim, offset, n).copy_(full.narrow(dim, start, n))
+    if docs is None and layout == "zigzag":
+        (first, second), (mine, theirs), rev = _zigzag_halves(full, buf, dim, d)
+        mine.copy_(first)
+        theirs.index_copy_(dim, rev, second)
+    else:
+        for r, offset, start, n in _moves(full.shape[dim], d, layout, docs):
+            buf[r].narrow(dim, offset, n).copy_(full.narrow(dim, start, n))
     out = full.new_empty(shape)
     reduce_scatter(out, buf, group)
     return out

@@ -111,7 +111,8 @@ class ParallelModel:
         layer = self.layers[index]
         handles = [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
         try:
-            yield stats
+            with self.counting():
+                yield stats
         finally:
             for hnd in handles:
                 hnd.remove()
@@ -149,11 +150,24 @@ class ParallelModel:
         return comm.sum_over(loss_sum, [self.mesh.group]) / count
 
     @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count DTensor's collectives too (tensor-parallel layouts) inside the block. Off by
+        default: the counter sees every op, which would slow timed steps."""
+        self._count_dtensor = True
+        try:
+            yield
+        finally:
+            self._count_dtensor = False
+
+    @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
         if self.spec.tp > 1 and self.spec.name != "tsp":
             from torch.distributed.tensor.parallel import loss_parallel
 
-            with loss_parallel(), comm.count_functional_collectives():
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(loss_parallel())
+                if getattr(self, "_count_dtensor", False):
+                    stack.enter_context(comm.count_functional_collectives())
                 yield
         else:
             yield

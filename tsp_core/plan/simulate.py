@@ -1,117 +1,226 @@
-"""Per-rank memory of TSP layers at any scale, measured on one CPU: the real code of rank 0 of a
-D-rank world runs under ``FakeTensorMode`` with the ``fake`` process-group backend, and
-``MemTracker`` records every tensor it allocates (DESIGN 4).
+"""Per-rank memory of a whole model under any layout, measured on one CPU (DESIGN 4): the real model
+code of rank 0 of a ``degree``-rank world runs one training step under ``FakeTensorMode`` with the
+``fake`` process-group backend, and ``MemTracker`` records every tensor it allocates.
 
-Run as ``python -m tsp_core.plan.simulate --seq 131072 --degree 4,8``; it owns the default process
-group of its process, so call it in a fresh process.
+The peak is split into parameters, gradients, optimizer states (AdamW's two moments, allocated
+the way ``torch.optim.AdamW`` allocates them), activations (saved for backward) and temporaries.
+The optimizer step's own transients are not simulated (a fake tensor has no value for AdamW's step
+count). Every layout runs the same flash-piece attention kernels and the same recompute wrapper, so
+the comparison is like for like.
+
+Each record owns the default process group of its process; :func:`simulate_many` runs records in
+fresh worker processes, ``jobs`` at a time.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import contextlib
+import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
+from multiprocessing import get_context
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 GIB = 1024 ** 3
+RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "none")
+
+# Llama-family shapes (random weights, never downloaded). "7b" is the paper's dense model:
+# h=4096, 32 layers, 32 heads, gated MLP with intermediate 16384.
+MODELS = {
+    "7b": dict(hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=8, vocab_size=4096),
+    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, vocab_size=512),
+}
+CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer_states",
+              "Activation": "activations", "Temp": "temporaries", "Buffer": "buffers",
+              "Other": "other"}
 
 
 @dataclass(frozen=True)
-class BlockShape:
-    hidden_size: int = 4096
-    num_heads: int = 32
-    num_kv_heads: int = 32
-    intermediate_size: int = 16384
-
-
-SHAPES = {"7b": BlockShape(), "tiny": BlockShape(64, 4, 2, 128)}
-
-
-class TSPBlock(nn.Module):
-    """Attention then gated MLP, each with a residual: the two TSP layers of a decoder block."""
-
-    def __init__(self, mesh, shape: BlockShape, dtype: torch.dtype) -> None:
-        super().__init__()
-        from ..attention import TSPAttention
-        from ..mlp import TSPGatedMLP
-
-        self.attn = TSPAttention(mesh, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
-                                 dtype=dtype, init_seed=None)
-        self.mlp = TSPGatedMLP(mesh, shape.hidden_size, shape.intermediate_size, dtype=dtype,
-                               init_seed=None)
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(x, position_ids)
-        return h + self.mlp(h)
+class SimulationRequest:
+    layout: str          # a name from tsp_core.baselines.LAYOUTS
+    tp: int
+    cp: int
+    seq: int
+    model: str = "7b"
+    layers: int | None = None  # override the model's layer count
+    batch: int = 1
+    recompute: str = "none"
+    optimizer: str = "adamw"
+    dtype: str = "bfloat16"
 
 
 @dataclass
-class MemoryReport:
+class MemoryRecord:
+    layout: str          # e.g. "tp+cp(4x2)"
+    name: str
+    tp: int
+    cp: int
     degree: int
     seq: int
     batch: int
+    model: str
+    layers: int
+    recompute: str
+    optimizer: str
+    dtype: str
     peak_bytes: int
     breakdown: dict[str, int]
+    seconds: float
 
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
 
 
-def simulate_block(degree: int, seq: int, shape: BlockShape = SHAPES["7b"], batch: int = 1,
-                   dtype: torch.dtype = torch.bfloat16) -> MemoryReport:
-    """Peak memory of rank 0 over one forward + backward of a TSP block at TSP degree ``degree``."""
+def model_config(name: str, layers: int | None = None, seq: int = 4096):
+    from transformers import LlamaConfig
+
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    kw = dict(MODELS[name])
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    return LlamaConfig(max_position_embeddings=seq, **kw)
+
+
+def recompute_kwargs(recompute: str) -> dict | None:
+    """``gradient_checkpointing_kwargs`` for every decoder layer, the same for every layout:
+    ``full`` keeps only each layer's input; ``selective`` (PyTorch's selective activation
+    checkpointing) keeps matmul and attention-kernel outputs and recomputes the rest (norms,
+    activations, RoPE, elementwise ops)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE}")
+    if recompute == "none":
+        return None
+    if recompute == "full":
+        return {"use_reentrant": False}
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_efficient_attention.default}
+
+    def policy(_ctx, op, *_args, **_kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return {"use_reentrant": False,
+            "context_fn": partial(create_selective_checkpoint_contexts, policy)}
+
+
+@contextlib.contextmanager
+def _private_sharding_propagation() -> Iterator[None]:
+    """DTensor computes each op's global output shape by running it on fake tensors, borrowing the
+    ambient fake mode when there is one. On a device that allocates nothing; in the simulation the
+    tracker would count those global-shape tensors as this rank's, so give DTensor its own mode."""
+    from torch.distributed.tensor import _sharding_prop
+
+    saved = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = saved
+
+
+def _adamw_states(optimizer: torch.optim.Optimizer) -> None:
+    """The state AdamW allocates on its first step: a step count and two moments per parameter."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(0.0),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def simulate(req: SimulationRequest) -> MemoryRecord:
+    """Peak memory of rank 0 over one training step of ``req``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import LlamaForCausalLM
 
-    from ..layout import position_ids
-    from ..mesh import init_mesh
+    from ..baselines import build
+    from ..baselines.layouts import LayoutSpec, build_mesh
 
+    if req.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {req.optimizer!r} is not one of {OPTIMIZERS}")
+    ckpt = recompute_kwargs(req.recompute)
+    spec = LayoutSpec(req.layout, req.tp, req.cp)
+    config = model_config(req.model, req.layers, req.seq)
+    dtype = getattr(torch, req.dtype)
+    start = time.perf_counter()
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=degree, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=spec.degree, store=FakeStore())
     try:
-        mesh = init_mesh(degree)
-        with FakeTensorMode():
-            block = TSPBlock(mesh, shape, dtype)
+        mesh = build_mesh(spec)
+        mode = FakeTensorMode()
+        with mode, _private_sharding_propagation():
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)  # INTEGRATION_NOTES: .to(dtype) fails under fake mode
+            try:
+                model = LlamaForCausalLM(config)
+            finally:
+                torch.set_default_dtype(default)
+            pm = build(model, spec, mesh)
+            if ckpt is not None:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
+            model.train()
+        ids = torch.zeros(req.batch, req.seq, dtype=torch.long)
+        local = pm.shard({"input_ids": ids, "labels": ids})  # real index tensors, then faked
+        with mode, _private_sharding_propagation():
+            local = {k: mode.from_tensor(v) for k, v in local.items()}
+            optimizer = None
+            if req.optimizer == "adamw":
+                optimizer = torch.optim.AdamW(model.parameters())
+                _adamw_states(optimizer)
             tracker = MemTracker()
-            tracker.track_external(block)
+            tracker.track_external(*([model] + ([optimizer] if optimizer else [])))
             with tracker:
-                x = torch.randn(batch, seq // degree, shape.hidden_size, dtype=dtype,
-                                requires_grad=True)
-                pos = position_ids(seq, mesh.rank, degree, mesh.layout)
-                block(x, pos).sum().backward()
-            peak = tracker.get_tracker_snapshot("peak")
+                pm.step_local(local)
+            (snap,) = tracker.get_tracker_snapshot("peak").values()
     finally:
         dist.destroy_process_group()
-    (snap,) = peak.values()
-    breakdown = {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if k != "Total"}
-    return MemoryReport(degree, seq, batch, int(snap["Total"]), breakdown)
+    breakdown = {CATEGORIES.get(str(getattr(k, "value", k)), str(k)): int(v)
+                 for k, v in snap.items() if str(k) != "Total"}
+    return MemoryRecord(spec.label, spec.name, spec.tp, spec.cp, spec.degree, req.seq, req.batch,
+                        req.model, config.num_hidden_layers, req.recompute, req.optimizer,
+                        req.dtype, int(snap["Total"]), breakdown, time.perf_counter() - start)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="7b")
-    ap.add_argument("--seq", default="131072", help="comma-separated sequence lengths")
-    ap.add_argument("--degree", default="4,8", help="comma-separated TSP degrees")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--json", action="store_true", help="print JSON records instead of a table")
-    args = ap.parse_args(argv)
-    reports = [simulate_block(d, s, SHAPES[args.shape], args.batch)
-               for s in map(int, args.seq.split(",")) for d in map(int, args.degree.split(","))]
-    if args.json:
-        print(json.dumps([asdict(r) | {"peak_gib": r.peak_gib} for r in reports]))
-        return
-    kinds = sorted({k for r in reports for k in r.breakdown})
-    print(f"{'seq':>8} {'D':>3} {'peak GiB':>9} " + " ".join(f"{k:>11}" for k in kinds))
-    for r in reports:
-        print(f"{r.seq:>8} {r.degree:>3} {r.peak_gib:>9.3f} "
-              + " ".join(f"{r.breakdown.get(k, 0) / GIB:>11.3f}" for k in kinds))
+def _run_one(req: SimulationRequest) -> MemoryRecord:
+    import os
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    return simulate(req)
 
 
-if __name__ == "__main__":
-    main()
+def simulate_many(requests: list[SimulationRequest], jobs: int = 2,
+                  progress=None) -> list[MemoryRecord]:
+    """Run every request in a fresh process, ``jobs`` at a time; results in request order.
+    ``progress(record)`` is called as each finishes."""
+    ctx = get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx,
+                             max_tasks_per_child=1) as pool:
+        futures = [pool.submit(_run_one, r) for r in requests]
+        out = []
+        for f in futures:
+            rec = f.result()
+            if progress is not None:
+                progress(rec)
+            out.append(rec)
+    return out
+
+
+def record_dict(rec: MemoryRecord) -> dict:
+    return asdict(rec) | {"peak_gib": rec.peak_gib}

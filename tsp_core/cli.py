@@ -1,0 +1,136 @@
+"""The ``tsp`` command: ``tsp simulate`` (per-rank memory of every layout under fake tensors) and
+``tsp bench`` (real multi-process runs of every layout)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+GIB = 1024 ** 3
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    from .baselines import parse_layouts
+    from .plan.simulate import (
+        MODELS,
+        SimulationRequest,
+        model_config,
+        record_dict,
+        simulate_many,
+    )
+
+    if args.model not in MODELS:
+        raise SystemExit(f"unknown model {args.model!r}; choose from {sorted(MODELS)}")
+    requests = [SimulationRequest(s.name, s.tp, s.cp, seq, args.model, args.layers, args.batch,
+                                  args.recompute, args.optimizer, args.dtype)
+                for degree in args.degree for seq in args.seq
+                for s in parse_layouts(args.layouts, degree)]
+    config = model_config(args.model, args.layers)
+    print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"heads {config.num_attention_heads}/{config.num_key_value_heads}, intermediate "
+          f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}; batch "
+          f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; rank 0 of each "
+          f"world under FakeTensorMode ({len(requests)} runs, {args.jobs} at a time)",
+          file=sys.stderr, flush=True)
+    kinds = ["parameters", "gradients", "optimizer_states", "activations", "temporaries"]
+    head = (f"{'layout':<15} {'seq':>7} {'D':>3} {'peak GiB':>9} "
+            + " ".join(f"{k[:11]:>11}" for k in kinds))
+    start = time.perf_counter()
+
+    def row(r) -> str:
+        return (f"{r.layout:<15} {r.seq:>7} {r.degree:>3} {r.peak_gib:>9.2f} "
+                + " ".join(f"{r.breakdown.get(k, 0) / GIB:>11.2f}" for k in kinds))
+
+    done = [0]
+
+    def progress(r) -> None:
+        done[0] += 1
+        print(f"[{done[0]}/{len(requests)} {time.perf_counter() - start:.0f}s] {row(r)} "
+              f"({r.seconds:.0f}s)", file=sys.stderr, flush=True)
+
+    records = simulate_many(requests, args.jobs, progress)
+    print(head)
+    for r in records:
+        print(row(r))
+    if args.json:
+        _write_json(args.json, [record_dict(r) for r in records])
+    return 0
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    from . import bench
+
+    cfg = bench.BenchConfig(args.layouts, args.degree, args.seq, args.model, args.batch,
+                            args.steps, args.warmup, args.dtype)
+    print(f"bench: {cfg}", file=sys.stderr, flush=True)
+    print(bench.HEADER, file=sys.stderr, flush=True)
+    records = bench.run(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bench.table(records))
+    if args.json:
+        _write_json(args.json, bench.to_json(records, cfg))
+    if args.plot:
+        bench.plot(records, args.plot)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from .baselines import LAYOUTS
+
+    ap = argparse.ArgumentParser(prog="tsp", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    layouts_help = f"comma-separated, from {', '.join(LAYOUTS)}"
+
+    sim = sub.add_parser("simulate", help="per-rank memory of each layout (fake tensors)")
+    sim.add_argument("--model", default="7b", help="7b | small | tiny (Llama family)")
+    sim.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    sim.add_argument("--seq", type=_ints, default=(131072,), help="sequence lengths")
+    sim.add_argument("--degree", type=_ints, default=(8,), help="ranks per model replica")
+    sim.add_argument("--layouts", default="tsp,tp,tp-sp,cp,tp+cp,tp-sp+cp", help=layouts_help)
+    sim.add_argument("--batch", type=int, default=1)
+    sim.add_argument("--recompute", default="full", choices=["none", "selective", "full"])
+    sim.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])
+    sim.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    sim.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
+    sim.add_argument("--json", default=None, help="write the records to this file")
+    sim.set_defaults(func=simulate_main)
+
+    b = sub.add_parser("bench", help="real multi-process runs of each layout")
+    b.add_argument("--layouts", default="tsp,tp,tp-sp,cp,tp+cp", help=layouts_help)
+    b.add_argument("--degree", type=int, default=2, help="processes (ranks per replica)")
+    b.add_argument("--seq", type=_ints, default=(2048,), help="sequence lengths")
+    b.add_argument("--model", default="tiny", help="tiny | small (Llama family)")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--steps", type=int, default=4, help="timed steps after warm-up")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    b.add_argument("--json", default=None, help="write the records to this file")
+    b.add_argument("--plot", default=None, help="write a PNG of memory and tokens/s vs seq")
+    b.set_defaults(func=bench_main)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad requests: one line, no traceback
+        print(f"tsp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
