@@ -4,6 +4,7 @@ of each weight matrix and 1/D of the tokens."""
 from . import comm, guard, layout
 from .attention import TSPAttention
 from .checkpoint import full_state_dict, load_full_state_dict, save_pretrained
+from .generation import generate
 from .layout import position_ids, shard_batch, shard_sequence, unshard_sequence
 from .mesh import TSPMesh, init_mesh
 from .mlp import TSPGatedMLP
@@ -13,6 +14,7 @@ from .resharding import latest_checkpoint, load_checkpoint, save_checkpoint
 from .vocab import TSPEmbedding, TSPLMHead
 
 __all__ = ["TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh", "TSPRMSNorm",
-           "comm", "full_state_dict", "get_mesh", "guard", "init_mesh", "latest_checkpoint", "layout",
-           "load_checkpoint", "load_full_state_dict", "parallelize", "position_ids",
+           "comm", "full_state_dict", "generate", "get_mesh", "guard", "init_mesh",
+           "latest_checkpoint", "layout", "load_checkpoint", "load_full_state_dict", "parallelize",
+           "position_ids",
            "save_checkpoint", "save_pretrained", "shard_batch", "shard_sequence", "unshard_sequence"]

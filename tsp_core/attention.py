@@ -9,7 +9,7 @@ from other ranks are fetched again in the backward instead of being saved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -140,7 +140,7 @@ def _row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
 
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, *weights):
+    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
         B, L, _ = x.shape
         pack = FlatPack([w.shape for w in weights])
         own = pack.pack(weights)
@@ -166,6 +166,8 @@ class _TSPAttentionFn(torch.autograd.Function):
                 del kv
                 out_all[r][g.rows], lse_all[r][g.rows] = o, lse
             y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
+        if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every head group
+            kv_sink(kv_all)
         ctx.spec, ctx.group, ctx.pack, ctx.groups = spec, group, pack, groups
         ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
         return y
@@ -224,7 +226,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         grads = pack.unpack(mine[0])
         if spec.kv_replicas > 1:
             _sum_kv_replicas(grads, spec, group)
-        return (dx, None, None, None, None, None, *grads)
+        return (dx, None, None, None, None, None, None, *grads)
 
 
 def _sum_kv_replicas(grads: list[torch.Tensor], spec: AttentionSpec, group) -> None:
@@ -301,9 +303,13 @@ class TSPAttention(ShardedModule):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                docs: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                docs: Sequence[Sequence[int]] | None = None,
+                kv_sink: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """``docs``: for packed rows, each row's document lengths (as ``shard_batch`` pads them:
-        multiples of 2D); attention then stays inside each document."""
+        multiples of 2D); attention then stays inside each document. ``kv_sink`` (prefill for
+        :mod:`tsp_core.decode`) is called once with ``kv_all`` [D, 2, B, local_kv_heads, S/D,
+        head_dim]: round r's K/V (RoPE applied) of this rank's own tokens for head group r, all
+        computed here, none received from another rank."""
         s = self.spec
         if x.dim() != 3 or x.shape[-1] != s.hidden_size:
             raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
@@ -329,7 +335,7 @@ class TSPAttention(ShardedModule):
         x, weights, context = schedule_inputs(self, self._weight_names(), x)
         cos, sin = (t.to(x.dtype) for t in position_embeddings)
         with context:
-            y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, docs, *weights)
+            y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
         return y

@@ -104,6 +104,16 @@ class TSPCausalLM:
         return CausalLMOutputWithPast(loss=loss)
 
 
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None,
+                 **kwargs: Any):
+        """Hugging Face's ``generate`` on the TSP model: greedy or sampled decoding over the
+        sequence-sharded KV cache (:func:`tsp_core.generate`), the same tokens on every rank.
+        Arguments TSP does not implement (beams, logits processors, streamers, ...) raise a
+        ``ValueError`` naming them."""
+        from .generation import hf_generate
+
+        return hf_generate(self, inputs, generation_config, **kwargs)
+
     def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> None:
         """An ordinary Hugging Face checkpoint (full shapes); every rank must call it."""
         from .checkpoint import save_pretrained
