@@ -36,8 +36,9 @@ class HFTSPAttention(TSPAttention):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 cache=None, **kwargs: Any):
         if cache is not None:
-            raise NotImplementedError("a KV cache (generation) is not supported by TSP attention "
-                                      "yet; run the forward with use_cache=False")
+            raise NotImplementedError("TSP attention's forward takes no KV cache; generate with "
+                                      "model.generate(...) or tsp_core.generate (tsp_core.decode "
+                                      "keeps its own sequence-sharded cache)")
         out = super().forward(hidden_states, position_embeddings=position_embeddings,
                               docs=kwargs.get("tsp_docs"))
         return out, None
@@ -72,7 +73,9 @@ class TSPCausalLM:
             raise ValueError("a TSP model takes shift_labels, shifted on the full sequence before "
                              "sharding: pass the batch through tsp_core.shard_batch")
         if use_cache or cache is not None or kwargs.get("past_key_values") is not None:
-            raise NotImplementedError("a KV cache (generation) is not supported by TSP yet")
+            raise NotImplementedError("a TSP model's forward takes no KV cache (use_cache, "
+                                      "past_key_values); generate with model.generate(...) or "
+                                      "tsp_core.generate, which keep a sequence-sharded cache")
         if position_ids is None:
             raise ValueError("a TSP model needs the global position_ids of the local tokens: "
                              "pass the batch through tsp_core.shard_batch")
