@@ -1,5 +1,5 @@
 """The ``tsp`` command: ``tsp simulate`` (per-rank memory of every layout under fake tensors) and
-``tsp bench`` (real multi-process runs of every layout)."""
+``tsp bench`` (real multi-process runs of every layout) and ``tsp plan`` (the cost model's ranking)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,12 @@ def simulate_main(args: argparse.Namespace) -> int:
 
 
 def bench_main(args: argparse.Namespace) -> int:
+    if args.mode == "generate":
+        return bench_generate_main(args)
     from . import bench
 
-    cfg = bench.BenchConfig(args.layouts, args.degree, args.seq, args.model, args.batch,
+    layouts = args.layouts or "tsp,tp,tp-sp,cp,tp+cp"
+    cfg = bench.BenchConfig(layouts, args.degree, args.seq, args.model, args.batch,
                             args.steps, args.warmup, args.dtype)
     print(f"bench: {cfg}", file=sys.stderr, flush=True)
     print(bench.HEADER, file=sys.stderr, flush=True)
@@ -84,6 +87,22 @@ def bench_main(args: argparse.Namespace) -> int:
         _write_json(args.json, bench.to_json(records, cfg))
     if args.plot:
         bench.plot(records, args.plot)
+    return 0
+
+
+def bench_generate_main(args: argparse.Namespace) -> int:
+    from . import bench_generate as bg
+
+    if args.plot:
+        raise ValueError("--plot is for --mode train")
+    cfg = bg.GenerateBenchConfig(args.layouts or "tsp,tp,single", args.degree, args.seq,
+                                 args.new_tokens, args.model, args.batch, args.steps, args.dtype)
+    print(f"bench generate: {cfg}", file=sys.stderr, flush=True)
+    print(bg.HEADER, file=sys.stderr, flush=True)
+    records = bg.run(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bg.table(records))
+    if args.json:
+        _write_json(args.json, bg.to_json(records, cfg))
     return 0
 
 
@@ -109,7 +128,13 @@ def parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=simulate_main)
 
     b = sub.add_parser("bench", help="real multi-process runs of each layout")
-    b.add_argument("--layouts", default="tsp,tp,tp-sp,cp,tp+cp", help=layouts_help)
+    b.add_argument("--mode", default="train", choices=["train", "generate"],
+                   help="train: training steps; generate: prefill + greedy decode (--seq is the "
+                        "prompt length, --steps the timed repeats)")
+    b.add_argument("--layouts", default=None,
+                   help=f"{layouts_help} (default tsp,tp,tp-sp,cp,tp+cp); with --mode generate "
+                        f"from tsp, tp, single (default all three)")
+    b.add_argument("--new-tokens", type=int, default=32, help="--mode generate: tokens per prompt")
     b.add_argument("--degree", type=int, default=2, help="processes (ranks per replica)")
     b.add_argument("--seq", type=_ints, default=(2048,), help="sequence lengths")
     b.add_argument("--model", default="tiny", help="tiny | small (Llama family)")
@@ -120,6 +145,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write the records to this file")
     b.add_argument("--plot", default=None, help="write a PNG of memory and tokens/s vs seq")
     b.set_defaults(func=bench_main)
+
+    from .plan.command import add_arguments as plan_arguments
+
+    plan_arguments(sub.add_parser("plan", help="rank layouts and degrees for a cluster (cost model)"))
     return ap
 
 
