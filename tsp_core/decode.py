@@ -340,7 +340,8 @@ def decode_step(model: nn.Module, cache: ShardedKVCache, tokens: torch.Tensor,
     slot = None
     if owner == cache.rank:
         slot = cache.length
-        cache._grow(slot + 1)
+        if slot >= cache.positions.shape[1]:  # not reserved: grow by a quarter, not per token
+            cache._grow(slot + max(16, slot // 4))
         cache.positions[:, slot] = positions
         cache.length += 1
     x = _embed_rows(parts, tokens)                                    # [B, h]
