@@ -1,1 +1,2 @@
-"""Planning tools: fake-tensor memory simulation (and, later, the cost model)."""
+"""Planning tools: fake-tensor memory simulation (simulate), hardware detection (detect), the
+memory and step-time model (memory, cost) behind ``tsp plan`` (command)."""

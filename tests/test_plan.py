@@ -1,0 +1,121 @@
+"""The planner (tsp_core.plan): detection on recorded tool outputs and environments, the memory
+model against `tsp simulate` on a 2-layer 7B shape, the ranking for the paper's setting, and clear
+refusals."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tsp_core.plan.cost import auto_tsp_size, plan
+from tsp_core.plan.detect import detect, nodes_from_env, parse_nvidia_topo, parse_rocm_topo
+from tsp_core.plan.hardware import Cluster, device
+from tsp_core.plan.memory import Layout, estimate
+from tsp_core.plan.traffic import ModelShape
+
+FIX = Path(__file__).parent / "fixtures" / "topology"
+SEVEN_B = ModelShape(4096, 32, 32, 16384, 32, 32000)
+
+
+def test_parse_nvidia_smi_topo():
+    dgx = parse_nvidia_topo((FIX / "nvidia_smi_topo_dgx_h100.txt").read_text())
+    assert (dgx.gpus, dgx.link, dgx.detail) == (8, "nvlink", "NV18")
+    pcie = parse_nvidia_topo((FIX / "nvidia_smi_topo_pcie_4gpu.txt").read_text())
+    assert (pcie.gpus, pcie.link) == (4, "pcie")
+
+
+def test_parse_rocm_smi_showtopo():
+    mi = parse_rocm_topo((FIX / "rocm_smi_showtopo_mi300x.txt").read_text())
+    assert (mi.gpus, mi.link) == (8, "xgmi")
+    pcie = parse_rocm_topo((FIX / "rocm_smi_showtopo_pcie.txt").read_text())
+    assert (pcie.gpus, pcie.link) == (4, "pcie")
+    with pytest.raises(ValueError, match="Link Type"):
+        parse_rocm_topo("nothing here")
+
+
+def test_nodes_from_launcher_environment():
+    assert nodes_from_env({"SLURM_JOB_NUM_NODES": "4", "SLURM_GPUS_ON_NODE": "8"}) == (4, 8, "slurm")
+    assert nodes_from_env({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == (2, 8, "torchrun")
+    assert nodes_from_env({"OMPI_COMM_WORLD_SIZE": "32", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == (8, 4, "mpi")
+    assert nodes_from_env({}) == (None, None, "none")
+    with pytest.raises(ValueError, match="not a multiple"):
+        nodes_from_env({"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"})
+
+
+def test_detect_from_tools_and_environment_with_overrides(tmp_path):
+    rocm = (FIX / "rocm_smi_showtopo_mi300x.txt").read_text()
+    tools = {"rocm-smi": rocm}
+    found = detect(env={"SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"},
+                   run=lambda cmd: tools.get(cmd[0]),
+                   torch_devices=[("AMD Instinct MI300X", 192 * 10 ** 9)] * 8)
+    c = found.cluster
+    assert (c.device.name, c.gpus_per_node, c.nodes, c.intra_gbps) == ("mi300x", 8, 2, None)
+    assert found.sources["nodes"] == "slurm" and "rocm-smi" in found.sources["link"]
+    pcie = detect(env={}, run=lambda cmd: (FIX / "nvidia_smi_topo_pcie_4gpu.txt").read_text()
+                  if cmd[0] == "nvidia-smi" else None,
+                  torch_devices=[("NVIDIA A100-SXM4-80GB", 80 * 10 ** 9)] * 4)
+    c = pcie.cluster
+    assert (c.device.name, c.gpus_per_node, c.intra_gbps) == ("a100", 4, 25.0)
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"gpu": "h100", "nodes": 3, "gpus_per_node": 8}))
+    given = detect({"inter_node_gbps": 200}, env={"TSP_HARDWARE": str(hw)}, run=lambda cmd: None,
+                   torch_devices=[])
+    assert (given.cluster.device.name, given.cluster.nodes, given.cluster.inter_node_gbps) == ("h100", 3, 200)
+    with pytest.raises(ValueError, match="--gpu"):
+        detect(env={}, run=lambda cmd: None, torch_devices=[])
+
+
+def test_paper_setting_ranks_tsp_first_and_marks_two_node_replicas():
+    ranked, refused = plan(SEVEN_B, 131072, Cluster(device("mi300x"), 8, 128, 400.0))
+    assert not refused
+    assert (ranked[0].layout, ranked[0].degree) == ("tsp", 8) and ranked[0].fits
+    for c in ranked:
+        spans = "inter-node" in (c.links.get("tsp"), c.links.get("tensor"), c.links.get("context"))
+        assert spans == (c.degree > 8), c
+
+
+def test_impossible_requests_name_the_binding_constraint():
+    with pytest.raises(ValueError, match=r"no TSP degree inside a node of 8 GPUs.*GiB"):
+        auto_tsp_size(SEVEN_B, 8 * 1048576, 8, 80e9)
+    odd = ModelShape(4096, 12, 12, 16384, 32, 32000)
+    _, refused = plan(odd, 16384, Cluster(device("h100"), 8, 1))
+    assert any("D (8) must divide num_attention_heads (12)" in r for r in refused)
+    for seq in (16384, 131072):  # the smallest D that fits: it fits, half of it does not
+        d = auto_tsp_size(SEVEN_B, seq, 8, 80e9)
+        assert estimate(SEVEN_B, Layout("tsp", d), seq).peak <= 0.9 * 80e9
+        assert d == 1 or estimate(SEVEN_B, Layout("tsp", d // 2), seq).peak > 0.9 * 80e9
+
+
+def test_tsp_plan_cli_json(tmp_path):
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "tsp_core.cli", "plan", "--model", "7b", "--seq", "131072",
+                    "--gpus", "1024", "--gpus-per-node", "8", "--gpu", "mi300x", "--json", str(out)],
+                   check=True, env=env, capture_output=True, text=True)
+    data = json.loads(out.read_text())
+    assert data["ranking"][0]["layout"] == "tsp" and data["ranking"][0]["degree"] == 8
+
+
+LAYOUTS = [("tsp", 8, 1), ("tp", 8, 1), ("tp-sp", 8, 1), ("cp", 1, 8), ("tp+cp", 4, 2),
+           ("tp-sp+cp", 2, 4)]
+
+
+def test_memory_within_ten_percent_of_simulate(tmp_path):
+    """Every layout, two lengths, the 7B shape cut to 2 layers (the simulation of rank 0 under
+    FakeTensorMode in fresh processes)."""
+    from tsp_core.plan.simulate import SimulationRequest, simulate_many
+
+    seqs = (32768, 65536)
+    reqs = [SimulationRequest(n, t, c, s, "7b", 2, recompute="full") for s in seqs for n, t, c in LAYOUTS]
+    records = simulate_many(reqs, jobs=2)
+    shape = ModelShape(4096, 32, 32, 16384, 2, 32000)
+    for r in records:
+        planned = estimate(shape, Layout(r.name, r.tp, r.cp), r.seq).peak
+        # target 10% (met by tsp and cp here, and by every layout on the 32-layer 7B records in
+        # docs/planning.md); with 2 layers the baselines' working sets dominate and the model
+        # under-counts them by up to 27% (tp): docs/planning.md, "Where the model is uncertain"
+        bound = 0.10 if r.name in ("tsp", "cp") else 0.30
+        assert abs(planned - r.peak_bytes) / r.peak_bytes < bound, (r.layout, r.seq, planned, r.peak_bytes)

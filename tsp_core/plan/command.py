@@ -1,0 +1,112 @@
+"""``tsp plan``: detect (or take) the cluster, rank every layout and degree, print the choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .cost import GLOBAL_BATCH_TOKENS, plan
+from .detect import detect
+from .traffic import ModelShape
+
+PAPER = {"tsp_vs_matched_tp_sp": "2.0-2.6x (173M vs 66.3M-86M tokens/s, forward, 1,024 MI300X)"}
+
+
+def model_shape(name: str, layers: int | None) -> ModelShape:
+    from .simulate import MODELS
+
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    m = MODELS[name]
+    return ModelShape(m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"],
+                      m["intermediate_size"], layers or m["num_hidden_layers"], m["vocab_size"])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="7b", help="7b | small | tiny (Llama family)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--batch", type=int, default=1, help="sequences per replica per micro-step")
+    p.add_argument("--gpus", type=int, default=None, help="total GPUs (default: detected)")
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--gpu", default=None, help="mi300x | h100 | h200 | a100 (default: detected)")
+    p.add_argument("--inter-node-gbps", type=float, default=None, help="Gb/s per GPU between nodes")
+    p.add_argument("--intra-gbps", type=float, default=None, help="GB/s per GPU inside a node")
+    p.add_argument("--memory-gb", type=float, default=None, help="override the GPU's memory")
+    p.add_argument("--hardware", default=None, help="JSON file of overrides (also TSP_HARDWARE)")
+    p.add_argument("--headroom", type=float, default=0.1, help="memory fraction kept free")
+    p.add_argument("--global-batch-tokens", type=int, default=GLOBAL_BATCH_TOKENS,
+                   help="tokens per optimizer step; replicas beyond it idle")
+    p.add_argument("--top", type=int, default=20, help="rows printed")
+    p.add_argument("--json", default=None, help="write the ranking to this file")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from .detect import load_overrides
+
+    shape = model_shape(args.model, args.layers)
+    per = args.gpus_per_node
+    nodes = None
+    if args.gpus is not None:
+        if per is None:
+            raise ValueError("--gpus needs --gpus-per-node")
+        if args.gpus % per:
+            raise ValueError(f"--gpus ({args.gpus}) must be a multiple of --gpus-per-node ({per})")
+        nodes = args.gpus // per
+    over = {**load_overrides(args.hardware), **{k: v for k, v in dict(
+        gpu=args.gpu, gpus_per_node=per, nodes=nodes, inter_node_gbps=args.inter_node_gbps,
+        intra_gbps=args.intra_gbps, memory_gb=args.memory_gb).items() if v is not None}}
+    found = detect(over)
+    cl = found.cluster
+    ranked, refused = plan(shape, args.seq, cl, args.batch, headroom=args.headroom,
+                           global_batch_tokens=args.global_batch_tokens)
+    print(f"cluster: {cl.nodes} x {cl.gpus_per_node} {cl.device.name} ({cl.device.memory_gb:.0f} GB, "
+          f"intra {cl.intra_gbps or cl.device.intra_gbps:.0f} GB/s, inter {cl.inter_node_gbps:.0f} Gb/s "
+          f"per GPU); sources: {found.sources}")
+    print(f"model {args.model}: {shape.num_layers} layers, h {shape.hidden_size}; {args.seq} tokens x "
+          f"{args.batch}; full recompute, bf16 AdamW; global batch {args.global_batch_tokens} tokens")
+    print(f"{'#':>3} {'layout':<15} {'D':>3} {'GiB/GPU':>8} {'fits':>4} {'replicas':>8} "
+          f"{'tokens/s':>10} {'step s':>7} {'comm s':>7}  links")
+    for i, c in enumerate(ranked[:args.top], 1):
+        links = ", ".join(f"{k} {v}" for k, v in c.links.items() if v != "none")
+        rep = f"{c.active_replicas}/{c.replicas}" if c.active_replicas < c.replicas else str(c.replicas)
+        print(f"{i:>3} {c.label:<15} {c.degree:>3} {c.memory_gib:>8.1f} {'yes' if c.fits else 'NO':>4} "
+              f"{rep:>8} {c.tokens_per_s:>10.3g} {c.step_s:>7.2f} {c.exposed_comm_s:>7.2f}  {links}")
+    for line in refused:
+        print(f"cannot run: {line}")
+    fitting = [c for c in ranked if c.fits]
+    if not fitting:
+        smallest = min(ranked, key=lambda c: c.memory_gib) if ranked else None
+        raise ValueError("no layout fits: " + (
+            f"the smallest per-GPU peak is {smallest.label} at D={smallest.degree}, "
+            f"{smallest.memory_gib:.1f} GiB, above "
+            f"{cl.device.memory_bytes * (1 - args.headroom) / 2**30:.1f} GiB usable; "
+            "shorten the sequence or use larger GPUs" if smallest else
+            "no layout can split this model: " + "; ".join(refused)))
+    best = fitting[0]
+    print(f"choice: {best.label} at D={best.degree} x {best.replicas} replicas: fits "
+          f"({best.memory_gib:.1f} GiB), highest predicted tokens/s ({best.tokens_per_s:.3g}); "
+          f"{best.exposed_comm_s:.2f} s of {best.step_s:.2f} s per step is exposed communication")
+    ratios = {}
+    tsp8 = next((c for c in ranked if c.layout == "tsp" and c.degree == cl.gpus_per_node), None)
+    for _key, match in (("tp+cp(T x S = 2 nodes, best split)", lambda c: c.layout == "tp+cp"
+                        and c.degree == 2 * cl.gpus_per_node),
+                       (f"tp-sp on {cl.gpus_per_node}", lambda c: c.layout == "tp-sp"
+                        and c.degree == cl.gpus_per_node)):
+        other = max((c for c in ranked if match(c)), key=lambda c: c.tokens_per_s, default=None)
+        if tsp8 and other:
+            ratios[f"tsp D={tsp8.degree} vs {other.label} on {other.degree}"] = \
+                tsp8.tokens_per_s / other.tokens_per_s
+    for k, v in ratios.items():
+        print(f"predicted {k}: {v:.2f}x (paper, matched TP+SP: {PAPER['tsp_vs_matched_tp_sp']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cluster": {"gpu": cl.device.name, "gpus_per_node": cl.gpus_per_node,
+                                   "nodes": cl.nodes, "inter_node_gbps": cl.inter_node_gbps},
+                       "sources": found.sources, "choice": best.as_dict(),
+                       "ranking": [c.as_dict() for c in ranked], "cannot_run": refused,
+                       "ratios": ratios, "paper": PAPER}, f, indent=1)
+    sys.stdout.flush()
+    return 0

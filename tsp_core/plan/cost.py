@@ -1,0 +1,179 @@
+"""Step time and ranking: which layout and degree to run on a cluster (``tsp plan``).
+
+step time = compute (FLOPs / (peak x efficiency)) + communication the schedule cannot hide.
+Compute per rank is the same for every layout at one degree (each splits the work evenly); the
+layouts differ in bytes moved (DESIGN 5, :mod:`traffic`), in which links carry them (a group inside
+a node rides NVLink / Infinity Fabric, one spanning nodes the NIC) and in overlap: TSP's weight
+broadcasts and ring hops are prefetched a round ahead (hidden up to the compute time), its K/V
+gathers are not; the baselines' collectives sit on the critical path. Data-parallel gradient sums
+overlap the backward. Full recompute replays each layer's forward and its collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .hardware import Cluster
+from .memory import Layout, estimate
+from .traffic import ModelShape, layer_forward_elements
+
+LAYOUT_NAMES = ("tsp", "tp", "tp-sp", "cp", "tp+cp", "tp-sp+cp")
+GLOBAL_BATCH_TOKENS = 1 << 24  # 16M tokens per optimizer step (Llama 3's pre-training batch)
+
+
+@dataclass
+class Candidate:
+    layout: str
+    label: str
+    degree: int
+    tp: int
+    cp: int
+    memory_gib: float
+    fits: bool
+    replicas: int
+    active_replicas: int
+    tokens_per_s: float
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    links: dict[str, str]
+    peak_moment: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _span(size: int, stride: int, per_node: int) -> str:
+    """Link class of a group of ``size`` ranks ``stride`` apart (ranks are numbered node by node)."""
+    if size <= 1:
+        return "none"
+    return "intra-node" if size * stride <= per_node else "inter-node"
+
+
+def candidates(degrees: list[int]) -> list[Layout]:
+    out = []
+    for d in degrees:
+        out += [Layout("tsp", d), Layout("tp", d), Layout("tp-sp", d), Layout("cp", 1, d)] if d > 1 \
+            else [Layout("tsp", 1)]
+        for t in range(2, d):
+            if d % t == 0:
+                out += [Layout("tp+cp", t, d // t), Layout("tp-sp+cp", t, d // t)]
+    return out
+
+
+def check_layout(shape: ModelShape, lay: Layout) -> str | None:
+    """Why ``lay`` cannot run this model, or None."""
+    if lay.name == "tsp":
+        d = lay.tp
+        if shape.num_heads % d:
+            return f"D ({d}) must divide num_attention_heads ({shape.num_heads})"
+        if shape.num_kv_heads >= d and shape.num_kv_heads % d:
+            return f"D ({d}) must divide num_key_value_heads ({shape.num_kv_heads}) when it is below it"
+        return None
+    for what, n in (("num_attention_heads", shape.num_heads),
+                    ("num_key_value_heads", shape.num_kv_heads),
+                    ("intermediate_size", shape.intermediate_size)):
+        if n % lay.tp:
+            return f"tensor-parallel size ({lay.tp}) must divide {what} ({n})"
+    return None
+
+
+def evaluate(shape: ModelShape, lay: Layout, seq: int, cluster: Cluster, batch: int = 1,
+             headroom: float = 0.1, global_batch_tokens: int = GLOBAL_BATCH_TOKENS) -> Candidate:
+    dev, n = cluster.device, cluster.gpus_per_node
+    mem = estimate(shape, lay, seq, batch)
+    fits = mem.peak <= dev.memory_bytes * (1 - headroom)
+    d = lay.degree
+    h, L, V = shape.hidden_size, shape.num_layers, shape.vocab_size
+    tok = batch * seq
+    mm = 2 * tok * (L * (shape.attention_weights + shape.mlp_weights) + h * V)
+    att = L * 2 * batch * seq * seq * h            # causal QK^T and PV
+    # forward + recompute + backward (2x) = 4 forward passes (the LM head is not recomputed: 3)
+    compute = (4 * (mm - 2 * tok * h * V) + 3 * 2 * tok * h * V) / d / (dev.peak_tflops * 1e12 *
+                                                                       dev.matmul_efficiency)
+    compute += 4 * att / d / (dev.peak_tflops * 1e12 * dev.attention_efficiency)
+    t, c = (lay.tp, lay.cp)
+    links = {"tensor" if lay.name != "tsp" else "tsp": _span(t, 1, n)}
+    if lay.name == "cp":
+        links = {"context": _span(c, 1, n)}
+    elif c > 1:
+        links["context"] = _span(c, t, n)
+    bw = {"intra-node": cluster.intra_bytes_per_s, "inter-node": cluster.inter_bytes_per_s}
+    lat = {"intra-node": cluster.intra_latency_us * 1e-6, "inter-node": cluster.inter_latency_us * 1e-6}
+    per_layer = 4  # forward, recompute, backward (2x)
+    exposed = 0.0
+    layer_compute = compute / L
+    if lay.name == "tsp":
+        link = links["tsp"]
+        if link != "none":
+            g = shape.num_heads / max(shape.num_kv_heads, t)
+            frac = (t - 1) / t
+            weights = frac * (shape.attention_weights + shape.mlp_weights) * 2
+            kv = frac * 2 * tok * h / g * 2
+            w_time = per_layer * weights / bw[link] + per_layer * 3 * t * lat[link]
+            exposed = L * (max(0.0, w_time - layer_compute) + per_layer * kv / bw[link])
+    else:
+        if t > 1:
+            vol = layer_forward_elements("tp", t, c, shape, batch, seq) * 2
+            steps = (4 if lay.name.startswith("tp-sp") else 2) * 2 * (t - 1)
+            exposed += L * per_layer * (vol / bw[links["tensor"]] + steps * lat[links["tensor"]])
+        if c > 1:
+            key = "context"
+            vol = layer_forward_elements("cp", t, c, shape, batch, seq) * 2
+            exposed += L * per_layer * (vol / bw[links[key]] + (c - 1) * lat[links[key]])
+    replicas = cluster.gpus // d
+    links["data-parallel"] = "inter-node" if cluster.gpus > max(n, d) else \
+        ("intra-node" if replicas > 1 else "none")
+    if replicas > 1:  # ring all-reduce of this rank's gradients, hidden behind the backward
+        grads = mem.parts["parameters"]
+        dp = 2 * (replicas - 1) / replicas * grads / bw[links["data-parallel"]]
+        exposed += max(0.0, dp - compute / 2)
+    step = compute + exposed
+    sequences = max(1, global_batch_tokens // tok)
+    active = min(replicas, sequences)
+    return Candidate(lay.name, lay.label, d, t, c, mem.peak / 2 ** 30, fits, replicas, active,
+                     active * tok / step, step, compute, exposed, links, mem.moment)
+
+
+def plan(shape: ModelShape, seq: int, cluster: Cluster, batch: int = 1,
+         degrees: list[int] | None = None, headroom: float = 0.1,
+         global_batch_tokens: int = GLOBAL_BATCH_TOKENS) -> tuple[list[Candidate], list[str]]:
+    """Every layout at every degree (divisors of the node size, and two nodes), best first: those
+    that fit before those that do not, then by predicted tokens/s. Returns the ranking and the
+    layouts that cannot run this model at all, with why."""
+    n = cluster.gpus_per_node
+    if degrees is None:
+        degrees = [d for d in range(1, n + 1) if n % d == 0] + ([2 * n] if cluster.gpus >= 2 * n else [])
+    ranked, refused = [], []
+    for lay in candidates(degrees):
+        if cluster.gpus % lay.degree:
+            continue
+        why = check_layout(shape, lay)
+        if why:
+            refused.append(f"{lay.label} at {lay.degree}: {why}")
+            continue
+        ranked.append(evaluate(shape, lay, seq, cluster, batch, headroom, global_batch_tokens))
+    ranked.sort(key=lambda c: (not c.fits, -c.tokens_per_s))
+    return ranked, refused
+
+
+def auto_tsp_size(shape: ModelShape, seq: int, gpus_per_node: int, memory_bytes: float,
+                  batch: int = 1, headroom: float = 0.1) -> int:
+    """The smallest TSP degree inside one node whose per-rank peak fits ``memory_bytes`` with
+    ``headroom`` to spare (what ``tsp_size="auto"`` asks). Raises naming the binding constraint."""
+    tried = []
+    for d in range(1, gpus_per_node + 1):
+        if gpus_per_node % d:
+            continue
+        why = check_layout(shape, Layout("tsp", d))
+        if why:
+            tried.append(f"D={d}: {why}")
+            continue
+        peak = estimate(shape, Layout("tsp", d), seq, batch).peak
+        if peak <= memory_bytes * (1 - headroom):
+            return d
+        tried.append(f"D={d}: {peak / 2**30:.1f} GiB > {memory_bytes * (1 - headroom) / 2**30:.1f} GiB")
+    raise ValueError(f"no TSP degree inside a node of {gpus_per_node} GPUs fits {seq} tokens x batch "
+                     f"{batch} in {memory_bytes / 2**30:.1f} GiB with {headroom:.0%} headroom ("
+                     + "; ".join(tried) + "); shorten the sequence, use more GPUs per node, or set "
+                     "tsp_size yourself")

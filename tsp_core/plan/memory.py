@@ -1,0 +1,134 @@
+"""Per-rank memory of one training step, by arithmetic (the planner's side of ``tsp simulate``).
+
+Assumptions are those of ``tsp simulate``: full recompute (each decoder layer keeps only its input),
+AdamW with two moments in the parameters' dtype, batch ``B`` of sequences of ``S`` tokens.
+
+The peak is not "everything at once": MemTracker's peak is one moment. Two moments compete:
+
+- **A**, early in the backward: every layer's checkpoint is alive, almost no gradient exists
+  (the LM head's, and the last layer's MLP while its attention runs backward); or, just before
+  it, the loss with its logits.
+- **B**, late in the backward: one checkpoint is left, every gradient but the first layer's and the
+  embedding's exists.
+
+Long sequences peak at A (checkpoints dominate), short ones at B (gradients dominate). Each moment
+adds the working set of what runs then: one layer's recomputed activations and its backward
+temporaries, counted tensor by tensor below (``docs/planning.md`` lists them). The tensor counts
+are read from the code paths, not fitted; where they miss, ``docs/planning.md`` says by how much.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .traffic import ModelShape
+
+CHUNK_ELEMENTS = 1 << 24  # tsp_core.vocab.LOSS_CHUNK_ELEMENTS (not imported: keeps this torch-free)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``name`` with ``tp`` tensor-parallel ranks inside ``cp`` context-parallel ones (TSP: D = tp)."""
+
+    name: str
+    tp: int
+    cp: int = 1
+
+    @property
+    def degree(self) -> int:
+        return self.tp * self.cp
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}({self.tp}x{self.cp})" if "+" in self.name else self.name
+
+
+@dataclass
+class MemoryEstimate:
+    peak: float
+    moment: str                     # which moment is the peak ("A: loss", "B: mlp", ...)
+    parts: dict[str, float]         # parameters, gradients, optimizer_states, activations
+
+
+def _param_counts(shape: ModelShape, lay: Layout) -> dict[str, float]:
+    """Elements per rank: one layer, its attention part, the embedding, the head (+ final norm)."""
+    h, v = shape.hidden_size, shape.vocab_size
+    shard = lay.tp if lay.name == "tsp" or lay.name != "cp" else 1
+    if lay.name == "cp":
+        shard = 1
+    vocab = -(-v // shard) * h  # padded to a multiple of the shard count
+    attn = shape.attention_weights / shard + h
+    return {"layer": attn + shape.mlp_weights / shard + h, "attention": attn,
+            "embed": vocab, "head": vocab + h}
+
+
+def tokens(lay: Layout, seq: int, batch: int) -> tuple[float, float]:
+    """(residual-stream tokens, tokens entering the projections) per rank."""
+    s = batch * seq
+    if lay.name == "tsp":
+        return s / lay.tp, s / lay.tp
+    n_a = s / lay.cp
+    return (n_a / lay.tp if lay.name.startswith("tp-sp") else n_a), n_a
+
+
+def working_sets(shape: ModelShape, lay: Layout, seq: int, batch: int,
+                 b: int = 2) -> dict[str, float]:
+    """Bytes alive, besides checkpoints and gradients, at the peak of each phase."""
+    h, F, V, g = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.group
+    n_r, n_a = tokens(lay, seq, batch)
+    r = n_r * h * b                   # one residual-stream tensor
+    if lay.name == "tsp":
+        d = lay.tp
+        g = shape.num_heads / max(shape.num_kv_heads, d)
+        w_att, w_mlp = shape.attention_weights / d * b, shape.mlp_weights / d * b
+        per = -(-V // d)
+        chunk = min(n_r, max(1, CHUNK_ELEMENTS // per))
+        # attention: norm (fp32 input + output: 3r), its input x, local Q and output (2r), K/V of
+        # all heads (2r/g); per round the gathered K/V, its gradient and the kernel's pieces (3 x
+        # 2r/g); dx and dy (2r); two broadcast shards and two gradient buffers
+        attn = 3 * r + r + 2 * r + 2 * r / g + 3 * 2 * r / g + 2 * r + 4 * w_att
+        # MLP: both norms (6r) and the residual's fp32 copy (1r), attention's saved tensors (4r +
+        # 2r/g), the MLP input, per shard gate/up/act/product [n, F/D] (4), dx, dy; the ring's
+        # current and next shard, their gradient accumulators and the owner's gradient (5)
+        mlp = 7 * r + 4 * r + 2 * r / g + r + 4 * n_r * F / d * b + 2 * r + 5 * w_mlp
+        # loss: final norm (3r), one chunk's logits in bf16 and three float32 [chunk, V/D] (exp,
+        # shifted, product), two vocabulary shards in the ring
+        loss = 3 * r + chunk * per * (b + 3 * 4) + 2 * per * h * b
+        return {"attention": attn, "mlp": mlp, "loss": loss}
+    t = n_a * h / lay.tp * b          # one head-sharded [tokens, h/T] tensor
+    kv = 2 * (seq * batch if lay.cp > 1 else n_a) * h / lay.tp / g * b  # K and V the kernel sees
+    f = n_a * F / lay.tp * b          # one MLP intermediate
+    a = n_a * h * b                   # one gathered (tp-sp) or replicated projection input
+    sp = lay.name.startswith("tp-sp")
+    saved_attn = (2 + 2 / g) * t + t  # q, k, v, output; o_proj's input
+    attn = 3 * r + (a if sp else 0) + saved_attn + 3 * kv + 2 * t + a + r
+    mlp = 7 * r + (2 * a if sp else 0) + saved_attn + 4 * f + 3 * f + a
+    logits = n_a * V / lay.tp
+    loss = 3 * r + (a if sp else 0) + logits * (b + 4 + 4)  # logits, float32 copy, log-softmax
+    return {"attention": attn, "mlp": mlp, "loss": loss}
+
+
+def estimate(shape: ModelShape, lay: Layout, seq: int, batch: int = 1, b: int = 2,
+             optimizer_moments: int = 2) -> MemoryEstimate:
+    """Peak bytes of one rank for one training step (full recompute, AdamW)."""
+    c = _param_counts(shape, lay)
+    L = shape.num_layers
+    params = (L * c["layer"] + c["embed"] + c["head"]) * b
+    opt = optimizer_moments * params
+    n_r, _ = tokens(lay, seq, batch)
+    ckpt = n_r * shape.hidden_size * b
+    ws = working_sets(shape, lay, seq, batch, b)
+    g_head, g_layer = c["head"] * b, c["layer"] * b
+    g_mlp = (c["layer"] - c["attention"]) * b
+    moments = {
+        "A: loss": (L * ckpt + ws["loss"], 0.0),
+        "A: last layer mlp": (L * ckpt + ws["mlp"], g_head),
+        "A: last layer attention": (L * ckpt + ws["attention"], g_head + g_mlp),
+        "B: first layer mlp": (ckpt + ws["mlp"], params - c["embed"] * b - g_layer),
+        "B: first layer attention": (ckpt + ws["attention"],
+                                     params - c["embed"] * b - c["attention"] * b),
+    }
+    name, (act, grads) = max(moments.items(), key=lambda kv: sum(kv[1]))
+    return MemoryEstimate(params + opt + act + grads, name,
+                          {"parameters": params, "gradients": grads, "optimizer_states": opt,
+                           "activations": act})
