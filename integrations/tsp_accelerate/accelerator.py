@@ -5,6 +5,9 @@
   ``accelerate launch`` passes to its workers (Accelerate 1.15 rejects unknown config-file keys
   and forwards its own ``--parallelism_config_tp_size`` only together with FSDP2; that tp size is
   honoured when present); otherwise every process of the node. Data parallel takes the rest.
+  ``tsp_size="auto"`` / ``TSP_SIZE=auto`` asks the planner for the smallest degree inside a node
+  that fits in memory (``tsp_core.plan.auto``; it needs the model's config before ``prepare``:
+  ``tsp_model_config=`` or ``TSP_MODEL_CONFIG``).
 - ``prepare()`` converts the model with ``tsp_core.parallelize`` (optimizers built on the original
   parameters are pointed at the converted ones, matched by name), lets it shard full-sequence
   batches itself, and leaves the data-parallel gradient sum to ``tsp_core`` (Accelerate does none
@@ -52,22 +55,31 @@ from torch.distributed.device_mesh import init_device_mesh
 import tsp_core
 from tsp_core.mesh import TSPMesh, check_mesh_shape
 from tsp_core.parallelize import TSPCausalLM, shard_full_batches
+from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
 
 
-def _tsp_size(tsp_size: int | None, config: ParallelismConfig | None) -> int:
+def _local_processes() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def _tsp_size(tsp_size: int | str | None, config: ParallelismConfig | None,
+              model_config: Any = None, seq_len: int | None = None,
+              memory_gb: float | None = None, batch: int = 1) -> TSPChoice:
     """Explicit argument > ``TSP_SIZE`` in the environment (``accelerate launch`` passes the
-    environment to its workers) > a tp size given to Accelerate > every process of the node."""
-    if tsp_size is not None:
-        return int(tsp_size)
-    if os.environ.get("TSP_SIZE"):
-        return int(os.environ["TSP_SIZE"])
+    environment to its workers) > a tp size given to Accelerate > every process of the node.
+    ``"auto"`` (argument or ``TSP_SIZE=auto``) asks the planner (``tsp_core.plan.auto``)."""
+    given = tsp_size if tsp_size is not None else (os.environ.get("TSP_SIZE") or None)
+    if given is not None:
+        return choose_tsp_size(given, model_config=model_config, local_processes=_local_processes(),
+                               seq_len=seq_len, memory_gb=memory_gb, batch=batch)
     if config is not None and config.tp_size > 1:
-        return config.tp_size
+        return TSPChoice(config.tp_size, f"tp_size={config.tp_size} of the ParallelismConfig")
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true":
         launched = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
         if launched > 1:
-            return launched
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+            return TSPChoice(launched, f"--parallelism_config_tp_size {launched}")
+    n = _local_processes()
+    return TSPChoice(n, f"tsp_size unset: every process of a node ({n})")
 
 
 def _uses_deepspeed(kwargs: dict) -> bool:
@@ -77,15 +89,23 @@ def _uses_deepspeed(kwargs: dict) -> bool:
 
 
 class TSPAccelerator(Accelerator):
-    """``Accelerator`` with TSP. Takes every ``Accelerator`` argument plus ``tsp_size`` and
-    ``layout``; ``parallelism_config`` may only set the tp size (other axes are not TSP)."""
+    """``Accelerator`` with TSP. Takes every ``Accelerator`` argument plus ``tsp_size`` (an int,
+    ``"auto"`` or None), ``layout`` and, for ``"auto"``, ``tsp_model_config`` (the model's config,
+    a dict or a path; or ``TSP_MODEL_CONFIG``: the accelerator exists before ``prepare`` sees the
+    model), ``tsp_seq_len`` (or ``TSP_SEQ_LEN``; default the config's max_position_embeddings),
+    ``tsp_memory_gb`` (or ``TSP_MEMORY_GB``; default detected) and ``tsp_batch`` (sequences per
+    micro-step, 1). ``parallelism_config`` may only set the tp size (other axes are not TSP)."""
 
-    def __init__(self, *args: Any, tsp_size: int | None = None, layout: str = "zigzag",
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tsp_size: int | str | None = None, layout: str = "zigzag",
+                 tsp_model_config: Any = None, tsp_seq_len: int | None = None,
+                 tsp_memory_gb: float | None = None, tsp_batch: int = 1, **kwargs: Any) -> None:
         given = kwargs.get("parallelism_config")
         if given is not None and (given.cp_size > 1 or given.sp_size > 1 or given.dp_shard_size > 1):
             raise ValueError(f"TSPAccelerator composes with data parallel only; got {given}")
-        size = _tsp_size(tsp_size, given)
+        self.tsp_choice = _tsp_size(tsp_size, given, tsp_model_config, tsp_seq_len, tsp_memory_gb,
+                                    tsp_batch)
+        log_choice(self.tsp_choice)
+        size = self.tsp_choice.size
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = check_mesh_shape(world, size, None)  # raises with the numbers, before any collective
         deepspeed = _uses_deepspeed(kwargs)

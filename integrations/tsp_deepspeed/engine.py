@@ -35,6 +35,7 @@ from tsp_core.data_parallel import remove_gradient_sync
 from tsp_core.mesh import TSPMesh
 from tsp_core.parallelize import TSPCausalLM, get_mesh
 from tsp_core.params import ShardedModule
+from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
 
 
 class TSPMPU:
@@ -83,18 +84,33 @@ def _plain_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters())
 
 
-def _convert(model: nn.Module, size: int | None) -> tuple[nn.Module, TSPMesh]:
+def resolve_tsp_size(model: nn.Module, size: Any, section: dict, config: dict) -> TSPChoice:
+    """The degree to convert with: ``size`` (argument or ``"tsp": {"size": ...}``); None = every
+    process of the node; ``"auto"`` = the planner's smallest degree inside a node that fits in
+    memory, for the model's config, ``"tsp": {"seq_len": S, "memory_gb": M}`` (or ``TSP_SEQ_LEN`` /
+    the config's max_position_embeddings, ``TSP_MEMORY_GB`` / detected) and
+    ``train_micro_batch_size_per_gpu`` sequences. The same on every rank, before any collective."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if size is None:
+        return TSPChoice(local, f"tsp_size unset: every process of a node ({local})")
+    micro = config.get("train_micro_batch_size_per_gpu")
+    return choose_tsp_size(size, model_config=getattr(model, "config", None), local_processes=local,
+                           seq_len=section.get("seq_len"), memory_gb=section.get("memory_gb"),
+                           batch=micro if isinstance(micro, int) else 1)
+
+
+def _convert(model: nn.Module, size: Any, section: dict, config: dict) -> tuple[nn.Module, TSPMesh]:
     """The TSP model in ``model`` (converted here unless a framework did already) and its mesh."""
     converted = [m for m in model.modules() if isinstance(m, TSPCausalLM)]
     if converted:
         mesh = get_mesh(converted[0])
-        if size is not None and int(size) != mesh.size:
+        if size is not None and not is_auto(size) and int(size) != mesh.size:
             raise ValueError(f"tsp_size ({size}) differs from the TSP degree ({mesh.size}) the model "
                              f"was converted with; leave tsp_size unset or convert with {size}")
         return converted[0], mesh
-    if size is None:
-        size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    mesh = tsp_core.init_mesh(int(size))
+    choice = resolve_tsp_size(model, size, section, config)
+    log_choice(choice)
+    mesh = tsp_core.init_mesh(choice.size)
     return tsp_core.parallelize(model, mesh), mesh
 
 
@@ -112,9 +128,9 @@ def initialize(model: nn.Module, config: dict | str | None = None, tsp_size: int
                model_parameters: Any = None, **kwargs: Any):
     """``deepspeed.initialize(model=..., config=..., ...)`` with TSP; returns what it returns.
     ``tsp_size`` may also come from a ``"tsp": {"size": D}`` section of the config (also given as
-    ``config_params``); default: every process of the node. ``model_parameters`` (parameters or
-    param groups of the model as built) and the param groups of an ``optimizer`` built on them
-    are mapped to the converted model's parameters by name."""
+    ``config_params``); default: every process of the node; ``"auto"``: :func:`resolve_tsp_size`.
+    ``model_parameters`` (parameters or param groups of the model as built) and the param groups
+    of an ``optimizer`` built on them are mapped to the converted model's parameters by name."""
     if config is None:
         config = kwargs.pop("config_params", None)
     if isinstance(config, (str, os.PathLike)):
@@ -126,7 +142,7 @@ def initialize(model: nn.Module, config: dict | str | None = None, tsp_size: int
     # so their ids stay unique) before anything changes
     given = None if model_parameters is None else list(model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
-    tsp_model, mesh = _convert(model, tsp_size or section.get("size"))
+    tsp_model, mesh = _convert(model, tsp_size or section.get("size"), section, config)
     _count_data_parallel_ranks(config, mesh)
     remove_gradient_sync(tsp_model)
     tsp_model._tsp_grad_scale = mesh.dp_size

@@ -9,18 +9,25 @@ from torch import nn
 import tsp_core
 from tsp_core.mesh import TSPMesh, check_mesh_shape
 from tsp_core.parallelize import TSPCausalLM
+from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 
 
-def resolve_sizes(tsp_size: Any, data_parallel_size: Any, num_nodes: int,
-                  num_processes: int) -> tuple[int, int]:
-    """(dp, tsp) after "auto" (TSP: every process of a node; dp: the rest), checked against the
-    number of processes before any process group exists."""
+def resolve_sizes(tsp_size: Any, data_parallel_size: Any, num_nodes: int, num_processes: int,
+                  model_config: Any = None, seq_len: int | None = None,
+                  memory_gb: float | None = None) -> tuple[int, TSPChoice]:
+    """(dp, the TSP choice), checked against the number of processes before any process group
+    exists. ``tsp_size``: None = every process of a node; "auto" = the planner's smallest degree
+    inside a node that fits in memory (``tsp_core.plan.auto``); an int as given. dp: the rest."""
     world = num_nodes * num_processes
-    tsp = num_processes if tsp_size == "auto" else int(tsp_size)
+    if tsp_size is None:
+        choice = TSPChoice(num_processes, f"tsp_size unset: every process of a node ({num_processes})")
+    else:
+        choice = choose_tsp_size(tsp_size, model_config=model_config, local_processes=num_processes,
+                                 seq_len=seq_len, memory_gb=memory_gb)
     dp = None if data_parallel_size == "auto" else int(data_parallel_size)
-    return check_mesh_shape(world, tsp, dp), tsp
+    return check_mesh_shape(world, choice.size, dp), choice
 
 
 def check_precision(precision: str) -> None:
@@ -60,6 +67,11 @@ class TSPMeshMixin:
 
     _layout: str = "zigzag"
     _tsp_mesh: TSPMesh | None = None
+    _tsp_auto: dict[str, Any] = {}
+    tsp_choice: TSPChoice | None = None
+
+    def _set_auto_inputs(self, seq_len: int | None, memory_gb: float | None, model_config: Any) -> None:
+        self._tsp_auto = {"seq_len": seq_len, "memory_gb": memory_gb, "model_config": model_config}
 
     @property
     def tsp_mesh(self) -> TSPMesh:
@@ -67,12 +79,26 @@ class TSPMeshMixin:
             raise RuntimeError("the TSP mesh exists once the processes are set up")
         return self._tsp_mesh
 
+    def _model_config(self) -> Any:
+        """The config ``tsp_size="auto"`` plans with: given, else the LightningModule's model's
+        (the Trainer strategies; Fabric sees no model before its mesh exists)."""
+        if self._tsp_auto.get("model_config") is not None:
+            return self._tsp_auto["model_config"]
+        module = getattr(self, "_lightning_module", None)
+        for candidate in (module, getattr(module, "model", None)):
+            if candidate is not None and hasattr(getattr(candidate, "config", None), "hidden_size"):
+                return candidate.config
+        return None
+
     def _setup_tsp_environment(self, precision: str, setup_environment) -> None:
         # every check that can fail runs first, identically on every rank: no rank hangs
         check_precision(precision)
-        self._data_parallel_size, self._tensor_parallel_size = resolve_sizes(
+        self._data_parallel_size, self.tsp_choice = resolve_sizes(
             self._tensor_parallel_size, self._data_parallel_size, self.num_nodes,
-            self.num_processes)
+            self.num_processes, self._model_config(), self._tsp_auto.get("seq_len"),
+            self._tsp_auto.get("memory_gb"))
+        self._tensor_parallel_size = self.tsp_choice.size
+        log_choice(self.tsp_choice)
         setup_environment()
         self._tsp_mesh = TSPMesh.from_device_mesh(self.device_mesh, "tensor_parallel",
                                                   self._layout)

@@ -29,17 +29,20 @@ DEEPSPEED_PRECISIONS = ("32-true",)
 
 
 class TSPDeepSpeedStrategy(TSPMeshMixin, DeepSpeedStrategy):
-    """``TSPDeepSpeedStrategy(tsp_size="auto" | int, layout="zigzag", **DeepSpeedStrategy
-    arguments)`` (``stage=2`` by default, or ``config=`` a DeepSpeed config). "auto" TSP size means
-    every process of a node; data parallel (and ZeRO) takes the rest."""
+    """``TSPDeepSpeedStrategy(tsp_size=None | "auto" | int, layout="zigzag", tsp_seq_len=None,
+    tsp_memory_gb=None, tsp_model_config=None, **DeepSpeedStrategy arguments)`` (``stage=2`` by
+    default, or ``config=`` a DeepSpeed config). No TSP size means every process of a node;
+    "auto" as in :class:`tsp_lightning.TSPStrategy`; data parallel (and ZeRO) takes the rest."""
 
     strategy_name = "tsp_deepspeed"
 
-    def __init__(self, tsp_size: Literal["auto"] | int = "auto", layout: str = "zigzag",
-                 **kwargs: Any) -> None:
+    def __init__(self, tsp_size: Literal["auto"] | int | None = None, layout: str = "zigzag",
+                 tsp_seq_len: int | None = None, tsp_memory_gb: float | None = None,
+                 tsp_model_config: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._tensor_parallel_size, self._data_parallel_size = tsp_size, "auto"
         self._layout = layout
+        self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
         self.device_mesh = None
 
     def _deepspeed_on_cpu(self) -> bool:

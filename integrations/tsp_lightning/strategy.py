@@ -27,21 +27,27 @@ __all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
 
 
 class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
-    """``TSPStrategy(tsp_size="auto" | int, data_parallel_size="auto" | int,
-    save_distributed_checkpoint=True, layout="zigzag")``. "auto" TSP size means every process of
-    a node; data parallel takes the rest."""
+    """``TSPStrategy(tsp_size=None | "auto" | int, data_parallel_size="auto" | int,
+    save_distributed_checkpoint=True, layout="zigzag", tsp_seq_len=None, tsp_memory_gb=None,
+    tsp_model_config=None)``. No TSP size means every process of a node; "auto" asks the planner
+    for the smallest degree inside a node that fits in memory (``tsp_core.plan.auto``: the
+    sequence length from ``tsp_seq_len``, ``TSP_SEQ_LEN`` or the model's max_position_embeddings;
+    the model's config from the LightningModule's ``model`` set in ``__init__``). Data parallel
+    takes the rest."""
 
     strategy_name = "tsp"
 
-    def __init__(self, tsp_size: Literal["auto"] | int = "auto",
+    def __init__(self, tsp_size: Literal["auto"] | int | None = None,
                  data_parallel_size: Literal["auto"] | int = "auto",
                  save_distributed_checkpoint: bool = True, layout: str = "zigzag",
                  process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, tsp_seq_len: int | None = None,
+                 tsp_memory_gb: float | None = None, tsp_model_config: Any = None) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tsp_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._layout = layout
+        self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
 
     @property
     def is_distributed(self) -> bool:

@@ -25,6 +25,7 @@ from tsp_accelerate import TSPAccelerator
 
 import tsp_core
 from tsp_core.parallelize import TSPCausalLM, shard_full_batches
+from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
 
 OPTIMIZER_DIR = "optimizer_dcp"
 SCHEDULER_NAME = "scheduler.pt"
@@ -32,20 +33,48 @@ SCHEDULER_NAME = "scheduler.pt"
 
 @dataclass
 class TSPTrainingArguments(TrainingArguments):
-    tsp_size: int = field(default=1, metadata={
+    tsp_size: str = field(default="1", metadata={
         "help": "TSP degree: how many processes share each weight matrix and each sequence "
-                "(1 = off). Must divide the number of processes; data parallel takes the rest."})
+                "(1 = off). Must divide the number of processes; data parallel takes the rest. "
+                "'auto': the smallest degree inside a node that fits in memory (the planner)."})
+    tsp_seq_len: int | None = field(default=None, metadata={
+        "help": "sequence length tsp_size='auto' plans for (default: TSP_SEQ_LEN, else the "
+                "model's max_position_embeddings)"})
+    tsp_memory_gb: float | None = field(default=None, metadata={
+        "help": "memory per GPU (GB) tsp_size='auto' plans for (default: TSP_MEMORY_GB, else "
+                "detected)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not is_auto(self.tsp_size):
+            self.tsp_size = int(self.tsp_size)  # "2" from the command line, 2 from code
+
+
+def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
+    """The degree ``TSPTrainer`` builds its mesh with: ``args.tsp_size``, or for "auto" the
+    planner's choice for ``model``'s config, ``args.tsp_seq_len`` (or ``TSP_SEQ_LEN`` / the
+    config's max_position_embeddings) and ``per_device_train_batch_size`` sequences per step,
+    inside the node's processes (``LOCAL_WORLD_SIZE``). The same on every rank."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return choose_tsp_size(args.tsp_size, model_config=getattr(model, "config", None),
+                           local_processes=local, seq_len=args.tsp_seq_len,
+                           memory_gb=args.tsp_memory_gb, batch=args.per_device_train_batch_size)
 
 
 class TSPTrainer(Trainer):
-    """``Trainer`` with TSP when ``args.tsp_size > 1``; otherwise exactly ``Trainer``."""
+    """``Trainer`` with TSP when the resolved ``args.tsp_size`` exceeds 1 (``tsp_choice``);
+    otherwise exactly ``Trainer``."""
 
     def __init__(self, model=None, args: TSPTrainingArguments | None = None, *rest: Any,
                  **kwargs: Any) -> None:
-        self._tsp = args is not None and getattr(args, "tsp_size", 1) > 1
+        self.tsp_choice = None
+        if args is not None and hasattr(args, "tsp_size"):
+            self.tsp_choice = resolve_tsp_size(args, model)  # before any collective, every rank
+            log_choice(self.tsp_choice)
+        self._tsp = self.tsp_choice is not None and self.tsp_choice.size > 1
         if self._tsp:
             _ = args.world_size  # initialises the process group from the launcher's environment
-            mesh = tsp_core.init_mesh(args.tsp_size)
+            mesh = tsp_core.init_mesh(self.tsp_choice.size)
             if not isinstance(model, TSPCausalLM):
                 tsp_core.parallelize(model, mesh)
             shard_full_batches(model)
@@ -58,7 +87,7 @@ class TSPTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         if not self._tsp:
             return super().create_accelerator_and_postprocess()
-        tsp_size = self.args.tsp_size
+        tsp_size = self.tsp_choice.size
 
         class _Accelerator(TSPAccelerator):
             def __init__(self, *a: Any, **kw: Any) -> None:
