@@ -130,6 +130,24 @@ def check_mesh_shape(world_size: int, tsp_size: int, dp_size: int | None) -> int
     return dp_size
 
 
+def warn_if_spanning_nodes(tsp_size: int, local_world_size: int | None = None) -> bool:
+    """Ranks are numbered node by node and TSP is the innermost dim, so a TSP group stays inside a
+    node exactly when its size divides the node's process count (``LOCAL_WORLD_SIZE``). Otherwise
+    the group's weight and K/V traffic rides the network: allowed, but warned. True if it spans."""
+    if local_world_size is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        local_world_size = int(local) if local and local.isdigit() else None
+    if not local_world_size or local_world_size % tsp_size == 0:
+        return False
+    import warnings
+
+    warnings.warn(f"tsp_size ({tsp_size}) does not divide the {local_world_size} processes of a node "
+                  f"(LOCAL_WORLD_SIZE): TSP groups span nodes and their weight and K/V traffic rides "
+                  f"the network; a divisor of {local_world_size} keeps each group inside a node",
+                  stacklevel=3)
+    return True
+
+
 def init_mesh(tsp_size: int, dp_size: int | None = None, *, layout: Layout = "zigzag") -> TSPMesh:
     """Build the ("dp", "tsp") mesh over all processes, TSP innermost, initialising the default
     process group first when needed (gloo on CPU, NCCL on CUDA)."""
@@ -137,6 +155,7 @@ def init_mesh(tsp_size: int, dp_size: int | None = None, *, layout: Layout = "zi
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     init_process_group_from_env()
     dp_size = check_mesh_shape(dist.get_world_size(), tsp_size, dp_size)
+    warn_if_spanning_nodes(tsp_size)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (dp_size, tsp_size), mesh_dim_names=("dp", "tsp"))
     return TSPMesh(mesh, "tsp", layout)
