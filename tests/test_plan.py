@@ -103,19 +103,17 @@ LAYOUTS = [("tsp", 8, 1), ("tp", 8, 1), ("tp-sp", 8, 1), ("cp", 1, 8), ("tp+cp",
            ("tp-sp+cp", 2, 4)]
 
 
-def test_memory_within_ten_percent_of_simulate(tmp_path):
-    """Every layout, two lengths, the 7B shape cut to 2 layers (the simulation of rank 0 under
-    FakeTensorMode in fresh processes)."""
+def test_memory_within_ten_percent_of_simulate():
+    """Every layout, two lengths, the 7B shape cut to one layer (the simulation of rank 0 under
+    FakeTensorMode, two worker processes), where the working sets weigh most against the model
+    state. docs/planning.md has the 32-layer comparison (every layout within 2%)."""
     from tsp_core.plan.simulate import SimulationRequest, simulate_many
 
-    seqs = (32768, 65536)
-    reqs = [SimulationRequest(n, t, c, s, "7b", 2, recompute="full") for s in seqs for n, t, c in LAYOUTS]
-    records = simulate_many(reqs, jobs=2)
-    shape = ModelShape(4096, 32, 32, 16384, 2, 32000)
+    seqs = (16384, 65536)
+    reqs = [SimulationRequest(n, t, c, s, "7b", 1, recompute="full") for s in seqs for n, t, c in LAYOUTS]
+    records = simulate_many(reqs, jobs=2, fresh=False)
+    shape = ModelShape(4096, 32, 32, 16384, 1, 32000)
     for r in records:
         planned = estimate(shape, Layout(r.name, r.tp, r.cp), r.seq).peak
-        # target 10% (met by tsp and cp here, and by every layout on the 32-layer 7B records in
-        # docs/planning.md); with 2 layers the baselines' working sets dominate and the model
-        # under-counts them by up to 27% (tp): docs/planning.md, "Where the model is uncertain"
-        bound = 0.10 if r.name in ("tsp", "cp") else 0.30
-        assert abs(planned - r.peak_bytes) / r.peak_bytes < bound, (r.layout, r.seq, planned, r.peak_bytes)
+        print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned {planned / 2**30:.3f} GiB")
+        assert abs(planned - r.peak_bytes) / r.peak_bytes < 0.10, (r.layout, r.seq, planned, r.peak_bytes)

@@ -103,9 +103,19 @@ def working_sets(shape: ModelShape, lay: Layout, seq: int, batch: int,
     saved_attn = (2 + 2 / g) * t + t  # q, k, v, output; o_proj's input
     attn = 3 * r + (a if sp else 0) + saved_attn + 3 * kv + 2 * t + a + r
     mlp = 7 * r + (2 * a if sp else 0) + saved_attn + 4 * f + 3 * f + a
+    # the post-attention RMSNorm's backward (HF's, over this rank's residual tokens, after the
+    # MLP's): both norms' saved tensors (6r), attention's (not yet run backward; under tp-sp its
+    # gathered input), and autograd's float32 formulas for to/mul/pow/mean: five float32 copies
+    # of the norm's input (10r) and the incoming bf16 gradient (r). Under tp the norm sees every
+    # token of the rank, so this is tp's largest working set at the last and first layer.
+    norm = 6 * r + (a if sp else 0) + saved_attn + 11 * r
+    # loss (loss_parallel's log-softmax over the [tokens, V/T] float32 logits): the final norm
+    # (3r), the LM head's input (the all-gathered one under tp-sp; the replicated norm output
+    # under tp), the saved float32 log-softmax and, in its backward, three float32 [tokens, V/T]
+    # (the loss gradient, exp of the log-softmax, the result); the bf16 logits are freed by then
     logits = n_a * V / lay.tp
-    loss = 3 * r + (a if sp else 0) + logits * (b + 4 + 4)  # logits, float32 copy, log-softmax
-    return {"attention": attn, "mlp": mlp, "loss": loss}
+    loss = 3 * r + a + logits * (4 + 3 * 4)
+    return {"attention": attn, "mlp": mlp, "loss": loss, "norm": norm}
 
 
 def estimate(shape: ModelShape, lay: Layout, seq: int, batch: int = 1, b: int = 2,
@@ -128,6 +138,10 @@ def estimate(shape: ModelShape, lay: Layout, seq: int, batch: int = 1, b: int = 
         "B: first layer attention": (ckpt + ws["attention"],
                                      params - c["embed"] * b - c["attention"] * b),
     }
+    if "norm" in ws:
+        moments["A: last layer norm backward"] = (L * ckpt + ws["norm"], g_head + g_mlp)
+        moments["B: first layer norm backward"] = (ckpt + ws["norm"],
+                                                   params - c["embed"] * b - c["attention"] * b)
     name, (act, grads) = max(moments.items(), key=lambda kv: sum(kv[1]))
     return MemoryEstimate(params + opt + act + grads, name,
                           {"parameters": params, "gradients": grads, "optimizer_states": opt,
