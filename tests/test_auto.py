@@ -107,7 +107,7 @@ def test_accelerate_resolution(monkeypatch):
     assert _tsp_size(None, None).size == 8
 
 
-def test_transformers_resolution(tmp_path):
+def test_transformers_resolution(tmp_path, monkeypatch):
     from transformers import HfArgumentParser
     from tsp_transformers.trainer import TSPTrainingArguments, resolve_tsp_size
 
@@ -115,13 +115,9 @@ def test_transformers_resolution(tmp_path):
         ["--output_dir", str(tmp_path), "--tsp_size", "auto", "--tsp_seq_len", "131072",
          "--tsp_memory_gb", "80", "--per_device_train_batch_size", "2", "--use_cpu"])
     model = SimpleNamespace(config=SimpleNamespace(**LLAMA_7B))
-    os.environ.pop("LOCAL_WORLD_SIZE", None)
-    env_world = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = "8"
-    try:
-        choice = resolve_tsp_size(args, model)
-    finally:
-        os.environ.pop("WORLD_SIZE") if env_world is None else os.environ.update(WORLD_SIZE=env_world)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    choice = resolve_tsp_size(args, model)
     want = auto_tsp_size(SHAPE_7B, 131072, 8, 80e9, batch=2)
     assert choice.size == want == 4 and "x batch 2" in choice.reason
     (plain,) = HfArgumentParser(TSPTrainingArguments).parse_args_into_dataclasses(
