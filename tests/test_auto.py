@@ -114,15 +114,15 @@ def test_transformers_resolution(tmp_path, monkeypatch):
     (args,) = HfArgumentParser(TSPTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--tsp_size", "auto", "--tsp_seq_len", "131072",
          "--tsp_memory_gb", "80", "--per_device_train_batch_size", "2", "--use_cpu"])
+    (plain,) = HfArgumentParser(TSPTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--tsp_size", "2", "--use_cpu"])
+    assert plain.tsp_size == 2
     model = SimpleNamespace(config=SimpleNamespace(**LLAMA_7B))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "8")
     choice = resolve_tsp_size(args, model)
     want = auto_tsp_size(SHAPE_7B, 131072, 8, 80e9, batch=2)
     assert choice.size == want == 4 and "x batch 2" in choice.reason
-    (plain,) = HfArgumentParser(TSPTrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--tsp_size", "2", "--use_cpu"])
-    assert plain.tsp_size == 2
 
 
 def test_deepspeed_resolution(monkeypatch):
