@@ -42,15 +42,16 @@ def layer_plan(policy: DecoderPolicy, sequence_parallel: bool) -> dict[str, obje
     a, m = policy.attention, policy.mlp
     plan: dict[str, object] = {f"{a}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
     plan |= {f"{m}.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}
-    if not sequence_parallel:
-        plan |= {f"{a}.o_proj": RowwiseParallel(), f"{m}.down_proj": RowwiseParallel()}
-        return plan
-    plan |= {f"{a}.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-             f"{m}.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-             a: PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+    # Each block's input becomes a DTensor once, at the block (as torchtitan does): its gradient
+    # is then reduced once per block, not once per projection (q, k, v / gate, up).
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan |= {f"{a}.o_proj": RowwiseParallel(output_layouts=seq),
+             f"{m}.down_proj": RowwiseParallel(output_layouts=seq),
+             a: PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-             m: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
-    plan |= {norm: SequenceParallel() for norm in policy.layer_norms}
+             m: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))}
+    if sequence_parallel:
+        plan |= {norm: SequenceParallel() for norm in policy.layer_norms}
     return plan
 
 
