@@ -10,25 +10,10 @@ import torch
 from tsp_core.baselines import build, layout_specs, parse_layouts
 from tsp_core.plan.traffic import ModelShape, layer_forward_elements
 
-from . import dist_pool, hf_models
+from . import hf_models
 from .reference import assert_close
 
-POOLS: dict[int, dist_pool.DistPool] = {}
 SEQ = 24  # a multiple of 2 * 4: every layout's shards are whole
-
-
-@pytest.fixture(scope="module")
-def pools():
-    yield POOLS
-    for p in POOLS.values():
-        p.close()
-    POOLS.clear()
-
-
-def pool_of(pools, size: int) -> dist_pool.DistPool:
-    if size not in pools:
-        pools[size] = dist_pool.DistPool(size)
-    return pools[size]
 
 
 def batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -68,20 +53,20 @@ def check_parity(family: str, layouts: str, recompute: str = "none") -> list[str
 
 @pytest.mark.parametrize("family", hf_models.FAMILIES)
 def test_parity_world2(pools, family):
-    (done, *_) = pool_of(pools, 2).run(check_parity, family, "tp,tp-sp,cp")
+    (done, *_) = pools.of(2).run(check_parity, family, "tp,tp-sp,cp")
     assert done == ["tp", "tp-sp", "cp"]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_parity_world4(pools, family):
-    (done, *_) = pool_of(pools, 4).run(check_parity, family, "cp,tp+cp,tp-sp+cp")
+    (done, *_) = pools.of(4).run(check_parity, family, "cp,tp+cp,tp-sp+cp")
     assert done == ["cp", "tp+cp(2x2)", "tp-sp+cp(2x2)"]
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_parity_under_activation_checkpointing(pools, recompute):
     # tsp simulate --recompute wraps every decoder layer alike: TSP's blocks must be exact there
-    (done, *_) = pool_of(pools, 2).run(check_parity, "qwen2", "tsp,tp-sp,cp", recompute)
+    (done, *_) = pools.of(2).run(check_parity, "qwen2", "tsp,tp-sp,cp", recompute)
     assert done == ["tsp", "tp-sp", "cp"]
 
 
@@ -104,7 +89,7 @@ def layer_bytes(layouts: str) -> list[tuple[str, float, float]]:
 
 @pytest.mark.parametrize("world,layouts", [(2, "tsp,tp,tp-sp,cp"), (4, "tsp,cp,tp+cp,tp-sp+cp")])
 def test_layer_bytes_match_formula(pools, world, layouts):
-    for got in pool_of(pools, world).run(layer_bytes, layouts):
+    for got in pools.of(world).run(layer_bytes, layouts):
         for label, measured, expected in got:
             assert measured > 0, label
             assert measured == pytest.approx(expected, rel=1e-12), (label, measured, expected)

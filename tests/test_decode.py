@@ -20,22 +20,6 @@ from tsp_core.decode import decode_step, prefill
 from . import dist_pool, hf_models
 from .reference import assert_close
 
-POOLS: dict[int, dist_pool.DistPool] = {}
-
-
-@pytest.fixture(scope="module")
-def pools():
-    yield POOLS
-    for p in POOLS.values():
-        p.close()
-    POOLS.clear()
-
-
-def pool_of(pools, size: int) -> dist_pool.DistPool:
-    if size not in pools:
-        pools[size] = dist_pool.DistPool(size)
-    return pools[size]
-
 
 def left_padded(vocab: int, lengths: list[int], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of random prompts of the given lengths, left-padded with token 0 (mask 0)."""
@@ -78,7 +62,7 @@ def greedy_parity(family: str, tsp: int, lengths: list[int], new: int) -> list[l
 @pytest.mark.parametrize("tsp", [2, 4])
 def test_greedy_matches_hf(pools, tsp):
     for family in ("llama", "mistral", "qwen2"):
-        outs = pool_of(pools, tsp).run(greedy_parity, family, tsp, [7, 33, 100], 32)
+        outs = pools.of(tsp).run(greedy_parity, family, tsp, [7, 33, 100], 32)
         assert all(o == outs[0] for o in outs), f"{family}: ranks generated different tokens"
 
 
@@ -115,7 +99,7 @@ def kv_cache_bytes(tsp: int) -> dict:
 
 @pytest.mark.parametrize("tsp", [2, 4])
 def test_kv_cache_is_one_dth_per_rank(pools, tsp):
-    out = pool_of(pools, tsp).run(kv_cache_bytes, tsp)
+    out = pools.of(tsp).run(kv_cache_bytes, tsp)
     assert all(o["rank_bytes"] * tsp == o["hf_bytes"] for o in out), out  # 1000 splits evenly
 
 
@@ -153,7 +137,7 @@ def decode_collectives(tsp: int) -> list:
 
 @pytest.mark.parametrize("tsp", [2, 4])
 def test_decode_moves_no_weights(pools, tsp):
-    pool_of(pools, tsp).run(decode_collectives, tsp)
+    pools.of(tsp).run(decode_collectives, tsp)
 
 
 def sampling_and_stops(tsp: int) -> list:
@@ -190,7 +174,7 @@ def sampling_and_stops(tsp: int) -> list:
 
 
 def test_sampling_and_stop_tokens(pools):
-    outs = pool_of(pools, 2).run(sampling_and_stops, 2)
+    outs = pools.of(2).run(sampling_and_stops, 2)
     assert outs[0] == outs[1]
 
 
@@ -227,4 +211,4 @@ def bad_calls(tsp: int) -> None:
 
 
 def test_errors_raise_on_every_rank(pools):
-    pool_of(pools, 2).run(bad_calls, 2)
+    pools.of(2).run(bad_calls, 2)

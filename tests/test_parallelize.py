@@ -15,22 +15,6 @@ import tsp_core
 from . import dist_pool, hf_models
 from .reference import assert_close
 
-POOLS: dict[int, dist_pool.DistPool] = {}
-
-
-@pytest.fixture(scope="module")
-def pools():
-    yield POOLS
-    for p in POOLS.values():
-        p.close()
-    POOLS.clear()
-
-
-def pool_of(pools, size: int) -> dist_pool.DistPool:
-    if size not in pools:
-        pools[size] = dist_pool.DistPool(size)
-    return pools[size]
-
 
 def batches(vocab: int, rows: int, seq: int, steps: int):
     gen = torch.Generator().manual_seed(7)
@@ -83,20 +67,20 @@ CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]   # (world size, tsp size); (4, 2) is
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", hf_models.FAMILIES)
 def test_training_parity_float64(pools, family, world, tsp):
-    losses = pool_of(pools, world).run(train_parity, family, tsp, "float64", 24)
+    losses = pools.of(world).run(train_parity, family, tsp, "float64", 24)
     assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
 
 
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", hf_models.FAMILIES)
 def test_training_parity_float32(pools, family, world, tsp):
-    pool_of(pools, world).run(train_parity, family, tsp, "float32", 24)
+    pools.of(world).run(train_parity, family, tsp, "float32", 24)
 
 
 def test_padding_and_ignored_labels(pools):
     # 21 tokens: padded to 24 at tsp 2 and 4; the loss is HF's on the unpadded 21 tokens
-    pool_of(pools, 4).run(train_parity, "llama", 4, "float64", 21, 2)
-    pool_of(pools, 4).run(train_parity, "mistral", 2, "float64", 21, 2)
+    pools.of(4).run(train_parity, "llama", 4, "float64", 21, 2)
+    pools.of(4).run(train_parity, "mistral", 2, "float64", 21, 2)
 
 
 def bad_models() -> list[str]:
@@ -142,4 +126,4 @@ def bad_models() -> list[str]:
 
 
 def test_bad_models_fail_before_any_change(pools):
-    pool_of(pools, 4).run(bad_models)
+    pools.of(4).run(bad_models)

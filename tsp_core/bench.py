@@ -19,6 +19,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -130,7 +131,7 @@ def _measure(cfg: BenchConfig, layout_label: str, seq: int, device: torch.device
         sum(step_stats.calls.values()), loss, device.type)
 
 
-def _worker(rank: int, cfg: BenchConfig, cases: list[tuple[str, int]], init_file: str,
+def _worker(rank: int, degree: int, cases: list, measure: Callable, init_file: str,
             results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -138,13 +139,14 @@ def _worker(rank: int, cfg: BenchConfig, cases: list[tuple[str, int]], init_file
 
     device, backend = _device_and_backend(rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=cfg.degree)
+                            world_size=degree)
+    state: dict[str, Any] = {}  # kept across a worker's cases (e.g. a reference's output)
     try:
-        for label, seq in cases:
+        for case in cases:
             try:
-                rec = _measure(cfg, label, seq, device)
+                rec = measure(case, device, state)
             except BaseException as e:  # noqa: BLE001 - reported, then every rank stops
-                results.put(("error", rank, f"{label} seq {seq}: {type(e).__name__}: {e}"))
+                results.put(("error", rank, f"{case}: {type(e).__name__}: {e}"))
                 raise
             if rank == 0:
                 results.put(("record", rank, rec))
@@ -152,6 +154,60 @@ def _worker(rank: int, cfg: BenchConfig, cases: list[tuple[str, int]], init_file
     finally:
         dist.destroy_process_group()
     results.put(("done", rank, None))
+
+
+def run_on_processes(degree: int, cases: list, measure: Callable, describe: Callable[[Any], str],
+                     progress: Callable[[str], None] = print) -> list:
+    """Run ``measure(case, device, state)`` for every case, in order, on ``degree`` fresh
+    processes (gloo on CPU, NCCL with one GPU each when CUDA is present); rank 0's records come
+    back and ``progress`` gets ``describe(record)`` as each finishes. ``measure`` must be
+    picklable (a module-level function, or a partial of one)."""
+    import torch.multiprocessing as mp
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < degree:
+        progress(f"note: {degree} processes share {torch.cuda.device_count()} GPU(s)")
+    ctx = mp.get_context("spawn")
+    fd, init_file = tempfile.mkstemp(prefix="tsp_bench_")
+    os.close(fd)
+    os.unlink(init_file)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, degree, cases, measure, init_file, results))
+             for r in range(degree)]
+    for p in procs:
+        p.start()
+    records: list = []
+    done, errors = 0, []
+    try:
+        while done < degree and not errors:
+            try:
+                kind, rank, payload = results.get(timeout=5)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    errors.append("a worker died: " + ", ".join(
+                        f"rank {r} exit {p.exitcode}" for r, p in enumerate(procs)))
+                continue
+            if kind == "record":
+                records.append(payload)
+                progress(f"[{len(records)}/{len(cases)}] {describe(payload)}")
+            elif kind == "error":
+                errors.append(f"rank {rank}: {payload}")
+            else:
+                done += 1
+    finally:
+        for p in procs:
+            p.join(timeout=None if not errors else 10)
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    if errors:
+        raise RuntimeError("benchmark failed: " + "; ".join(errors))
+    return records
+
+
+def _measure_case(cfg: BenchConfig, case: tuple[str, int], device: torch.device,
+                  _state: dict) -> BenchRecord:
+    return _measure(cfg, case[0], case[1], device)
 
 
 def cases_of(cfg: BenchConfig) -> tuple[list[tuple[str, int]], list[str]]:
@@ -172,52 +228,12 @@ def cases_of(cfg: BenchConfig) -> tuple[list[tuple[str, int]], list[str]]:
 
 def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> list[BenchRecord]:
     """Run every case on ``cfg.degree`` fresh processes; ``progress`` gets a line per case."""
-    import torch.multiprocessing as mp
-
     cases, notes = cases_of(cfg)
     for note in notes:
         progress(note)
     if not cases:
         raise ValueError(f"nothing to run: no layout of {cfg.layouts!r} fits degree {cfg.degree}")
-    if torch.cuda.is_available() and torch.cuda.device_count() < cfg.degree:
-        progress(f"note: {cfg.degree} processes share {torch.cuda.device_count()} GPU(s)")
-    ctx = mp.get_context("spawn")
-    fd, init_file = tempfile.mkstemp(prefix="tsp_bench_")
-    os.close(fd)
-    os.unlink(init_file)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, cfg, cases, init_file, results))
-             for r in range(cfg.degree)]
-    for p in procs:
-        p.start()
-    records: list[BenchRecord] = []
-    done, errors = 0, []
-    try:
-        while done < cfg.degree and not errors:
-            try:
-                kind, rank, payload = results.get(timeout=5)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    errors.append("a worker died: " + ", ".join(
-                        f"rank {r} exit {p.exitcode}" for r, p in enumerate(procs)))
-                continue
-            if kind == "record":
-                records.append(payload)
-                progress(f"[{len(records)}/{len(cases)}] {format_row(payload)}")
-            elif kind == "error":
-                errors.append(f"rank {rank}: {payload}")
-            else:
-                done += 1
-    finally:
-        for p in procs:
-            p.join(timeout=None if not errors else 10)
-            if p.is_alive():
-                p.kill()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
-    if errors:
-        raise RuntimeError("benchmark failed: " + "; ".join(errors))
-    return records
+    return run_on_processes(cfg.degree, cases, partial(_measure_case, cfg), format_row, progress)
 
 
 HEADER = (f"{'layout':<15} {'seq':>6} {'tokens/s':>9} {'peak MiB/rank':>14} "

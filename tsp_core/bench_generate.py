@@ -19,17 +19,15 @@ the run; collectives per decoded token are counted by :mod:`tsp_core.comm` (DTen
 
 from __future__ import annotations
 
-import os
-import queue
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
-from .bench import _device_and_backend
+from .bench import run_on_processes
 
 MIB, KIB = 1024 ** 2, 1024
 LAYOUTS = ("tsp", "tp", "single")
@@ -204,76 +202,16 @@ def cases_of(cfg: GenerateBenchConfig) -> list[tuple[str, int]]:
     return [(n, p) for p in cfg.prompts for n in names]
 
 
-def _worker(rank: int, cfg: GenerateBenchConfig, cases: list[tuple[str, int]], init_file: str,
-            results) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    import torch.distributed as dist
-
-    device, backend = _device_and_backend(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=cfg.degree)
-    single: dict[int, torch.Tensor] = {}
-    try:
-        for layout, prompt in cases:
-            try:
-                with torch.no_grad():
-                    rec = _measure(cfg, layout, prompt, device, single)
-            except BaseException as e:  # noqa: BLE001 - reported, then every rank stops
-                results.put(("error", rank, f"{layout} prompt {prompt}: {type(e).__name__}: {e}"))
-                raise
-            if rank == 0:
-                results.put(("record", rank, rec))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    results.put(("done", rank, None))
+def _measure_case(cfg: GenerateBenchConfig, case: tuple[str, int], device: torch.device,
+                  state: dict) -> GenerateRecord:
+    with torch.no_grad():
+        return _measure(cfg, case[0], case[1], device, state.setdefault("single", {}))
 
 
 def run(cfg: GenerateBenchConfig, progress: Callable[[str], None] = print) -> list[GenerateRecord]:
     """Run every case on ``cfg.degree`` fresh processes; ``progress`` gets a line per case."""
-    import torch.multiprocessing as mp
-
-    cases = cases_of(cfg)
-    if torch.cuda.is_available() and torch.cuda.device_count() < cfg.degree:
-        progress(f"note: {cfg.degree} processes share {torch.cuda.device_count()} GPU(s)")
-    ctx = mp.get_context("spawn")
-    fd, init_file = tempfile.mkstemp(prefix="tsp_bench_gen_")
-    os.close(fd)
-    os.unlink(init_file)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, cfg, cases, init_file, results))
-             for r in range(cfg.degree)]
-    for p in procs:
-        p.start()
-    records: list[GenerateRecord] = []
-    done, errors = 0, []
-    try:
-        while done < cfg.degree and not errors:
-            try:
-                kind, rank, payload = results.get(timeout=5)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    errors.append("a worker died: " + ", ".join(
-                        f"rank {r} exit {p.exitcode}" for r, p in enumerate(procs)))
-                continue
-            if kind == "record":
-                records.append(payload)
-                progress(f"[{len(records)}/{len(cases)}] {format_row(payload)}")
-            elif kind == "error":
-                errors.append(f"rank {rank}: {payload}")
-            else:
-                done += 1
-    finally:
-        for p in procs:
-            p.join(timeout=None if not errors else 10)
-            if p.is_alive():
-                p.kill()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
-    if errors:
-        raise RuntimeError("generate benchmark failed: " + "; ".join(errors))
-    return records
+    return run_on_processes(cfg.degree, cases_of(cfg), partial(_measure_case, cfg), format_row,
+                            progress)
 
 
 HEADER = (f"{'layout':<8} {'prompt':>6} {'new':>4} {'prefill tok/s':>13} {'decode tok/s':>12} "
