@@ -1,13 +1,15 @@
-"""Train a small random-init Llama with TSP on CPU, beside the unmodified model on one process.
+"""Train a small random-init Llama with TSP on CPU, beside the layouts people run today.
 
     torchrun --standalone --nproc_per_node 2 examples/train_llama.py     (what `./run main` does)
 
-The model is built from the config below (nothing is downloaded) with a fixed seed, so the TSP run
-and the baseline start from the same weights and see the same batches. The baseline is the plain
-Hugging Face model on the whole sequence in one process; every process runs it at the same time
-(one core each), then all processes run the TSP model together. The script prints per-step losses
-of both, tokens/s (median after warm-up) and per-rank peak memory (MemTracker over one extra step:
-parameters, gradients, optimizer state, activations and temporaries; the same tracker for both).
+The model is built from the config below (nothing is downloaded) with a fixed seed, so every run
+starts from the same weights and sees the same batches: the plain Hugging Face model on the whole
+sequence in one process (every process runs it at the same time, one core each), then, on all
+processes together, TSP and the baselines of ``--baselines`` (default Megatron TP, TP + sequence
+parallel and context parallel, from ``tsp_core.baselines``) at the same degree. The script prints
+per-step losses, tokens/s (median after warm-up), per-rank peak memory (MemTracker over one extra
+step: parameters, gradients, optimizer state, activations and temporaries; the same tracker for
+every run) and the bytes each rank sent in that step.
 
 Elastic training (docs/checkpointing.md): with ``--checkpoint-dir`` the script trains the TSP model
 only, on batches that depend only on the step number, saves a sharded checkpoint every
@@ -21,6 +23,7 @@ only, on batches that depend only on the step number, saves a sharded checkpoint
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import signal
@@ -34,6 +37,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tsp_core
 from tsp_core import comm
+from tsp_core.baselines import build as build_layout
+from tsp_core.baselines import layout_specs
 
 MIB = 1024 ** 2
 
@@ -46,13 +51,14 @@ def build(a: argparse.Namespace) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(getattr(torch, a.dtype))
 
 
-def train(model, make_batch, data: list[torch.Tensor], a: argparse.Namespace):
-    """Per-step losses, tokens/s and the peak bytes of one more (tracked) step."""
+def train(model, step_fn, data: list[torch.Tensor], a: argparse.Namespace,
+          counting=contextlib.nullcontext):
+    """Per-step losses, tokens/s, the peak bytes of one more (tracked) step and the bytes this
+    rank sent in it. ``step_fn(ids)`` runs forward and backward and returns the loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
 
     def step(ids: torch.Tensor) -> float:
-        loss = model(**make_batch(ids)).loss
-        loss.backward()
+        loss = step_fn(ids)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
@@ -65,10 +71,16 @@ def train(model, make_batch, data: list[torch.Tensor], a: argparse.Namespace):
         times.append(time.perf_counter() - t0)
     tracker = MemTracker()
     tracker.track_external(model, opt)
-    with tracker:
+    with tracker, counting(), comm.track() as sent:
         step(data[0])
     (snap,) = tracker.get_tracker_snapshot("peak").values()
-    return losses, a.batch * a.seq / statistics.median(times[a.warmup:]), int(snap["Total"])
+    return (losses, a.batch * a.seq / statistics.median(times[a.warmup:]), int(snap["Total"]),
+            sent.total_bytes)
+
+
+def backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss
 
 
 def elastic(a: argparse.Namespace, mesh: tsp_core.TSPMesh) -> None:
@@ -123,6 +135,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--tsp", type=int, default=None, help="TSP degree (default: every process)")
+    ap.add_argument("--baselines", default="tp,tp-sp,cp",
+                    help="layouts run beside TSP on the same processes (empty: none; only without "
+                         "data parallel); from tsp_core.baselines.LAYOUTS")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="elastic mode: train TSP only, saving sharded checkpoints here")
     ap.add_argument("--checkpoint-every", type=int, default=2)
@@ -141,33 +156,40 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen) for _ in range(a.steps)]
     plain = build(a)
-    model = tsp_core.parallelize(copy.deepcopy(plain), mesh)
-
-    base = train(plain, lambda ids: {"input_ids": ids, "labels": ids}, data, a)
-    del plain
-    with comm.track() as stats:
-        tsp = train(model, lambda ids: tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh),
-                    data, a)
-    peaks = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, torch.tensor([tsp[2], base[2]]))
+    initial = copy.deepcopy(plain)  # every layout starts from these weights
+    runs = [("HF model, 1 process", train(
+        plain, lambda ids: backward(plain(input_ids=ids, labels=ids).loss), data, a))]
+    tsp_model = tsp_core.parallelize(copy.deepcopy(initial), mesh)
+    runs.append((f"TSP, {mesh.size} processes", train(
+        tsp_model, lambda ids: backward(tsp_model(**tsp_core.shard_batch(
+            {"input_ids": ids, "labels": ids}, mesh)).loss), data, a)))
+    world = dist.get_world_size()
+    names = [n for n in a.baselines.split(",") if n] if mesh.dp_size == 1 else []
+    for spec in (s for n in names for s in layout_specs(n, world)):
+        pm = build_layout(copy.deepcopy(initial), spec)
+        runs.append((f"{spec.label}, {world} processes", train(
+            pm.model, lambda ids, pm=pm: pm.step({"input_ids": ids, "labels": ids}), data, a,
+            pm.counting)))
+        del pm
+    peaks = [torch.zeros(len(runs), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(peaks, torch.tensor([r[2] for _, r in runs]))
 
     if dist.get_rank() == 0:
         print(f"Llama: {a.layers} layers, hidden {a.hidden}, heads {a.heads}/{a.kv_heads}, ffn "
               f"{a.ffn}, vocab {a.vocab}, {a.dtype}; batch {a.batch} x {a.seq} tokens; "
               f"TSP degree {mesh.size}, data parallel {mesh.dp_size}")
-        print(f"{'step':>4} {'loss, TSP':>12} {'loss, HF 1 process':>20}")
-        for i, (l1, l2) in enumerate(zip(tsp[0], base[0])):
-            print(f"{i:>4} {l1:>12.6f} {l2:>20.6f}")
-        diff = max(abs(x - y) / abs(y) for x, y in zip(tsp[0], base[0]))
-        print(f"max relative loss difference: {diff:.1e}")
-        print(f"{'layout':<30} {'tokens/s':>9}   peak MiB per rank")
-        print(f"{'HF model, 1 process':<30} {base[1]:>9.0f}   {base[2] / MIB:.1f}")
-        ranks = ", ".join(f"{int(p[0]) / MIB:.1f}" for p in peaks)
-        print(f"{f'TSP, {mesh.size} processes':<30} {tsp[1]:>9.0f}   {ranks}")
-        steps = a.steps + 1
-        print(f"TSP traffic per rank per step: {stats.total_bytes / steps / MIB:.1f} MiB in "
-              f"{sum(stats.calls.values()) // steps} collectives ("
-              + ", ".join(f"{k} {v // steps}" for k, v in sorted(stats.calls.items())) + ")")
+        base = runs[0][1][0]
+        print(f"{'step':>4} {'HF 1 process':>13} " + " ".join(f"{n.split(',')[0]:>13}"
+                                                             for n, _ in runs[1:]))
+        for i in range(a.steps):
+            print(f"{i:>4} {base[i]:>13.6f} " + " ".join(f"{r[0][i]:>13.6f}" for _, r in runs[1:]))
+        for name, r in runs[1:]:
+            diff = max(abs(x - y) / abs(y) for x, y in zip(r[0], base))
+            print(f"max relative loss difference, {name.split(',')[0]}: {diff:.1e}")
+        print(f"{'layout':<28} {'tokens/s':>9} {'MiB sent/step':>14}   peak MiB per rank")
+        for j, (name, r) in enumerate(runs):
+            ranks = ", ".join(f"{int(p[j]) / MIB:.1f}" for p in (peaks[:1] if j == 0 else peaks))
+            print(f"{name:<28} {r[1]:>9.0f} {r[3] / MIB:>14.1f}   {ranks}")
     dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
