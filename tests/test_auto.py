@@ -12,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from tsp_core.baselines.layouts import LayoutSpec
 from tsp_core.plan.auto import choose_tsp_size
 from tsp_core.plan.cost import auto_tsp_size
-from tsp_core.plan.memory import Layout, estimate
+from tsp_core.plan.memory import estimate
 from tsp_core.plan.traffic import ModelShape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,8 +40,8 @@ def test_auto_is_the_planners_smallest_fitting_degree():
     long = choose_tsp_size("auto", model_config=LLAMA_7B, local_processes=8,
                            env={"TSP_SEQ_LEN": "131072", "TSP_MEMORY_GB": "40"}, **NO_GPU)
     usable = 0.9 * 40e9
-    assert estimate(SHAPE_7B, Layout("tsp", long.size), 131072).peak <= usable
-    assert estimate(SHAPE_7B, Layout("tsp", long.size // 2), 131072).peak > usable
+    assert estimate(SHAPE_7B, LayoutSpec("tsp", long.size), 131072).peak <= usable
+    assert estimate(SHAPE_7B, LayoutSpec("tsp", long.size // 2), 131072).peak > usable
     assert "TSP_SEQ_LEN" in long.reason and "TSP_MEMORY_GB" in long.reason
     # the smallest visible GPU decides; on CPU the host's memory over the node's processes
     small = choose_tsp_size("auto", model_config=LLAMA_7B, local_processes=8, seq_len=131072,

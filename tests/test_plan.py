@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tsp_core.baselines.layouts import LayoutSpec
 from tsp_core.plan.cost import auto_tsp_size, plan
 from tsp_core.plan.detect import detect, nodes_from_env, parse_nvidia_topo, parse_rocm_topo
 from tsp_core.plan.hardware import Cluster, device
-from tsp_core.plan.memory import Layout, estimate
+from tsp_core.plan.memory import estimate
 from tsp_core.plan.traffic import ModelShape
 
 FIX = Path(__file__).parent / "fixtures" / "topology"
@@ -85,8 +86,8 @@ def test_impossible_requests_name_the_binding_constraint():
     assert any("D (8) must divide num_attention_heads (12)" in r for r in refused)
     for seq in (16384, 131072):  # the smallest D that fits: it fits, half of it does not
         d = auto_tsp_size(SEVEN_B, seq, 8, 80e9)
-        assert estimate(SEVEN_B, Layout("tsp", d), seq).peak <= 0.9 * 80e9
-        assert d == 1 or estimate(SEVEN_B, Layout("tsp", d // 2), seq).peak > 0.9 * 80e9
+        assert estimate(SEVEN_B, LayoutSpec("tsp", d), seq).peak <= 0.9 * 80e9
+        assert d == 1 or estimate(SEVEN_B, LayoutSpec("tsp", d // 2), seq).peak > 0.9 * 80e9
 
 
 def test_tsp_plan_cli_json(tmp_path):
@@ -114,6 +115,6 @@ def test_memory_within_ten_percent_of_simulate():
     records = simulate_many(reqs, jobs=2, fresh=False)
     shape = ModelShape(4096, 32, 32, 16384, 1, 32000)
     for r in records:
-        planned = estimate(shape, Layout(r.name, r.tp, r.cp), r.seq).peak
+        planned = estimate(shape, LayoutSpec(r.name, r.tp, r.cp), r.seq).peak
         print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned {planned / 2**30:.3f} GiB")
         assert abs(planned - r.peak_bytes) / r.peak_bytes < 0.10, (r.layout, r.seq, planned, r.peak_bytes)

@@ -38,7 +38,7 @@ class LayoutSpec:
 
     name: str
     tp: int
-    cp: int
+    cp: int = 1
 
     @property
     def degree(self) -> int:

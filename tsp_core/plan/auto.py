@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
+from ..baselines.layouts import LayoutSpec
 from .cost import auto_tsp_size
-from .memory import Layout, estimate
+from .memory import estimate
 from .traffic import ModelShape
 
 logger = logging.getLogger("tsp_core.auto")
@@ -134,7 +135,7 @@ def choose_tsp_size(requested: Any, *, model_config: Any = None, local_processes
     except ValueError as err:
         raise ValueError(f"tsp_size='auto': {err} [sequence length from {seq_src}, memory from "
                          f"{mem_src}]") from None
-    peak = estimate(shape, Layout("tsp", d), seq, batch).peak
+    peak = estimate(shape, LayoutSpec("tsp", d), seq, batch).peak
     reason = (f"tsp_size='auto' chose D={d}: the smallest degree dividing {local_processes} "
               f"processes per node whose planned peak ({peak / GIB:.2f} GiB) fits "
               f"{memory * (1 - headroom) / GIB:.2f} GiB ({memory / 1e9:.1f} GB from {mem_src}, "
@@ -142,7 +143,7 @@ def choose_tsp_size(requested: Any, *, model_config: Any = None, local_processes
     if d > 1:
         smaller = max(x for x in range(1, d) if local_processes % x == 0)
         reason += (f"; D={smaller} would need "
-                   f"{estimate(shape, Layout('tsp', smaller), seq, batch).peak / GIB:.2f} GiB")
+                   f"{estimate(shape, LayoutSpec('tsp', smaller), seq, batch).peak / GIB:.2f} GiB")
     return TSPChoice(d, reason, auto=True)
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..baselines.layouts import LAYOUTS, LayoutSpec, layout_specs
 from .hardware import Cluster
-from .memory import Layout, estimate
+from .memory import estimate
 from .traffic import ModelShape, layer_forward_elements
 
 LAYOUT_NAMES = ("tsp", "tp", "tp-sp", "cp", "tp+cp", "tp-sp+cp")
@@ -50,18 +51,20 @@ def _span(size: int, stride: int, per_node: int) -> str:
     return "intra-node" if size * stride <= per_node else "inter-node"
 
 
-def candidates(degrees: list[int]) -> list[Layout]:
+def candidates(degrees: list[int]) -> list[LayoutSpec]:
+    """Every layout at every degree, the 2-D ones at every split (D=1: the plain model, as TSP)."""
     out = []
     for d in degrees:
-        out += [Layout("tsp", d), Layout("tp", d), Layout("tp-sp", d), Layout("cp", 1, d)] if d > 1 \
-            else [Layout("tsp", 1)]
-        for t in range(2, d):
-            if d % t == 0:
-                out += [Layout("tp+cp", t, d // t), Layout("tp-sp+cp", t, d // t)]
+        if d == 1:
+            out.append(LayoutSpec("tsp", 1))
+            continue
+        for name in LAYOUTS:
+            if "+" not in name or any(d % t == 0 for t in range(2, d)):
+                out += layout_specs(name, d)
     return out
 
 
-def check_layout(shape: ModelShape, lay: Layout) -> str | None:
+def check_layout(shape: ModelShape, lay: LayoutSpec) -> str | None:
     """Why ``lay`` cannot run this model, or None."""
     if lay.name == "tsp":
         d = lay.tp
@@ -78,7 +81,7 @@ def check_layout(shape: ModelShape, lay: Layout) -> str | None:
     return None
 
 
-def evaluate(shape: ModelShape, lay: Layout, seq: int, cluster: Cluster, batch: int = 1,
+def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, batch: int = 1,
              headroom: float = 0.1, global_batch_tokens: int = GLOBAL_BATCH_TOKENS) -> Candidate:
     dev, n = cluster.device, cluster.gpus_per_node
     mem = estimate(shape, lay, seq, batch)
@@ -165,11 +168,11 @@ def auto_tsp_size(shape: ModelShape, seq: int, gpus_per_node: int, memory_bytes:
     for d in range(1, gpus_per_node + 1):
         if gpus_per_node % d:
             continue
-        why = check_layout(shape, Layout("tsp", d))
+        why = check_layout(shape, LayoutSpec("tsp", d))
         if why:
             tried.append(f"D={d}: {why}")
             continue
-        peak = estimate(shape, Layout("tsp", d), seq, batch).peak
+        peak = estimate(shape, LayoutSpec("tsp", d), seq, batch).peak
         if peak <= memory_bytes * (1 - headroom):
             return d
         tried.append(f"D={d}: {peak / 2**30:.1f} GiB > {memory_bytes * (1 - headroom) / 2**30:.1f} GiB")

@@ -21,26 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..baselines.layouts import LayoutSpec
+from ..vocab import LOSS_CHUNK_ELEMENTS as CHUNK_ELEMENTS
 from .traffic import ModelShape
-
-CHUNK_ELEMENTS = 1 << 24  # tsp_core.vocab.LOSS_CHUNK_ELEMENTS (not imported: keeps this torch-free)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """``name`` with ``tp`` tensor-parallel ranks inside ``cp`` context-parallel ones (TSP: D = tp)."""
-
-    name: str
-    tp: int
-    cp: int = 1
-
-    @property
-    def degree(self) -> int:
-        return self.tp * self.cp
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}({self.tp}x{self.cp})" if "+" in self.name else self.name
 
 
 @dataclass
@@ -50,19 +33,17 @@ class MemoryEstimate:
     parts: dict[str, float]         # parameters, gradients, optimizer_states, activations
 
 
-def _param_counts(shape: ModelShape, lay: Layout) -> dict[str, float]:
+def _param_counts(shape: ModelShape, lay: LayoutSpec) -> dict[str, float]:
     """Elements per rank: one layer, its attention part, the embedding, the head (+ final norm)."""
     h, v = shape.hidden_size, shape.vocab_size
-    shard = lay.tp if lay.name == "tsp" or lay.name != "cp" else 1
-    if lay.name == "cp":
-        shard = 1
+    shard = lay.tp  # cp: tp = 1, every matrix whole
     vocab = -(-v // shard) * h  # padded to a multiple of the shard count
     attn = shape.attention_weights / shard + h
     return {"layer": attn + shape.mlp_weights / shard + h, "attention": attn,
             "embed": vocab, "head": vocab + h}
 
 
-def tokens(lay: Layout, seq: int, batch: int) -> tuple[float, float]:
+def tokens(lay: LayoutSpec, seq: int, batch: int) -> tuple[float, float]:
     """(residual-stream tokens, tokens entering the projections) per rank."""
     s = batch * seq
     if lay.name == "tsp":
@@ -71,7 +52,7 @@ def tokens(lay: Layout, seq: int, batch: int) -> tuple[float, float]:
     return (n_a / lay.tp if lay.name.startswith("tp-sp") else n_a), n_a
 
 
-def working_sets(shape: ModelShape, lay: Layout, seq: int, batch: int,
+def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
                  b: int = 2) -> dict[str, float]:
     """Bytes alive, besides checkpoints and gradients, at the peak of each phase."""
     h, F, V, g = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.group
@@ -118,7 +99,7 @@ def working_sets(shape: ModelShape, lay: Layout, seq: int, batch: int,
     return {"attention": attn, "mlp": mlp, "loss": loss, "norm": norm}
 
 
-def estimate(shape: ModelShape, lay: Layout, seq: int, batch: int = 1, b: int = 2,
+def estimate(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int = 1, b: int = 2,
              optimizer_moments: int = 2) -> MemoryEstimate:
     """Peak bytes of one rank for one training step (full recompute, AdamW)."""
     c = _param_counts(shape, lay)
