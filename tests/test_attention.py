@@ -23,14 +23,15 @@ def pool():
     p.close()
 
 
-def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1):
+def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
+                 head_dim: int = HEAD_DIM):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3  # noqa: E731
-    w = {"q_proj.weight": r(nq * HEAD_DIM, HIDDEN), "k_proj.weight": r(nkv * HEAD_DIM, HIDDEN),
-         "v_proj.weight": r(nkv * HEAD_DIM, HIDDEN), "o_proj.weight": r(HIDDEN, nq * HEAD_DIM)}
+    w = {"q_proj.weight": r(nq * head_dim, HIDDEN), "k_proj.weight": r(nkv * head_dim, HIDDEN),
+         "v_proj.weight": r(nkv * head_dim, HIDDEN), "o_proj.weight": r(HIDDEN, nq * head_dim)}
     if qkv_bias:
-        w.update({"q_proj.bias": r(nq * HEAD_DIM), "k_proj.bias": r(nkv * HEAD_DIM),
-                  "v_proj.bias": r(nkv * HEAD_DIM)})
+        w.update({"q_proj.bias": r(nq * head_dim), "k_proj.bias": r(nkv * head_dim),
+                  "v_proj.bias": r(nkv * head_dim)})
     if o_bias:
         w["o_proj.bias"] = r(HIDDEN)
     return w
@@ -38,11 +39,11 @@ def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1)
 
 def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool = False,
                o_bias: bool = False, window: int | None = None, layout: str = "zigzag",
-               causal: bool = True) -> None:
+               causal: bool = True, head_dim: int = HEAD_DIM) -> None:
     mesh = dist_pool.mesh(tsp, layout)
     D, p = mesh.size, mesh.rank
-    w = full_weights(nq, nkv, qkv_bias, o_bias)
-    layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, qkv_bias=qkv_bias, o_bias=o_bias,
+    w = full_weights(nq, nkv, qkv_bias, o_bias, head_dim=head_dim)
+    layer = TSPAttention(mesh, HIDDEN, nq, nkv, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
                          sliding_window=window, causal=causal, dtype=torch.float64)
     layer.load_full(w)
 
@@ -51,7 +52,7 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
     dy = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
     ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
     x_ref = x.clone().requires_grad_()
-    y_ref = reference.attention(x_ref, ref_w, nq, nkv, HEAD_DIM, causal=causal, window=window)
+    y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window)
     y_ref.backward(dy)
 
     # pad at the end (causal: padding cannot reach real tokens); zero upstream grad on padding
@@ -74,6 +75,8 @@ CASES = [
     dict(nq=8, nkv=8, seq=16, batch=1),
     dict(nq=8, nkv=2, seq=16, batch=2),                       # GQA, g = 4
     dict(nq=4, nkv=1, seq=24, batch=1),                       # MQA: nkv < D at D = 2, 4
+    dict(nq=4, nkv=1, seq=16, batch=2, qkv_bias=True),        # MQA slices with biases
+    dict(nq=4, nkv=1, seq=16, batch=1, head_dim=6),           # 6 K/V rows: D = 4 pads a slice
     dict(nq=8, nkv=4, seq=16, batch=2, qkv_bias=True, o_bias=True),
     dict(nq=8, nkv=2, seq=13, batch=2),                       # needs padding at every D > 1
     dict(nq=4, nkv=2, seq=32, batch=1, window=5),             # sliding window < chunk
@@ -105,22 +108,35 @@ def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bia
     return dict(fwd.calls), dict(bwd.calls), dict(fwd.bytes), dict(bwd.bytes)
 
 
-@pytest.mark.parametrize("tsp,nq,nkv,bias", [(2, 8, 8, False), (4, 8, 2, True), (4, 4, 1, False)])
+@pytest.mark.parametrize("tsp,nq,nkv,bias", [(2, 8, 8, False), (4, 8, 2, True), (4, 4, 1, False),
+                                             (4, 8, 4, True), (2, 4, 1, True)])
 def test_collective_counts(pool, tsp, nq, nkv, bias):
+    """Exact calls and bytes of one layer on every rank. With nkv >= D a round broadcasts all four
+    projections of a head group; with nkv < D the rounds broadcast q/o only, the key/value slices
+    are all-gathered once per pass (and their gradients reduce-scattered once), and each
+    key/value head's K/V is gathered once, not once per round that uses it."""
     D, seq, batch = tsp, 16, 2
-    fwd, bwd, fwd_bytes, bwd_bytes = pool.run(count_collectives, tsp, nq, nkv, seq, batch, bias)[0]
     replicas = max(1, D // nkv)
-    assert fwd == {"broadcast": D, "all_gather": D}, fwd
-    expected_bwd = {"broadcast": D, "all_gather": D, "reduce_scatter": D, "reduce": D}
-    if replicas > 1:
-        expected_bwd["all_reduce"] = 1
-    assert bwd == expected_bwd, bwd
-    # bytes: one packed shard per broadcast, packed local K|V per gather (float64)
+    sliced = int(replicas > 1)
+    heads_gathered = D // replicas
     nq_l, nkv_l = nq // D, max(1, nkv // D)
-    shard = (2 * nq_l + 2 * nkv_l) * HEAD_DIM * HIDDEN + (bias * (nq_l + 2 * nkv_l) * HEAD_DIM)
+    if sliced:
+        shard = 2 * nq_l * HEAD_DIM * HIDDEN + bias * nq_l * HEAD_DIM
+        per = -(-nkv * HEAD_DIM // D)
+        kv_weights = D * (2 * per * HIDDEN + bias * 2 * per)  # all-gathered [D, slices]
+    else:
+        shard = (2 * nq_l + 2 * nkv_l) * HEAD_DIM * HIDDEN + bias * (nq_l + 2 * nkv_l) * HEAD_DIM
+        kv_weights = 0
     kv = 2 * batch * seq * nkv_l * HEAD_DIM
     frac = (D - 1) / D
-    assert fwd_bytes["broadcast"] == pytest.approx(D * frac * shard * 8)
-    assert fwd_bytes["all_gather"] == pytest.approx(D * frac * kv * 8)
-    assert bwd_bytes["reduce"] == pytest.approx(D * frac * shard * 8)
-    assert bwd_bytes["reduce_scatter"] == pytest.approx(D * frac * kv * 8)
+    for fwd, bwd, fwd_bytes, bwd_bytes in pool.run(count_collectives, tsp, nq, nkv, seq, batch,
+                                                   bias):
+        assert fwd == {"broadcast": D, "all_gather": heads_gathered + sliced}, fwd
+        assert bwd == {"broadcast": D, "all_gather": heads_gathered + sliced,
+                       "reduce_scatter": heads_gathered + sliced, "reduce": D}, bwd
+        assert fwd_bytes["broadcast"] == pytest.approx(D * frac * shard * 8)
+        assert fwd_bytes["all_gather"] == pytest.approx(
+            (heads_gathered * kv + kv_weights) * frac * 8)
+        assert bwd_bytes["reduce"] == pytest.approx(D * frac * shard * 8)
+        assert bwd_bytes["reduce_scatter"] == pytest.approx(
+            (heads_gathered * kv + kv_weights) * frac * 8)

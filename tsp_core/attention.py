@@ -23,6 +23,7 @@ from .params import (
     REPLICATED,
     ShardedModule,
     ShardSpec,
+    chunk_spec,
     even_spec,
     init_full,
     local_replicated,
@@ -138,81 +139,170 @@ def _row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
     return [_RowGroup(rows, d, pieces(d)) for d, rows in by_docs.items()]
 
 
+class _Shards:
+    """This rank's attention weights, split into what each round broadcasts and where the round's
+    key/value projection comes from.
+
+    With at least as many key/value heads as ranks, a round's packed shard holds all four
+    projections of that rank's heads. With fewer (nkv < D, MQA/GQA), each rank stores an even
+    slice of the key/value rows instead of a copy of a whole head, so every weight exists once
+    (gradient norms, checkpoints and optimizer state count it once); the slices are all-gathered
+    once per pass, the rounds broadcast only the query and output projections, and the weight
+    gradients of the slices are reduce-scattered back at the end."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], spec: AttentionSpec,
+                 group: dist.ProcessGroup) -> None:
+        wq, wk, wv, wo, *b = weights
+        self.spec, self.group, self.bias = spec, group, bool(b)
+        self.sliced = spec.kv_replicas > 1
+        self.round = [wq, wo, *b[:1]] if self.sliced else list(weights)
+        self.round_pack = FlatPack([w.shape for w in self.round])
+        self.kv_rows = spec.num_kv_heads * spec.head_dim
+        self.kv_full: list[torch.Tensor] = []
+        if self.sliced:
+            kv = [wk, wv, *b[1:]]
+            self.kv_pack = FlatPack([w.shape for w in kv])
+            D = spec.tsp_size
+            buf = wq.new_empty(D, self.kv_pack.numel)
+            comm.all_gather(buf, self.kv_pack.pack(kv), group)
+            self.kv_full = [t[:self.kv_rows] for t in self._rank_rows(buf)]
+
+    def _rank_rows(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """[D, packed slices] in rank order -> each tensor's padded full rows [D * per, ...]."""
+        D = self.spec.tsp_size
+        return [part.reshape(D * s[0], *s[1:])
+                for part, s in zip(buf.split(self.kv_pack.sizes, dim=1), self.kv_pack.shapes)]
+
+    def unpack(self, r: int, buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Round ``r``'s (wq, wk, wv, wo, bq, bk, bv); absent biases are None."""
+        if not self.sliced:
+            wq, wk, wv, wo, *b = self.round_pack.unpack(buf)
+            return (wq, wk, wv, wo, *(b or [None] * 3))
+        wq, wo, *bq = self.round_pack.unpack(buf)
+        d = self.spec.head_dim
+        rows = slice(r // self.spec.kv_replicas * d, (r // self.spec.kv_replicas + 1) * d)
+        kv = [t[rows] for t in self.kv_full] + [None] * (4 - len(self.kv_full))
+        return (wq, kv[0], kv[1], wo, *(bq or [None]), kv[2], kv[3])
+
+    def round_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Of round weight gradients (wq, wk, wv, wo, bq, bk, bv), those the round's owner
+        receives (in ``round_pack`` order)."""
+        gq, gk, gv, go, bq, bk, bv = grads
+        if self.sliced:
+            return [gq, go] + ([bq] if self.bias else [])
+        return [gq, gk, gv, go] + ([bq, bk, bv] if self.bias else [])
+
+    def kv_grad_buffers(self) -> list[torch.Tensor]:
+        """Zeroed padded full-row accumulators for the key/value weight gradients (sliced)."""
+        D = self.spec.tsp_size
+        return [t.new_zeros(D * s[0], *s[1:]) for t, s in zip(self.kv_full, self.kv_pack.shapes)]
+
+    def scatter_kv_grads(self, full: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sum every rank's key/value gradient rows and keep this rank's slice."""
+        D = self.spec.tsp_size
+        send = torch.cat([t.reshape(D, -1) for t in full], dim=1)
+        out = send.new_empty(self.kv_pack.numel)
+        comm.reduce_scatter(out, send, self.group)
+        return self.kv_pack.unpack(out)
+
+
 class _TSPAttentionFn(torch.autograd.Function):
+    """Round r uses rank r's query heads; with nkv < D, rounds r of one key/value head
+    (``kv_replicas`` consecutive rounds) share that head's K/V: it is computed, gathered (and in
+    the backward, its gradient reduce-scattered) once per head, not once per round."""
+
     @staticmethod
     def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
         B, L, _ = x.shape
-        pack = FlatPack([w.shape for w in weights])
-        own = pack.pack(weights)
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
-        D = spec.tsp_size
+        D, R = spec.tsp_size, spec.kv_replicas
         groups = _row_groups(docs, L * D, dist.get_rank(group), spec)
+        shards = _Shards(weights, spec, group)
         q_all = x.new_empty(D, B, nq, L, d)
-        kv_all = x.new_empty(D, 2, B, nkv, L, d)
+        kv_all = x.new_empty(D // R, 2, B, nkv, L, d)
         out_all = x.new_empty(D, B, nq, L, d)
         lse_all = x.new_empty(D, B, nq, L, dtype=torch.float64 if x.dtype == torch.float64
                               else torch.float32)
         y = x.new_zeros(x.shape)  # contiguous, whatever x's strides
-        for r, buf in _Rounds(own, group):
-            wq, wk, wv, wo, *b = pack.unpack(buf)
-            bq, bk, bv = b if b else (None, None, None)
+        gathered: dict[int, torch.Tensor] = {}
+        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+            wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
+            j, first, last = r // R, r % R == 0, r % R == R - 1
             q_all[r] = rope.apply(_heads(F.linear(x, wq, bq), nq), cos, sin)
-            kv_all[r, 0] = rope.apply(_heads(F.linear(x, wk, bk), nkv), cos, sin)
-            kv_all[r, 1] = _heads(F.linear(x, wv, bv), nkv)
-            for g in groups:
-                kv = comm.all_gather_sequence(kv_all[r][:, g.rows], group, 3, spec.layout, g.docs)
+            if first:
+                kv_all[j, 0] = rope.apply(_heads(F.linear(x, wk, bk), nkv), cos, sin)
+                kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
+            for i, g in enumerate(groups):
+                if first:
+                    gathered[i] = comm.all_gather_sequence(kv_all[j][:, g.rows], group, 3,
+                                                           spec.layout, g.docs)
+                kv = gathered[i]
                 o, lse = flash.attention_forward(q_all[r][g.rows], kv[0], kv[1], g.pieces,
                                                  spec.softmax_scale)
-                del kv
+                if last:
+                    del gathered[i], kv
                 out_all[r][g.rows], lse_all[r][g.rows] = o, lse
             y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
-        if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every head group
+        if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
-        ctx.spec, ctx.group, ctx.pack, ctx.groups = spec, group, pack, groups
+        ctx.spec, ctx.group, ctx.groups = spec, group, groups
         ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        spec, group, pack, groups = ctx.spec, ctx.group, ctx.pack, ctx.groups
+        spec, group, groups = ctx.spec, ctx.group, ctx.groups
         x, cos, sin, q_all, kv_all, out_all, lse_all, *weights = ctx.saved_tensors
         B, L, h = x.shape
-        nq = spec.local_heads
+        nq, R = spec.local_heads, spec.kv_replicas
+        shards = _Shards(weights, spec, group)
+        kv_grads = shards.kv_grad_buffers() if shards.sliced else []
         dy = dy.contiguous()
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
         dx = x.new_zeros(x.shape)
+        dx2 = dx.view(B * L, h)
         me = dist.get_rank(group)
         mine, others = None, []
-        for r, buf in _Rounds(pack.pack(weights), group):
-            wq, wk, wv, wo, *b = pack.unpack(buf)
+        gathered: dict[int, torch.Tensor] = {}
+        dkv_sum: dict[int, torch.Tensor] = {}
+        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+            wq, wk, wv, wo, *_ = shards.unpack(r, buf)
+            j, first, last = r // R, r % R == 0, r % R == R - 1
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
-            parts = []
-            for g in groups:
-                kv = comm.all_gather_sequence(kv_all[r][:, g.rows], group, 3, spec.layout, g.docs)
-                dq_g, dkv_g = flash.attention_backward(do[g.rows], q_all[r][g.rows], kv,
+            dq_parts, dkv_parts = [], []
+            for i, g in enumerate(groups):
+                if first:
+                    gathered[i] = comm.all_gather_sequence(kv_all[j][:, g.rows], group, 3,
+                                                           spec.layout, g.docs)
+                dq_g, dkv_g = flash.attention_backward(do[g.rows], q_all[r][g.rows], gathered[i],
                                                        o[g.rows], lse_all[r][g.rows], g.pieces,
                                                        spec.softmax_scale)
-                del kv  # the full-sequence K/V and dK/dV never coexist with the next group's
-                parts.append((g.rows, dq_g,
-                              comm.reduce_scatter_sequence(dkv_g, group, 3, spec.layout, g.docs)))
+                dq_parts.append((g.rows, dq_g))
+                dkv_sum[i] = dkv_g if first else dkv_sum[i].add_(dkv_g)
                 del dkv_g
-            if len(parts) == 1:  # one layout for the whole batch: no reassembly
-                _, dq, dkv = parts[0]
-            else:
-                dq, dkv = torch.empty_like(q_all[r]), torch.empty_like(kv_all[r])
-                for rows, dq_g, dkv_g in parts:
-                    dq[rows], dkv[:, rows] = dq_g, dkv_g
-            del parts
+                if last:  # the full-sequence K/V and dK/dV never coexist with the next group's
+                    del gathered[i]
+                    dkv_parts.append((g.rows, comm.reduce_scatter_sequence(
+                        dkv_sum.pop(i), group, 3, spec.layout, g.docs)))
+            dq = _by_rows(dq_parts, q_all[r])
+            del dq_parts
             dq = _flat(rope.apply_backward(dq, cos, sin)).reshape(B * L, -1)
-            dk = _flat(rope.apply_backward(dkv[0], cos, sin)).reshape(B * L, -1)
-            dv = _flat(dkv[1]).reshape(B * L, -1)
-            dx2 = dx.view(B * L, h)
-            dx2.addmm_(dq, wq).addmm_(dk, wk).addmm_(dv, wv)
-            grads = [dq.t() @ x2, dk.t() @ x2, dv.t() @ x2, dy2.t() @ _flat(o).reshape(B * L, -1)]
-            if b:
-                grads += [dq.sum(0), dk.sum(0), dv.sum(0)]
-            gbuf = pack.pack(grads)
+            dx2.addmm_(dq, wq)
+            grads = [dq.t() @ x2, None, None, dy2.t() @ _flat(o).reshape(B * L, -1),
+                     dq.sum(0), None, None]
+            if last:
+                dkv = _by_rows(dkv_parts, kv_all[j])
+                del dkv_parts
+                dk = _flat(rope.apply_backward(dkv[0], cos, sin)).reshape(B * L, -1)
+                dv = _flat(dkv[1]).reshape(B * L, -1)
+                dx2.addmm_(dk, wk).addmm_(dv, wv)
+                grads[1:3], grads[5:7] = [dk.t() @ x2, dv.t() @ x2], [dk.sum(0), dv.sum(0)]
+                if shards.sliced:  # this rank's tokens' share of head j's gradient
+                    rows = slice(j * spec.head_dim, (j + 1) * spec.head_dim)
+                    for acc, g in zip(kv_grads, grads[1:3] + grads[5:7]):
+                        acc[rows] += g
+            gbuf = shards.round_pack.pack(shards.round_grads(grads))
             pending = (gbuf, comm.reduce(gbuf, r, group, async_op=True))
             if r == me:
                 mine = pending
@@ -223,30 +313,37 @@ class _TSPAttentionFn(torch.autograd.Function):
         for _, handle in others:
             handle.wait()
         mine[1].wait()
-        grads = pack.unpack(mine[0])
-        if spec.kv_replicas > 1:
-            _sum_kv_replicas(grads, spec, group)
+        own = shards.round_pack.unpack(mine[0])
+        if shards.sliced:
+            gk, gv, *gb = shards.scatter_kv_grads(kv_grads)
+            gq, go, *gbq = own
+            grads = [gq, gk, gv, go] + ([gbq[0], gb[0], gb[1]] if shards.bias else [])
+        else:
+            grads = own
         return (dx, None, None, None, None, None, None, *grads)
 
 
-def _sum_kv_replicas(grads: list[torch.Tensor], spec: AttentionSpec, group) -> None:
-    """Ranks sharing one key/value head (nkv < D) each hold a copy; its true gradient is the sum
-    over the copies. One all-reduce of an [nkv, ...] buffer, each rank writing its head's slot."""
-    kv_grads = [grads[1], grads[2]] + ([grads[5], grads[6]] if len(grads) > 4 else [])
-    flat = torch.cat([g.reshape(-1) for g in kv_grads])
-    slots = flat.new_zeros(spec.num_kv_heads, flat.numel())
-    head = dist.get_rank(group) // spec.kv_replicas
-    slots[head] = flat
-    comm.all_reduce(slots, group)
-    for g, s in zip(kv_grads, slots[head].split([g.numel() for g in kv_grads])):
-        g.copy_(s.view_as(g))
+def _by_rows(parts: list[tuple[slice | list[int], torch.Tensor]], like: torch.Tensor
+             ) -> torch.Tensor:
+    """Reassemble per-row-group results along the batch dim (dim 0, or 1 for stacked K/V)."""
+    if len(parts) == 1:  # one layout for the whole batch: no reassembly
+        return parts[0][1]
+    out = torch.empty_like(like)
+    for rows, t in parts:
+        if like.dim() == 5:  # [2, B, heads, L, d]
+            out[:, rows] = t
+        else:
+            out[rows] = t
+    return out
 
 
 class TSPAttention(ShardedModule):
     """Multi-head / grouped-query attention with TSP: rank p owns query heads
-    [p*nq/D, (p+1)*nq/D), the key/value heads they use, and the matching columns of o_proj.
-    Parameters carry Hugging Face names and shapes: ``q_proj.weight`` [nq*d, h], ``k_proj.weight``,
-    ``v_proj.weight`` [nkv*d, h], ``o_proj.weight`` [h, nq*d], optional biases.
+    [p*nq/D, (p+1)*nq/D), the key/value heads they use (with fewer key/value heads than ranks, an
+    even 1/D slice of the key/value rows instead, so no weight is stored twice), and the matching
+    columns of o_proj. Parameters carry Hugging Face names and shapes: ``q_proj.weight``
+    [nq*d, h], ``k_proj.weight``, ``v_proj.weight`` [nkv*d, h], ``o_proj.weight`` [h, nq*d],
+    optional biases.
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
@@ -291,8 +388,7 @@ class TSPAttention(ShardedModule):
         if name == "o_proj.bias":
             return REPLICATED
         if name.startswith(("k_proj", "v_proj")) and s.kv_replicas > 1:
-            head = rank // s.kv_replicas  # the one key/value head this rank's query heads use
-            return ShardSpec(0, head * s.head_dim, s.head_dim, s.head_dim)
+            return chunk_spec(s.num_kv_heads * s.head_dim, rank, s.tsp_size)  # see _Shards
         dim = 1 if name == "o_proj.weight" else 0
         return even_spec(self.full_shapes[name][dim], rank, s.tsp_size, dim)
 
@@ -307,9 +403,10 @@ class TSPAttention(ShardedModule):
                 kv_sink: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """``docs``: for packed rows, each row's document lengths (as ``shard_batch`` pads them:
         multiples of 2D); attention then stays inside each document. ``kv_sink`` (prefill for
-        :mod:`tsp_core.decode`) is called once with ``kv_all`` [D, 2, B, local_kv_heads, S/D,
-        head_dim]: round r's K/V (RoPE applied) of this rank's own tokens for head group r, all
-        computed here, none received from another rank."""
+        :mod:`tsp_core.decode`) is called once with ``kv_all`` [G, 2, B, local_kv_heads, S/D,
+        head_dim], G = D / kv_replicas key/value head groups in order: the K/V (RoPE applied) of
+        this rank's own tokens for every key/value head, all computed here, none received from
+        another rank."""
         s = self.spec
         if x.dim() != 3 or x.shape[-1] != s.hidden_size:
             raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "

@@ -227,10 +227,8 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     values: list[torch.Tensor] = []
 
     def sink(kv_all: torch.Tensor) -> None:
-        spec = parts.layers[len(keys)].attn.spec
-        kv = kv_all[::spec.kv_replicas]           # one copy of each key/value head
-        g, _, B, n, L, d = kv.shape
-        kv = kv.permute(1, 2, 0, 3, 4, 5).reshape(2, B, g * n, L, d)[:, :, :, keep]
+        g, _, B, n, L, d = kv_all.shape          # every key/value head once, in order
+        kv = kv_all.permute(1, 2, 0, 3, 4, 5).reshape(2, B, g * n, L, d)[:, :, :, keep]
         keys.append(kv[0].clone())
         values.append(kv[1].clone())
 
@@ -277,26 +275,25 @@ def _attention_step(parts: _Parts, i: int, layer: _Layer, x: torch.Tensor, cos: 
 
     attn, group, D = layer.attn, parts.mesh.group, parts.mesh.size
     spec = attn.spec
-    nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
+    nq, d = spec.local_heads, spec.head_dim
     B = x.shape[0]
     w = {n: local(p) for n, p in attn.named_parameters()}
-    xs = x.unsqueeze(1)                                               # [B, 1, h]
 
-    def proj(name: str, heads: int) -> torch.Tensor:
-        y = F.linear(xs, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
-        return y.view(B, 1, heads, d).transpose(1, 2)                 # [B, heads, 1, d]
+    def proj(name: str) -> torch.Tensor:                              # [B, this rank's rows]
+        return F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
 
-    q = rope.apply(proj("q", nq), cos, sin)
-    k = rope.apply(proj("k", nkv), cos, sin)
-    v = proj("v", nkv)
-    mine = torch.cat([t.reshape(B, -1) for t in (q, k, v)], dim=1)
+    mine = torch.cat([proj("q"), proj("k"), proj("v")], dim=1)
+    kv_rows = w["k_proj.weight"].shape[0]  # this rank's key/value heads, or its slice of them
     every = mine.new_empty(D, *mine.shape)
-    comm.all_gather(every, mine.contiguous(), group)                  # all heads' q, k, v
-    q_all, k_all, v_all = every.split([nq * d, nkv * d, nkv * d], dim=2)
-    q_all = q_all.permute(1, 0, 2).reshape(B, D * nq, d)
-    rep = spec.kv_replicas
-    k_all = k_all[::rep].permute(1, 0, 2).reshape(B, -1, d)           # [B, nkv_total, d]
-    v_all = v_all[::rep].permute(1, 0, 2).reshape(B, -1, d)
+    comm.all_gather(every, mine.contiguous(), group)                  # every rank's q, k, v rows
+    q_all, k_all, v_all = every.split([nq * d, kv_rows, kv_rows], dim=2)
+
+    def heads(t: torch.Tensor, n: int) -> torch.Tensor:              # rank order -> [B, n, 1, d]
+        return t.permute(1, 0, 2).reshape(B, -1)[:, :n * d].reshape(B, n, 1, d)
+
+    q_all = rope.apply(heads(q_all, D * nq), cos, sin)[:, :, 0]       # [B, nq_total, d]
+    k_all = rope.apply(heads(k_all, spec.num_kv_heads), cos, sin)[:, :, 0]
+    v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
     if slot is not None:                                              # this rank's turn
         cache.keys[i][:, :, slot] = k_all
         cache.values[i][:, :, slot] = v_all

@@ -43,6 +43,15 @@ def even_spec(full_len: int, rank: int, size: int, dim: int) -> ShardSpec:
     return ShardSpec(dim, rank * n, n, n)
 
 
+def chunk_spec(full_len: int, rank: int, size: int, dim: int = 0) -> ShardSpec:
+    """Rank ``rank``'s chunk of ``full_len`` under DTensor's uneven ``Shard`` rule (ceil(n/D) per
+    rank, the last ones shorter or empty), zero-padded to one local length: vocabulary rows, and
+    key/value rows when there are fewer key/value heads than ranks. Every element is stored once."""
+    per = -(-full_len // size)
+    start = min(rank * per, full_len)
+    return ShardSpec(dim, start, max(0, min(per, full_len - start)), per)
+
+
 class FullSource(Protocol):
     """Where full tensors come from: a dict in memory or a safetensors checkpoint on disk."""
 

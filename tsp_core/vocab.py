@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import is_fake
 from . import comm
 from .layout import IGNORE_INDEX
 from .mesh import TSPMesh
-from .params import ShardedModule, ShardSpec, init_full, local, schedule_inputs
+from .params import ShardedModule, ShardSpec, chunk_spec, init_full, local, schedule_inputs
 
 # logits elements per token chunk in the fused loss (64 MiB in float32)
 LOSS_CHUNK_ELEMENTS = 1 << 24
@@ -24,9 +24,7 @@ LOSS_CHUNK_ELEMENTS = 1 << 24
 
 def vocab_spec(vocab_size: int, rank: int, size: int) -> ShardSpec:
     """Rows of the (padded) vocabulary owned by ``rank``."""
-    per = -(-vocab_size // size)
-    start = min(rank * per, vocab_size)
-    return ShardSpec(0, start, max(0, min(per, vocab_size - rank * per)), per)
+    return chunk_spec(vocab_size, rank, size)
 
 
 class TSPEmbedding(ShardedModule):

@@ -109,7 +109,7 @@ def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, bat
     if lay.name == "tsp":
         link = links["tsp"]
         if link != "none":
-            g = shape.num_heads / max(shape.num_kv_heads, t)
+            g = shape.group
             frac = (t - 1) / t
             weights = frac * (shape.attention_weights + shape.mlp_weights) * 2
             kv = frac * 2 * tok * h / g * 2

@@ -60,7 +60,6 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
     r = n_r * h * b                   # one residual-stream tensor
     if lay.name == "tsp":
         d = lay.tp
-        g = shape.num_heads / max(shape.num_kv_heads, d)
         w_att, w_mlp = shape.attention_weights / d * b, shape.mlp_weights / d * b
         per = -(-V // d)
         chunk = min(n_r, max(1, CHUNK_ELEMENTS // per))

@@ -8,7 +8,8 @@ inside C context-parallel ones; TSP uses D = T):
 - tp, tp-sp:  4 (T-1)/T * B (S/C) h          two all-reduces, or two all-gather + reduce-scatter
 - cp:         2 (C-1)/C * B S (h/T) / g      all-gather of K and V (this rank's heads)
 - tsp:        (D-1)/D * (W_att + W_mlp + 2 B S h / g)   weights + K/V
-              (when nkv < D each rank holds a copy of its key/value head: g = nq / D)
+              (also when nkv < D: the key/value rows are sliced 1/D per rank and
+              all-gathered once, each head's K/V gathered once)
 
 so TSP moves less than tp / tp-sp once B S (4 - 2/g) h > W_att + W_mlp (B*S > 8h for g=1, F=4h).
 Backward is about twice the forward for every layout.
@@ -58,9 +59,7 @@ def layer_forward_elements(name: str, tp: int, cp: int, shape: ModelShape, batch
     h, g = shape.hidden_size, shape.group
     if name == "tsp":
         d = tp
-        g = shape.num_heads / max(shape.num_kv_heads, d)  # nkv < D: every rank holds a copy
-        w_att = (2 + 2 / g) * h * h
-        return (d - 1) / d * (w_att + shape.mlp_weights + 2 * batch * seq * h / g)
+        return (d - 1) / d * (shape.attention_weights + shape.mlp_weights + 2 * batch * seq * h / g)
     tensor = 4 * (tp - 1) / tp * batch * (seq / cp) * h
     context = 2 * (cp - 1) / cp * batch * seq * (h / tp) / g
     return tensor + context
