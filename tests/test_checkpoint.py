@@ -68,9 +68,9 @@ def test_round_trip_and_sliced_reads(pool, tmp_path, family, tsp):
     cfg = hf_models.build(family, torch.float32).config
     h, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
     layers, nkv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    # k and v: with nkv < D each rank keeps one whole head (a copy) instead of nkv/D of one
+    # k and v: 1/D of the rows on every rank, also with nkv < D (a slice of a head, never a copy)
     kv_full = layers * 2 * nkv * d * (h + (1 if family == "qwen2" else 0))
-    kv_local = layers * 2 * max(1, nkv // tsp) * d * (h + (1 if family == "qwen2" else 0))
+    kv_local = layers * 2 * -(-nkv * d // tsp) * (h + (1 if family == "qwen2" else 0))
     vocab_local = -(-cfg.vocab_size // tsp) * h * (1 if cfg.tie_word_embeddings else 2)
     vocab_full = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     sharded = res["total"] - res["norms"] - kv_full - vocab_full

@@ -113,13 +113,15 @@ def decode_collectives(tsp: int) -> list:
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     c = ref.config
     B, h, d = 2, c.hidden_size, c.hidden_size // c.num_attention_heads
-    nq, nkv = c.num_attention_heads // tsp, max(1, c.num_key_value_heads // tsp)
+    nq = c.num_attention_heads // tsp
+    # key/value rows per rank: its heads, or (fewer heads than ranks) its 1/D slice of them
+    kv_rows = -(-c.num_key_value_heads * d // tsp)
     ids, mask = left_padded(c.vocab_size, [9, 20])
     with comm.track() as pre:
         _, cache = prefill(model, ids, mask)
     assert pre.calls["broadcast"] == tsp * c.num_hidden_layers  # prefill is the TSP forward
     frac = (tsp - 1) / tsp
-    per_layer = [("all_gather", tsp * B * (nq + 2 * nkv) * d * 8 * frac),
+    per_layer = [("all_gather", tsp * B * (nq * d + 2 * kv_rows) * 8 * frac),
                  ("all_to_all", B * c.num_attention_heads * (d + 1) * 8 * frac),
                  ("all_reduce", 2 * B * h * 8 * frac), ("all_reduce", 2 * B * h * 8 * frac)]
     vocab = -(-c.vocab_size // tsp) * tsp
