@@ -99,4 +99,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with tsp_core.run_cleanly():  # barrier, destroy the groups, exit 0 (docs/cluster.md)
+        main()

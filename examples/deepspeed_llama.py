@@ -46,9 +46,8 @@ def main() -> None:
         engine.step()
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss.item():.4f}")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    with tsp_core.run_cleanly():  # barrier, destroy the groups, exit 0 (docs/cluster.md)
+        main()

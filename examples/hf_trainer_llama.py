@@ -18,6 +18,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
+import tsp_core
+
 
 def main() -> None:
     defaults = ["--output_dir", "runs/hf_trainer", "--max_steps", "8", "--logging_steps", "1",
@@ -42,4 +44,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with tsp_core.run_cleanly():  # barrier, destroy the groups, exit 0 (docs/cluster.md)
+        main()

@@ -19,6 +19,8 @@ import tsp_lightning  # noqa: F401  (registers strategy="tsp")
 from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import tsp_core
+
 
 class RandomTokens(Dataset):
     def __init__(self, rows: int, seq: int, vocab: int) -> None:
@@ -67,4 +69,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with tsp_core.run_cleanly():  # barrier, destroy the groups, exit 0 (docs/cluster.md)
+        main()

@@ -150,8 +150,6 @@ def main() -> None:
     mesh = tsp_core.init_mesh(a.tsp or int(os.environ.get("WORLD_SIZE", "1")))
     if a.checkpoint_dir is not None:
         elastic(a, mesh)
-        dist.barrier()
-        dist.destroy_process_group()
         return
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen) for _ in range(a.steps)]
@@ -190,9 +188,8 @@ def main() -> None:
         for j, (name, r) in enumerate(runs):
             ranks = ", ".join(f"{int(p[j]) / MIB:.1f}" for p in (peaks[:1] if j == 0 else peaks))
             print(f"{name:<28} {r[1]:>9.0f} {r[3] / MIB:>14.1f}   {ranks}")
-    dist.barrier()  # no rank tears its connections down while a peer still uses them
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    with tsp_core.run_cleanly():  # barrier, destroy the groups, exit 0 (docs/cluster.md)
+        main()

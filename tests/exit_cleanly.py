@@ -1,11 +1,12 @@
-"""Run a script (``python tests/exit_cleanly.py SCRIPT ARGS...``) and leave with its exit code
-through ``os._exit``, after tearing the process groups down.
+"""Run a script (``python tests/exit_cleanly.py SCRIPT ARGS...``) inside ``tsp_core.run_cleanly``:
+the script's exit code (1 with its traceback if it raised) through ``tsp_core.shutdown``, which
+tears the process groups down and skips interpreter finalisation, where gloo can abort a finished
+job (INTEGRATION_NOTES, docs/cluster.md "Ending a run").
 
-gloo can abort a process at interpreter exit ("terminate called without an active exception",
-exit -6) when a peer has already closed its connections, even after destroy_process_group
-(INTEGRATION_NOTES); under load this happened about once per full test run. The scripts' work is
-complete by then, so the tests skip Python's finalisation instead of reading a teardown race as a
-failure."""
+For job scripts that end without ``tsp_core.shutdown`` of their own. A failure while ending
+(barrier or destroy raising, a peer gone) still exits non-zero with a traceback, and with
+``TSP_EXIT_REPORT=1`` (tests/launch.py sets it) every rank prints its exit line, which the
+launching test checks."""
 
 from __future__ import annotations
 
@@ -13,27 +14,12 @@ import os
 import runpy
 import sys
 
+from tsp_core.shutdown import run_cleanly, shutdown
 
-def finish(code: int) -> None:
-    import torch.distributed as dist
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code == 0 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(code)
-
+finish = shutdown  # the name tests/lightning_job.py imports
 
 if __name__ == "__main__":
     script, sys.argv = sys.argv[1], sys.argv[1:]
-    try:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` would
+    with run_cleanly():
         runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        finish(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
-    except BaseException:  # noqa: BLE001 - print it like Python would, then exit non-zero
-        import traceback
-
-        traceback.print_exc()
-        finish(1)
-    finish(0)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +16,8 @@ from tsp_core.plan.auto import choose_tsp_size
 from tsp_core.plan.cost import auto_tsp_size
 from tsp_core.plan.memory import estimate
 from tsp_core.plan.traffic import ModelShape
+
+from . import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA_7B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -138,22 +139,23 @@ def test_deepspeed_resolution(monkeypatch):
     assert resolve_tsp_size(model, None, {}, {}).size == 8
 
 
-def _torchrun(**env: str) -> subprocess.CompletedProcess:
-    full = dict(os.environ, OMP_NUM_THREADS="1", TSP_SEQ_LEN="64", **env)
-    full.pop("TSP_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", os.path.join(ROOT, "tests", "auto_job.py")],
-                          capture_output=True, text=True, timeout=240, env=full, cwd=ROOT)
+def _torchrun(ok: bool, **env: str) -> subprocess.CompletedProcess:
+    # a run that should work ends through tests/exit_cleanly.py and must end cleanly on both ranks
+    # (tests/launch.py); one that should fail exits the ordinary way, so that the first rank to
+    # exit 3 does not leave too soon for torchrun to let the other print its refusal
+    job = os.path.join(ROOT, "tests", "auto_job.py")
+    cmd = launch.torchrun(2, launch.EXIT_CLEANLY, job) if ok else launch.torchrun(2, job)
+    return launch.run(cmd, ranks=2, expect_clean=ok, timeout=240, TSP_SEQ_LEN="64", **env)
 
 
-def test_two_processes_build_the_planned_degree_or_all_refuse():
+def test_two_processes_build_the_planned_degree_or_all_refuse(monkeypatch):
+    monkeypatch.delenv("TSP_SIZE", raising=False)
     # TINY at 64 tokens plans 1.14 MB at D=1, 0.56 MB at D=2: 1 MB (0.9 usable) makes it D=2
-    ok = _torchrun(TSP_MEMORY_GB="0.001")
-    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-3000:]
+    ok = _torchrun(True, TSP_MEMORY_GB="0.001")
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: degree 2, dp 1, loss \d", ok.stdout), ok.stdout
     assert "[tsp] tsp_size='auto' chose D=2" in ok.stderr, ok.stderr[-2000:]
-    bad = _torchrun(TSP_MEMORY_GB="0.0005")
+    bad = _torchrun(False, TSP_MEMORY_GB="0.0005")
     assert bad.returncode != 0
     for rank in (0, 1):
         assert re.search(rf"rank {rank} refused: tsp_size='auto': no TSP degree inside a node of 2 "

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_runs_every_layout(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -30,3 +32,10 @@ def test_bench_runs_every_layout(tmp_path):
     assert out_png.stat().st_size > 10_000
     for r in records:
         assert f"{r['layout']:<15} {r['seq']:>6}" in run.stdout
+
+
+def test_bench_refuses_no_warmup_before_any_process_starts():
+    from tsp_core.bench import BenchConfig
+
+    with pytest.raises(ValueError, match=r"warmup \(0\) and steps \(4\) must be at least 1"):
+        BenchConfig(warmup=0)

@@ -6,15 +6,18 @@ from .attention import TSPAttention
 from .checkpoint import full_state_dict, load_full_state_dict, save_pretrained
 from .generation import generate
 from .layout import position_ids, shard_batch, shard_sequence, unshard_sequence
+from .logits import FullLogits, full_logits
 from .mesh import TSPMesh, init_mesh
 from .mlp import TSPGatedMLP
 from .norm import TSPRMSNorm
 from .parallelize import get_mesh, parallelize
 from .resharding import latest_checkpoint, load_checkpoint, save_checkpoint
+from .shutdown import run_cleanly, shutdown
 from .vocab import TSPEmbedding, TSPLMHead
 
-__all__ = ["TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh", "TSPRMSNorm",
-           "comm", "full_state_dict", "generate", "get_mesh", "guard", "init_mesh",
+__all__ = ["FullLogits", "TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh",
+           "TSPRMSNorm", "comm", "full_logits", "full_state_dict", "generate", "get_mesh", "guard",
+           "init_mesh",
            "latest_checkpoint", "layout", "load_checkpoint", "load_full_state_dict", "parallelize",
-           "position_ids",
+           "position_ids", "run_cleanly", "shutdown",
            "save_checkpoint", "save_pretrained", "shard_batch", "shard_sequence", "unshard_sequence"]

@@ -38,6 +38,12 @@ class BenchConfig:
     warmup: int = 1
     dtype: str = "float32"
 
+    def __post_init__(self) -> None:
+        # the first step measures traffic and memory and is never timed: at least one warm-up
+        if self.warmup < 1 or self.steps < 1:
+            raise ValueError(f"warmup ({self.warmup}) and steps ({self.steps}) must be at least 1: "
+                             f"the first step measures traffic and memory and is not timed")
+
 
 @dataclass
 class BenchRecord:
