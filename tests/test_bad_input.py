@@ -7,6 +7,7 @@ all-gather; afterwards the group still trains in step."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import tsp_core
 from tsp_core import comm
 from tsp_core.parallelize import shard_full_batches
 
-from . import dist_pool, hf_models
+from . import dist_pool, hf_models, launch
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,24 @@ def matrix() -> list[str]:
     expect(r"ranks of one TSP group have different batches \(rank 0: 2 rows x 8 local tokens, "
            r"rank 1: 3 rows x 8 local tokens\)",
            lambda: hooked(input_ids=other, labels=other), agreed)
+    # ranks of the group given different rows of the same shape, or the same tokens with other
+    # labels (masking without a shared seed): caught by the fingerprint of the full batch, in the
+    # same all-gather, through shard_batch, the adapters' hook and Lightning's strategy
+    from tsp_lightning import TSPStrategy
+
+    differ = (r"ranks of one TSP group were given different batches: TSP rank\(s\) \[0\] \(global "
+              r"\[0\]\): 0x[0-9a-f]+, TSP rank\(s\) \[1\] \(global \[1\]\): 0x[0-9a-f]+ .*usual "
+              r"causes: a DistributedSampler over the whole world")
+    own = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(10 + rank))
+    expect(differ, lambda: step({"input_ids": own, "labels": own}), agreed)
+    expect(differ, lambda: hooked(input_ids=own, labels=own), agreed)
+    strategy = TSPStrategy(tsp_size=2)
+    strategy._tsp_mesh = mesh
+    expect(differ, lambda: model(**strategy.batch_to_device({"input_ids": own, "labels": own},
+                                                            torch.device("cpu"))), agreed)
+    masked = ids.clone()
+    masked[1, 5 + rank] = -100
+    expect(differ, lambda: hooked(input_ids=ids, labels=masked), agreed)
     # local position ids that are not the layout's (built by hand, not by shard_batch)
     local = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
     expect(r"TSP rank\(s\) \[0, 1\]: position_ids that are not the global positions",
@@ -94,10 +113,73 @@ def matrix() -> list[str]:
 
 def test_bad_input_fails_on_every_rank(pool):
     per_rank = pool.run(matrix)
-    assert len(per_rank[0]) == 9
+    assert len(per_rank[0]) == 13
     # full-batch errors read the same everywhere; agreed ones start the same on every rank
     assert per_rank[0][:5] == per_rank[1][:5]
     for a, b in zip(per_rank[0][5:], per_rank[1][5:]):
         assert a.split(". This rank")[0] == b.split(". This rank")[0], (a, b)
     assert "This rank (TSP rank 0): 1 shift_labels outside [0, 96) (from 500 to 500)" in per_rank[0][5]
-    assert "This rank (TSP rank 1): 2 NaN/inf values in inputs_embeds" in per_rank[1][8]
+    assert "This rank (TSP rank 1): 2 NaN/inf values in inputs_embeds" in per_rank[1][12]
+    # the same rows through shard_batch, the hook and Lightning's strategy: the same fingerprints
+    assert per_rank[0][7] == per_rank[0][8] == per_rank[0][9] != per_rank[0][10]
+
+
+def sampler_over_the_world(tsp: int) -> str:
+    """4 ranks, tsp 4 or dp 2 x tsp 2. A DistributedSampler over every rank gives the ranks of a
+    TSP group different rows: every rank raises at the first step, naming its group's ranks by
+    fingerprint (global ranks too); with the sampler over the data-parallel ranks the
+    ranks train (the data-parallel replicas' different batches are not an error)."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    mesh = dist_pool.mesh(tsp)
+    model = tsp_core.parallelize(hf_models.build("llama", torch.float32), mesh)
+    data = [{"input_ids": r, "labels": r} for r in
+            torch.randint(0, 96, (16, 16), generator=torch.Generator().manual_seed(2))]
+
+    def first_batch(sampler) -> dict:
+        return next(iter(DataLoader(data, batch_size=2, sampler=sampler)))
+
+    right = DistributedSampler(data, num_replicas=mesh.dp_size, rank=dist.get_rank() // mesh.size,
+                               shuffle=False)
+    model(**tsp_core.shard_batch(first_batch(right), mesh)).loss.backward()
+    # a loader split by global rank % 2: ranks 0 and 2 get one batch, 1 and 3 another
+    split = DistributedSampler(data, num_replicas=2, rank=dist.get_rank() % 2, shuffle=False)
+    world = DistributedSampler(data, shuffle=False)  # over all 4 ranks: the usual mistake
+    with comm.track() as stats, pytest.raises(ValueError, match="were given different batches"
+                                              ) as info:
+        model(**tsp_core.shard_batch(first_batch(split if tsp == 4 else world), mesh))
+    assert dict(stats.calls) == {"all_gather": 1}, dict(stats.calls)
+    return str(info.value)
+
+
+def test_ranks_of_a_group_with_different_batches_raise_on_every_rank(pools):
+    tsp4 = pools.of(4).run(sampler_over_the_world, 4)
+    assert len(set(tsp4)) == 1
+    assert re.search(r"TSP rank\(s\) \[0, 2\] \(global \[0, 2\]\): 0x[0-9a-f]+, TSP rank\(s\) "
+                     r"\[1, 3\] \(global \[1, 3\]\): 0x", tsp4[0]), tsp4[0]
+    assert "DistributedSampler(dataset, num_replicas=mesh.dp_size, rank=torch.distributed." \
+           "get_rank() // mesh.size)" in tsp4[0]
+    dp2 = pools.of(4).run(sampler_over_the_world, 2)
+    assert dp2[0] == dp2[1] != dp2[2] == dp2[3]
+    assert re.search(r"TSP rank\(s\) \[0\] \(global \[2\]\): 0x[0-9a-f]+, TSP rank\(s\) \[1\] "
+                     r"\(global \[3\]\)", dp2[2]), dp2[2]
+
+
+def test_adapters_raise_on_every_rank_at_the_first_step(tmp_path):
+    """One torchrun of 2 processes (tests/bad_batch_job.py): TSPTrainer, TSPAccelerator and
+    Lightning's Trainer, each fed different batches on the two ranks of its TSP group, raise the
+    same error on both ranks at their first forward (no step finished, no hang; the job exits 0)."""
+    import json
+
+    launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, "tests/bad_batch_job.py", "--out",
+                               str(tmp_path)), 2)
+    ranks = []
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.json") as f:
+            ranks.append(json.load(f))
+    assert ranks[0] == ranks[1]
+    for adapter, msg in ranks[0].items():
+        assert re.match(r"bad input at forward call 1 .*ranks of one TSP group were given "
+                        r"different batches: TSP rank\(s\) \[0\] \(global \[0\]\): "
+                        r"0x[0-9a-f]+, TSP rank\(s\) \[1\] \(global \[1\]\)", msg), (adapter, msg)

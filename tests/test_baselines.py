@@ -111,3 +111,14 @@ def test_tensor_parallel_refuses_split_heads():
     with pytest.raises(ValueError, match=r"tensor-parallel size \(4\) must divide "
                                          r"num_key_value_heads \(2\)"):
         build(model, spec)  # fails before any process group is needed
+
+
+def test_context_parallel_refuses_length_dependent_rope():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**hf_models.COMMON, "vocab_size": 96},
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    (spec,) = layout_specs("cp", 2)
+    with pytest.raises(NotImplementedError, match=r"layout cp: .*dynamic rope.*differs between "
+                                                  r"context-parallel ranks"):
+        build(LlamaForCausalLM(config), spec)  # fails before any process group is needed

@@ -130,12 +130,19 @@ def _parts(model: nn.Module) -> _Parts:
                   model.config.vocab_size)
 
 
-def _cos_sin(parts: _Parts, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's own rotary embedding at global positions ``pos`` [B, L] (HF's numerics)."""
-    if parts.rotary is not None:
-        return parts.rotary(x, pos)
+def _cos_sin(parts: _Parts, x: torch.Tensor, pos: torch.Tensor,
+             seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own rotary embedding at global positions ``pos`` [B, L] (HF's numerics). A
+    rope whose frequencies depend on the length (dynamic, longrope) gets ``seq_len``, the length
+    Hugging Face's one-process generate gives it, identical on every rank (default
+    ``max(pos) + 1``: a decode step, whose positions every rank shares)."""
     from . import rope
 
+    if parts.rotary is not None:
+        if not isinstance(parts.rotary, rope.GlobalLengthRotary):
+            return parts.rotary(x, pos)
+        with rope.global_length([parts.rotary], int(pos.max()) + 1 if seq_len is None else seq_len):
+            return parts.rotary(x, pos)
     return rope.cos_sin(pos, parts.layers[0].attn.inv_freq, 1.0, x.dtype)
 
 
@@ -233,7 +240,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         values.append(kv[1].clone())
 
     x = parts.embed(ids)
-    cos, sin = _cos_sin(parts, x, pos)
+    cos, sin = _cos_sin(parts, x, pos, longest)  # HF: positions cumsum(mask) - 1, max + 1 = longest
     for layer in parts.layers:
         h = TSPAttention.forward(layer.attn, layer.norm1(x), position_embeddings=(cos, sin),
                                  kv_sink=sink)

@@ -119,6 +119,7 @@ def _agree(model: nn.Module, values: dict[str, int], error: ValueError | None = 
 
 
 def _checksum(t: torch.Tensor) -> int:
+    """Python's hash of a tuple of ints: the same in every process (only str/bytes are salted)."""
     return hash((tuple(t.shape), tuple(t.reshape(-1).tolist()))) & 0x7FFFFFFFFFFF
 
 

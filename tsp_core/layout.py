@@ -161,6 +161,54 @@ def document_lengths(batch: dict[str, Any], seq: int, rows: int) -> list[list[in
     return out
 
 
+_PRIME = 2**31 - 1                      # a Mersenne prime: products of residues fit in int64
+_BASES = (1_000_003, 2_654_435_761 % _PRIME)
+_POWERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _powers(n: int, base: int, device: torch.device) -> torch.Tensor:
+    """``base ** i mod p`` for i in [0, n) (int64, on ``device``), by repeated squaring; the table
+    is kept per device and base, grown to the longest tensor seen."""
+    key = (str(device), base)
+    have = _POWERS.get(key)
+    if have is None or have.numel() < n:
+        size = 1 << max(n - 1, 1).bit_length()
+        i = torch.arange(size, device=device)
+        out, b, bit = torch.ones(size, dtype=torch.long, device=device), base, 0
+        while (1 << bit) < size:
+            out = torch.where((i >> bit) & 1 == 1, out * b % _PRIME, out)
+            b, bit = b * b % _PRIME, bit + 1
+        _POWERS[key] = have = out
+    return have[:n]
+
+
+def _row_hash(x: torch.Tensor, base: int) -> torch.Tensor:
+    """``sum_i x[r, i] * base^i mod p`` of each row of the 2-D integer tensor ([rows] int64)."""
+    x = x.to(torch.long).remainder(_PRIME)
+    return (x * _powers(x.shape[1], base, x.device) % _PRIME).sum(1) % _PRIME
+
+
+def row_fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 62-bit hash per row ([rows] int64) of integer tensors [rows, ...], their shapes
+    included: two polynomial hashes mod 2^31-1 with different bases, in integer arithmetic only,
+    so the same in every process (unlike Python's ``hash`` of strings, salted per process)."""
+    rows, device = tensors[0].shape[0], tensors[0].device
+    shapes = [len(tensors)] + [v for t in tensors for v in (t.dim(), *t.shape[1:])]
+    head = torch.tensor(shapes, dtype=torch.long, device=device).expand(rows, -1)
+    parts = []
+    for base in _BASES:
+        per = torch.stack([_row_hash(t.reshape(rows, -1), base) for t in tensors], dim=1)
+        parts.append(_row_hash(torch.cat([head, per], dim=1), base))
+    return parts[0] * 2**31 + parts[1]
+
+
+def batch_fingerprint(rows: torch.Tensor) -> torch.Tensor:
+    """One 62-bit hash (0-d int64) of a batch from its :func:`row_fingerprints`, row order and
+    count included."""
+    halves = torch.stack([rows >> 31, rows & (2**31 - 1)], dim=-1).reshape(1, -1)
+    return row_fingerprints([halves])[0]
+
+
 def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
                 ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
     """This rank's part of a full-sequence batch (identical on every rank of the TSP group).
@@ -168,8 +216,12 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
     Returns ``input_ids``, ``position_ids`` (global, or per document for packed rows),
     ``shift_labels`` (when ``labels`` is given: shifted before sharding, so no rank needs its
     neighbour's first token, and never across a document boundary), ``attention_mask`` (when
-    given) and ``tsp_docs`` ([batch, documents]: each row's padded document lengths, which the
-    model's attention follows).
+    given), ``tsp_docs`` ([batch, documents]: each row's padded document lengths, which the
+    model's attention follows), ``tsp_rope_len`` ([batch]: each row's longest document; the
+    maximum is ``max(position_ids) + 1`` of the unmodified model on the whole batch, which rotary
+    embeddings whose frequencies depend on the length need) and ``tsp_fingerprint`` ([batch]: a
+    hash of each full row; the model compares the batch's over the TSP group, so ranks given
+    different batches raise).
 
     Each document is padded at its end to a multiple of 2*D (zigzag) or D (contiguous) and cut into
     chunks dealt out like a whole sequence, which keeps causal work balanced for any mix of
@@ -243,4 +295,14 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
     width = max(len(row) for row in padded)
     out["tsp_docs"] = torch.tensor([row + [0] * (width - len(row)) for row in padded],
                                    dtype=torch.long, device=ids.device)
+    # per row, like every entry (frameworks infer the batch size from any tensor of a batch)
+    out["tsp_rope_len"] = torch.tensor([max(row) for row in docs], device=ids.device)
+    # the content that decides every rank's tokens: ids, labels, mask, and the positions as
+    # document lengths (the same whether they came as position_ids or cu_seqlens)
+    given = [k for k in ("labels", "attention_mask") if k in batch]
+    deep = max(len(row) for row in docs)
+    meta = torch.tensor([[_BATCH_KEYS.index(k) for k in given] + row + [0] * (deep - len(row))
+                         for row in docs], device=ids.device)
+    out["tsp_fingerprint"] = row_fingerprints([meta, ids] + [batch[k].to(ids.device)
+                                                             for k in given])
     return out

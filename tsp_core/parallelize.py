@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, rope
 from .attention import TSPAttention, check_attention_shape
 from .data_parallel import install_gradient_sync
 from .layout import IGNORE_INDEX, shard_batch
@@ -59,14 +59,20 @@ class TSPCausalLM:
                 labels: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 use_cache: bool | None = None, cache: Any = None,
                 num_items_in_batch: torch.Tensor | int | None = None,
-                tsp_docs: torch.Tensor | None = None, **kwargs: Any):
+                tsp_docs: torch.Tensor | None = None,
+                tsp_rope_len: torch.Tensor | int | None = None,
+                tsp_fingerprint: torch.Tensor | None = None, **kwargs: Any):
         """Takes this rank's part of a batch from :func:`tsp_core.shard_batch`. With
         ``shift_labels`` the loss is the mean over every non-ignored token of the global batch
         (or the global sum divided by ``num_items_in_batch``); without, ``logits`` holds the
         local tokens' logits. ``attention_mask`` may only mark right padding, which causal
         attention already keeps away from real tokens (``shard_batch`` checks it). ``tsp_docs``
         (from ``shard_batch``) gives each row's document lengths, so that attention of packed
-        rows stays inside each document."""
+        rows stays inside each document; ``tsp_rope_len`` each row's longest document, whose
+        maximum is the length the unmodified model's rotary embedding sees on the whole batch
+        (required when its frequencies depend on the length: dynamic NTK, longrope);
+        ``tsp_fingerprint`` a hash of each full row, compared over the group so that ranks fed
+        different batches raise."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         if labels is not None:
@@ -83,12 +89,16 @@ class TSPCausalLM:
         if tsp_docs is not None:  # one host transfer per step, not per layer
             kwargs["tsp_docs"] = tuple(tuple(n for n in row if n) for row in tsp_docs.tolist())
         self._tsp_forward_calls = getattr(self, "_tsp_forward_calls", 0) + 1
+        ropes = getattr(self, "_tsp_ropes", [])
+        rope_len = (int(torch.as_tensor(tsp_rope_len).max())
+                    if ropes and tsp_rope_len is not None else None)
         # bad input raises on every rank of the group, before any schedule collective
         check_model_inputs(self, input_ids, inputs_embeds, position_ids, shift_labels,
-                           kwargs.get("tsp_docs"))
-        out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
-                                               inputs_embeds=inputs_embeds, use_cache=False,
-                                               **kwargs)
+                           kwargs.get("tsp_docs"), tsp_rope_len, tsp_fingerprint)
+        with rope.global_length(ropes, rope_len):
+            out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
+                                                   inputs_embeds=inputs_embeds, use_cache=False,
+                                                   **kwargs)
         hidden = out.last_hidden_state
         head: TSPLMHead = getattr(self, policy.lm_head)
         if shift_labels is None:
@@ -181,6 +191,7 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
         if not hasattr(base, name):
             raise ValueError(f"{type(model).__name__}.{policy.base_model} has no {name!r}; the "
                              f"policy {policy.name!r} does not describe this model")
+    rope.length_dependent_rotaries(model)  # raises for one TSP cannot give the global length
 
 
 def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None) -> nn.Module:
@@ -237,6 +248,9 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
 
     model.__class__ = _tsp_class(type(model))
     model._tsp_mesh, model._tsp_policy = mesh, policy
+    # rotaries whose frequencies depend on the length take the global one (tsp_rope_len)
+    model._tsp_ropes = rope.length_dependent_rotaries(model)
+    rope.use_global_length(model._tsp_ropes)
     _register_attention_implementation()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     install_gradient_sync(model, mesh)

@@ -2,10 +2,13 @@
 schedule collective, so that bad input raises on every rank instead of hanging some of them.
 
 Each rank checks its own tokens (shapes, label range, position ids against the layout, finite
-``inputs_embeds``) and the group all-gathers one small int64 vector per rank: batch rows, local
-length, a checksum of the document lengths, the problems found and the number of non-finite
-values. Ranks whose batches differ in shape (a data loader that gave ranks of one TSP group
-different batches) are caught the same way. Cost: one all-gather of 5 integers per forward.
+``inputs_embeds``, the global length a length-dependent rope needs) and the group all-gathers one
+small int64 vector per rank: batch rows, local length, a checksum of the document lengths, the
+problems found, the number of non-finite values, the length the rope sees (``tsp_rope_len``) and
+the fingerprint of the full batch (``shard_batch``'s ``tsp_fingerprint``: tokens, labels, mask,
+positions). Ranks of one TSP group given different batches (a data loader that splits over the
+world instead of over data parallel) are caught by shape or by content. Cost: one all-gather of 7
+integers per forward.
 """
 
 from __future__ import annotations
@@ -15,10 +18,17 @@ from typing import Any
 import torch
 
 from . import comm
-from .layout import IGNORE_INDEX, rank_chunks, row_segments
+from .layout import IGNORE_INDEX, batch_fingerprint, rank_chunks, row_segments
+from .rope import length_dependent_types
 
-LABELS_RANGE, LABELS_SHAPE, POSITIONS_NEGATIVE, POSITIONS_LAYOUT, NONFINITE, SHAPE = (
-    1, 2, 4, 8, 16, 32)
+LABELS_RANGE, LABELS_SHAPE, POSITIONS_NEGATIVE, POSITIONS_LAYOUT, NONFINITE, SHAPE, ROPE_LEN = (
+    1, 2, 4, 8, 16, 32, 64)
+FIELDS = ("rows", "local_len", "docs_checksum", "problems", "nonfinite", "rope_len", "fingerprint")
+_CAUSES = ("usual causes: a DistributedSampler over the whole world instead of the data-parallel "
+           "ranks (use DistributedSampler(dataset, num_replicas=mesh.dp_size, "
+           "rank=torch.distributed.get_rank() // mesh.size), as the adapters do; TSP groups are "
+           "consecutive ranks); a custom loader that splits data by global rank; random "
+           "augmentation, masking or packing without a seed shared by the TSP group")
 _FIX = {
     LABELS_RANGE: "shift_labels outside [0, {vocab}) and not -100 (ignored): labels must be "
                   "token ids of this model's vocabulary",
@@ -30,7 +40,26 @@ _FIX = {
                       "through tsp_core.shard_batch instead of building local positions yourself",
     NONFINITE: "NaN or inf in inputs_embeds: check the data and whatever produced the embeddings",
     SHAPE: "inputs of the wrong shape",
+    ROPE_LEN: "no tsp_rope_len, which this model's rotary embedding ({rope} rope: frequencies "
+              "that depend on the sequence length) needs to rotate every rank like the whole "
+              "sequence: pass the full batch through tsp_core.shard_batch, which gives it",
 }
+
+
+def _groups(table: list[list[int]], column: int, mesh: Any) -> str:
+    """'TSP rank(s) [0, 2] (global [0, 2]): 0x..., TSP rank(s) [1, 3] (global [1, 3]): 0x...':
+    the ranks grouped by one column of the agreement table, largest group first."""
+    import torch.distributed as dist
+
+    by: dict[int, list[int]] = {}
+    for r, row in enumerate(table):
+        by.setdefault(row[column], []).append(r)
+    glob = dist.get_process_group_ranks(mesh.group)
+    def fmt(v: int) -> str:
+        return str(v) if column != 6 else f"{v:#x}" if v >= 0 else "none"
+
+    return ", ".join(f"TSP rank(s) {rs} (global {[glob[r] for r in rs]}): {fmt(v)}"
+                     for v, rs in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[1])))
 
 
 def _expected_positions(docs: tuple[int, ...], rank: int, size: int, layout: str,
@@ -42,9 +71,13 @@ def _expected_positions(docs: tuple[int, ...], rank: int, size: int, layout: str
 def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
                        inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor,
                        shift_labels: torch.Tensor | None,
-                       docs: tuple[tuple[int, ...], ...] | None) -> None:
+                       docs: tuple[tuple[int, ...], ...] | None,
+                       rope_len: torch.Tensor | int | None = None,
+                       fingerprint: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` on every rank of the TSP group if any rank's input is bad or the
-    ranks' batch shapes differ. ``docs``: each row's document lengths (from ``tsp_docs``)."""
+    ranks' batches differ. ``docs``: each row's document lengths (from ``tsp_docs``);
+    ``rope_len``, ``fingerprint``: ``shard_batch``'s ``tsp_rope_len`` and ``tsp_fingerprint``
+    (per row)."""
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(position_ids):  # a memory simulation (tsp simulate): there are no values to check
@@ -114,17 +147,28 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
             problems |= SHAPE
             details.append(f"local sequence length {seq} does not split into this layout's "
                            f"chunks ({layout}, tsp_size={size})")
+    ropes = [t for m in getattr(model, "_tsp_ropes", []) for t in length_dependent_types(m)]
+    if ropes and rope_len is None:
+        problems |= ROPE_LEN
+        details.append("no tsp_rope_len in the batch")
+    # Python's hash of a tuple of ints is the same in every process (only str/bytes are salted)
     checksum = hash(docs) & 0x7FFFFFFF if docs is not None else 0
-    mine = torch.tensor([rows, seq, checksum, problems, nonfinite], dtype=torch.int64,
+    mine = torch.tensor([rows, seq, checksum, problems, nonfinite, -1, -1], dtype=torch.int64,
                         device=position_ids.device)
-    everyone = mine.new_empty(size * 5)
+    if rope_len is not None:
+        mine[5] = torch.as_tensor(rope_len).max()
+    if fingerprint is not None:
+        mine[6] = batch_fingerprint(fingerprint.reshape(-1).to(mine.device))
+    n = len(FIELDS)
+    everyone = mine.new_empty(size * n)
     comm.all_gather(everyone, mine, mesh.group)
-    table = everyone.view(size, 5).tolist()
+    table = everyone.view(size, n).tolist()
     flags = 0
     for row in table:
         flags |= row[3]
-    shapes = {(r[0], r[1], r[2]) for r in table if r[0] >= 0}
-    if not flags and len(shapes) <= 1:
+    shapes = {(r[0], r[1]) for r in table if r[0] >= 0}
+    agreed = {(r[2], r[5], r[6]) for r in table}
+    if not flags and len(shapes) <= 1 and len(agreed) <= 1:
         return
     step = getattr(model, "tsp_step", None)
     where = f"step {step}" if step is not None else \
@@ -134,12 +178,24 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
         culprits = [r for r, row in enumerate(table) if row[3] & bit]
         if culprits:
             extra = (f" ({sum(table[r][4] for r in culprits)} values)" if bit == NONFINITE else "")
-            lines.append(f"TSP rank(s) {culprits}: {text.format(vocab=vocab)}{extra}")
+            lines.append(f"TSP rank(s) {culprits}: "
+                         f"{text.format(vocab=vocab, rope='/'.join(sorted(set(ropes))))}{extra}")
     if len(shapes) > 1:
         seen = ", ".join(f"rank {r}: {row[0]} rows x {row[1]} local tokens" for r, row in
                          enumerate(table))
         lines.append(f"ranks of one TSP group have different batches ({seen}); every rank of a TSP "
-                     f"group must get the same full batch (sample over the data-parallel ranks "
-                     f"only, e.g. DistributedSampler(num_replicas=mesh.dp_size))")
+                     f"group must get the same full batch and keeps its own tokens of it; "
+                     f"{_CAUSES}")
+    elif len({r[6] for r in table}) > 1:
+        lines.append(f"ranks of one TSP group were given different batches: "
+                     f"{_groups(table, 6, mesh)} (fingerprints of the full batch: tokens, labels, "
+                     f"mask, positions; none: not from tsp_core.shard_batch); every rank of a TSP "
+                     f"group must get the same full batch and keeps its own tokens of it; "
+                     f"{_CAUSES}")
+    elif len(agreed) > 1:
+        lines.append(f"ranks of one TSP group have different tsp_docs / tsp_rope_len (document "
+                     f"lengths {_groups(table, 2, mesh)}; sequence lengths "
+                     f"{_groups(table, 5, mesh)}): build every rank's batch with "
+                     f"tsp_core.shard_batch from the same full batch")
     raise ValueError(f"bad input at {where}: " + "; ".join(lines)
                      + (f". This rank (TSP rank {rank}): " + "; ".join(details) if details else ""))

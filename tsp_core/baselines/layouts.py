@@ -25,6 +25,7 @@ from ..layout import IGNORE_INDEX, shard_batch
 from ..mesh import TSPMesh, init_mesh, init_process_group_from_env
 from ..parallelize import parallelize
 from ..policies import find_policy
+from ..rope import length_dependent_types
 from . import context_parallel
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
@@ -212,6 +213,13 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None) -> Pa
     when not given)."""
     if spec.name != "tsp":
         check_tensor_parallel(model.config, spec.tp)  # before any collective
+        ropes = [m for m in model.modules() if length_dependent_types(m)]
+        if spec.cp > 1 and ropes:  # each context-parallel rank would use its own longest position
+            raise NotImplementedError(
+                f"layout {spec.label}: {type(ropes[0]).__name__} ("
+                f"{', '.join(length_dependent_types(ropes[0]))} rope) computes its frequencies "
+                f"from the longest position it sees, which differs between context-parallel ranks; "
+                f"the baselines do not give it the global length (TSP does): use a default rope")
     mesh = mesh or build_mesh(spec)
     if spec.name == "tsp":
         return ParallelModel(parallelize(model, mesh), spec, mesh)
