@@ -1,6 +1,8 @@
 """Full state dicts in and out: full_state_dict -> save_pretrained -> from_pretrained reproduces the
-model; a save_pretrained checkpoint loads into a TSP model with each rank reading ~1/D of it; per-rank
-parameter bytes are total / D plus the replicated norms."""
+model; a save_pretrained checkpoint loads into a TSP model with every rank reading exactly its
+own slices plus the replicated norms (counted at the file handle) (the loaded model's logits and
+gradients, each data-parallel replica on its own rows, equal one process on the global batch);
+per-rank parameter bytes are total / D plus the replicated norms."""
 
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ def round_trip(family: str, tsp: int, path: str) -> dict:
     D, p = mesh.size, mesh.rank
     ref = hf_models.build(family, torch.float64)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
-    ids = torch.randint(0, ref.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    # the global batch: 4 rows; with data parallel (tsp 2 in the 4-process pool) each replica
+    # takes its own rows, so a replica that saw another's rows, or a mean where a sum belongs,
+    # shows in the logits or the gradients
+    ids = torch.randint(0, ref.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
+    dp, dp_rank = mesh.dp_size, dist.get_rank() // D
     with torch.no_grad():
         want = ref(input_ids=ids).logits
 
@@ -50,9 +56,17 @@ def round_trip(family: str, tsp: int, path: str) -> dict:
 
     other = tsp_core.parallelize(hf_models.build(family, torch.float64, seed=99), mesh)
     read = tsp_core.load_full_state_dict(other, path)
+    mine = ids.chunk(dp)[dp_rank]
     with torch.no_grad():
-        logits = other(**tsp_core.shard_batch({"input_ids": ids}, mesh)).logits
-    assert_close(logits, shard_sequence(want, p, D), 1e-12, "logits after load_full_state_dict")
+        logits = other(**tsp_core.shard_batch({"input_ids": mine}, mesh)).logits
+    assert_close(logits, shard_sequence(want.chunk(dp)[dp_rank], p, D), 1e-12,
+                 "logits after load_full_state_dict")
+    hf_models.reference_loss(ref, ids, ids).backward()
+    other(**tsp_core.shard_batch({"input_ids": mine, "labels": mine}, mesh)).loss.backward()
+    got = hf_models.full_grads(other)
+    for name, t in ref.named_parameters():
+        assert_close(got[name], t.grad, 1e-10, f"grad of {name} after load_full_state_dict "
+                                               f"(tsp {D}, dp {dp})")
 
     total = sum(t.numel() for t in ref.parameters())  # a tied weight counts once
     norms = sum(t.numel() for n, t in ref.named_parameters() if "norm" in n)
@@ -61,20 +75,80 @@ def round_trip(family: str, tsp: int, path: str) -> dict:
     return dict(read=read, total=total, norms=norms, local=local_params)
 
 
+def counting_disk_reads(fn, *args) -> dict:
+    """``fn(*args)`` (a dict) plus ``disk_elements``: every element tsp_core's loader took out of
+    a safetensors file, counted here at the file handle (not by the loader's own counter)."""
+    import safetensors
+    import transformers.modeling_utils  # noqa: F401 - keeps its own safe_open, uncounted
+
+    real, count = safetensors.safe_open, [0]
+
+    def counted(t):
+        count[0] += t.numel()
+        return t
+
+    class Slice:
+        def __init__(self, s) -> None:
+            self.s = s
+
+        def get_shape(self):
+            return self.s.get_shape()
+
+        def __getitem__(self, index):
+            return counted(self.s[index])
+
+    class Handle:
+        def __init__(self, h) -> None:
+            self.h = h
+
+        def __enter__(self):
+            self.h.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.h.__exit__(*exc)
+
+        def __getattr__(self, name: str):
+            return getattr(self.h, name)
+
+        def get_tensor(self, name: str):
+            return counted(self.h.get_tensor(name))
+
+        def get_slice(self, name: str):
+            return Slice(self.h.get_slice(name))
+
+    safetensors.safe_open = lambda *a, **kw: Handle(real(*a, **kw))
+    try:
+        return {**fn(*args), "disk_elements": count[0]}
+    finally:
+        safetensors.safe_open = real
+
+
 @pytest.mark.parametrize("family", ["llama", "llama-tied", "qwen2"])
 @pytest.mark.parametrize("tsp", [2, 4])
 def test_round_trip_and_sliced_reads(pool, tmp_path, family, tsp):
-    res = pool.run(round_trip, family, tsp, str(tmp_path / "ckpt"))[0]
+    results = pool.run(counting_disk_reads, round_trip, family, tsp, str(tmp_path / "ckpt"))
     cfg = hf_models.build(family, torch.float32).config
     h, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
     layers, nkv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    # k and v: 1/D of the rows on every rank, also with nkv < D (a slice of a head, never a copy)
-    kv_full = layers * 2 * nkv * d * (h + (1 if family == "qwen2" else 0))
-    kv_local = layers * 2 * -(-nkv * d // tsp) * (h + (1 if family == "qwen2" else 0))
-    vocab_local = -(-cfg.vocab_size // tsp) * h * (1 if cfg.tie_word_embeddings else 2)
-    vocab_full = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    sharded = res["total"] - res["norms"] - kv_full - vocab_full
-    expected = sharded // tsp + res["norms"] + kv_local + vocab_local
-    assert res["local"] == expected, (res, expected)
-    # what each rank read from disk: its slices plus the replicated norms, never the whole file
-    assert res["read"] == expected, (res, expected)
+    kv_width = h + (1 if family == "qwen2" else 0)  # weight columns + bias
+    vocab_tables = 1 if cfg.tie_word_embeddings else 2
+
+    def rows(n: int, p: int) -> int:
+        """TSP rank p's rows of n (vocabulary; k/v rows when nkv < D): ceil(n / D) each, the
+        last ranks' chunks shorter; stored padded to ceil(n / D), read without the padding."""
+        per = -(-n // tsp)
+        return max(0, min(per, n - p * per))
+
+    kv_full, vocab_full = layers * 2 * nkv * d * kv_width, cfg.vocab_size * h * vocab_tables
+    for rank, res in enumerate(results):  # every rank (tsp innermost: TSP rank = rank % tsp)
+        p = rank % tsp
+        sharded = res["total"] - res["norms"] - kv_full - vocab_full
+        # k and v: 1/D of the rows, also with nkv < D (a slice of a head, never a copy)
+        stored = (sharded // tsp + res["norms"] + layers * 2 * rows(nkv * d, 0) * kv_width
+                  + rows(cfg.vocab_size, 0) * h * vocab_tables)
+        assert res["local"] == stored, (rank, res, stored)
+        # what each rank read from disk: its slices plus the replicated norms, never the whole file
+        read = (sharded // tsp + res["norms"] + layers * 2 * rows(nkv * d, p) * kv_width
+                + rows(cfg.vocab_size, p) * h * vocab_tables)
+        assert res["read"] == res["disk_elements"] == read, (rank, res, read)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import tsp_core
 from tsp_core.flash import plan_pieces
 from tsp_core.layout import row_segments, shard_batch
-from tsp_core.params import ShardedModule
 
 from . import dist_pool, hf_models
 from .reference import assert_close
@@ -39,15 +38,6 @@ def packed_row(lengths: list[int], vocab: int, seed: int):
     labels = torch.cat([torch.cat([torch.tensor([-100]), d[1:]]) for d in docs])[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     return docs, ids, labels, positions
-
-
-def full_grads(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for prefix, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, ShardedModule):
-            for name, g in m.full_tensors(grads=True).items():
-                out[f"{prefix}.{name}" if prefix else name] = g
-    return out
 
 
 def packed_parity(family: str, tsp: int) -> None:
@@ -80,7 +70,7 @@ def packed_parity(family: str, tsp: int) -> None:
     loss = model(**sharded).loss
     assert abs(loss.item() - loss_ref.item()) <= 1e-9 * abs(loss_ref.item()), (loss, loss_ref)
     loss.backward()
-    got = full_grads(model)
+    got = hf_models.full_grads(model)
     for name, p in ref.named_parameters():
         assert_close(got[name], p.grad, 1e-9, f"grad of {name}")
 

@@ -1,12 +1,15 @@
 """Sharded checkpoints (tsp_core.save_checkpoint / load_checkpoint): a run that saves and resumes at
-TSP degree 4 -> 2 -> 1 -> 4, optimizer state included, ends with the weights of one uninterrupted
-single-process run (float64, 1e-10); the same files load into a plain Hugging Face model; an
-unfinished save, a checkpoint of another model and a bad save fail on every rank and change nothing."""
+TSP degree 4 -> 2 -> 1 -> 4 (data parallel 1, 2, 4, 1: each replica its own rows of a 4-row global
+batch), optimizer state included, has every step's gradients and the final weights of one
+uninterrupted single-process run on the global batch (float64, 1e-10); the same files load into a
+plain Hugging Face model; an unfinished save, a checkpoint of another model and a bad save fail on
+every rank and change nothing."""
 
 from __future__ import annotations
 
 import copy
 import os
+from fractions import Fraction
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ import tsp_core
 from . import dist_pool, hf_models
 from .reference import assert_close
 
+ROWS = 4  # the global batch: data-parallel replicas (1, 2 or 4) split it, each its own rows
+
 
 @pytest.fixture(scope="module")
 def pool():
@@ -26,24 +31,36 @@ def pool():
 
 
 def batch(step: int, vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(100 + step))
+    return torch.randint(0, vocab, (ROWS, 16), generator=torch.Generator().manual_seed(100 + step))
 
 
 def reference_run(family: str, steps: int):
+    """One process on the global batch; returns the model, its optimizer and each step's grads."""
     model = hf_models.build(family, torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads = []
     for step in range(steps):
         ids = batch(step, model.config.vocab_size)
         hf_models.reference_loss(model, ids, ids).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return model, opt
+    return model, opt, grads
 
 
-def tsp_steps(model, opt, mesh, steps: range) -> None:
+def tsp_steps(model, opt, mesh, steps: range, ref_grads: list[dict] | None = None) -> None:
+    """Steps on this data-parallel replica's rows of the global batch; with ``ref_grads``, every
+    gradient must equal the one-process gradient of the global batch (a data-parallel mean where
+    a sum belongs, or a TSP-degree factor, fails here; AdamW's update alone would hide it)."""
+    dp, dp_rank = mesh.dp_size, dist.get_rank() // mesh.size
     for step in steps:
-        ids = batch(step, model.config.vocab_size)
+        ids = batch(step, model.config.vocab_size).chunk(dp)[dp_rank]
         model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.backward()
+        if ref_grads is not None:
+            got = hf_models.full_grads(model)
+            for name, g in ref_grads[step].items():
+                assert_close(got[name], g, 1e-10, f"grad of {name} at step {step} "
+                                                  f"(tsp {mesh.size}, dp {dp})")
         opt.step()
         opt.zero_grad()
 
@@ -52,6 +69,7 @@ def reshard_run(family: str, root: str) -> dict:
     # degree 4 (dp 1), 2 (dp 2 x tsp 2), 1 (dp 4), then 4 again; one fresh model (another seed) and
     # a fresh optimizer at each stage, filled only by load_checkpoint
     stages = [(4, range(0, 2)), (2, range(2, 3)), (1, range(3, 4)), (4, range(4, 5))]
+    ref, ref_opt, ref_grads = reference_run(family, 5)
     prev = None
     for tsp, steps in stages:
         mesh = dist_pool.mesh(tsp)
@@ -61,10 +79,9 @@ def reshard_run(family: str, root: str) -> dict:
         if prev is not None:
             extra = tsp_core.load_checkpoint(prev, model, opt)
             assert extra == {"step": steps.start, "note": f"after {steps.start}"}, extra
-        tsp_steps(model, opt, mesh, steps)
+        tsp_steps(model, opt, mesh, steps, ref_grads)
         prev = os.path.join(root, f"d{tsp}_step{steps.stop}")
         tsp_core.save_checkpoint(prev, model, opt, step=steps.stop, note=f"after {steps.stop}")
-    ref, ref_opt = reference_run(family, 5)
     got = tsp_core.full_state_dict(model)
     for name, t in ref.state_dict().items():
         assert_close(got[name], t, 1e-10, f"{name} after 5 steps with resharding resumes")
@@ -93,9 +110,9 @@ def reshard_run(family: str, root: str) -> dict:
 
 @pytest.mark.parametrize("family", ["llama", "llama-tied"])
 def test_resume_at_other_degrees_matches_one_process(pool, tmp_path, family):
-    # llama: 2 KV heads, copied on 2 ranks each at degree 4; llama-tied: vocabulary 101, padded
-    listing = pool.run(reshard_run, family, str(tmp_path))[0]
-    assert listing == ["d1_step4", "d2_step3", "d4_step2", "d4_step5"], listing
+    # llama: 2 KV heads, their rows sliced over 4 ranks at degree 4; llama-tied: vocabulary 101, padded
+    for listing in pool.run(reshard_run, family, str(tmp_path)):  # what every rank sees
+        assert listing == ["d1_step4", "d2_step3", "d4_step2", "d4_step5"], listing
 
 
 def failures(root: str) -> list[str]:
@@ -143,6 +160,15 @@ def failures(root: str) -> list[str]:
            lambda: tsp_core.load_checkpoint(os.path.join(root, "wide"), model))
     expect(ValueError, r"was saved without optimizer state; pass optimizer=None",
            lambda: tsp_core.load_checkpoint(os.path.join(root, "wide"), model, opt))
+    # the adapters' hooks: an optimizer-only checkpoint (TSPTrainer's) does not load as weights;
+    # framework metadata torch.load(weights_only=True) refuses (Lightning's) is read only on request
+    opt_only, pickled = os.path.join(root, "opt_only"), os.path.join(root, "pickled")
+    tsp_core.save_checkpoint(opt_only, model, [opt], model_state=False)
+    expect(ValueError, r"holds optimizer state only \(saved with model_state=False\)",
+           lambda: tsp_core.load_checkpoint(opt_only, model, opt))
+    tsp_core.save_checkpoint(pickled, model, extra_weights_only=False, meta=Fraction(1, 3))
+    expect(ValueError, r"saved with extra_weights_only=False and do not load with weights_only=True",
+           lambda: tsp_core.load_checkpoint(pickled, model))
     after = {k: v.to_local() for k, v in model.state_dict().items()}
     assert all(torch.equal(before[k], after[k]) for k in before), "a failed load changed the model"
     after_opt = opt.state_dict()
@@ -151,6 +177,8 @@ def failures(root: str) -> list[str]:
                                after_opt["state"][i][k].to_local()
                                if hasattr(after_opt["state"][i][k], "to_local")
                                else after_opt["state"][i][k]) for k in s)
+    assert tsp_core.load_checkpoint(pickled, model, weights_only=False) == {"meta": Fraction(1, 3)}
+    assert tsp_core.load_checkpoint(opt_only, model, opt, model_state=False) == {}
     assert tsp_core.load_checkpoint(good, model, opt) == {"step": 1}
     dist.barrier()
     return msgs

@@ -1,10 +1,10 @@
 """Sharded training checkpoints that load at any TSP degree (torch.distributed.checkpoint).
 
-A TSP parameter's DTensor describes this rank's *local* layout: vocabulary rows padded to a
-multiple of D, and with fewer KV heads than ranks, one KV head copied on several ranks. Saved as
-they are, such DTensors would only load back at the same degree. Here every parameter and every
-optimizer tensor of its shape is written under its Hugging Face name with its Hugging Face shape,
-as the chunks this rank really owns (padding dropped, each KV-head copy written once). DCP then
+A TSP parameter's DTensor describes this rank's *local* layout: vocabulary rows (and key/value
+rows, when there are fewer KV heads than ranks) padded to a multiple of D. Saved as they are, such
+DTensors would only load back at the same degree. Here every parameter and every optimizer tensor
+of its shape is written under its Hugging Face name with its Hugging Face shape, as the chunks this
+rank really owns (padding dropped). DCP then
 reads whatever slices the loading model needs, at another degree or into a plain Hugging Face
 model. Format and guarantees: docs/checkpointing.md.
 
@@ -18,8 +18,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -27,11 +28,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import comm
 from .checkpoint import _sharded_modules
-from .params import local
+from .params import TensorSource, assemble_full, chunk_spec, local, read_local
 
 MARKER = "tsp_checkpoint.json"
 EXTRA = "extra.pt"
@@ -40,13 +41,6 @@ VERSION = 1
 
 
 # ----------------------------------------------------------- layouts: local <-> checkpoint
-
-def _chunked(full_len: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, length) of chunk ``index`` of ``parts`` under DTensor's uneven Shard rule."""
-    per = -(-full_len // parts)
-    start = min(per * index, full_len)
-    return start, max(0, min(per, full_len - start))
-
 
 class _Layout:
     """How one sharded parameter's local tensor maps onto its Hugging Face-shaped tensor."""
@@ -58,30 +52,16 @@ class _Layout:
         self.dim = specs[0].dim
         self.full_shape = tuple(module.full_shapes[name])
         self.spec = specs[mesh.rank]
-        starts = sorted({s.start for s in specs})
-        chunks = len(starts)
         full_len = self.full_shape[self.dim]
-        copies = d // chunks
-        ok = d % chunks == 0 and all(
-            (s.start, s.length) == _chunked(full_len, chunks, r // copies) for r, s in enumerate(specs))
-        if not ok:  # a new layout must be described here before it can be checkpointed
+        if any((s.start, s.length) != (c.start, c.length) for s, c in
+               zip(specs, (chunk_spec(full_len, r, d, self.dim) for r in range(d)))):
+            # a new layout must be described here before it can be checkpointed
             raise NotImplementedError(f"{type(module).__name__}.{name}: shard layout "
                                       f"{[(s.start, s.length) for s in specs]} is not one DCP can "
-                                      f"describe (equal chunks, optionally copied on consecutive ranks)")
-        dm = mesh.device_mesh
-        names = list(dm.mesh_dim_names)
-        i = names.index(mesh.dim)
-        if copies == 1:
-            self.mesh = dm
-            self.placements = [Shard(self.dim) if n == mesh.dim else Replicate() for n in names]
-        else:  # KV heads copied on `copies` consecutive ranks: split the TSP dim in two
-            shape = list(dm.mesh.shape)
-            shape[i:i + 1] = [chunks, copies]
-            names[i:i + 1] = [f"{mesh.dim}_chunks", f"{mesh.dim}_copies"]
-            self.mesh = DeviceMesh(dm.device_type, dm.mesh.reshape(shape), mesh_dim_names=tuple(names),
-                                   _init_backend=False)
-            self.placements = [Replicate()] * len(names)
-            self.placements[i] = Shard(self.dim)
+                                      f"describe (DTensor's chunks of dim {self.dim}, in rank order)")
+        self.mesh = mesh.device_mesh
+        self.placements = [Shard(self.dim) if n == mesh.dim else Replicate()
+                           for n in self.mesh.mesh_dim_names]
 
     def export(self, t: torch.Tensor) -> DTensor:
         """Checkpoint view of a local tensor in this parameter's layout (shares its storage)."""
@@ -89,6 +69,13 @@ class _Layout:
         return DTensor.from_local(own, self.mesh, self.placements, run_check=False,
                                   shape=torch.Size(self.full_shape),
                                   stride=torch.empty(self.full_shape, device="meta").stride())
+
+
+def _tsp_mesh(model: nn.Module):
+    """The TSP mesh of the first TSP module inside ``model`` (a TSP model, or a container such as a
+    LightningModule holding one); None for a plain model."""
+    sharded = _sharded_modules(model)
+    return sharded[0][1].mesh if sharded else None
 
 
 def _layouts(model: nn.Module) -> dict[str, _Layout]:
@@ -159,28 +146,53 @@ def _base_class(model: nn.Module) -> str:
     return (mro[mro.index(TSPCausalLM) + 1] if isinstance(model, TSPCausalLM) else mro[0]).__name__
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> str:
+Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None
+
+
+def _optimizers(optimizer: Optimizers):
+    """One optimizer, or a list of them (torch.distributed.checkpoint.state_dict keys their state
+    by parameter name, so several optimizers over one model share one ``optimizer`` entry)."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    optimizers = list(optimizer)
+    return optimizers or None
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers = None, *,
+                    model_state: bool = True, extra_weights_only: bool = True, **extra: Any) -> str:
     """Write model (and optimizer) state to the directory ``path`` with torch.distributed.checkpoint,
     every tensor under its Hugging Face name and shape, so it loads at any TSP degree or into a
     plain model. ``extra`` (a step, scheduler state, RNG state...: anything ``torch.save`` takes,
     taken from global rank 0) comes back from :func:`load_checkpoint`. Every rank must call it.
     The directory appears atomically, complete; an existing one is replaced only then. Needs a
-    filesystem every rank sees."""
+    filesystem every rank sees.
+
+    ``model`` may also be a module holding a TSP model (a LightningModule): names are then
+    ``model.state_dict()``'s. ``optimizer``: one optimizer or a list. Adapter hooks:
+    ``model_state=False`` writes only the optimizer (the weights are saved elsewhere, e.g. the
+    Trainer's ``model.safetensors``); ``extra_weights_only=False`` accepts any picklable ``extra``
+    (a framework's own metadata), which then loads only with ``weights_only=False``."""
+    optimizer = _optimizers(optimizer)
+    if not model_state and optimizer is None:
+        raise ValueError("save_checkpoint with model_state=False needs an optimizer to save")
     path = os.path.abspath(os.fspath(path))
     tmp = path + ".partial"
     buf = io.BytesIO()
     try:  # fails here, on every rank alike, before anything is written
         torch.save(extra, buf)
-        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        if extra_weights_only:
+            torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:
-        raise ValueError(f"save_checkpoint extra values {sorted(extra)} must be tensors, numbers, "
-                         f"strings, lists, tuples or dicts of those (torch.load weights_only); "
+        kinds = ("tensors, numbers, strings, lists, tuples or dicts of those (torch.load "
+                 "weights_only)") if extra_weights_only else "picklable"
+        raise ValueError(f"save_checkpoint extra values {sorted(extra)} must be {kinds}; "
                          f"{type(e).__name__}: {e}") from e
-    mesh = getattr(model, "_tsp_mesh", None)
+    mesh = _tsp_mesh(model)
     model_sd = model.state_dict()
-    layouts = _layouts(model) if mesh is not None else {}
-    state: dict[str, Any] = {"model": {k: _export(layouts, k, v) for k, v in model_sd.items()}}
+    layouts = _layouts(model)
+    state: dict[str, Any] = {}
+    if model_state:
+        state["model"] = {k: _export(layouts, k, v) for k, v in model_sd.items()}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer)
         state["optimizer"] = _map_optimizer(osd, _optimizer_fn(layouts, model_sd, _export))
@@ -195,7 +207,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
                   "tsp_size": mesh.size if mesh else None,
                   "dp_size": mesh.dp_size if mesh else None,
                   "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                  "optimizer": optimizer is not None, "extra": sorted(extra),
+                  "model": model_state, "optimizer": optimizer is not None,
+                  "extra": sorted(extra), "extra_weights_only": extra_weights_only,
                   "step": extra["step"] if isinstance(extra.get("step"), int) else None}
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
@@ -244,7 +257,8 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     return max(found)[2] if found else None
 
 
-def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Module) -> None:
+def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Module,
+                   model_state: bool = True) -> None:
     """Every tensor the load needs exists in the checkpoint with the same shape (checked from the
     metadata on every rank alike, before anything is read or changed)."""
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -255,7 +269,7 @@ def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Mo
             missing.append(key)
         elif saved[key] != tuple(t.shape):
             problems.append(f"{key} has shape {saved[key]} in the checkpoint, {tuple(t.shape)} here")
-    unexpected = sorted(k[len("model."):] for k in saved if k.startswith("model.")
+    unexpected = sorted(k[len("model."):] for k in saved if model_state and k.startswith("model.")
                         and k not in target)
     if problems or missing or unexpected:
         parts = problems[:3] + ([f"{len(problems) - 3} more shape differences"] if len(problems) > 3
@@ -269,27 +283,44 @@ def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Mo
                          "was saved from (same config); nothing was changed")
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def _read_extra(path: str, weights_only: bool) -> dict[str, Any]:
+    try:
+        return torch.load(os.path.join(path, EXTRA), weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path}: its extra values were saved with extra_weights_only=False and "
+                         f"do not load with weights_only=True; pass weights_only=False if you "
+                         f"trust the file. Nothing was changed. ({e})") from e
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers = None, *,
+                    model_state: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """Load a :func:`save_checkpoint` directory into ``model`` (a TSP model at any degree, or a
     plain model) and ``optimizer``; returns the ``extra`` values. Every rank must call it. Names
     and shapes are checked on every rank before anything is read, so a checkpoint of another
-    model raises everywhere and leaves model and optimizer untouched."""
+    model raises everywhere and leaves model and optimizer untouched. ``model_state=False`` loads
+    only the optimizer (``model`` still names its parameters); ``weights_only`` is how the extra
+    values are read (``torch.load``)."""
     path = os.path.abspath(os.fspath(path))
     marker = read_marker(path)
+    optimizer = _optimizers(optimizer)
     if marker.get("format") != FORMAT:
         raise ValueError(f"{path}: format {marker.get('format')!r}, expected {FORMAT!r}")
     if optimizer is not None and not marker.get("optimizer"):
         raise ValueError(f"{path} was saved without optimizer state; pass optimizer=None (and "
                          f"start the optimizer fresh) or load a checkpoint saved with one")
-    mesh = getattr(model, "_tsp_mesh", None)
-    layouts = _layouts(model) if mesh is not None else {}
+    if model_state and not marker.get("model", True):
+        raise ValueError(f"{path} holds optimizer state only (saved with model_state=False); load "
+                         f"the weights from where they were saved and pass model_state=False")
+    extra = _read_extra(path, weights_only)
+    layouts = _layouts(model)
     model_sd = model.state_dict()
-    state: dict[str, Any] = {"model": {}}
+    state: dict[str, Any] = {}
     finish: dict[str, Callable[[], torch.Tensor]] = {}
-    for k, v in model_sd.items():
-        state["model"][k], finish[k] = _fresh(layouts, k, v)
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    if model_state:
+        state["model"] = {}
+        for k, v in model_sd.items():
+            state["model"][k], finish[k] = _fresh(layouts, k, v)
+    flat = {f"model.{k}": v for k, v in state.get("model", {}).items()}
     opt_finish: dict[tuple[str, str], Callable[[], torch.Tensor]] = {}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer)
@@ -304,10 +335,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                     flat[f"optimizer.state.{fqn}.{k}"] = target
                 else:
                     state["optimizer"]["state"][fqn][k] = v
-    _check_against(path, flat, marker, model)
+    _check_against(path, flat, marker, model, model_state)
     dcp.load(state, checkpoint_id=path)
     with torch.no_grad():
-        for k, v in model_sd.items():
+        for k, v in model_sd.items() if model_state else ():
             loaded = finish[k]()
             local(v).copy_(local(loaded))
     if optimizer is not None:
@@ -316,4 +347,87 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                                for k, v in s.items()}
                          for fqn, s in state["optimizer"]["state"].items()}}
         set_optimizer_state_dict(model, optimizer, osd)
-    return torch.load(os.path.join(path, EXTRA), weights_only=True)
+    return extra
+
+
+# ------------------------------------------- one-file (consolidated) optimizer state, for adapters
+
+def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """id(parameter) -> (its TSP module, its name there), for every sharded or replicated TSP
+    parameter."""
+    return {id(p): (m, name) for _, m in _sharded_modules(model) for name, p in m.named_parameters()}
+
+
+def _opt_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters in ``optimizer.state_dict()``'s index order."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                              rank0_only: bool = False) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (keyed by parameter index, as a plain optimizer writes it) with
+    every per-parameter tensor gathered to the Hugging Face shape of its parameter, so the same
+    optimizer built over the unmodified model loads it. The counterpart of
+    :func:`tsp_core.full_state_dict` for a one-file checkpoint; every rank must call it (it
+    gathers); with ``rank0_only`` the other ranks get an empty dict."""
+    owners = _owners(model)
+    sd = optimizer.state_dict()
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    state: dict[int, dict[str, Any]] = {}
+    for i, p in enumerate(_opt_params(optimizer)):  # the same order on every rank
+        if i not in sd["state"]:
+            continue
+        owner = owners.get(id(p))
+        state[i] = {}
+        for k, v in sd["state"][i].items():
+            if isinstance(v, DTensor) and owner is not None and v.shape == p.shape:
+                m, name = owner
+                specs = [m.shard_spec(name, r) for r in range(m.mesh.size)]
+                part = v.to_local().detach()
+                if specs[0].dim is None:
+                    v = part.clone()
+                else:
+                    gathered = part.new_empty((m.mesh.size, *part.shape))
+                    comm.all_gather(gathered, part.contiguous(), m.mesh.group)
+                    v = assemble_full(torch.cat(gathered.unbind(0), dim=specs[0].dim), specs,
+                                      m.full_shapes[name][specs[0].dim])
+            elif isinstance(v, DTensor):
+                raise NotImplementedError(f"optimizer state {k!r} of parameter {i} is a DTensor of "
+                                          f"shape {tuple(v.shape)}, not its parameter's "
+                                          f"{tuple(p.shape)}: no layout to gather it with")
+            if keep:  # other ranks only take part in the gathers: one tensor at a time
+                state[i][k] = v
+    if not keep:
+        return {}
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   state_dict: dict[str, Any]) -> None:
+    """Load a :func:`full_optimizer_state_dict` (or a plain optimizer's ``state_dict()`` of the
+    unmodified model) into the optimizer of a TSP model at any degree: each rank keeps its slices.
+    Shapes are checked before anything changes."""
+    owners = _owners(model)
+    params = _opt_params(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for i, s in state_dict["state"].items():
+        if int(i) >= len(params):
+            raise ValueError(f"optimizer state for parameter {i}, but the optimizer has "
+                             f"{len(params)} parameters: the checkpoint is of another model")
+        p = params[int(i)]
+        owner = owners.get(id(p))
+        state[i] = {}
+        for k, v in s.items():
+            if owner is not None and torch.is_tensor(v) and v.dim() > 0:
+                m, name = owner
+                full = tuple(m.full_shapes[name])
+                if tuple(v.shape) != full:
+                    raise ValueError(f"optimizer state {k!r} of {name} (parameter {i}) has shape "
+                                     f"{tuple(v.shape)} in the checkpoint, {full} in the model: "
+                                     f"the checkpoint is of another model; nothing was changed")
+                part = read_local(TensorSource({name: v}), name, m.shard_spec(name, m.mesh.rank))
+                v = DTensor.from_local(part.to(local(p).device, p.dtype), p.device_mesh,
+                                       p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride())
+            state[i][k] = v
+    optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

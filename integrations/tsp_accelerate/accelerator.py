@@ -12,9 +12,12 @@
   parameters are pointed at the converted ones, matched by name), lets it shard full-sequence
   batches itself, and leaves the data-parallel gradient sum to ``tsp_core`` (Accelerate does none
   with ``tp`` and no FSDP2). Every rank of a TSP group gets the same batches from Accelerate.
-- ``save_state`` / ``load_state`` write and read model and optimizer through
-  torch.distributed.checkpoint (Accelerate's own ``optimizer.bin`` comes from rank 0 only and
-  cannot hold sharded Adam state), plus schedulers, the step and every rank's RNG state.
+- ``save_state`` / ``load_state`` write and read each model with its optimizers through
+  :func:`tsp_core.save_checkpoint` (``<dir>/tsp_model``: Hugging Face names and shapes, so a state
+  saved at one TSP degree and data-parallel size resumes at another, or into the unmodified
+  model); Accelerate's own code writes everything else as usual (schedulers, samplers, scaler,
+  ``step``, each rank's RNG state, registered objects, automatic checkpoint naming). Accelerate's
+  ``optimizer.bin`` would come from rank 0 only and cannot hold sharded Adam state.
 
 DeepSpeed (``accelerate launch --use_deepspeed``; a ``DeepSpeedPlugin`` too, untested): Accelerate calls
 ``deepspeed.initialize`` itself, with no mpu; ``prepare()`` sends that call through
@@ -36,23 +39,18 @@ on CPU with gloo.
 from __future__ import annotations
 
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator, ParallelismConfig
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, recursively_apply
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 
 import tsp_core
+from tsp_core.logits import gather_data_parallel
 from tsp_core.mesh import TSPMesh, check_mesh_shape
 from tsp_core.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
@@ -80,6 +78,32 @@ def _tsp_size(tsp_size: int | str | None, config: ParallelismConfig | None,
             return TSPChoice(launched, f"--parallelism_config_tp_size {launched}")
     n = _local_processes()
     return TSPChoice(n, f"tsp_size unset: every process of a node ({n})")
+
+
+def _model_dir(i: int) -> str:
+    """Where ``save_state`` writes model ``i`` and its optimizers (a tsp_core checkpoint)."""
+    return "tsp_model" if i == 0 else f"tsp_model_{i}"
+
+
+class _DataParallelScheduler(AcceleratedScheduler):
+    """``AcceleratedScheduler`` stepping once per data-parallel replica per optimizer step.
+    Accelerate steps a prepared scheduler once per process (each process adds a batch); the
+    ranks of a TSP group share one batch, so only ``dp`` batches were consumed. Without this an LR
+    schedule at TSP degree D ran D times too fast, unlike one process."""
+
+    dp: int = 1
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.split_batches or not self.step_with_optimizer or not self.gradient_state.sync_gradients:
+            return super().step(*args, **kwargs)  # one step, or none: as Accelerate does
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        for _ in range(self.dp):  # Accelerate's loop, with dp where it has num_processes
+            if hasattr(self.scheduler, "total_steps"):
+                if self.scheduler._step_count <= self.scheduler.total_steps:
+                    self.scheduler.step(*args, **kwargs)
+            else:
+                self.scheduler.step(*args, **kwargs)
 
 
 def _uses_deepspeed(kwargs: dict) -> bool:
@@ -129,6 +153,13 @@ class TSPAccelerator(Accelerator):
             # same batches (it is where DeepSpeed's AutoTP mesh goes)
             mesh = init_device_mesh(self.device.type, (dp, size), mesh_dim_names=("dp", "tp"))
             self.state.ds_device_mesh = mesh
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() != size:
+            # AcceleratorState is one per process: a second accelerator keeps the first's mesh
+            raise ValueError(f"this process already has an Accelerator whose tp axis has "
+                             f"{mesh['tp'].size()} ranks; a TSPAccelerator with tsp_size {size} "
+                             f"cannot change it (Accelerate keeps one AcceleratorState per "
+                             f"process): reuse the first accelerator, or call "
+                             f"AcceleratorState._reset_state(True) before creating this one")
         if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
             self.tsp_mesh = TSPMesh.from_device_mesh(mesh, "tp", layout)
         else:  # one process: Accelerate builds no mesh
@@ -163,52 +194,106 @@ class TSPAccelerator(Accelerator):
                 return super().prepare(*args, device_placement=device_placement)
         return super().prepare(*args, device_placement=device_placement)
 
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """One copy per data-parallel replica: the ranks of a TSP group hold the same losses,
+        logits and labels (from ``tsp_core.full_logits``), so Accelerate's gather over the whole
+        world would take each D times. Then Accelerate's rule: the final batch keeps the
+        dataset's remainder. (``gather`` stays Accelerate's: every rank's copy.)"""
+        if use_gather_object:
+            raise ValueError("TSPAccelerator.gather_for_metrics gathers tensors (one copy per "
+                             "data-parallel replica); gather Python objects with "
+                             "accelerate.utils.gather_object over the data-parallel ranks yourself")
+        data = recursively_apply(lambda t: gather_data_parallel(t, self.tsp_mesh), input_data,
+                                 error_on_other_type=True)
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda t: t[:state.remainder], data)
+        return data
+
+    def prepare_scheduler(self, scheduler):
+        """Accelerate's, stepping once per data-parallel replica (:class:`_DataParallelScheduler`)."""
+        prepared = super().prepare_scheduler(scheduler)
+        if type(prepared) is AcceleratedScheduler:
+            prepared.__class__ = _DataParallelScheduler
+            prepared.dp = self.tsp_mesh.dp_size
+        return prepared
+
     # ------------------------------------------------------------------ checkpoints
-    def _pairs(self) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]:
+    def _checkpoint_pairs(self) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
+        """(model, its optimizers) as ``save_state`` writes them: one model takes every optimizer;
+        several models are paired with optimizers by position."""
         models = [self.unwrap_model(m) for m in self._models]
         optims = [getattr(o, "optimizer", o) for o in self._optimizers]
-        return [(m, optims[i] if i < len(optims) else None) for i, m in enumerate(models)]
+        if len(models) == 1:
+            return [(models[0], optims)]
+        if optims and len(optims) != len(models):
+            raise ValueError(f"TSPAccelerator.save_state/load_state pairs optimizers with models by "
+                             f"position: {len(models)} models and {len(optims)} optimizers were "
+                             f"prepared; prepare one optimizer per model (or a single model)")
+        return [(m, optims[i:i + 1]) for i, m in enumerate(models)]
 
-    def save_state(self, output_dir: str | None = None, **kwargs: Any) -> str:
+    @contextmanager
+    def _through_tsp_core(self, hook_name: str, hook: Callable[..., None]):
+        """Accelerate's own save_state/load_state with no models or optimizers and ``hook`` as its
+        only model-state pre-hook: it then handles the directory (automatic checkpoint naming,
+        ``total_limit``), schedulers, samplers, the gradient scaler, ``step``, RNG states and
+        registered objects exactly as it always does, while ``hook`` writes or reads the models
+        and optimizers through tsp_core in the directory Accelerate resolved."""
+        saved = self._models, self._optimizers, getattr(self, hook_name)
+        self._models, self._optimizers = [], []
+        setattr(self, hook_name, {0: hook})
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = saved[0], saved[1]
+            setattr(self, hook_name, saved[2])
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any):
+        """Accelerate's ``save_state``, with each model and its optimizers written by
+        :func:`tsp_core.save_checkpoint` to ``<dir>/tsp_model`` (``tsp_model_<i>`` for a further
+        model): Hugging Face names and shapes, so the state resumes at any TSP degree and
+        data-parallel size, or into the unmodified model (``tsp_core.load_checkpoint``).
+        Registered save-state pre-hooks see the models and their state dicts as usual; models
+        whose entry a hook removes are not written."""
         if self.distributed_type == DistributedType.DEEPSPEED:  # every rank writes its shards
-            return super().save_state(output_dir, **kwargs)
-        if output_dir is None:
-            raise ValueError("TSPAccelerator.save_state needs an output_dir")
-        state: dict[str, Any] = {}
-        for i, (model, opt) in enumerate(self._pairs()):
-            state[f"model_{i}"] = get_model_state_dict(model)
-            if opt is not None:
-                state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt)
-        dcp.save(state, checkpoint_id=os.path.join(output_dir, "dcp"))
-        extra = {"step": self.step, "schedulers": [s.state_dict() for s in self._schedulers]}
-        if self.is_main_process:
-            torch.save(extra, os.path.join(output_dir, "accelerator_state.pt"))
-        torch.save({"torch": torch.get_rng_state()},
-                   os.path.join(output_dir, f"rng_state_{self.process_index}.pt"))
-        self.wait_for_everyone()
-        return output_dir
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        pairs, models = self._checkpoint_pairs(), list(self._models)
+        user_hooks = list(self._save_model_state_pre_hook.values())
 
-    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        def write(_models: list, _weights: list, directory: str) -> None:
+            weights = [model.state_dict() for model, _ in pairs]
+            for user_hook in user_hooks:
+                user_hook(models, weights, directory)
+            for i, (model, optims) in enumerate(pairs[:len(weights)]):
+                tsp_core.save_checkpoint(os.path.join(directory, _model_dir(i)), model, optims,
+                                         step=self.step)
+
+        with self._through_tsp_core("_save_model_state_pre_hook", write):
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """Accelerate's ``load_state`` for a :meth:`save_state` directory written at any TSP
+        degree and data-parallel size. ``step`` comes back on every rank (Accelerate reads it from
+        each rank's RNG file, which ranks beyond the saving world size do not have; they keep
+        their RNG state, as in Accelerate)."""
         if self.distributed_type == DistributedType.DEEPSPEED:
-            return super().load_state(input_dir, **kwargs)
-        if input_dir is None:
-            raise ValueError("TSPAccelerator.load_state needs an input_dir")
-        pairs = self._pairs()
-        state: dict[str, Any] = {}
-        for i, (model, opt) in enumerate(pairs):
-            state[f"model_{i}"] = get_model_state_dict(model)
-            if opt is not None:
-                state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt)
-        dcp.load(state, checkpoint_id=os.path.join(input_dir, "dcp"))
-        for i, (model, opt) in enumerate(pairs):
-            set_model_state_dict(model, state[f"model_{i}"])
-            if opt is not None:
-                set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"])
-        extra = torch.load(os.path.join(input_dir, "accelerator_state.pt"), weights_only=False)
-        self.step = extra["step"]
-        for sched, sd in zip(self._schedulers, extra["schedulers"]):
-            sched.load_state_dict(sd)
-        rng = torch.load(os.path.join(input_dir, f"rng_state_{self.process_index}.pt"))
-        torch.set_rng_state(rng["torch"])
-        if dist.is_initialized():
-            self.wait_for_everyone()
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        pairs, models = self._checkpoint_pairs(), list(self._models)
+        user_hooks = list(self._load_model_state_pre_hook.values())
+        step: list[int] = []
+
+        def read(_models: list, directory: str) -> None:
+            for user_hook in user_hooks:  # a hook that loads a model itself removes it from models
+                user_hook(models, directory)
+            for i, (model, optims) in enumerate(pairs):
+                if any(self.unwrap_model(m) is model for m in models):
+                    extra = tsp_core.load_checkpoint(os.path.join(directory, _model_dir(i)),
+                                                     model, optims)
+                    step.append(extra["step"])
+
+        with self._through_tsp_core("_load_model_state_pre_hook", read):
+            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        if step:
+            self.step = step[0]

@@ -4,13 +4,15 @@ The strategy builds the mesh, converts the LightningModule's model (the ``model`
 set in ``__init__`` or ``configure_model``) unless the user already did, and shards every batch
 before the step sees it, so ``return self.model(**batch).loss`` works with or without TSP. The
 model's loss is the global mean (identical on every rank), so logged losses are true ones.
-Checkpoints are torch.distributed.checkpoint folders (the base class); :meth:`export_hf` writes a
+Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) load at any
+TSP degree and data-parallel size (``tsp_lightning.checkpoint``); :meth:`export_hf` writes a
 consolidated Hugging Face checkpoint.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
@@ -21,6 +23,7 @@ from torch.distributed.constants import default_pg_timeout
 
 import tsp_core
 
+from . import checkpoint as ckpt
 from .common import SUPPORTED_PRECISIONS, TSPMeshMixin, parallelize_target, shard
 
 __all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
@@ -33,7 +36,9 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     for the smallest degree inside a node that fits in memory (``tsp_core.plan.auto``: the
     sequence length from ``tsp_seq_len``, ``TSP_SEQ_LEN`` or the model's max_position_embeddings;
     the model's config from the LightningModule's ``model`` set in ``__init__``). Data parallel
-    takes the rest."""
+    takes the rest. ``save_distributed_checkpoint``: True writes a reshardable sharded directory,
+    False one file with full Hugging Face-shaped weights and optimizer state that any strategy
+    loads (``tsp_lightning.checkpoint``)."""
 
     strategy_name = "tsp"
 
@@ -80,3 +85,44 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
         model to ``path``; every rank must call it, rank 0 writes."""
         tsp_core.save_pretrained(parallelize_target(self.lightning_module, self.tsp_mesh), path)
         self.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty: :meth:`save_checkpoint` writes the weights from the model itself."""
+        return {}
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Empty: :meth:`save_checkpoint` writes the optimizer states from the optimizers."""
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath,
+                        storage_options: Any = None) -> None:
+        """Lightning's checkpoint dict with the weights and, unless it was dumped weights-only,
+        the optimizer states of the live model and optimizers, in a format every TSP degree and a
+        plain model load (module docstring of ``tsp_lightning.checkpoint``)."""
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is "
+                            f"not supported: the TSP strategy does not use a `CheckpointIO`")
+        path = Path(self.broadcast(filepath))
+        with_optimizers = "optimizer_states" in checkpoint
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        optimizers = list(self.optimizers) if with_optimizers else []
+        if self._save_distributed_checkpoint:
+            ckpt.save_reshardable(path, self.lightning_module, optimizers, meta)
+        else:
+            ckpt.save_one_file(path, self.lightning_module, optimizers, lambda sd, osds: {
+                **meta, "state_dict": sd, **({"optimizer_states": osds} if with_optimizers else {})})
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Either format at any degree (into the optimizers when fitting); an older local-layout
+        folder through the base class (the degree that wrote it only)."""
+        path = Path(self.broadcast(checkpoint_path))
+        module, optimizers = self.lightning_module, list(self.optimizers)
+        if ckpt.is_reshardable(path):
+            return ckpt.load_reshardable(path, module, optimizers, weights_only)
+        if path.is_file():
+            loaded = ckpt.read_one_file(path, weights_only)
+            ckpt.load_one_file(module, loaded.pop("state_dict"), optimizers,
+                               loaded.pop("optimizer_states", None), path)
+            return loaded
+        return super().load_checkpoint(checkpoint_path, weights_only)

@@ -4,7 +4,9 @@ one argument (``tsp_size``, also ``--tsp_size`` through ``HfArgumentParser``).
 The Trainer's model is converted before the Trainer sees it; its Accelerator is a
 :class:`tsp_accelerate.TSPAccelerator` (so every rank of a TSP group gets the same batches and no
 DDP wraps the model); batches are sharded by the model itself. Saving writes an ordinary Hugging
-Face checkpoint plus the optimizer through torch.distributed.checkpoint; resuming reads both back.
+Face checkpoint plus the optimizer as a ``tsp_core.save_checkpoint`` directory (Hugging Face
+names and shapes), so a run resumes at any TSP degree and data-parallel size; resuming and
+``load_best_model_at_end`` read the weights shard-on-read from ``model.safetensors``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tsp_accelerate import TSPAccelerator
 import tsp_core
 from tsp_core.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
+from tsp_core.resharding import MARKER as RESHARDABLE_MARKER
 
 OPTIMIZER_DIR = "optimizer_dcp"
 SCHEDULER_NAME = "scheduler.pt"
@@ -94,6 +97,7 @@ class TSPTrainer(Trainer):
                 kw.pop("parallelism_config", None)
                 super().__init__(*a, tsp_size=tsp_size, **kw)
 
+
         original = hf_trainer.Accelerator  # the Trainer builds its accelerator from this name
         hf_trainer.Accelerator = _Accelerator
         try:
@@ -113,6 +117,47 @@ class TSPTrainer(Trainer):
             loss = loss / (self.accelerator.num_processes // self.get_tp_size())
         return (loss, out[1]) if return_outputs else loss
 
+    # ------------------------------------------------------------------ evaluation
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The Trainer's step with TSP: the loss alone goes the Trainer's own way (no logits are
+        computed or gathered); with metrics, ``tsp_core.full_logits`` gives every rank the
+        logits of the whole sequence in the original order (what the model returns on one
+        process), which the Trainer then gathers over data parallel only."""
+        if not self._tsp:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._ignore_repeated_rows(inputs)
+        if prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        names = self.label_names
+        has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
+        extra = {}
+        if has_labels and self.model_accepts_loss_kwargs:
+            extra["num_items_in_batch"] = self._get_num_items_in_batch([inputs], self.args.device)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            out = tsp_core.full_logits(model, inputs, **extra)
+        if not has_labels:
+            return None, out.logits, None
+        labels = tuple(inputs[k] for k in names)
+        return out.loss.detach(), out.logits, labels[0] if len(labels) == 1 else labels
+
+    def _ignore_repeated_rows(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """With data parallel, Accelerate fills the final uneven eval batch with rows repeated
+        from the start (every replica steps together) and ``gather_for_metrics`` drops them
+        from what it gathers. The TSP loss is one mean over the whole mesh, so their labels are
+        ignored here too: ``eval_loss`` counts each row once, as on one process."""
+        state = self.accelerator.gradient_state
+        labels = inputs.get("labels")
+        if labels is None or not state.end_of_dataloader or state.remainder <= 0:
+            return inputs
+        data_rank = self.accelerator.process_index // self.tsp_choice.size
+        real = min(labels.shape[0], max(0, state.remainder - data_rank * labels.shape[0]))
+        if real == labels.shape[0]:
+            return inputs
+        labels = labels.clone()
+        labels[real:] = -100
+        return {**inputs, "labels": labels}
+
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not self._tsp:
@@ -128,19 +173,45 @@ class TSPTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._tsp:
             return super()._save_optimizer_and_scheduler(output_dir)
-        state = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.save({"optimizer": state}, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        # the weights are in model.safetensors already: the optimizer alone, reshardable
+        tsp_core.save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), self.model,
+                                 self.optimizer, model_state=False)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self._tsp or checkpoint is None:
+        """A TSP checkpoint's optimizer state at any TSP degree and data-parallel size, into
+        TSPTrainer or (tsp_size 1) the plain Trainer's optimizer; the plain Trainer's own files
+        as the Trainer reads them."""
+        tsp_state = checkpoint is not None and os.path.isfile(
+            os.path.join(checkpoint, OPTIMIZER_DIR, RESHARDABLE_MARKER))
+        if not tsp_state and (not self._tsp or checkpoint is None):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.load(state, checkpoint_id=os.path.join(checkpoint, OPTIMIZER_DIR))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if tsp_state:
+            tsp_core.load_checkpoint(os.path.join(checkpoint, OPTIMIZER_DIR), self.model,
+                                     self.optimizer, model_state=False)
+        elif os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR)):  # older: local, same degree
+            state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint, OPTIMIZER_DIR))
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        elif os.path.isfile(os.path.join(checkpoint, hf_trainer.OPTIMIZER_NAME)):
+            raise ValueError(f"{checkpoint} was written by the plain Trainer (its "
+                             f"{hf_trainer.OPTIMIZER_NAME} holds the optimizer state of the "
+                             f"unmodified model): TSPTrainer resumes from its own checkpoints; "
+                             f"start from the weights alone with model_init or from_pretrained")
+        else:
+            return  # no optimizer state (save_only_model): as the Trainer, nothing to load
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=False))
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's ``model.safetensors``, each rank reading its own slices (the
+        Trainer's own ``load_state_dict`` of the full tensors does not fit sharded parameters)."""
+        if not self._tsp:
+            return super()._load_best_model()
+        hf_trainer.logger.info(f"Loading best model from {self.state.best_model_checkpoint} "
+                               f"(score: {self.state.best_metric}).")
+        tsp_core.load_full_state_dict(self.model, self.state.best_model_checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self._tsp:
