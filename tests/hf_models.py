@@ -11,7 +11,9 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 
 
-def build(family: str, dtype: torch.dtype, seed: int = 0):
+def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):
+    """``kv_heads``: num_key_value_heads instead of COMMON's 2 (1 = MQA: at tsp 2 and 4 each
+    key/value head is split over several ranks)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -22,15 +24,16 @@ def build(family: str, dtype: torch.dtype, seed: int = 0):
     )
 
     torch.manual_seed(seed)
+    common = COMMON if kv_heads is None else {**COMMON, "num_key_value_heads": kv_heads}
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, **COMMON))
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, **common))
     elif family == "llama-tied":   # tied embeddings, a vocabulary that needs padding at D = 2, 4
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=101, tie_word_embeddings=True, **COMMON))
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=101, tie_word_embeddings=True, **common))
     elif family == "mistral":      # sliding window smaller than the test sequences
-        model = MistralForCausalLM(MistralConfig(vocab_size=96, sliding_window=7, **COMMON))
+        model = MistralForCausalLM(MistralConfig(vocab_size=96, sliding_window=7, **common))
     elif family == "qwen2":        # q/k/v biases; layer 1 uses a sliding window
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, use_sliding_window=True,
-                                             sliding_window=9, max_window_layers=1, **COMMON))
+                                             sliding_window=9, max_window_layers=1, **common))
     else:
         raise ValueError(family)
     return model.to(dtype)
@@ -45,3 +48,66 @@ def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     logits = model(input_ids=ids).logits
     shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
     return F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients by Hugging Face name and full shape: a plain model's ``.grad``; of a TSP model
+    the gathered shards (every rank of the TSP group must call it; KV-head and vocabulary
+    padding dropped as in ``tsp_core.full_state_dict``)."""
+    from tsp_core.params import ShardedModule, local
+
+    out: dict[str, torch.Tensor] = {}
+    owned = set()
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, ShardedModule):
+            pre = f"{prefix}." if prefix else ""
+            owned |= {pre + n for n, _ in m.named_parameters()}
+            out.update({pre + n: g for n, g in m.full_tensors(grads=True).items()})
+    for name, p in model.named_parameters():
+        if name not in owned and p.grad is not None:
+            out[name] = local(p.grad).detach().clone()
+    return out
+
+
+def sgd_reference(model, batches: list[torch.Tensor], lr: float, clip: float | None) -> dict:
+    """The unmodified model on one process, one global batch per step: loss
+    (:func:`reference_loss`), gradient, ``torch.nn.utils.clip_grad_norm_`` at ``clip`` (None:
+    no clipping, the norm still measured), plain SGD (no momentum, no weight decay: the update
+    is lr times the clipped gradient, so a gradient of the wrong scale shows in the weights
+    unless clipping cancels it, and then in the norm). Returns the losses, the norms before
+    clipping, the first step's gradients (before clipping) and the final weights."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, norms, grads0 = [], [], None
+    for ids in batches:
+        loss = reference_loss(model, ids, ids)
+        loss.backward()
+        if grads0 is None:
+            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return dict(losses=losses, norms=norms, grads0=grads0, weights=weights)
+
+
+def assert_matches_reference(run: dict, ref: dict, tol: float, norm_tol: float | None = None,
+                             what: str = "", loss_tol: float | None = None) -> None:
+    """A TSP run's losses (relative, ``loss_tol``), norms before clipping (relative,
+    ``norm_tol``), first-step gradients and final weights (:func:`tests.reference.assert_close`,
+    ``tol``) against :func:`sgd_reference`'s; keys a run does not record are not compared."""
+    from .reference import assert_close
+
+    norm_tol = tol if norm_tol is None else norm_tol
+    loss_tol = tol if loss_tol is None else loss_tol
+    for key, t in (("losses", loss_tol), ("norms", norm_tol)):
+        if key in run:
+            assert len(run[key]) == len(ref[key]), f"{what}{key}: {run[key]} vs {ref[key]}"
+            for step, (a, b) in enumerate(zip(run[key], ref[key])):
+                assert abs(a - b) <= t * abs(b), f"{what}{key}, step {step}: {a} vs {b}"
+    for key in ("grads0", "weights"):
+        if key in run:
+            assert sorted(run[key]) == sorted(ref[key]), f"{what}{key}: names differ"
+            for name, t in ref[key].items():
+                assert_close(run[key][name], t, tol, f"{what}{key} {name}")

@@ -1,16 +1,19 @@
 """Accelerate: the example script with TSPAccelerator on 2 processes started by
 ``accelerate launch`` matches the unchanged script (plain Accelerator) on one process; inside the
-script, save_state / load_state must round-trip exactly (it exits non-zero otherwise)."""
+script, save_state / load_state must round-trip exactly (it exits non-zero otherwise). A script
+clipping with ``accelerator.clip_grad_norm_`` (tests/accelerate_job.py) matches one process in
+float64 with clipping active and plain SGD (norms, first gradients, losses, weights) at
+dp 2 x tsp 2 (TSP_SIZE from the launch environment) and tsp 4 with 1 and 2 key/value heads."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import torch
 
+from . import launch
 from .reference import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,10 +22,9 @@ EXIT_CLEANLY = os.path.join(ROOT, "tests", "exit_cleanly.py")
 
 
 def run(cmd: list[str], **extra_env: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **extra_env)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    """``cmd`` must end cleanly on every rank (``--num_processes``, else one)."""
+    ranks = int(cmd[cmd.index("--num_processes") + 1]) if "--num_processes" in cmd else 1
+    return launch.run(cmd, ranks, **extra_env).stdout
 
 
 def load(out: str):
@@ -53,13 +55,62 @@ def test_accelerate_launch_matches_one_process(tmp_path):
         assert_close(weights[name], t, 1e-4, name)
 
 
-def test_tsp_size_from_the_launch_environment_with_data_parallel(tmp_path):
-    # 4 processes, TSP_SIZE=2 in the launching environment: TSP degree 2 x data parallel 2
-    # (gradients summed over the data-parallel dim); the save_state / load_state round trip holds
+JOB = os.path.join(ROOT, "tests", "accelerate_job.py")
+
+
+def job_run(out: str, kv_heads: int) -> list[dict]:
+    """Every rank's losses and norms for one model; rank 0's with the weights and gradients."""
+    import glob
+
+    runs = []
+    for fn in sorted(glob.glob(os.path.join(out, "rank*.json"))):
+        with open(fn) as f:
+            res = json.load(f)
+        runs.append({key: res[key][str(kv_heads)] for key in ("losses", "norms")})
+    runs[0]["weights"] = torch.load(os.path.join(out, f"weights_kv{kv_heads}.pt"))
+    grads = os.path.join(out, f"grads0_kv{kv_heads}.pt")
+    if os.path.exists(grads):
+        runs[0]["grads0"] = torch.load(grads)
+    return runs
+
+
+def reference(kv_heads: int, rows_per_step: int, dtype=torch.float64, clip: float = 0.5,
+              steps: int = 4) -> dict:
+    """One process on the global batch of each step: the data-parallel replicas' batches of
+    accelerate_job's sequential loader, consecutive rows."""
+    from . import hf_models
+    from .accelerate_job import rows
+
+    data = rows(16)
+    batches = [data[rows_per_step * k: rows_per_step * (k + 1)] for k in range(steps)]
+    return hf_models.sgd_reference(hf_models.build("llama", dtype, kv_heads=kv_heads), batches,
+                                   lr=0.5, clip=clip)
+
+
+def test_data_parallel_and_tsp4_match_one_process(tmp_path):
+    # 4 processes started by accelerate launch, two runs: TSP_SIZE=2 from the launching
+    # environment (dp 2 x tsp 2: gradients summed over the data-parallel dim), 1 key/value head;
+    # then tsp_size=4 with one model of 1 and one of 2 key/value heads. float64, SGD at lr 0.5,
+    # clipping at 0.5 (norms 1.3-2.3: it acts at every step), so the weights check the
+    # gradients' directions and the norms their sizes; the first gradients are compared too.
+    from . import hf_models
+
+    sgd = "--dtype float64 --optimizer sgd --lr 0.5 --clip 0.5"
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "4", EXIT_CLEANLY,
-                  SCRIPT, "--out", str(tmp_path)], TSP_SIZE="2")
-    assert "processes 4, TSP degree 2" in stdout, stdout
+                  JOB, "--out", str(tmp_path), "--case", f"dp2 {sgd} --kv-heads 1",
+                  "--case", f"tsp4 {sgd} --tsp-size 4 --kv-heads 1,2"], TSP_SIZE="2")
+    assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 2" in stdout, stdout
+    assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 4" in stdout, stdout
+    cases = [("dp2", 1, reference(1, rows_per_step=4)), ("tsp4", 1, reference(1, rows_per_step=2)),
+             ("tsp4", 2, reference(2, rows_per_step=2))]
+    for name, kv, ref in cases:
+        assert min(ref["norms"]) > 0.5, ref["norms"]
+        runs = job_run(str(tmp_path / name), kv)
+        assert len(runs) == 4 and "grads0" in runs[0], name
+        for r, rank_run in enumerate(runs):
+            hf_models.assert_matches_reference(rank_run, ref, 1e-8, 1e-9,
+                                               what=f"{name}, {kv} kv heads, rank {r}: ")
 
 
 def test_packed_batches(tmp_path):

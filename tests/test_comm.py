@@ -68,20 +68,21 @@ def probe(tsp: int) -> dict:
 
 @pytest.mark.parametrize("tsp", [1, 2, 4])
 def test_collectives_exact(pool, tsp):
-    res = pool.run(probe, tsp)[0]
     D = tsp
-    if D == 1:
-        assert res["calls"] == {}, "a group of one rank must issue nothing"
-        return
-    f = (D - 1) / D
-    assert res["calls"] == {"broadcast": D, "reduce": D, "all_gather": 1, "reduce_scatter": 1,
-                            "ring_pass": 2, "all_to_all": 2, "all_reduce": 1}
-    seq_bytes = 2 * 4 * D * 8  # the gathered [1, 4D, 2] float64 tensor
-    a2a_bytes = max(sum(range(1, D + 1)), 1 * D) * 8  # rank 0 sends 1+..+D rows, receives D
-    assert res["bytes"] == pytest.approx({
-        "broadcast": D * f * 24, "reduce": D * f * 24, "all_gather": f * seq_bytes,
-        "reduce_scatter": f * seq_bytes, "ring_pass": 2 * 16, "all_to_all": 2 * f * a2a_bytes,
-        "all_reduce": 2 * f * 16})
+    for rank, res in enumerate(pool.run(probe, tsp)):  # every rank (TSP rank p = rank % D)
+        if D == 1:
+            assert res["calls"] == {}, f"rank {rank}: a group of one rank must issue nothing"
+            continue
+        p, f = rank % D, (D - 1) / D
+        assert res["calls"] == {"broadcast": D, "reduce": D, "all_gather": 1, "reduce_scatter": 1,
+                                "ring_pass": 2, "all_to_all": 2, "all_reduce": 1}, (rank, res)
+        seq_bytes = 2 * 4 * D * 8  # the gathered [1, 4D, 2] float64 tensor
+        # rank p sends 1+..+D rows and receives p+1 from each rank; the larger side counts
+        a2a_bytes = max(sum(range(1, D + 1)), (p + 1) * D) * 8
+        assert res["bytes"] == pytest.approx({
+            "broadcast": D * f * 24, "reduce": D * f * 24, "all_gather": f * seq_bytes,
+            "reduce_scatter": f * seq_bytes, "ring_pass": 2 * 16, "all_to_all": 2 * f * a2a_bytes,
+            "all_reduce": 2 * f * 16}), (rank, res)
 
 
 def nested_tracking():
@@ -96,4 +97,5 @@ def nested_tracking():
 
 
 def test_track_nests_inside_global_counters(pool):
-    assert pool.run(nested_tracking)[0] == (1, 2, 2)
+    per_rank = pool.run(nested_tracking)
+    assert per_rank == [(1, 2, 2)] * 4, per_rank  # every rank

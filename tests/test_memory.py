@@ -1,17 +1,39 @@
-"""DESIGN 4 proven by measurement: whole Llama-family models simulated for rank 0 under
+"""DESIGN 4 proven by measurement: the 7B shape (1 of its layers) simulated for rank 0 under
 FakeTensorMode with the fake process group and MemTracker (``tsp simulate``), one training step
-with AdamW state and full recompute. A kept remote weight shard or gathered K/V would not shrink
-with D and would break the ratios below."""
+with AdamW state. Every component of the measurement is held to a floor computed here from the
+shapes and the schedule, never read from the code under test:
+
+- parameters, optimizer states: exactly this rank's shards (and AdamW's two moments of them);
+- gradients: none before backward, exactly this rank's shards after it, never more in between;
+- activations kept for backward: exactly the local activations of this rank's own tokens;
+- what each attention / MLP adds while it runs: its shard buffers, one head group's K/V, and a
+  named working set of local tensors.
+
+A monkeypatched run that keeps the gathered K/V, or one remote weight shard, for backward must
+break the floors: the test shows it does."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from typing import Iterator
 
 import pytest
 
-GIB = 1024 ** 3
+# the 7B shape of tsp_core.plan.simulate.MODELS["7b"], cut to 1 layer, at 131072 tokens
+H, NQ, NKV, F, V, LAYERS, SEQ = 4096, 32, 32, 16384, 32000, 1, 131072
+HEAD = H // NQ
+# slack on every floor: 64 bytes per local token (1/128 of one local hidden state in bf16). It
+# covers the int64 index tensors of the step (token ids, positions, labels, the embedding
+# exchange's order; 5 x 8 bytes per token measured) and vectors of a few KiB (the attention's
+# bias gradients, computed also without biases), and nothing the size of a weight shard (16 MiB
+# at D=8, 16 times the slack) or of a head group's K/V (256 MiB)
+SLACK_PER_TOKEN = 64
 
 
 def simulate(tmp_path, *args: str) -> list[dict]:
@@ -22,21 +44,168 @@ def simulate(tmp_path, *args: str) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def test_tsp_peak_halves_when_degree_doubles(tmp_path):
-    # the 7B shape (h=4096, 32 heads, intermediate 16384, vocab 32000, bf16) with 2 of its layers
-    d4, d8 = simulate(tmp_path, "--model", "7b", "--layers", "2", "--seq", "131072",
-                      "--degree", "4,8", "--layouts", "tsp", "--recompute", "full")
-    assert (d4["degree"], d8["degree"]) == (4, 8)
-    ratio = d8["peak_bytes"] / d4["peak_bytes"]
-    assert 0.5 * 0.85 <= ratio <= 0.5 * 1.15, f"D=8 / D=4 peak = {ratio:.3f}, not 1/2 within 15%"
-    h, f, v, layers = 4096, 16384, 32000, 2
-    for rec in (d4, d8):
-        d = rec["degree"]
-        own = 2 * v * h // d + layers * (4 * h * h + 3 * f * h) // d + (2 * layers + 1) * h
-        assert rec["breakdown"]["parameters"] == own * 2, rec  # exactly this rank's bf16 shards
-        # AdamW: two bf16 moments per element and a float32 step count per tensor (embedding,
-        # LM head, final norm; per layer q, k, v, o, gate, up, down and two norms)
-        assert rec["breakdown"]["optimizer_states"] == 2 * own * 2 + 4 * (3 + 9 * layers), rec
+# ----------------------------------------------------------------------- floors from the shapes
+
+def floors(D: int) -> dict[str, tuple[int, int]]:
+    """(floor, allowance) in bytes per measured quantity of one bf16 training step at degree D.
+    The floor is what DESIGN 4's schedule cannot do without; the allowance is the named working
+    set of local tensors the implementation adds on top (kernel inputs and outputs, gradients of
+    one head group). The measurement must lie in [floor, floor + allowance + slack]."""
+    assert NKV % D == 0 and NQ % D == 0 and F % D == 0
+    T = SEQ // D                                 # this rank's tokens
+    bf16, fp32 = 2, 4
+    X = T * H * bf16                             # one local hidden state [S/D, h]
+    G = T * (NQ // D) * HEAD * bf16              # one head group's Q (or O) of own tokens
+    KV = 2 * SEQ * (NKV // D) * HEAD * bf16      # one head group's K/V, gathered: whole sequence
+    W = (2 * NQ + 2 * NKV) * HEAD * H // D * bf16  # one attention weight shard [q|k|v|o]
+    M = 3 * F * H // D * bf16                    # one MLP weight shard [gate|up|down]
+    I = T * (F // D) * bf16                      # one intermediate slice [S/D, F/D]
+    lse = T * (NQ // D) * fp32                   # one head group's log-sum-exp
+
+    own = 2 * (V // D) * H + LAYERS * (W + M) // bf16 + (2 * LAYERS + 1) * H  # elements
+    steps = 4 * (3 + 9 * LAYERS)  # AdamW's float32 step count per parameter tensor
+    # an RMSNorm computed in float32 (HF's numerics) keeps its float32 input, the normalised
+    # input rounded to bf16, its output (the next op's saved input) and 1/rms
+    norm = T * H * (fp32 + bf16 + bf16) + T * fp32
+    # TSP attention keeps local Q, K, V of all heads, the output and the LSE (DESIGN 4)
+    attention = T * (NQ + 2 * NKV + NQ) * HEAD * bf16 + T * NQ * fp32
+    kept = (LAYERS * (2 * norm + attention) + norm  # the final norm
+            + 2 * T * HEAD * bf16                   # RoPE cos, sin of own positions
+            + T * fp32)                             # the loss's log-sum-exp per token
+    # the attention kernel's backward for one call returns dK, dV over the call's keys: the
+    # longest is rank 0's second zigzag chunk against its prefix, (2D-1)/2D of the sequence
+    kernel_dkv = KV * (2 * D - 1) // (2 * D)
+    return {
+        "parameters": (own * bf16, 0),
+        "optimizer_states": (2 * own * bf16 + steps, 0),
+        "kept activations": (kept, 0),
+        # forward of one attention: what it keeps, its output, two shard buffers (in use and
+        # prefetched) and its own shard packed for its broadcast, one head group's K/V as
+        # received (rank order) and in sequence order; working set: that group's output and LSE
+        "attention forward": (attention + X + 3 * W + 2 * KV, G + lse),
+        # backward of one attention: three shard buffers as in the forward, one head group's K/V
+        # and its dK/dV, the reduce-scattered dK/dV of own tokens, dX, two weight-gradient
+        # buffers on their way to owners; working set: the kernel's dK/dV of one call, its other
+        # inputs/outputs over half a chunk (6), dQ of this round and the last, dO, the round's
+        # dQ/dK/dV after RoPE's backward, the round's weight gradients, one LSE slice
+        "attention backward": (3 * W + 2 * KV + KV // D + X + 2 * W,
+                               kernel_dkv + 3 * G + 2 * G + G + 3 * G + W + lse // 2),
+        # forward of one MLP: its output, two shard buffers and its own shard packed, the
+        # slice's gate and up; working set: act(gate)
+        "mlp forward": (X + 3 * M + 2 * I, I),
+        # backward of one MLP: dX, three shard buffers, the gradient accumulator being added to
+        # and the one arriving, gate and up recomputed and dM; working set: act(gate), dUp and
+        # three elementwise temporaries of act'(gate), one weight-gradient block
+        "mlp backward": (X + 3 * M + 2 * M + 3 * I, 5 * I + M // 3),
+        "slack": (SEQ // D * SLACK_PER_TOKEN, 0),
+    }
+
+
+def violations(rec: dict) -> list[str]:
+    """Every component of ``rec`` (a simulate record) outside its floor's range, by name."""
+    f = floors(rec["degree"])
+    slack = f["slack"][0]
+    ph, peak = rec["phases"], rec["breakdown"]
+    measured = {
+        "parameters": peak["parameters"],
+        "optimizer_states": peak["optimizer_states"],
+        "kept activations": ph["kept"]["activations"],
+        "attention forward": ph["attention_forward"]["activations"],
+        "attention backward": ph["attention_backward"]["temporaries"],
+        "mlp forward": ph["mlp_forward"]["activations"],
+        "mlp backward": ph["mlp_backward"]["temporaries"],
+    }
+    bad = [f"{k}: {v} bytes, not in [{f[k][0]}, {f[k][0] + f[k][1] + slack}] (floor, + working "
+           f"set {f[k][1]}, + slack {slack})" for k, v in measured.items()
+           if not f[k][0] <= v <= f[k][0] + f[k][1] + slack]
+    own = f["parameters"][0]  # the gradients of this rank's shards, in bf16
+    for where, got, lo, hi in (("kept gradients", ph["kept"]["gradients"], 0, 0),
+                               ("gradients at the peak", peak["gradients"], 0, own),
+                               ("gradients at the end", ph["end"]["gradients"], own, own),
+                               ("parameters kept", ph["kept"]["parameters"], own, own)):
+        if not lo <= got <= hi:
+            bad.append(f"{where}: {got} bytes, not in [{lo}, {hi}]")
+    for phase in ("attention_forward", "attention_backward", "mlp_forward", "mlp_backward"):
+        if ph[phase].get("gradients", 0) > own:
+            bad.append(f"{phase} gradients: {ph[phase]['gradients']} > own {own}")
+    return bad
+
+
+# ------------------------------------------------------------- deliberately broken schedules
+
+_KEPT: list = []  # what a broken variant keeps alive until the step ends
+
+
+@contextlib.contextmanager
+def breaking_the_rule(variant: str | None) -> Iterator[None]:
+    """Run TSP attention with a DESIGN 4 bug made on purpose: ``"keep_kv"`` keeps every head
+    group's gathered K/V until the step ends (what plain autograd over the rounds would save);
+    ``"keep_shard"`` keeps one remote attention weight shard per pass of each layer (the round
+    after this rank's own) until the step ends. ``None`` changes nothing."""
+    from tsp_core import attention, comm
+
+    gather, start = comm.all_gather_sequence, attention._Rounds._start
+
+    def gather_kept(*args, **kwargs):
+        out = gather(*args, **kwargs)
+        _KEPT.append(out)
+        return out
+
+    def start_kept(self, r: int):
+        buf, handle = start(self, r)
+        if r == (self.me + 1) % self.size:
+            _KEPT.append(buf)
+        return buf, handle
+
+    if variant == "keep_kv":
+        comm.all_gather_sequence = gather_kept
+    elif variant == "keep_shard":
+        attention._Rounds._start = start_kept
+    elif variant is not None:
+        raise ValueError(variant)
+    try:
+        yield
+    finally:
+        comm.all_gather_sequence, attention._Rounds._start = gather, start
+        _KEPT.clear()
+
+
+def simulate_variant(degree: int, variant: str | None) -> dict:
+    """One simulate record (as ``tsp simulate --json`` writes it) of the 7B shape, run in a worker
+    process of its own process group, with the rule broken as ``variant`` says."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    from tsp_core.plan.simulate import SimulationRequest, record_dict
+    from tsp_core.plan.simulate import simulate as run
+
+    torch.set_num_threads(1)
+    req = SimulationRequest("tsp", degree, 1, SEQ, "7b", LAYERS, recompute="none")
+    with breaking_the_rule(variant):
+        return record_dict(run(req))
+
+
+def test_each_component_at_its_floor_and_broken_rules_fail():
+    """D=4 and D=8 meet every floor; at D=8, keeping the gathered K/V or one remote weight shard
+    breaks the activations kept for backward and what the attention's backward adds (the
+    smallest such bug, one attention shard, is 16 times the slack)."""
+    runs = [(4, None), (8, None), (8, "keep_kv"), (8, "keep_shard")]
+    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
+        recs = list(pool.map(simulate_variant, *zip(*runs)))
+    for (d, variant), rec in zip(runs, recs):
+        assert rec["degree"] == d and rec["layers"] == LAYERS
+        assert rec["peak_bytes"] == sum(rec["breakdown"].values()), rec
+        bad = violations(rec)
+        if variant is None:
+            assert bad == [], f"D={d}: " + "\n".join(bad)
+            continue
+        broken = {b.split(":")[0] for b in bad}
+        assert {"kept activations", "attention backward"} <= broken, (d, variant, bad)
+        excess = rec["phases"]["kept"]["activations"] - floors(d)["kept activations"][0]
+        T, shard = SEQ // d, 4 * H * H // d * 2
+        # what the forward kept: every head group's K/V of each layer, or one shard per layer
+        want = LAYERS * d * 2 * SEQ * H // d * 2 if variant == "keep_kv" else LAYERS * shard
+        assert abs(excess - want) <= T * SLACK_PER_TOKEN, (variant, excess, want)
 
 
 def test_every_layout_keeps_its_share_of_the_model(tmp_path):

@@ -70,11 +70,11 @@ def count_hops(tsp: int):
 
 @pytest.mark.parametrize("tsp", [1, 2, 4])
 def test_ring_hops(pool, tsp):
-    fwd, bwd, fwd_bytes, bwd_bytes = pool.run(count_hops, tsp)[0]
     D = tsp
     shard_bytes = 3 * FFN // D * HIDDEN * 8
-    # forward: D-1 weight hops; backward: D-1 weight hops + D gradient hops (last one to owner)
-    assert fwd == ({"ring_pass": D - 1} if D > 1 else {}), fwd
-    assert bwd == ({"ring_pass": 2 * D - 1} if D > 1 else {}), bwd
-    assert fwd_bytes == (D - 1) * shard_bytes
-    assert bwd_bytes == ((2 * D - 1) * shard_bytes if D > 1 else 0)
+    for rank, (fwd, bwd, fwd_bytes, bwd_bytes) in enumerate(pool.run(count_hops, tsp)):
+        # forward: D-1 weight hops; backward: D-1 weight hops + D gradient hops (last to owner)
+        assert fwd == ({"ring_pass": D - 1} if D > 1 else {}), (rank, fwd)
+        assert bwd == ({"ring_pass": 2 * D - 1} if D > 1 else {}), (rank, bwd)
+        assert fwd_bytes == (D - 1) * shard_bytes, (rank, fwd_bytes)
+        assert bwd_bytes == ((2 * D - 1) * shard_bytes if D > 1 else 0), (rank, bwd_bytes)

@@ -1,19 +1,21 @@
-"""Transformers: TSPTrainer(tsp_size=2) on 2 processes (torchrun) matches the plain Trainer on one
-process on a tiny Llama saved with save_pretrained; resuming from a checkpoint is exact; a Qwen2
-checkpoint (with biases) loads shard-on-read into a TSP model with the plain model's logits."""
+"""Transformers: TSPTrainer on torchrun processes matches one process in float64 with
+``max_grad_norm`` clipping active and plain SGD: the logged losses and grad_norm, the first
+step's gradients and the final weights, at tsp 2, dp 2 x tsp 2 and tsp 4 with 1 and 2 key/value
+heads (a tiny Llama saved with save_pretrained); packed batches; resuming from a checkpoint is
+exact; a Qwen2 checkpoint (with biases) loads shard-on-read into a TSP model with the plain
+model's logits."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from . import dist_pool, hf_models
+from . import dist_pool, hf_models, launch
 from .reference import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,27 +23,40 @@ JOB = os.path.join(ROOT, "tests", "trainer_job.py")
 EXIT_CLEANLY = os.path.join(ROOT, "tests", "exit_cleanly.py")
 
 
-def run(cmd: list[str]) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-
-def torchrun(*args: str) -> None:
-    run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-         "--nproc_per_node", "2", EXIT_CLEANLY, JOB, *args])
+def torchrun(*args: str, procs: int = 2) -> None:
+    launch.run(launch.torchrun(procs, EXIT_CLEANLY, JOB, *args), procs, timeout=400)
 
 
 def result(out) -> tuple[dict, dict]:
-    with open(os.path.join(out, "result.json")) as f:
+    with open(os.path.join(out, "rank0.json")) as f:
         return json.load(f), torch.load(os.path.join(out, "weights.pt"))
+
+
+def full_run(out) -> list[dict]:
+    """Every rank's logged values; rank 0's also with the final weights and first gradients."""
+    runs = []
+    for fn in sorted(glob.glob(os.path.join(out, "rank*.json"))):
+        with open(fn) as f:
+            runs.append(json.load(f))
+    runs[0]["weights"] = torch.load(os.path.join(out, "weights.pt"))
+    runs[0]["grads0"] = torch.load(os.path.join(out, "grads0.pt"))
+    return runs
+
+
+def save(tmp_path_factory, kv_heads: int) -> str:
+    path = str(tmp_path_factory.mktemp(f"llama_kv{kv_heads}"))
+    hf_models.build("llama", torch.float32, kv_heads=kv_heads).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def saved_llama(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("llama"))
-    hf_models.build("llama", torch.float32).save_pretrained(path)
-    return path
+    return save(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def saved_mqa(tmp_path_factory) -> str:
+    return save(tmp_path_factory, 1)
 
 
 def common(model: str, out_dir) -> list[str]:
@@ -50,20 +65,62 @@ def common(model: str, out_dir) -> list[str]:
             "--seed", "0", "--output_dir", str(out_dir)]
 
 
-def test_tsp_trainer_matches_plain_trainer(tmp_path, saved_llama):
-    run([sys.executable, EXIT_CLEANLY, JOB, *common(saved_llama, tmp_path / "o1"),
-         "--save_strategy", "no",
-         "--out", str(tmp_path / "plain")])
-    torchrun(*common(saved_llama, tmp_path / "o2"), "--save_strategy", "no", "--tsp_size", "2",
+# float64, plain SGD at a constant lr 0.5, clipping at 0.5 (the gradient norms are 1.4-2.3: it
+# acts at every step), rows in order: each update is lr x clip x g/|g|, so the weights check the
+# gradient's direction and the logged grad_norm its size; the first gradients are compared too
+SGD = ["--dtype", "float64", "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type",
+       "constant", "--max_grad_norm", "0.5", "--train_sampling_strategy", "sequential",
+       "--save_strategy", "no"]
+
+
+def reference(kv_heads: int, dp: int, rows: int = 8, steps: int = 4) -> dict:
+    """One process, float64, on the global batch of each step: the rows the data-parallel
+    replicas took in turn (2 each, in order; the data repeat after ``rows``)."""
+    data = torch.randint(0, 96, (rows, 24), generator=torch.Generator().manual_seed(5))
+    data = torch.cat([data] * (steps * 2 * dp // rows + 1))
+    batches = [data[2 * dp * k: 2 * dp * (k + 1)] for k in range(steps)]
+    model = hf_models.build("llama", torch.float64, kv_heads=kv_heads)
+    ref = hf_models.sgd_reference(model, batches, lr=0.5, clip=0.5)
+    with torch.no_grad():
+        ref["eval_loss"] = hf_models.reference_loss(model, data[:4], data[:4]).item()
+    return ref
+
+
+def assert_every_rank(runs: list[dict], ref: dict, what: str) -> None:
+    """The logged losses and grad_norm of every rank (the Trainer logs them on every rank),
+    the gathered gradients and weights: norms to 1e-9 relative, the rest to 1e-8; the logged
+    loss to 1e-7, because the Trainer sums it in a float32 tensor (for any model)."""
+    assert min(ref["norms"]) > 0.5, f"clipping at 0.5 must act: {ref['norms']}"
+    for r, run in enumerate(runs):
+        hf_models.assert_matches_reference(run, ref, 1e-8, 1e-9, what=f"{what} rank {r}: ",
+                                           loss_tol=1e-7)
+
+
+def test_tsp_trainer_matches_one_process(tmp_path, saved_mqa):
+    # tsp 2 with 1 key/value head: each rank holds half of its rows
+    torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--tsp_size", "2",
              "--out", str(tmp_path / "tsp"))
-    (ref, ref_w), (res, w) = result(tmp_path / "plain"), result(tmp_path / "tsp")
-    assert len(res["losses"]) == len(ref["losses"]) == 4
-    for step, (a, b) in enumerate(zip(res["losses"], ref["losses"])):  # the logged losses
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: logged loss {a} vs {b}"
-    assert abs(res["eval_loss"] - ref["eval_loss"]) <= 1e-5 * abs(ref["eval_loss"])
-    assert sorted(w) == sorted(ref_w)
-    for name, t in ref_w.items():
-        assert_close(w[name], t, 1e-5, name)
+    runs = full_run(tmp_path / "tsp")
+    assert len(runs) == 2
+    ref = reference(kv_heads=1, dp=1)
+    assert_every_rank(runs, ref, "tsp 2, 1 kv head")
+    for run in runs:
+        assert abs(run["eval_loss"] - ref["eval_loss"]) <= 1e-8 * ref["eval_loss"], run
+
+
+def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama):
+    # one torchrun launch of 4 processes, three Trainer runs: dp 2 x tsp 2 (each data-parallel
+    # replica its own rows) with 1 key/value head, tsp 4 with 1 and with 2
+    torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--out", str(tmp_path), "--case",
+             f"dp2 --tsp_size 2 --rows 16",
+             f"tsp4_kv1 --tsp_size 4",
+             f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama}", procs=4)
+    cases = {"dp2": reference(kv_heads=1, dp=2, rows=16), "tsp4_kv1": reference(kv_heads=1, dp=1),
+             "tsp4_kv2": reference(kv_heads=2, dp=1)}
+    for name, ref in cases.items():
+        runs = full_run(tmp_path / name)
+        assert len(runs) == 4, name
+        assert_every_rank(runs, ref, name)
 
 
 def test_packed_batches_with_data_collator_with_flattening(tmp_path, saved_llama):

@@ -1,11 +1,18 @@
 """A transformers Trainer job (plain Trainer, or TSPTrainer with --tsp_size) on a tiny Llama
-saved with save_pretrained; run with python (1 process) or torchrun. Rank 0 writes the logged
-losses and the final full weights to --out."""
+saved with save_pretrained; run with python (1 process) or torchrun. Every rank writes what the
+Trainer logged (loss, grad_norm per step) to ``rank<R>.json`` in --out; rank 0 also the final full
+weights (``weights.pt``) and, with clipping on, the full gradients of the first step before
+clipping (``grads0.pt``).
+
+``--case "NAME ARGS..."`` (repeatable, under torchrun): one more Trainer run in the same processes
+with ARGS added to the command line's, results in --out/NAME, output_dir/NAME."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +27,11 @@ from tsp_transformers import TSPTrainer, TSPTrainingArguments
 import tsp_core
 from tsp_core.parallelize import TSPCausalLM
 
+try:  # run as a script from tests/, or imported by the test module
+    from hf_models import full_grads
+except ImportError:
+    from .hf_models import full_grads
+
 
 @dataclass
 class JobArgs:
@@ -28,6 +40,9 @@ class JobArgs:
     resume: str = field(default="")
     packed: bool = field(default=False)
     num_docs: int = field(default=16)
+    rows: int = field(default=8)
+    dtype: str = field(default="float32")
+    case: list[str] = field(default_factory=list)
 
 
 def packed_documents(vocab: int, n: int) -> list[list[int]]:
@@ -37,39 +52,84 @@ def packed_documents(vocab: int, n: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lengths]
 
 
-class LossLog(TrainerCallback):
+def rows(vocab: int, n: int) -> torch.Tensor:
+    """The training rows (``--train_sampling_strategy sequential`` takes them in order, each
+    data-parallel replica its own batches in turn)."""
+    return torch.randint(0, vocab, (n, 24), generator=torch.Generator().manual_seed(5))
+
+
+class LogRecorder(TrainerCallback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.norms: list[float] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(logs["loss"])
+            if "grad_norm" in logs:
+                self.norms.append(logs["grad_norm"])
 
 
-def main() -> None:
-    job, args = HfArgumentParser((JobArgs, TSPTrainingArguments)).parse_args_into_dataclasses()
-    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=torch.float32)
+def record_first_gradients(trainer) -> dict:
+    """The full gradients the first clipping sees (every rank gathers; ``_clip_grad_norm`` is
+    where the Trainer clips)."""
+    first: dict = {}
+    clip = trainer._clip_grad_norm
+
+    def recording(model):
+        if not first:
+            first["grads"] = full_grads(trainer.model)
+        return clip(model)
+
+    trainer._clip_grad_norm = recording
+    return first
+
+
+def train(job: JobArgs, args: TSPTrainingArguments) -> None:
+    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=getattr(torch, job.dtype))
     if job.packed:  # documents of different lengths, several per row
         data = [{"input_ids": d} for d in packed_documents(model.config.vocab_size, job.num_docs)]
         collator = DataCollatorWithFlattening()
     else:
-        gen = torch.Generator().manual_seed(5)
-        ids = torch.randint(0, model.config.vocab_size, (8, 24), generator=gen)
-        data = [{"input_ids": r, "labels": r} for r in ids]
+        data = [{"input_ids": r, "labels": r} for r in rows(model.config.vocab_size, job.rows)]
         collator = None
-    log = LossLog()
+    log = LogRecorder()
     trainer = TSPTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
                          callbacks=[log], data_collator=collator)
+    first = record_first_gradients(trainer)
     trainer.train(resume_from_checkpoint=job.resume or None)
     metrics = trainer.evaluate()
     model = trainer.model
     weights = (tsp_core.full_state_dict(model, rank0_only=True) if isinstance(model, TSPCausalLM)
                else {k: v.detach().clone() for k, v in model.state_dict().items()})
-    if trainer.args.process_index == 0:
-        os.makedirs(job.out, exist_ok=True)
+    rank = trainer.args.process_index
+    os.makedirs(job.out, exist_ok=True)
+    with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"]}, f)
+    if rank == 0:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
-        with open(os.path.join(job.out, "result.json"), "w") as f:
-            json.dump({"losses": log.losses, "eval_loss": metrics["eval_loss"]}, f)
+        if first:
+            torch.save(first["grads"], os.path.join(job.out, "grads0.pt"))
+
+
+def main() -> None:
+    parser = HfArgumentParser((JobArgs, TSPTrainingArguments))
+    argv = sys.argv[1:]
+    job, args = parser.parse_args_into_dataclasses(args=argv)
+    if not job.case:
+        return train(job, args)
+    base = argv[:argv.index("--case")]  # --case takes the rest of the command line
+    for spec in job.case:
+        from accelerate.state import AcceleratorState
+
+        name, *extra = shlex.split(spec)
+        case, case_args = parser.parse_args_into_dataclasses(args=[*base, *extra])
+        case.out = os.path.join(job.out, name)
+        case_args.output_dir = os.path.join(args.output_dir, name)
+        # the Trainer's Accelerator keeps its parallelism config in a process-wide state: a new
+        # TSP size needs a new one (the process group stays)
+        AcceleratorState._reset_state()
+        train(case, case_args)
 
 
 if __name__ == "__main__":

@@ -290,14 +290,16 @@ class _TSPAttentionFn(torch.autograd.Function):
             dq = _flat(rope.apply_backward(dq, cos, sin)).reshape(B * L, -1)
             dx2.addmm_(dq, wq)
             grads = [dq.t() @ x2, None, None, dy2.t() @ _flat(o).reshape(B * L, -1),
-                     dq.sum(0), None, None]
+                     dq.sum(0) if shards.bias else None, None, None]
             if last:
                 dkv = _by_rows(dkv_parts, kv_all[j])
                 del dkv_parts
                 dk = _flat(rope.apply_backward(dkv[0], cos, sin)).reshape(B * L, -1)
                 dv = _flat(dkv[1]).reshape(B * L, -1)
                 dx2.addmm_(dk, wk).addmm_(dv, wv)
-                grads[1:3], grads[5:7] = [dk.t() @ x2, dv.t() @ x2], [dk.sum(0), dv.sum(0)]
+                grads[1:3] = [dk.t() @ x2, dv.t() @ x2]
+                if shards.bias:
+                    grads[5:7] = [dk.sum(0), dv.sum(0)]
                 if shards.sliced:  # this rank's tokens' share of head j's gradient
                     rows = slice(j * spec.head_dim, (j + 1) * spec.head_dim)
                     for acc, g in zip(kv_grads, grads[1:3] + grads[5:7]):

@@ -4,6 +4,8 @@ code of rank 0 of a ``degree``-rank world runs one training step under ``FakeTen
 
 The peak is split into parameters, gradients, optimizer states (AdamW's two moments, allocated
 the way ``torch.optim.AdamW`` allocates them), activations (saved for backward) and temporaries.
+``phases`` adds the same split at the moments that DESIGN 4's rules are about: what the forward
+leaves for backward, and what each decoder layer's attention and MLP add while they run.
 The optimizer step's own transients are not simulated (a fake tensor has no value for AdamW's step
 count). Every layout runs the same flash-piece attention kernels and the same recompute wrapper, so
 the comparison is like for like.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from multiprocessing import get_context
 from typing import Iterator
@@ -75,6 +77,10 @@ class MemoryRecord:
     peak_bytes: int
     breakdown: dict[str, int]
     seconds: float
+    # "kept": the breakdown when the forward (loss included) has returned, i.e. what is kept for
+    # backward; "{attention,mlp}_{forward,backward}": what that module added, by category, from
+    # its start to its own peak (the decoder layer where that is largest); "end": after backward
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak_gib(self) -> float:
@@ -141,6 +147,36 @@ def _adamw_states(optimizer: torch.optim.Optimizer) -> None:
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
+def _categories(snapshot: dict) -> dict[str, int]:
+    """MemTracker's ``{device: {reftype: bytes, "Total": bytes}}`` for one device -> by category."""
+    (per_kind,) = snapshot.values()
+    return {CATEGORIES.get(str(getattr(k, "value", k)), str(k)): int(v)
+            for k, v in per_kind.items() if str(k) != "Total"}
+
+
+def _phases(tracker, model: torch.nn.Module, layers) -> dict[str, dict[str, int]]:
+    """See :attr:`MemoryRecord.phases`."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    from ..policies import find_policy
+
+    stats = tracker.memory_tracking
+    out = {"kept": _categories(stats[model].snapshots[_ModState.POST_FW][-1])}
+    policy = find_policy(model)
+    for role in ("attention", "mlp"):
+        for phase, start, peak in (("forward", _ModState.PRE_FW, _ModState.PEAK_FW),
+                                   ("backward", _ModState.PRE_BW, _ModState.PEAK_BW)):
+            best: dict[str, int] | None = None
+            for layer in layers:
+                snaps = stats[getattr(layer, getattr(policy, role))].snapshots
+                a, b = _categories(snaps[start][0]), _categories(snaps[peak][0])
+                added = {k: b[k] - a.get(k, 0) for k in b}
+                if best is None or sum(added.values()) > sum(best.values()):
+                    best = added
+            out[f"{role}_{phase}"] = best or {}
+    return out
+
+
 def simulate(req: SimulationRequest) -> MemoryRecord:
     """Peak memory of rank 0 over one training step of ``req``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -187,14 +223,15 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
             tracker.track_external(*([model] + ([optimizer] if optimizer else [])))
             with tracker:
                 pm.step_local(local)
-            (snap,) = tracker.get_tracker_snapshot("peak").values()
+                end = _categories(tracker.get_tracker_snapshot())
+            peak = tracker.get_tracker_snapshot("peak")
+            phases = _phases(tracker, model, pm.layers) | {"end": end}
     finally:
         dist.destroy_process_group()
-    breakdown = {CATEGORIES.get(str(getattr(k, "value", k)), str(k)): int(v)
-                 for k, v in snap.items() if str(k) != "Total"}
+    (total,) = (int(s["Total"]) for s in peak.values())
     return MemoryRecord(spec.label, spec.name, spec.tp, spec.cp, spec.degree, req.seq, req.batch,
                         req.model, config.num_hidden_layers, req.recompute, req.optimizer,
-                        req.dtype, int(snap["Total"]), breakdown, time.perf_counter() - start)
+                        req.dtype, total, _categories(peak), time.perf_counter() - start, phases)
 
 
 def _run_one(req: SimulationRequest) -> MemoryRecord:
