@@ -150,7 +150,17 @@ def sampler_over_the_world(tsp: int) -> str:
                                               ) as info:
         model(**tsp_core.shard_batch(first_batch(split if tsp == 4 else world), mesh))
     assert dict(stats.calls) == {"all_gather": 1}, dict(stats.calls)
-    return str(info.value)
+    if tsp == 4:
+        return str(info.value)
+    # bad labels on one rank of the second TSP group only: that group raises with the details,
+    # the first group's ranks raise too instead of waiting for it in a data-parallel collective
+    batch = first_batch(right)
+    if dist.get_rank() == 3:
+        batch["labels"] = batch["labels"].clone().fill_(1000)
+    with comm.track() as stats, pytest.raises(ValueError) as one_group:
+        model(**tsp_core.shard_batch(batch, mesh))
+    assert dict(stats.calls) == {"all_gather": 1}, dict(stats.calls)
+    return str(info.value), str(one_group.value)
 
 
 def test_ranks_of_a_group_with_different_batches_raise_on_every_rank(pools):
@@ -160,10 +170,14 @@ def test_ranks_of_a_group_with_different_batches_raise_on_every_rank(pools):
                      r"\[1, 3\] \(global \[1, 3\]\): 0x", tsp4[0]), tsp4[0]
     assert "DistributedSampler(dataset, num_replicas=mesh.dp_size, rank=torch.distributed." \
            "get_rank() // mesh.size)" in tsp4[0]
-    dp2 = pools.of(4).run(sampler_over_the_world, 2)
+    dp2, one_group = zip(*pools.of(4).run(sampler_over_the_world, 2))
     assert dp2[0] == dp2[1] != dp2[2] == dp2[3]
     assert re.search(r"TSP rank\(s\) \[0\] \(global \[2\]\): 0x[0-9a-f]+, TSP rank\(s\) \[1\] "
                      r"\(global \[3\]\)", dp2[2]), dp2[2]
+    assert one_group[0] == one_group[1], one_group
+    assert "bad input in another TSP group (global ranks [2, 3])" in one_group[0], one_group[0]
+    for msg in one_group[2:]:  # the details on both ranks of the bad group (rank 3 adds its own)
+        assert "TSP rank(s) [1]: shift_labels outside [0, 96)" in msg, msg
 
 
 def test_adapters_raise_on_every_rank_at_the_first_step(tmp_path):

@@ -2,13 +2,15 @@
 schedule collective, so that bad input raises on every rank instead of hanging some of them.
 
 Each rank checks its own tokens (shapes, label range, position ids against the layout, finite
-``inputs_embeds``, the global length a length-dependent rope needs) and the group all-gathers one
-small int64 vector per rank: batch rows, local length, a checksum of the document lengths, the
+``inputs_embeds``, the global length a length-dependent rope needs) and the whole mesh
+all-gathers one small int64 vector per rank (the TSP group alone when the mesh is not the whole
+world), so that bad input in one TSP group stops the other data-parallel replicas too instead of
+leaving them waiting: batch rows, local length, a checksum of the document lengths, the
 problems found, the number of non-finite values, the length the rope sees (``tsp_rope_len``) and
 the fingerprint of the full batch (``shard_batch``'s ``tsp_fingerprint``: tokens, labels, mask,
 positions). Ranks of one TSP group given different batches (a data loader that splits over the
 world instead of over data parallel) are caught by shape or by content. Cost: one all-gather of 7
-integers per forward.
+integers per rank per forward.
 """
 
 from __future__ import annotations
@@ -44,6 +46,39 @@ _FIX = {
               "that depend on the sequence length) needs to rotate every rank like the whole "
               "sequence: pass the full batch through tsp_core.shard_batch, which gives it",
 }
+
+
+def _agreement_table(mine: torch.Tensor, mesh: Any) -> tuple[list[list[int]], list[int]]:
+    """One all-gather of every rank's row over the whole mesh (over the TSP group alone when the
+    mesh is not the whole world): this TSP group's rows in group order, and the global ranks of
+    the other TSP groups whose rows do not agree (bad input there raises there; here too, or the
+    other replicas would wait for it in their next data-parallel collective)."""
+    import torch.distributed as dist
+
+    mine = mine.contiguous()
+    n, dm = mine.numel(), mesh.device_mesh
+    if dist.get_world_size() != dm.size() or dm.size() == mesh.size:
+        everyone = mine.new_empty(mesh.size * n)
+        comm.all_gather(everyone, mine, mesh.group)
+        return everyone.view(mesh.size, n).tolist(), []
+    everyone = mine.new_empty(dist.get_world_size() * n)
+    comm.all_gather(everyone, mine, dist.group.WORLD)
+    rows = everyone.view(-1, n).tolist()
+    groups = dm.mesh.movedim(dm.mesh_dim_names.index(mesh.dim), -1).reshape(-1, mesh.size)
+    table, others = [], []
+    for ranks in groups.tolist():
+        part = [rows[r] for r in ranks]
+        if dist.get_rank() in ranks:
+            table = part
+        elif not _agrees(part):
+            others += ranks
+    return table, others
+
+
+def _agrees(table: list[list[int]]) -> bool:
+    """No rank of one TSP group found a problem, and their batches agree."""
+    return (not any(r[3] for r in table) and len({(r[0], r[1]) for r in table if r[0] >= 0}) <= 1
+            and len({(r[2], r[5], r[6]) for r in table}) <= 1)
 
 
 def _groups(table: list[list[int]], column: int, mesh: Any) -> str:
@@ -159,17 +194,15 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
         mine[5] = torch.as_tensor(rope_len).max()
     if fingerprint is not None:
         mine[6] = batch_fingerprint(fingerprint.reshape(-1).to(mine.device))
-    n = len(FIELDS)
-    everyone = mine.new_empty(size * n)
-    comm.all_gather(everyone, mine, mesh.group)
-    table = everyone.view(size, n).tolist()
-    flags = 0
-    for row in table:
-        flags |= row[3]
+    table, others = _agreement_table(mine, mesh)
+    if others and _agrees(table):  # another group raises with the details: no rank waits for it
+        raise ValueError(f"bad input in another TSP group (global ranks {others}), which raises "
+                         f"with the details; this rank stops too so that no rank is left waiting "
+                         f"in a collective")
+    if _agrees(table):
+        return
     shapes = {(r[0], r[1]) for r in table if r[0] >= 0}
     agreed = {(r[2], r[5], r[6]) for r in table}
-    if not flags and len(shapes) <= 1 and len(agreed) <= 1:
-        return
     step = getattr(model, "tsp_step", None)
     where = f"step {step}" if step is not None else \
         f"forward call {getattr(model, '_tsp_forward_calls', 0)} (set model.tsp_step for steps)"
