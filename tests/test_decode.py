@@ -69,7 +69,8 @@ def test_greedy_matches_hf(pools, tsp):
 
 def held_bytes(make) -> int:
     """Bytes held by the object ``make()`` returns, measured by MemTracker (never by the object's
-    own count): every tensor storage alive with it, minus those alive once it is dropped."""
+    own count): every tensor storage alive with it, minus those alive once it is dropped (cyclic
+    garbage collected before both readings, so only what the object holds differs)."""
     import gc
 
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -77,6 +78,7 @@ def held_bytes(make) -> int:
     tracker = MemTracker()
     with tracker:
         obj = make()
+        gc.collect()  # garbage from building it (reference cycles) is not the object's
         with_it = sum(s["Total"] for s in tracker.get_tracker_snapshot().values())
         del obj
         gc.collect()
