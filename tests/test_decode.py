@@ -67,10 +67,11 @@ def test_greedy_matches_hf(pools, tsp):
         assert all(o == outs[0] for o in outs), f"{family}: ranks generated different tokens"
 
 
-def held_bytes(make) -> int:
-    """Bytes held by the object ``make()`` returns, measured by MemTracker (never by the object's
-    own count): every tensor storage alive with it, minus those alive once it is dropped (cyclic
-    garbage collected before both readings, so only what the object holds differs)."""
+def held_bytes(make) -> tuple[int, int]:
+    """Bytes held by the object ``make()`` returns, two ways, never by the object's own count:
+    MemTracker's bytes alive with it minus those alive once it is dropped (cyclic garbage
+    collected before both readings), and the bytes of the distinct tensor storages reachable from
+    it (a view into a larger buffer counts the whole buffer)."""
     import gc
 
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -80,10 +81,20 @@ def held_bytes(make) -> int:
         obj = make()
         gc.collect()  # garbage from building it (reference cycles) is not the object's
         with_it = sum(s["Total"] for s in tracker.get_tracker_snapshot().values())
-        del obj
+        storages, seen, todo = {}, set(), [obj]
+        while todo:
+            o = todo.pop()
+            if id(o) in seen or isinstance(o, (torch.nn.Module, type)):
+                continue
+            seen.add(id(o))
+            if isinstance(o, torch.Tensor):
+                storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+            else:
+                todo += gc.get_referents(o)
+        del obj, todo, o
         gc.collect()
         without = sum(s["Total"] for s in tracker.get_tracker_snapshot().values())
-    return with_it - without
+    return with_it - without, sum(storages.values())
 
 
 def kv_cache_bytes(tsp: int) -> dict:
@@ -114,7 +125,8 @@ def kv_cache_bytes(tsp: int) -> dict:
     short, _ = left_padded(ref.config.vocab_size, [7], seed=5)
     assert torch.equal(model.generate(short, max_new_tokens=12),
                        ref.generate(short, max_new_tokens=12, do_sample=False))
-    return {"rank_bytes": mine, "hf_bytes": full}
+    return {"rank_bytes": mine[1], "rank_tracked": mine[0], "hf_bytes": full[1],
+            "hf_tracked": full[0]}
 
 
 @pytest.mark.parametrize("tsp", [2, 4])
@@ -125,9 +137,14 @@ def test_kv_cache_is_one_dth_per_rank(pools, tsp):
     # (1000 splits evenly) plus its slot table (an int64 position per slot, a length per row)
     head_dim = c.hidden_size // c.num_attention_heads
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 8
+    # MemTracker may also see a few hundred bytes that gloo releases between its two readings
+    # (seen twice in full-suite runs: 960 and 1152 bytes on rank 1, never reachable from the
+    # cache): it is held to the exact figure within 2 KiB, the storages reachable from the cache
+    # exactly; a cache of views into buffers twice their size is off by ~500 KiB in both
     for rank, o in enumerate(out):  # every rank
-        assert o["hf_bytes"] == 1000 * kv, (rank, o)
-        assert o["rank_bytes"] == 1000 // tsp * (kv + 8) + 8, (rank, o)
+        want = 1000 // tsp * (kv + 8) + 8
+        assert o["hf_bytes"] == 1000 * kv and 0 <= o["hf_tracked"] - 1000 * kv < 2048, (rank, o)
+        assert o["rank_bytes"] == want and 0 <= o["rank_tracked"] - want < 2048, (rank, o)
 
 
 def decode_collectives(tsp: int) -> list:
