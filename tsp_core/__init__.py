@@ -1,7 +1,7 @@
 """Folded tensor-and-sequence parallelism (TSP) for PyTorch: every rank of a TSP group holds 1/D
 of each weight matrix and 1/D of the tokens."""
 
-from . import comm, guard, layout
+from . import comm, guard, layout, metrics
 from .attention import TSPAttention
 from .checkpoint import full_state_dict, load_full_state_dict, save_pretrained
 from .generation import generate
@@ -18,6 +18,6 @@ from .vocab import TSPEmbedding, TSPLMHead
 __all__ = ["FullLogits", "TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh",
            "TSPRMSNorm", "comm", "full_logits", "full_state_dict", "generate", "get_mesh", "guard",
            "init_mesh",
-           "latest_checkpoint", "layout", "load_checkpoint", "load_full_state_dict", "parallelize",
+           "latest_checkpoint", "layout", "metrics", "load_checkpoint", "load_full_state_dict", "parallelize",
            "position_ids", "run_cleanly", "shutdown",
            "save_checkpoint", "save_pretrained", "shard_batch", "shard_sequence", "unshard_sequence"]

@@ -4,6 +4,9 @@ Bytes are the per-rank traffic of the standard ring algorithms (what NCCL calls 
 rule for every kind so that layouts can be compared: broadcast, reduce, all-gather (of the output),
 reduce-scatter (of the input) and all-to-all move (D-1)/D of the buffer per rank, all-reduce
 2(D-1)/D, a ring hop the whole buffer. A group of one rank issues nothing and counts nothing.
+``wait_seconds`` is the host time spent blocked in collectives: inside a synchronous call, or in
+``wait()`` of an async one (on CUDA, NCCL returns before the transfer ends, so there it is the
+host's wait, not the GPU stream's).
 
 Raw functions (``broadcast``, ``reduce``, ...) are used inside the schedules' own autograd
 Functions; the autograd-aware ones (``owner_broadcast``, ``gather_sequence``, ``ring_shift``,
@@ -13,6 +16,7 @@ Functions; the autograd-aware ones (``owner_broadcast``, ``gather_sequence``, ``
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -26,32 +30,37 @@ from .layout import local_segments
 
 @dataclass(eq=False)  # trackers are told apart by identity
 class CommStats:
-    """Calls and per-rank bytes by kind, plus the ordered log of (kind, bytes)."""
+    """Calls and per-rank bytes by kind, seconds blocked in collectives, and (``keep_log``) the
+    ordered log of (kind, bytes)."""
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     log: list[tuple[str, float]] = field(default_factory=list)
+    wait_seconds: float = 0.0
+    keep_log: bool = True
 
     def record(self, kind: str, nbytes: float) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += nbytes
-        self.log.append((kind, nbytes))
+        if self.keep_log:
+            self.log.append((kind, nbytes))
 
     @property
     def total_bytes(self) -> float:
         return float(sum(self.bytes.values()))
 
 
-_TRACKERS: list[CommStats] = [CommStats()]
+# the process-wide counters keep no log: a long run would keep one entry per collective forever
+_TRACKERS: list[CommStats] = [CommStats(keep_log=False)]
 
 
 def global_stats() -> CommStats:
-    """Counters since the process started (or the last :func:`reset_global_stats`)."""
+    """Counters since the process started (or the last :func:`reset_global_stats`); no log."""
     return _TRACKERS[0]
 
 
 def reset_global_stats() -> None:
-    _TRACKERS[0] = CommStats()
+    _TRACKERS[0] = CommStats(keep_log=False)
 
 
 @contextlib.contextmanager
@@ -70,6 +79,18 @@ def _record(kind: str, nbytes: float) -> None:
         t.record(kind, nbytes)
 
 
+@contextlib.contextmanager
+def _blocked() -> Iterator[None]:
+    """Add the time spent inside the block to every tracker's ``wait_seconds``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        waited = time.perf_counter() - start
+        for t in _TRACKERS:
+            t.wait_seconds += waited
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -83,9 +104,12 @@ class Handle:
         self._call = call
 
     def wait(self) -> None:
+        if not self._works:
+            return
         try:
-            for w in self._works:
-                w.wait()
+            with _blocked():
+                for w in self._works:
+                    w.wait()
         except RuntimeError as e:
             if self._call is None:
                 raise
@@ -98,7 +122,11 @@ def _run(kind: str, nbytes: float, call, async_op: bool,
     _record(kind, nbytes)
     checked = guard.before(kind, group, nbytes)
     try:
-        work = call(async_op)
+        if async_op:
+            work = call(async_op)
+        else:
+            with _blocked():
+                work = call(async_op)
     except RuntimeError as e:
         guard.failed(checked, e)
     if async_op:
@@ -130,13 +158,14 @@ def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool =
                 lambda a: dist.reduce(t, group=group, group_dst=dst, async_op=a), async_op, group)
 
 
-def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """In-place sum over the group."""
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM):
+    """In-place sum (or ``op``) over the group."""
     d = dist.get_world_size(group)
     if d == 1:
         return _done(async_op)
     return _run("all_reduce", 2 * _nbytes(t) * (d - 1) / d,
-                lambda a: dist.all_reduce(t, group=group, async_op=a), async_op, group)
+                lambda a: dist.all_reduce(t, op=op, group=group, async_op=a), async_op, group)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
@@ -494,7 +523,8 @@ def _functional_bytes(name: str, args: tuple) -> tuple[str, float] | None:
 def count_functional_collectives() -> Iterator[None]:
     """Record the collectives DTensor issues (``torch.ops._c10d_functional``, as used by
     ``torch.distributed.tensor.parallel``) in the same counters and by the same byte rule as this
-    module's own, so that every layout of a benchmark is measured one way. Wrap forward and
+    module's own, and the host time spent in them and in their ``wait_tensor`` as
+    ``wait_seconds``, so that every layout of a benchmark is measured one way. Wrap forward and
     backward; the counted ops still run unchanged."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -510,6 +540,8 @@ def count_functional_collectives() -> Iterator[None]:
                 counted = _functional_bytes(name, args)
                 if counted is not None:
                     _record(*counted)
+                with _blocked():  # launching a collective, or waiting for one (wait_tensor)
+                    return func(*args, **(kwargs or {}))
             return func(*args, **(kwargs or {}))
 
     with _Counter():

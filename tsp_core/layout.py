@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from . import metrics
+
 if TYPE_CHECKING:
     from .mesh import TSPMesh
 
@@ -305,4 +307,5 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
                          for row in docs], device=ids.device)
     out["tsp_fingerprint"] = row_fingerprints([meta, ids] + [batch[k].to(ids.device)
                                                              for k in given])
+    metrics.count_tokens(ids.numel(), out["input_ids"].numel())
     return out
