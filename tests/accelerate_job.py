@@ -30,14 +30,16 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
-from tsp_accelerate import TSPAccelerator
+from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 
 import tsp_core
 
 try:  # run as a script from tests/, or imported by the test module
     from hf_models import build, full_grads
+    from metrics_check import StepCounters
 except ImportError:
     from .hf_models import build, full_grads
+    from .metrics_check import StepCounters
 
 
 def rows(n: int) -> torch.Tensor:
@@ -57,13 +59,21 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--round-trip", action="store_true")
+    ap.add_argument("--metrics", action="store_true",
+                    help="log tsp_metrics() every 2 steps to a JSONLinesTracker (out/tracker.jsonl)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", action="append", default=[])
     return ap
 
 
 def train(a) -> Accelerator:
-    accelerator = Accelerator(cpu=True) if a.plain else TSPAccelerator(tsp_size=a.tsp_size)
+    if a.plain:
+        accelerator = Accelerator(cpu=True)
+    else:
+        trackers = [JSONLinesTracker(os.path.join(a.out, "tracker.jsonl"))] if a.metrics else None
+        accelerator = TSPAccelerator(tsp_size=a.tsp_size, log_with=trackers)
+        if a.metrics:
+            accelerator.init_trackers("job")
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     kv_heads = [int(k) for k in a.kv_heads.split(",")]
     models = [build("llama", getattr(torch, a.dtype), kv_heads=k) for k in kv_heads]
@@ -80,8 +90,10 @@ def train(a) -> Accelerator:
     losses = {k: [] for k in kv_heads}
     norms = {k: [] for k in kv_heads}
     grads0: dict = {}
+    counters, metric_rows = StepCounters(), []
 
     def step(batch) -> None:
+        counters.begin()
         for k, model, optimizer in zip(kv_heads, models, optimizers):
             loss = model(**batch).loss
             accelerator.backward(loss)
@@ -91,6 +103,10 @@ def train(a) -> Accelerator:
             optimizer.step()
             optimizer.zero_grad()
             losses[k].append(loss.item())
+        counters.end()
+        if a.metrics and len(counters.steps) % 2 == 0:
+            metric_rows.append(accelerator.tsp_metrics())
+            accelerator.log(metric_rows[-1], step=len(counters.steps))
 
     if a.round_trip:
         for b in batches[:2]:
@@ -115,7 +131,8 @@ def train(a) -> Accelerator:
     rank = accelerator.process_index
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": losses, "norms": norms}, f)
+        json.dump({"losses": losses, "norms": norms, "metric_rows": metric_rows,
+                   "step_counts": counters.steps}, f)
     for k, model in zip(kv_heads, models):
         unwrapped = accelerator.unwrap_model(model)
         if a.plain:

@@ -28,8 +28,10 @@ from tsp_core.parallelize import TSPCausalLM
 
 try:  # run as a script from tests/, or imported by the test module
     from hf_models import build, full_grads
+    from metrics_check import StepCounters
 except ImportError:
     from .hf_models import build, full_grads
+    from .metrics_check import StepCounters
 
 VOCAB, SEQ = 96, 24
 
@@ -114,8 +116,9 @@ def strategy_name(a) -> str:
         return a.strategy
     from lightning.pytorch.strategies import StrategyRegistry
 
-    name = f"tsp_size_{a.tsp_size}"
-    StrategyRegistry.register(name, tsp_lightning.TSPStrategy, override=True, tsp_size=a.tsp_size)
+    name = f"tsp_size_{a.tsp_size}" + ("_no_metrics" if a.metrics_off else "")
+    StrategyRegistry.register(name, tsp_lightning.TSPStrategy, override=True, tsp_size=a.tsp_size,
+                              metrics=not a.metrics_off)
     return name
 
 
@@ -139,6 +142,12 @@ class LitLlama(L.LightningModule):
         self.logged: list[float] = []
         self.engine_norms: list[float] = []
         self.grads0: dict | None = None
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        recorder = next((c for c in self.trainer.callbacks if isinstance(c, RecordSteps)), None)
+        if recorder is not None and self.trainer.training:
+            recorder.counters.begin()
+        return batch
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
@@ -170,6 +179,20 @@ class LitLlama(L.LightningModule):
         return make_optimizer(self.parameters(), self.a)
 
 
+class RecordSteps(L.Callback):
+    """Each step's collectives and tokens (``StepCounters``: from the training batch's transfer,
+    where the strategy shards it, ``LitLlama.on_before_batch_transfer``) and, after the
+    TSPMonitor that runs before it, every row the monitor logged on this rank."""
+
+    def __init__(self, monitor) -> None:
+        self.monitor, self.counters, self.rows = monitor, StepCounters(), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.counters.end()
+        if self.monitor.last and (not self.rows or self.monitor.last is not self.rows[-1]):
+            self.rows.append(self.monitor.last)
+
+
 def full_weights(model) -> dict:
     if isinstance(model, TSPCausalLM):
         return tsp_core.full_state_dict(model, rank0_only=True)
@@ -189,18 +212,31 @@ def run_trainer(a) -> dict:
     callbacks = [L.pytorch.callbacks.ModelCheckpoint(
         dirpath=a.ckpt_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1,
         save_on_train_epoch_end=True)] if a.ckpt_dir else []
+    logger, val = False, None
+    if a.metrics:  # TSP's figures in a CSV file every 2 steps, validation and a checkpoint between
+        monitor = tsp_lightning.TSPMonitor()
+        recorder = RecordSteps(monitor)
+        callbacks = [monitor, recorder, L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=os.path.join(a.out, "ckpt"), every_n_train_steps=3, save_top_k=-1)]
+        logger = L.pytorch.loggers.CSVLogger(a.out, name="csv", version=0)
+        val = DataLoader(data, batch_size=2, collate_fn=collate)
+    elif a.metrics_off:  # a logger, and the strategy's metrics=False: no TSP figures in it
+        logger = L.pytorch.loggers.CSVLogger(a.out, name="csv", version=0)
     trainer = L.Trainer(accelerator="cpu", devices=a.devices, strategy=strategy,
-                        precision=a.precision, max_steps=a.steps, logger=False,
-                        enable_checkpointing=bool(a.ckpt_dir), enable_progress_bar=False,
+                        precision=a.precision, max_steps=a.steps, logger=logger,
+                        enable_checkpointing=bool(a.ckpt_dir or a.metrics),
+                        enable_progress_bar=False, log_every_n_steps=2,
                         enable_model_summary=False, gradient_clip_val=a.clip,
                         use_distributed_sampler=not single, callbacks=callbacks)
     NORMS.clear()
     trainer.fit(module, DataLoader(data, batch_size=2, sampler=sampler, collate_fn=collate),
-                ckpt_path=a.resume)
+                val_dataloaders=val, ckpt_path=a.resume)
     norms = module.engine_norms or list(NORMS)
     weights = full_weights(module.model)
     res = dict(losses=module.losses, logged=module.logged, norms=norms, weights=weights,
                grads0=module.grads0, rank=trainer.global_rank)
+    if a.metrics:
+        res["metric_rows"], res["step_counts"] = recorder.rows, recorder.counters.steps
     if a.evaluate:
         loader = DataLoader(data, batch_size=2, collate_fn=collate)
         res["val"] = trainer.validate(module, loader, verbose=False)[0]["val_loss"]
@@ -261,6 +297,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pattern", action="store_true", help="learnable rows (see Sequences)")
     ap.add_argument("--packed", action="store_true")
     ap.add_argument("--export", default=None)
+    ap.add_argument("--metrics-off", action="store_true",
+                    help="a CSVLogger (out/csv) with TSPStrategy(metrics=False)")
+    ap.add_argument("--metrics", action="store_true",
+                    help="TSPMonitor into a CSVLogger (out/csv), validation each epoch, a "
+                         "checkpoint at step 3; record each step's counters")
     ap.add_argument("--tsp-size", type=int, default=None)
     ap.add_argument("--bad-model", action="store_true")
     ap.add_argument("--out", default=None)
@@ -287,7 +328,8 @@ def main() -> None:
     runs = [(a.out, a)] if not a.case else []
     for spec in a.case:
         name, *extra = shlex.split(spec)
-        runs.append((os.path.join(a.out, name), ap.parse_args([*extra, "--out", a.out])))
+        runs.append((os.path.join(a.out, name),
+                     ap.parse_args([*extra, "--out", os.path.join(a.out, name)])))
     for out, args in runs:
         res = run_trainer(args) if args.mode == "trainer" else run_fabric(args)
         write(res, out)

@@ -98,7 +98,8 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
     sgd = "--dtype float64 --optimizer sgd --lr 0.5 --clip 0.5"
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "4", EXIT_CLEANLY,
-                  JOB, "--out", str(tmp_path), "--case", f"dp2 {sgd} --kv-heads 1",
+                  JOB, "--out", str(tmp_path), "--case", f"dp2 {sgd} --kv-heads 1 --metrics "
+                  f"--round-trip",
                   "--case", f"tsp4 {sgd} --tsp-size 4 --kv-heads 1,2"], TSP_SIZE="2")
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 2" in stdout, stdout
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 4" in stdout, stdout
@@ -111,6 +112,28 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
         for r, rank_run in enumerate(runs):
             hf_models.assert_matches_reference(rank_run, ref, 1e-8, 1e-9,
                                                what=f"{name}, {kv} kv heads, rank {r}: ")
+    assert_logged_metrics(str(tmp_path / "dp2"))
+
+
+def assert_logged_metrics(out: str) -> None:
+    """tsp_metrics() every 2 optimizer steps (save_state and load_state between steps 2-3 and
+    4-5 must not count), against each step's own counters on every rank; rank 0's are what the
+    tracker received."""
+    import glob
+
+    from . import metrics_check
+
+    runs = []
+    for fn in sorted(glob.glob(os.path.join(out, "rank*.json"))):
+        with open(fn) as f:
+            runs.append(json.load(f))
+    for r, run in enumerate(runs):
+        assert len(run["step_counts"]) == 6 and len(run["metric_rows"]) == 3, (r, run)
+        metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 2, f"rank {r}")
+    with open(os.path.join(out, "tracker.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert [row.pop("step") for row in logged] == [2, 4, 6], logged
+    assert logged == runs[0]["metric_rows"], (logged, runs[0]["metric_rows"])
 
 
 def test_packed_batches(tmp_path):

@@ -1,7 +1,7 @@
 """Lightning: Trainer(strategy="tsp") and Fabric(strategy="tsp") match one process in float64 with
 gradient clipping active and plain SGD (norms, first-step gradients, losses, final weights), at
 tsp 2 (processes started by Lightning), dp 2 x tsp 2 and tsp 4 with 1 and 2 key/value heads
-(torchrun); bf16 trains like float32 within bf16's precision; resume is exact; bad
+(torchrun), with TSP's logged figures equal to comm's counters; bf16 trains like float32 within bf16's precision; resume is exact; bad
 configurations fail fast everywhere."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from . import hf_models, launch
+from . import hf_models, launch, metrics_check
 from .lightning_job import SEQ, VOCAB, Sequences, global_batches
 from .reference import assert_close
 
@@ -134,9 +134,11 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
     # and 2 key/value heads; Fabric at dp 2 x tsp 2 (fabric.clip_gradients)
     common = ("--devices", "4", *SGD)
     run_job(str(tmp_path), "--case",
-            " ".join(["trainer_dp2", *common, "--tsp-size", "2", "--kv-heads", "1", "--rows", "8"]),
+            " ".join(["trainer_dp2", *common, "--tsp-size", "2", "--kv-heads", "1", "--rows", "8",
+                      "--metrics"]),
             "--case", " ".join(["trainer_tsp4_kv1", *common, "--tsp-size", "4", "--kv-heads", "1"]),
-            "--case", " ".join(["trainer_tsp4_kv2", *common, "--tsp-size", "4", "--kv-heads", "2"]),
+            "--case", " ".join(["trainer_tsp4_kv2", *common, "--tsp-size", "4", "--kv-heads", "2",
+                                "--metrics-off"]),
             "--case", " ".join(["fabric_dp2", "--mode", "fabric", *common, "--tsp-size", "2",
                                "--kv-heads", "1", "--rows", "8"]), torchrun=4)
     cases = {"trainer_dp2": reference(1, rows=8, dp=2, shuffle=True),
@@ -149,6 +151,28 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
         # Fabric under DoublePrecision hands the forward's output back in the default dtype
         # (float32), for any model: its losses are float32 roundings of the float64 loss
         assert_every_rank(runs, ref, name, loss_tol=1e-7 if name.startswith("fabric") else None)
+    assert_logged_metrics(str(tmp_path / "trainer_dp2"), dp=2)
+    # metrics=False: the logger gets the losses and nothing of TSP's
+    with open(tmp_path / "trainer_tsp4_kv2" / "csv" / "version_0" / "metrics.csv") as f:
+        header = f.readline()
+    assert "train_loss" in header and "tsp/" not in header, header
+
+
+def assert_logged_metrics(out: str, dp: int) -> None:
+    """TSPMonitor's rows (every 2 steps, with validation after step 2 and a checkpoint after step
+    3 in the windows) against each step's own counters, on every rank; rank 0's are the rows the
+    CSVLogger wrote."""
+    import csv
+
+    runs = ranks(out)
+    for r, run in enumerate(runs):
+        assert len(run["metric_rows"]) == 2, (r, run["metric_rows"])
+        metrics_check.assert_windows(run["metric_rows"], run["step_counts"], dp, f"rank {r}")
+    with open(os.path.join(out, "csv", "version_0", "metrics.csv")) as f:
+        written = [{k: float(v) for k, v in row.items() if k.startswith("tsp/") and v}
+                   for row in csv.DictReader(f)]
+    written = [row for row in written if row]
+    assert written == runs[0]["metric_rows"], (written, runs[0]["metric_rows"])
 
 
 def relative_error(a: dict, b: dict, names) -> float:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from . import dist_pool, hf_models, launch
+from . import dist_pool, hf_models, launch, metrics_check
 from .reference import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,15 +112,24 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_lla
     # one torchrun launch of 4 processes, three Trainer runs: dp 2 x tsp 2 (each data-parallel
     # replica its own rows) with 1 key/value head, tsp 4 with 1 and with 2
     torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--out", str(tmp_path), "--case",
-             f"dp2 --tsp_size 2 --rows 16",
+             # TSP's logged figures, with an evaluation after step 2 and a checkpoint after
+             # step 3 that must not count
+             f"dp2 --tsp_size 2 --rows 16 --eval_strategy steps --eval_steps 2 "
+             f"--save_strategy steps --save_steps 3",
              f"tsp4_kv1 --tsp_size 4",
-             f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama}", procs=4)
+             f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama} --tsp_metrics false", procs=4)
     cases = {"dp2": reference(kv_heads=1, dp=2, rows=16), "tsp4_kv1": reference(kv_heads=1, dp=1),
              "tsp4_kv2": reference(kv_heads=2, dp=1)}
     for name, ref in cases.items():
         runs = full_run(tmp_path / name)
         assert len(runs) == 4, name
         assert_every_rank(runs, ref, name)
+    for r, run in enumerate(full_run(tmp_path / "dp2")):
+        assert len(run["metric_rows"]) == 4, run["metric_rows"]
+        metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 2, f"rank {r}")
+    for r, run in enumerate(full_run(tmp_path / "tsp4_kv1")):  # logged, and the same way
+        metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 1, f"tsp 4 rank {r}")
+    assert all(run["metric_rows"] == [] for run in full_run(tmp_path / "tsp4_kv2"))  # switched off
 
 
 def test_packed_batches_with_data_collator_with_flattening(tmp_path, saved_llama):

@@ -29,8 +29,10 @@ from tsp_core.parallelize import TSPCausalLM
 
 try:  # run as a script from tests/, or imported by the test module
     from hf_models import full_grads
+    from metrics_check import StepCounters
 except ImportError:
     from .hf_models import full_grads
+    from .metrics_check import StepCounters
 
 
 @dataclass
@@ -59,15 +61,29 @@ def rows(vocab: int, n: int) -> torch.Tensor:
 
 
 class LogRecorder(TrainerCallback):
+    """The logged losses, gradient norms and TSP figures (``tsp/...``), and each optimizer
+    step's own collectives and tokens (``StepCounters``)."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.metric_rows: list[dict] = []
+        self.counters = StepCounters()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.counters.begin()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.counters.end()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(logs["loss"])
             if "grad_norm" in logs:
                 self.norms.append(logs["grad_norm"])
+            tsp = {k: v for k, v in logs.items() if k.startswith("tsp/")}
+            if tsp:
+                self.metric_rows.append(tsp)
 
 
 def record_first_gradients(trainer) -> dict:
@@ -105,7 +121,8 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
     rank = trainer.args.process_index
     os.makedirs(job.out, exist_ok=True)
     with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"]}, f)
+        json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"],
+                   "metric_rows": log.metric_rows, "step_counts": log.counters.steps}, f)
     if rank == 0:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
         if first:

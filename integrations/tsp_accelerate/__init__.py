@@ -1,5 +1,7 @@
-"""Accelerate adapter: ``TSPAccelerator`` is a drop-in ``Accelerator`` (one changed line)."""
+"""Accelerate adapter: ``TSPAccelerator`` is a drop-in ``Accelerator`` (one changed line);
+``JSONLinesTracker`` logs ``accelerator.log`` values (``tsp_metrics()`` among them) to a file."""
 
 from .accelerator import TSPAccelerator
+from .tracking import JSONLinesTracker
 
-__all__ = ["TSPAccelerator"]
+__all__ = ["JSONLinesTracker", "TSPAccelerator"]

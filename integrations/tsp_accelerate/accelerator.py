@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import tsp_core
 from tsp_core.logits import gather_data_parallel
 from tsp_core.mesh import TSPMesh, check_mesh_shape
+from tsp_core.metrics import StepMetrics
 from tsp_core.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
 
@@ -164,6 +165,8 @@ class TSPAccelerator(Accelerator):
             self.tsp_mesh = TSPMesh.from_device_mesh(mesh, "tp", layout)
         else:  # one process: Accelerate builds no mesh
             self.tsp_mesh = tsp_core.init_mesh(size, layout=layout)
+        self._tsp_meter = StepMetrics(self.tsp_mesh)
+        self._tsp_steps: dict[int, int] = {}  # optimizer steps taken, per prepared optimizer
 
     @property
     def multi_device(self) -> bool:
@@ -187,12 +190,35 @@ class TSPAccelerator(Accelerator):
             if isinstance(obj, torch.optim.Optimizer) and swaps:
                 for group in obj.param_groups:
                     group["params"] = [swaps.get(id(p), p) for p in group["params"]]
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._tsp_steps:
+                self._tsp_steps[id(obj)] = 0
+                obj.register_step_post_hook(self._count_step)
+        if not self._tsp_meter.started:
+            self._tsp_meter.start(0)
         if self.distributed_type == DistributedType.DEEPSPEED:
             import tsp_deepspeed
 
             with tsp_deepspeed.routed():  # Accelerate's own deepspeed.initialize call, with the mpu
                 return super().prepare(*args, device_placement=device_placement)
         return super().prepare(*args, device_placement=device_placement)
+
+    def _count_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        # not while paused: torch.distributed.checkpoint's optimizer state dicts (save_state,
+        # load_state) take a zero-gradient step to create missing state
+        if not self._tsp_meter.paused:
+            self._tsp_steps[id(optimizer)] += 1
+
+    def tsp_metrics(self, group_max: bool = False, steps: int | None = None) -> dict[str, float]:
+        """TSP's figures per optimizer step since the previous call (the first: since
+        ``prepare``), for ``accelerator.log(accelerator.tsp_metrics(), step=...)``: MiB sent,
+        collectives, seconds waiting, tokens/s, peak memory (``tsp_core.metrics``; save_state and
+        load_state left out; wrap your evaluation in ``tsp_core.metrics.paused()``). Steps are
+        the most any prepared optimizer took (or ``steps``, your own count so far: under
+        DeepSpeed the engine steps). ``group_max``: also the largest over all ranks (one small
+        all-reduce). Empty when no step was taken."""
+        taken = steps if steps is not None else max(self._tsp_steps.values(), default=0)
+        return self._tsp_meter.read(taken, group_max)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """One copy per data-parallel replica: the ranks of a TSP group hold the same losses,
@@ -256,6 +282,11 @@ class TSPAccelerator(Accelerator):
         data-parallel size, or into the unmodified model (``tsp_core.load_checkpoint``).
         Registered save-state pre-hooks see the models and their state dicts as usual; models
         whose entry a hook removes are not written."""
+        with tsp_core.metrics.paused():  # not a training step's work
+            return self._save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+
+    def _save_state(self, output_dir: str | None, safe_serialization: bool,
+                    **save_model_func_kwargs: Any):
         if self.distributed_type == DistributedType.DEEPSPEED:  # every rank writes its shards
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         pairs, models = self._checkpoint_pairs(), list(self._models)
@@ -278,6 +309,11 @@ class TSPAccelerator(Accelerator):
         degree and data-parallel size. ``step`` comes back on every rank (Accelerate reads it from
         each rank's RNG file, which ranks beyond the saving world size do not have; they keep
         their RNG state, as in Accelerate)."""
+        with tsp_core.metrics.paused():  # not a training step's work
+            self._load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def _load_state(self, input_dir: str | None, load_kwargs: dict | None,
+                    **load_model_func_kwargs: Any) -> None:
         if self.distributed_type == DistributedType.DEEPSPEED:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         pairs, models = self._checkpoint_pairs(), list(self._models)

@@ -4,6 +4,7 @@ strategies, so importing registers)."""
 
 from .deepspeed import TSPDeepSpeedStrategy
 from .fabric import TSPFabricStrategy
+from .monitor import TSPMonitor
 from .strategy import SUPPORTED_PRECISIONS, TSPStrategy
 
 
@@ -23,4 +24,5 @@ def register() -> None:
 
 register()
 
-__all__ = ["SUPPORTED_PRECISIONS", "TSPDeepSpeedStrategy", "TSPFabricStrategy", "TSPStrategy", "register"]
+__all__ = ["SUPPORTED_PRECISIONS", "TSPDeepSpeedStrategy", "TSPFabricStrategy", "TSPMonitor", "TSPStrategy",
+           "register"]

@@ -23,25 +23,29 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.distributed.device_mesh import init_device_mesh
 
+import tsp_core
+
 from .common import TSPMeshMixin, parallelize_target, shard
+from .monitor import add_monitor
 
 DEEPSPEED_PRECISIONS = ("32-true",)
 
 
 class TSPDeepSpeedStrategy(TSPMeshMixin, DeepSpeedStrategy):
     """``TSPDeepSpeedStrategy(tsp_size=None | "auto" | int, layout="zigzag", tsp_seq_len=None,
-    tsp_memory_gb=None, tsp_model_config=None, **DeepSpeedStrategy arguments)`` (``stage=2`` by
-    default, or ``config=`` a DeepSpeed config). No TSP size means every process of a node;
-    "auto" as in :class:`tsp_lightning.TSPStrategy`; data parallel (and ZeRO) takes the rest."""
+    tsp_memory_gb=None, tsp_model_config=None, metrics=True, **DeepSpeedStrategy arguments)``
+    (``stage=2`` by default, or ``config=`` a DeepSpeed config). No TSP size means every process
+    of a node; "auto" and ``metrics`` as in :class:`tsp_lightning.TSPStrategy` (DeepSpeed's own
+    ZeRO collectives are not TSP's and not counted); data parallel (and ZeRO) takes the rest."""
 
     strategy_name = "tsp_deepspeed"
 
     def __init__(self, tsp_size: Literal["auto"] | int | None = None, layout: str = "zigzag",
                  tsp_seq_len: int | None = None, tsp_memory_gb: float | None = None,
-                 tsp_model_config: Any = None, **kwargs: Any) -> None:
+                 tsp_model_config: Any = None, metrics: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._tensor_parallel_size, self._data_parallel_size = tsp_size, "auto"
-        self._layout = layout
+        self._layout, self._metrics = layout, metrics
         self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
         self.device_mesh = None
 
@@ -76,8 +80,14 @@ class TSPDeepSpeedStrategy(TSPMeshMixin, DeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     def setup(self, trainer) -> None:
+        if self._metrics:
+            add_monitor(trainer)
         parallelize_target(self.lightning_module, self.tsp_mesh)
         super().setup(trainer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        with tsp_core.metrics.paused():  # not a training step's work
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def init_deepspeed(self) -> None:
         with tsp_deepspeed.routed():

@@ -25,6 +25,7 @@ import tsp_core
 
 from . import checkpoint as ckpt
 from .common import SUPPORTED_PRECISIONS, TSPMeshMixin, parallelize_target, shard
+from .monitor import add_monitor
 
 __all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
 
@@ -32,13 +33,15 @@ __all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
 class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     """``TSPStrategy(tsp_size=None | "auto" | int, data_parallel_size="auto" | int,
     save_distributed_checkpoint=True, layout="zigzag", tsp_seq_len=None, tsp_memory_gb=None,
-    tsp_model_config=None)``. No TSP size means every process of a node; "auto" asks the planner
+    tsp_model_config=None, metrics=True)``. No TSP size means every process of a node; "auto" asks the planner
     for the smallest degree inside a node that fits in memory (``tsp_core.plan.auto``: the
     sequence length from ``tsp_seq_len``, ``TSP_SEQ_LEN`` or the model's max_position_embeddings;
     the model's config from the LightningModule's ``model`` set in ``__init__``). Data parallel
     takes the rest. ``save_distributed_checkpoint``: True writes a reshardable sharded directory,
     False one file with full Hugging Face-shaped weights and optimizer state that any strategy
-    loads (``tsp_lightning.checkpoint``)."""
+    loads (``tsp_lightning.checkpoint``). ``metrics``: log TSP's per-step figures (communication,
+    waiting, tokens/s, peak memory) to the Trainer's loggers every ``log_every_n_steps``
+    (:class:`tsp_lightning.TSPMonitor`, added when the Trainer has a logger and no monitor)."""
 
     strategy_name = "tsp"
 
@@ -47,11 +50,12 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
                  save_distributed_checkpoint: bool = True, layout: str = "zigzag",
                  process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, tsp_seq_len: int | None = None,
-                 tsp_memory_gb: float | None = None, tsp_model_config: Any = None) -> None:
+                 tsp_memory_gb: float | None = None, tsp_model_config: Any = None,
+                 metrics: bool = True) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tsp_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._layout = layout
+        self._layout, self._metrics = layout, metrics
         self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
 
     @property
@@ -65,6 +69,8 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
         """ModelParallelStrategy.setup, converting the model instead of requiring
         ``configure_model`` to do it."""
         assert self.model is not None and self.accelerator is not None
+        if self._metrics:
+            add_monitor(trainer)
         self.accelerator.setup(trainer)
         parallelize_target(self.lightning_module, self.tsp_mesh)
         _materialize_distributed_module(self.model, self.root_device)
@@ -103,6 +109,10 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is "
                             f"not supported: the TSP strategy does not use a `CheckpointIO`")
+        with tsp_core.metrics.paused():  # not a training step's work
+            self._save_checkpoint(checkpoint, filepath)
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath) -> None:
         path = Path(self.broadcast(filepath))
         with_optimizers = "optimizer_states" in checkpoint
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}

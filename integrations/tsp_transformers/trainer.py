@@ -22,11 +22,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from tsp_accelerate import TSPAccelerator
 
 import tsp_core
-from tsp_core.parallelize import TSPCausalLM, shard_full_batches
+from tsp_core.metrics import StepMetrics
+from tsp_core.parallelize import TSPCausalLM, get_mesh, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
 from tsp_core.resharding import MARKER as RESHARDABLE_MARKER
 
@@ -46,6 +47,9 @@ class TSPTrainingArguments(TrainingArguments):
     tsp_memory_gb: float | None = field(default=None, metadata={
         "help": "memory per GPU (GB) tsp_size='auto' plans for (default: TSP_MEMORY_GB, else "
                 "detected)"})
+    tsp_metrics: bool = field(default=True, metadata={
+        "help": "add TSP's per-step figures (tsp/comm_mib, tsp/wait_frac, tsp/tokens_per_s, "
+                "peak memory: docs/monitoring.md) to the training logs every logging_steps"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,9 +68,22 @@ def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
                            memory_gb=args.tsp_memory_gb, batch=args.per_device_train_batch_size)
 
 
+class _OpenMetricsWindow(TrainerCallback):
+    """Starts the trainer's metrics window when training starts (or resumes)."""
+
+    def __init__(self, meter: StepMetrics) -> None:
+        self.meter = meter
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.meter.start(state.global_step)
+
+
 class TSPTrainer(Trainer):
     """``Trainer`` with TSP when the resolved ``args.tsp_size`` exceeds 1 (``tsp_choice``);
-    otherwise exactly ``Trainer``."""
+    otherwise exactly ``Trainer``. With ``args.tsp_metrics`` every training log (each
+    ``logging_steps``) also carries TSP's per-step figures since the previous one
+    (``tsp_core.metrics``; evaluation and checkpoint saving left out), so every ``report_to``
+    integration receives them."""
 
     def __init__(self, model=None, args: TSPTrainingArguments | None = None, *rest: Any,
                  **kwargs: Any) -> None:
@@ -82,6 +99,10 @@ class TSPTrainer(Trainer):
                 tsp_core.parallelize(model, mesh)
             shard_full_batches(model)
         super().__init__(model, args, *rest, **kwargs)
+        self._tsp_meter = None
+        if self._tsp and getattr(self.args, "tsp_metrics", False):
+            self._tsp_meter = StepMetrics(get_mesh(self.model))
+            self.add_callback(_OpenMetricsWindow(self._tsp_meter))
         if self._tsp and self.args.label_names is None:
             # the TSP forward also names shift_labels; batches carry "labels" (shifted on the
             # full sequence when the model shards them)
@@ -116,6 +137,21 @@ class TSPTrainer(Trainer):
             # loss is already the global mean and tsp_core sums data-parallel gradients
             loss = loss / (self.accelerator.num_processes // self.get_tp_size())
         return (loss, out[1]) if return_outputs else loss
+
+    # ------------------------------------------------------------------ metrics
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log; a training row (it has ``loss``) also gets TSP's figures."""
+        if self._tsp_meter is not None and "loss" in logs:
+            logs = {**logs, **self._tsp_meter.read(self.state.global_step)}
+        return super().log(logs, *args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        with tsp_core.metrics.paused():  # not a training step's work
+            return super().evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any):
+        with tsp_core.metrics.paused():
+            return super()._save_checkpoint(*args, **kwargs)
 
     # ------------------------------------------------------------------ evaluation
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
