@@ -1,4 +1,5 @@
-"""An ordinary Accelerate training script; TSP is the one changed line (``TSPAccelerator``).
+"""An ordinary Accelerate training script; TSP is the one changed line (``TSPAccelerator``), plus
+an optional one that logs TSP's figures.
 
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_llama.py   (TSP, 2 processes)
     python examples/accelerate_llama.py --plain                                  (the original script)
@@ -9,7 +10,11 @@ torchrun workers, which run on CPU with gloo.)
 The TSP degree is every process unless ``TSPAccelerator(tsp_size=...)`` or
 ``accelerate launch --parallelism_config_tp_size D`` says otherwise. The script trains 4 steps,
 saves the state, trains 2 more, reloads the state and trains those 2 again: the two runs of
-steps 5-6 must be identical. ``--out DIR`` writes the losses and final weights (rank 0).
+steps 5-6 must be identical. ``--out DIR`` writes the losses and final weights (rank 0). With
+TSP, ``accelerator.tsp_metrics()`` (MiB sent, waiting, tokens/s, peak memory per step since its
+previous call) goes to ``accelerator.log`` every step, here into a ``JSONLinesTracker``
+(``DIR/metrics.jsonl``; ``log_with="tensorboard"`` or ``"wandb"`` take it the same way), and
+rank 0 prints the last row.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
-from tsp_accelerate import TSPAccelerator
+from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 
 import tsp_core
 
@@ -44,7 +49,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
-    accelerator = Accelerator() if a.plain else TSPAccelerator()   # <- the one changed line
+    log_with = [JSONLinesTracker(os.path.join(a.out or ".", "metrics.jsonl"))]
+    accelerator = Accelerator(log_with=log_with) if a.plain else TSPAccelerator(log_with=log_with)
+    accelerator.init_trackers("accelerate_llama")
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -60,6 +67,7 @@ def main() -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     batches = iter(loader)
+    figures: list[dict] = []
 
     def train(steps: int, batch_list: list | None = None) -> list[float]:
         losses = []
@@ -70,6 +78,8 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
+            figures.append({} if a.plain else accelerator.tsp_metrics())   # optional, TSP only
+            accelerator.log({"loss": losses[-1], **figures[-1]}, step=len(figures))
         return losses
 
     losses = train(4)
@@ -91,6 +101,8 @@ def main() -> None:
         print(f"processes {accelerator.num_processes}, TSP degree "
               f"{getattr(getattr(accelerator, 'tsp_mesh', None), 'size', 1)}")
         print("losses", " ".join(f"{x:.6f}" for x in losses))
+        if not a.plain:
+            print(tsp_core.metrics.summary(figures[-1]))
         if a.out:
             torch.save(weights, os.path.join(a.out, "weights.pt"))
             with open(os.path.join(a.out, "losses.json"), "w") as f:

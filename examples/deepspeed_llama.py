@@ -4,6 +4,8 @@
 
 runs TSP degree 2 x data parallel 2 with ZeRO stage 2 (``--stage``) on CPU; on GPUs drop
 DS_ACCELERATOR. Batches reach the engine as ``engine(**tsp_core.shard_batch(batch, mesh))``.
+At the end rank 0 prints TSP's figures per step (``tsp_core.metrics.StepMetrics``: MiB sent,
+waiting, tokens/s, peak memory; DeepSpeed's own ZeRO collectives are not TSP's and not counted).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main() -> None:
     mesh = tsp_core.get_mesh(engine.module)
     dp_rank = mesh.device_mesh.get_coordinate()[0]
     gen = torch.Generator().manual_seed(1 + dp_rank)       # each data-parallel replica its data
+    meter = tsp_core.metrics.StepMetrics(mesh)
+    meter.start()
     for step in range(a.steps):
         ids = torch.randint(0, 4096, (2, a.seq), generator=gen)
         loss = engine(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
@@ -46,6 +50,9 @@ def main() -> None:
         engine.step()
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss.item():.4f}")
+    figures = meter.read(a.steps)
+    if dist.get_rank() == 0:
+        print(tsp_core.metrics.summary(figures))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ instead of ``TrainingArguments`` and ``Trainer``; everything else is an ordinary
     python examples/hf_trainer_llama.py                      (tsp_size 1: exactly the plain Trainer)
 
 The model is a small random-init Llama written with save_pretrained first (nothing is
-downloaded); ``--output_dir`` defaults to ./runs/hf_trainer.
+downloaded); ``--output_dir`` defaults to ./runs/hf_trainer. With TSP every training log also
+carries TSP's figures (``tsp/comm_mib``, ``tsp/wait_frac``, ``tsp/tokens_per_s``, peak memory:
+docs/monitoring.md), so ``--report_to tensorboard`` etc. receive them; the last one is printed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def main() -> None:
     data = [{"input_ids": row, "labels": row} for row in ids]
     trainer = TSPTrainer(model=model, args=args, train_dataset=data)   # <- was Trainer
     trainer.train()
+    rows = [log for log in trainer.state.log_history if "tsp/steps" in log]
+    if rows and args.process_index == 0:
+        print(tsp_core.metrics.summary(rows[-1]))
     trainer.save_model(os.path.join(args.output_dir, "final"))   # an ordinary HF checkpoint
 
 

@@ -9,7 +9,9 @@ processes together, TSP and the baselines of ``--baselines`` (default Megatron T
 parallel and context parallel, from ``tsp_core.baselines``) at the same degree. The script prints
 per-step losses, tokens/s (median after warm-up), per-rank peak memory (MemTracker over one extra
 step: parameters, gradients, optimizer state, activations and temporaries; the same tracker for
-every run) and the bytes each rank sent in that step.
+every run), the bytes each rank sent in that step and "wait %": rank 0's host time blocked in
+collectives during another extra step, over the median step (``tsp_core.comm``'s
+``wait_seconds``; DTensor's collectives timed the same way).
 
 Elastic training (docs/checkpointing.md): with ``--checkpoint-dir`` the script trains the TSP model
 only, on batches that depend only on the step number, saves a sharded checkpoint every
@@ -54,7 +56,8 @@ def build(a: argparse.Namespace) -> LlamaForCausalLM:
 def train(model, step_fn, data: list[torch.Tensor], a: argparse.Namespace,
           counting=contextlib.nullcontext):
     """Per-step losses, tokens/s, the peak bytes of one more (tracked) step and the bytes this
-    rank sent in it. ``step_fn(ids)`` runs forward and backward and returns the loss."""
+    rank sent in it, and the host time blocked in collectives in another extra step over the
+    median step. ``step_fn(ids)`` runs forward and backward and returns the loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
 
     def step(ids: torch.Tensor) -> float:
@@ -69,13 +72,16 @@ def train(model, step_fn, data: list[torch.Tensor], a: argparse.Namespace,
         t0 = time.perf_counter()
         losses.append(step(ids))
         times.append(time.perf_counter() - t0)
+    median = statistics.median(times[a.warmup:])
+    with counting(), comm.track() as waited:  # every layout's collectives timed the same way
+        step(data[0])
     tracker = MemTracker()
     tracker.track_external(model, opt)
     with tracker, counting(), comm.track() as sent:
         step(data[0])
     (snap,) = tracker.get_tracker_snapshot("peak").values()
-    return (losses, a.batch * a.seq / statistics.median(times[a.warmup:]), int(snap["Total"]),
-            sent.total_bytes)
+    return (losses, a.batch * a.seq / median, int(snap["Total"]), sent.total_bytes,
+            waited.wait_seconds / median)
 
 
 def backward(loss: torch.Tensor) -> torch.Tensor:
@@ -184,10 +190,11 @@ def main() -> None:
         for name, r in runs[1:]:
             diff = max(abs(x - y) / abs(y) for x, y in zip(r[0], base))
             print(f"max relative loss difference, {name.split(',')[0]}: {diff:.1e}")
-        print(f"{'layout':<28} {'tokens/s':>9} {'MiB sent/step':>14}   peak MiB per rank")
+        print(f"{'layout':<28} {'tokens/s':>9} {'MiB sent/step':>14} {'wait %':>7}   "
+              f"peak MiB per rank")
         for j, (name, r) in enumerate(runs):
             ranks = ", ".join(f"{int(p[j]) / MIB:.1f}" for p in (peaks[:1] if j == 0 else peaks))
-            print(f"{name:<28} {r[1]:>9.0f} {r[3] / MIB:>14.1f}   {ranks}")
+            print(f"{name:<28} {r[1]:>9.0f} {r[3] / MIB:>14.1f} {100 * r[4]:>7.1f}   {ranks}")
 
 
 if __name__ == "__main__":

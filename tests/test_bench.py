@@ -29,6 +29,8 @@ def test_bench_runs_every_layout(tmp_path):
     for r in records:
         assert r["tokens_per_s"] > 0 and len(r["peak_bytes"]) == 2 and min(r["peak_bytes"]) > 0
         assert abs(r["layer_forward_bytes"] / r["formula_layer_forward_bytes"] - 1) < 0.02, r
+        # every layout's collectives are timed, DTensor's too: each waits on some
+        assert r["wait_fraction"] > 0, r
     assert out_png.stat().st_size > 10_000
     for r in records:
         assert f"{r['layout']:<15} {r['seq']:>6}" in run.stdout

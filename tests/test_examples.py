@@ -13,6 +13,7 @@ weights."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -58,24 +59,67 @@ def assert_losses(printed: list[float], ref: list[float], tol: float) -> None:
     assert abs(ref[-1] - ref[0]) > 10 * tol, f"training did not move the loss: {ref}"
 
 
-def test_lightning_example():
-    # `python examples/lightning_llama.py`: Lightning starts 2 processes (TSP 2, dp 1); its
-    # training loader gets Lightning's DistributedSampler (1 replica, shuffled, seed 0)
+def logged_tsp_rows(csv_file) -> list[dict]:
+    """The rows of a Lightning CSVLogger file that carry TSP's figures."""
+    import csv
+
+    with open(csv_file) as f:
+        rows = [{k: float(v) for k, v in row.items() if k.startswith("tsp/") and v}
+                for row in csv.DictReader(f)]
+    return [row for row in rows if row]
+
+
+def assert_tsp_rows(rows: list[dict], steps: int, tokens: int) -> None:
+    """One row per step (logged every step), each of one step of ``tokens`` tokens that sent
+    something; their exactness against comm's counters is tests/metrics_check's."""
+    assert [row["tsp/steps"] for row in rows] == [1.0] * steps, rows
+    for row in rows:
+        assert row["tsp/tokens"] == tokens and row["tsp/comm_mib"] > 0, row
+        assert abs(row["tsp/tokens_per_s"] * row["tsp/step_s"] - tokens) <= 1e-9 * tokens, row
+
+
+def lightning_reference(steps: int, seq: int, shuffle: bool) -> list[float]:
+    """examples/lightning_llama.py's training on one process, its rows in the order of a
+    one-replica DistributedSampler (Lightning's Trainer shuffles with seed 0, Fabric does not)."""
     from torch.utils.data import DistributedSampler
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    steps, seq = 3, 128
-    proc = launch.run([sys.executable, example("lightning_llama.py"), "--steps", str(steps),
-                       "--seq", str(seq)], ranks=2)
-    final = floats(r"final train_loss (\S+)", proc.stdout)
     ids = torch.randint(0, 4096, (64, seq), generator=torch.Generator().manual_seed(0))
-    order = list(DistributedSampler(range(64), num_replicas=1, rank=0, shuffle=True, seed=0))
+    order = list(DistributedSampler(range(64), num_replicas=1, rank=0, shuffle=shuffle, seed=0))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=seq, **BIG))
-    ref = train_reference(model, [ids[order[2 * s:2 * s + 2]] for s in range(steps)], 3e-4, 0.01,
-                          clip=1.0)
+    return train_reference(model, [ids[order[2 * s:2 * s + 2]] for s in range(steps)], 3e-4,
+                           0.01, clip=1.0)
+
+
+def test_lightning_example(tmp_path):
+    # `python examples/lightning_llama.py`: Lightning starts 2 processes (TSP 2, dp 1); its
+    # training loader gets Lightning's DistributedSampler (1 replica, shuffled, seed 0). The
+    # strategy's TSPMonitor writes TSP's figures to the CSVLogger every step
+    steps, seq = 3, 128
+    proc = launch.run([sys.executable, example("lightning_llama.py"), "--steps", str(steps),
+                       "--seq", str(seq), "--log-dir", str(tmp_path)], ranks=2)
+    final = floats(r"final train_loss (\S+)", proc.stdout)
+    ref = lightning_reference(steps, seq, shuffle=True)
     assert abs(final[-1] - ref[-1]) <= 1e-4, (final, ref)   # printed with 4 decimals
     assert abs(ref[-1] - ref[0]) > 1e-3, ref
+    assert "tsp metrics (this rank): 1 steps" in proc.stdout, proc.stdout[-2000:]
+    assert_tsp_rows(logged_tsp_rows(tmp_path / "trainer" / "version_0" / "metrics.csv"), steps,
+                    2 * seq)
+
+
+def test_lightning_fabric_example(tmp_path):
+    # `python examples/lightning_llama.py --fabric`: the same training as a Fabric loop (its
+    # injected sampler keeps the loader's order), fabric.log_dict with TSP's figures every step
+    steps, seq = 3, 128
+    proc = launch.run([sys.executable, example("lightning_llama.py"), "--fabric", "--steps",
+                       str(steps), "--seq", str(seq), "--log-dir", str(tmp_path)], ranks=2)
+    final = floats(r"final train_loss (\S+)", proc.stdout)
+    ref = lightning_reference(steps, seq, shuffle=False)
+    assert abs(final[-1] - ref[-1]) <= 1e-4, (final, ref)
+    assert "tsp metrics (this rank): 1 steps" in proc.stdout, proc.stdout[-2000:]
+    assert_tsp_rows(logged_tsp_rows(tmp_path / "fabric" / "version_0" / "metrics.csv"), steps,
+                    2 * seq)
 
 
 def test_deepspeed_example():
@@ -88,6 +132,7 @@ def test_deepspeed_example():
                                       str(steps), "--seq", str(seq)), ranks=4,
                       DS_ACCELERATOR="cpu")
     printed = floats(r"step \d+ loss (\S+)", proc.stdout)
+    assert f"tsp metrics (this rank): {steps} steps" in proc.stdout, proc.stdout[-2000:]
     gens = [torch.Generator().manual_seed(1 + dp_rank) for dp_rank in range(2)]
     batches = [torch.cat([torch.randint(0, 4096, (2, seq), generator=g) for g in gens])
                for _ in range(steps)]
@@ -105,6 +150,11 @@ def test_accelerate_example(tmp_path):
     proc = launch.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2",
                        example("accelerate_llama.py"), "--out", str(tmp_path)], ranks=2)
     assert "processes 2, TSP degree 2" in proc.stdout, proc.stdout
+    assert "tsp metrics (this rank): 1 steps" in proc.stdout, proc.stdout[-2000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    assert [row["step"] for row in logged] == list(range(1, 9)), logged
+    assert_tsp_rows(logged, 8, 2 * 64)     # 4 + 2 steps, then the 2 steps again after load_state
     (line,) = re.findall(r"^losses (.*)$", proc.stdout, re.M)
     printed = [float(v) for v in line.split()]
     ids = torch.randint(0, 128, (32, 64), generator=torch.Generator().manual_seed(1))
@@ -132,6 +182,7 @@ def test_hf_trainer_example_with_gradient_accumulation(tmp_path):
                                      "--per_device_train_batch_size", "1",
                                      "--gradient_accumulation_steps", "2",
                                      "--output_dir", str(tmp_path / "tsp")), ranks=2)
+    assert "tsp metrics (this rank): 1 steps" in tsp.stdout, tsp.stdout[-2000:]
     ref, got = trainer_logs(plain.stdout), trainer_logs(tsp.stdout)
     assert len(ref) == len(got) == 2, (plain.stdout[-2000:], tsp.stdout[-2000:])
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, ref)):
@@ -167,4 +218,8 @@ def test_main_job():
         assert abs(float(tsp) - float(hf)) <= 1e-5 * float(hf), f"step {step}: {tsp} vs {hf}"
     assert float(rows[-1][1]) != float(rows[0][1])
     assert "TSP, 2 processes" in proc.stdout
+    # tokens/s, MiB sent/step, wait % (some: the ranks exchange K/V and weights), peak MiB/rank
+    (wait,) = re.findall(r"^TSP, 2 processes\s+\d+\s+[\d.]+\s+([\d.]+)\s+[\d.]+, [\d.]+$",
+                         proc.stdout, re.M)
+    assert float(wait) > 0, proc.stdout
 

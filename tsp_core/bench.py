@@ -61,6 +61,7 @@ class BenchRecord:
     formula_layer_forward_bytes: float       # DESIGN 5
     step_bytes: float                        # measured, one whole training step
     step_calls: int
+    wait_fraction: float                     # host time blocked in collectives / median step
     loss: float
     device: str
     extra: dict[str, Any] = field(default_factory=dict)
@@ -115,6 +116,10 @@ def _measure(cfg: BenchConfig, layout_label: str, seq: int, device: torch.device
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     times = times[cfg.warmup - 1:]
+    # the host time blocked in collectives, in one more step with every layout's collectives
+    # timed (DTensor's through the counting mode), over the median timed step
+    with pm.counting(), comm.track() as waited:
+        step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         step()
@@ -134,7 +139,8 @@ def _measure(cfg: BenchConfig, layout_label: str, seq: int, device: torch.device
         spec.label, spec.name, spec.tp, spec.cp, spec.degree, seq, cfg.batch,
         cfg.batch * seq / statistics.median(times), times, [int(p) for p in peaks],
         layer_stats.total_bytes, formula * torch.finfo(dtype).bits / 8, step_stats.total_bytes,
-        sum(step_stats.calls.values()), loss, device.type)
+        sum(step_stats.calls.values()), waited.wait_seconds / statistics.median(times), loss,
+        device.type)
 
 
 def _worker(rank: int, degree: int, cases: list, measure: Callable, init_file: str,
@@ -242,12 +248,13 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> list[Bench
     return run_on_processes(cfg.degree, cases, partial(_measure_case, cfg), format_row, progress)
 
 
-HEADER = (f"{'layout':<15} {'seq':>6} {'tokens/s':>9} {'peak MiB/rank':>14} "
+HEADER = (f"{'layout':<15} {'seq':>6} {'tokens/s':>9} {'wait %':>6} {'peak MiB/rank':>14} "
           f"{'layer fwd MiB':>13} {'formula':>8} {'step MiB':>9}")
 
 
 def format_row(r: BenchRecord) -> str:
-    return (f"{r.layout:<15} {r.seq:>6} {r.tokens_per_s:>9.0f} {max(r.peak_bytes) / MIB:>14.1f} "
+    return (f"{r.layout:<15} {r.seq:>6} {r.tokens_per_s:>9.0f} {100 * r.wait_fraction:>6.1f} "
+            f"{max(r.peak_bytes) / MIB:>14.1f} "
             f"{r.layer_forward_bytes / MIB:>13.3f} {r.formula_layer_forward_bytes / MIB:>8.3f} "
             f"{r.step_bytes / MIB:>9.1f}")
 
@@ -261,19 +268,22 @@ def to_json(records: list[BenchRecord], cfg: BenchConfig) -> dict:
 
 
 def plot(records: list[BenchRecord], path: str) -> None:
-    """Peak memory per rank and tokens/s against sequence length, one line per layout."""
+    """Peak memory per rank, tokens/s and the fraction of a step spent waiting on collectives
+    against sequence length, one line per layout."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_mem, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_mem, ax_tps, ax_wait) = plt.subplots(1, 3, figsize=(16, 4))
     for label in dict.fromkeys(r.layout for r in records):
         rs = sorted((r for r in records if r.layout == label), key=lambda r: r.seq)
         seqs = [r.seq for r in rs]
         ax_mem.plot(seqs, [max(r.peak_bytes) / MIB for r in rs], marker="o", label=label)
         ax_tps.plot(seqs, [r.tokens_per_s for r in rs], marker="o", label=label)
-    for ax, title in ((ax_mem, "peak memory per rank (MiB)"), (ax_tps, "tokens/s")):
+        ax_wait.plot(seqs, [100 * r.wait_fraction for r in rs], marker="o", label=label)
+    for ax, title in ((ax_mem, "peak memory per rank (MiB)"), (ax_tps, "tokens/s"),
+                      (ax_wait, "waiting on collectives (% of a step)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_title(title)
