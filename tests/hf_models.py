@@ -8,7 +8,9 @@ import torch.nn.functional as F
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
-FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
+FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3")
+# the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
+BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 
 
 def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):
@@ -34,6 +36,16 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
     elif family == "qwen2":        # q/k/v biases; layer 1 uses a sliding window
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, use_sliding_window=True,
                                              sliding_window=9, max_window_layers=1, **common))
+    elif family == "qwen3":        # per-head q/k norms (weights not ones), head_dim 24 (not
+        from transformers import Qwen3Config, Qwen3ForCausalLM   # 64/4), biases, a sliding layer
+
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=96, head_dim=24, attention_bias=True,
+                                             use_sliding_window=True, sliding_window=9,
+                                             max_window_layers=1, **common))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "bias")):
+                    p.add_(0.1 * torch.randn(p.shape))
     else:
         raise ValueError(family)
     return model.to(dtype)

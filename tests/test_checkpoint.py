@@ -69,10 +69,12 @@ def round_trip(family: str, tsp: int, path: str) -> dict:
                                                f"(tsp {D}, dp {dp})")
 
     total = sum(t.numel() for t in ref.parameters())  # a tied weight counts once
-    norms = sum(t.numel() for n, t in ref.named_parameters() if "norm" in n)
+    # replicated on every rank: the norms (Qwen3's per-head q/k norms too) and o_proj's bias
+    replicated = sum(t.numel() for n, t in ref.named_parameters()
+                     if "norm" in n or n.endswith("o_proj.bias"))
     local_params = sum(local(t).numel() for t in model.parameters())
     dist.barrier()
-    return dict(read=read, total=total, norms=norms, local=local_params)
+    return dict(read=read, total=total, replicated=replicated, local=local_params)
 
 
 def counting_disk_reads(fn, *args) -> dict:
@@ -124,14 +126,15 @@ def counting_disk_reads(fn, *args) -> dict:
         safetensors.safe_open = real
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-tied", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tsp", [2, 4])
 def test_round_trip_and_sliced_reads(pool, tmp_path, family, tsp):
     results = pool.run(counting_disk_reads, round_trip, family, tsp, str(tmp_path / "ckpt"))
     cfg = hf_models.build(family, torch.float32).config
-    h, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    h = cfg.hidden_size
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     layers, nkv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    kv_width = h + (1 if family == "qwen2" else 0)  # weight columns + bias
+    kv_width = h + (1 if family in ("qwen2", "qwen3") else 0)  # weight columns + bias
     vocab_tables = 1 if cfg.tie_word_embeddings else 2
 
     def rows(n: int, p: int) -> int:
@@ -143,12 +146,12 @@ def test_round_trip_and_sliced_reads(pool, tmp_path, family, tsp):
     kv_full, vocab_full = layers * 2 * nkv * d * kv_width, cfg.vocab_size * h * vocab_tables
     for rank, res in enumerate(results):  # every rank (tsp innermost: TSP rank = rank % tsp)
         p = rank % tsp
-        sharded = res["total"] - res["norms"] - kv_full - vocab_full
+        sharded = res["total"] - res["replicated"] - kv_full - vocab_full
         # k and v: 1/D of the rows, also with nkv < D (a slice of a head, never a copy)
-        stored = (sharded // tsp + res["norms"] + layers * 2 * rows(nkv * d, 0) * kv_width
+        stored = (sharded // tsp + res["replicated"] + layers * 2 * rows(nkv * d, 0) * kv_width
                   + rows(cfg.vocab_size, 0) * h * vocab_tables)
         assert res["local"] == stored, (rank, res, stored)
         # what each rank read from disk: its slices plus the replicated norms, never the whole file
-        read = (sharded // tsp + res["norms"] + layers * 2 * rows(nkv * d, p) * kv_width
+        read = (sharded // tsp + res["replicated"] + layers * 2 * rows(nkv * d, p) * kv_width
                 + rows(cfg.vocab_size, p) * h * vocab_tables)
         assert res["read"] == res["disk_elements"] == read, (rank, res, read)

@@ -1,6 +1,7 @@
 """Whole Hugging Face models under TSP: 5 AdamW steps give the losses and the final full state dict
 of the unmodified model on one process (Llama, tied Llama, Mistral with a sliding window, Qwen2
-with biases and a sliding layer) at world sizes 1, 2, 4 and dp 2 x tsp 2."""
+with biases and a sliding layer, Qwen3 with per-head q/k norms, head_dim unlike hidden/heads, and
+1 key/value head) at world sizes 1, 2, 4 and dp 2 x tsp 2."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ def batches(vocab: int, rows: int, seq: int, steps: int):
         yield ids, labels
 
 
-def train_parity(family: str, tsp: int, dtype_name: str, seq: int, steps: int = 5) -> list[float]:
+def train_parity(family: str, tsp: int, dtype_name: str, seq: int, steps: int = 5,
+                 kv_heads: int | None = None) -> list[float]:
     dtype = getattr(torch, dtype_name)
     loss_tol, sd_tol = (1e-9, 1e-8) if dtype == torch.float64 else (1e-4, 1e-4)
     mesh = dist_pool.mesh(tsp)
     dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
-    ref = hf_models.build(family, dtype)
+    ref = hf_models.build(family, dtype, kv_heads=kv_heads)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     assert tsp_core.get_mesh(model) is mesh
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -77,6 +79,14 @@ def test_training_parity_float32(pools, family, world, tsp):
     pools.of(world).run(train_parity, family, tsp, "float32", 24)
 
 
+@pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
+def test_qwen3_one_kv_head(pools, world, tsp):
+    # Qwen3's per-head k norm on a key/value head split over 2 or 4 ranks (each a slice of its
+    # rows): the norm's weight gradient summed once per head, not once per round
+    losses = pools.of(world).run(train_parity, "qwen3", tsp, "float64", 24, 5, 1)
+    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+
+
 def test_padding_and_ignored_labels(pools):
     # 21 tokens: padded to 24 at tsp 2 and 4; the loss is HF's on the unpadded 21 tokens
     pools.of(4).run(train_parity, "llama", 4, "float64", 21, 2)
@@ -91,7 +101,7 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['llama', 'mistral', 'qwen2'\]\. Describe its module names"),
+         r"\['llama', 'mistral', 'qwen2', 'qwen3'\]\. Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
                                       num_key_value_heads=6)),
@@ -112,6 +122,23 @@ def bad_models() -> list[str]:
         assert not stats.calls, "a collective ran before the error"
         assert model.state_dict().keys() == before.keys(), "the model was changed before the error"
         msgs.append(str(e.value))
+    # OLMo 2's q/k norms span all heads of a token (one statistic over every head group): a
+    # policy naming them as per-head norms is refused, naming the shapes
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    from tsp_core.policies import DecoderPolicy
+
+    olmo = Olmo2ForCausalLM(Olmo2Config(vocab_size=32, hidden_size=64, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=4))
+    per_head = DecoderPolicy(name="olmo2-as-per-head", model_types=(),
+                             layer_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+                             head_norms=("q_norm", "k_norm"))
+    with tsp_core.comm.track() as stats, pytest.raises(
+            ValueError, match=r"layer 0: q/k norm weights of shapes \[\(64,\), \(64,\)\]; TSP "
+                              r"implements per-head norms over head_dim \(16,\) only"):
+        tsp_core.parallelize(olmo, mesh, policy=per_head)
+    assert not stats.calls
     model = tsp_core.parallelize(hf_models.build("llama", torch.float64), mesh)
     with pytest.raises(ValueError, match="already parallelized"):
         tsp_core.parallelize(model, mesh)

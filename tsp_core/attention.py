@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from . import comm, flash, rope
 from .layout import row_segments
 from .mesh import TSPMesh
+from .norm import rms_norm
 from .packing import FlatPack
 from .params import (
     REPLICATED,
@@ -61,6 +62,7 @@ class AttentionSpec:
     causal: bool = True
     sliding_window: int | None = None
     scale: float | None = None
+    qk_norm_eps: float | None = None   # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     @property
     def local_heads(self) -> int:
@@ -206,6 +208,27 @@ class _Shards:
         return self.kv_pack.unpack(out)
 
 
+def _split_norms(weights: Sequence[torch.Tensor], spec: AttentionSpec):
+    """(projection weights, (q_norm weight, k_norm weight) or (None, None))."""
+    if spec.qk_norm_eps is None:
+        return list(weights), (None, None)
+    return list(weights[:-2]), tuple(weights[-2:])
+
+
+def _head_norm(t: torch.Tensor, weight: torch.Tensor | None, spec: AttentionSpec) -> torch.Tensor:
+    return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps)
+
+
+def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec,
+                        grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the per-head norm w.r.t. its input ``pre`` (recomputed, not saved: DESIGN 4)
+    and its weight, by autograd over the forward's own ops."""
+    with torch.enable_grad():
+        pre = pre.detach().requires_grad_()
+        weight = weight.detach().requires_grad_()
+        return torch.autograd.grad(rms_norm(pre, weight, spec.qk_norm_eps), (pre, weight), grad)
+
+
 class _TSPAttentionFn(torch.autograd.Function):
     """Round r uses rank r's query heads; with nkv < D, rounds r of one key/value head
     (``kv_replicas`` consecutive rounds) share that head's K/V: it is computed, gathered (and in
@@ -217,7 +240,8 @@ class _TSPAttentionFn(torch.autograd.Function):
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
         D, R = spec.tsp_size, spec.kv_replicas
         groups = _row_groups(docs, L * D, dist.get_rank(group), spec)
-        shards = _Shards(weights, spec, group)
+        proj, (qn, kn) = _split_norms(weights, spec)
+        shards = _Shards(proj, spec, group)
         q_all = x.new_empty(D, B, nq, L, d)
         kv_all = x.new_empty(D // R, 2, B, nkv, L, d)
         out_all = x.new_empty(D, B, nq, L, d)
@@ -228,9 +252,10 @@ class _TSPAttentionFn(torch.autograd.Function):
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
             j, first, last = r // R, r % R == 0, r % R == R - 1
-            q_all[r] = rope.apply(_heads(F.linear(x, wq, bq), nq), cos, sin)
+            q_all[r] = rope.apply(_head_norm(_heads(F.linear(x, wq, bq), nq), qn, spec), cos, sin)
             if first:
-                kv_all[j, 0] = rope.apply(_heads(F.linear(x, wk, bk), nkv), cos, sin)
+                kv_all[j, 0] = rope.apply(_head_norm(_heads(F.linear(x, wk, bk), nkv), kn, spec),
+                                          cos, sin)
                 kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
             for i, g in enumerate(groups):
                 if first:
@@ -254,8 +279,10 @@ class _TSPAttentionFn(torch.autograd.Function):
         spec, group, groups = ctx.spec, ctx.group, ctx.groups
         x, cos, sin, q_all, kv_all, out_all, lse_all, *weights = ctx.saved_tensors
         B, L, h = x.shape
-        nq, R = spec.local_heads, spec.kv_replicas
-        shards = _Shards(weights, spec, group)
+        nq, nkv, R = spec.local_heads, spec.local_kv_heads, spec.kv_replicas
+        proj, (qn, kn) = _split_norms(weights, spec)
+        norm_grads = [None, None]  # q_norm, k_norm: summed over the rounds
+        shards = _Shards(proj, spec, group)
         kv_grads = shards.kv_grad_buffers() if shards.sliced else []
         dy = dy.contiguous()
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
@@ -266,7 +293,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         gathered: dict[int, torch.Tensor] = {}
         dkv_sum: dict[int, torch.Tensor] = {}
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
-            wq, wk, wv, wo, *_ = shards.unpack(r, buf)
+            wq, wk, wv, wo, bq, bk, _ = shards.unpack(r, buf)
             j, first, last = r // R, r % R == 0, r % R == R - 1
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
@@ -287,14 +314,22 @@ class _TSPAttentionFn(torch.autograd.Function):
                         dkv_sum.pop(i), group, 3, spec.layout, g.docs)))
             dq = _by_rows(dq_parts, q_all[r])
             del dq_parts
-            dq = _flat(rope.apply_backward(dq, cos, sin)).reshape(B * L, -1)
+            dq = rope.apply_backward(dq, cos, sin)
+            if qn is not None:
+                dq, g = _head_norm_backward(_heads(F.linear(x, wq, bq), nq), qn, spec, dq)
+                norm_grads[0] = g if norm_grads[0] is None else norm_grads[0] + g
+            dq = _flat(dq).reshape(B * L, -1)
             dx2.addmm_(dq, wq)
             grads = [dq.t() @ x2, None, None, dy2.t() @ _flat(o).reshape(B * L, -1),
                      dq.sum(0) if shards.bias else None, None, None]
             if last:
                 dkv = _by_rows(dkv_parts, kv_all[j])
                 del dkv_parts
-                dk = _flat(rope.apply_backward(dkv[0], cos, sin)).reshape(B * L, -1)
+                dk = rope.apply_backward(dkv[0], cos, sin)
+                if kn is not None:
+                    dk, g = _head_norm_backward(_heads(F.linear(x, wk, bk), nkv), kn, spec, dk)
+                    norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
+                dk = _flat(dk).reshape(B * L, -1)
                 dv = _flat(dkv[1]).reshape(B * L, -1)
                 dx2.addmm_(dk, wk).addmm_(dv, wv)
                 grads[1:3] = [dk.t() @ x2, dv.t() @ x2]
@@ -322,6 +357,8 @@ class _TSPAttentionFn(torch.autograd.Function):
             grads = [gq, gk, gv, go] + ([gbq[0], gb[0], gb[1]] if shards.bias else [])
         else:
             grads = own
+        if qn is not None:
+            grads = [*grads, *norm_grads]
         return (dx, None, None, None, None, None, None, *grads)
 
 
@@ -345,7 +382,8 @@ class TSPAttention(ShardedModule):
     even 1/D slice of the key/value rows instead, so no weight is stored twice), and the matching
     columns of o_proj. Parameters carry Hugging Face names and shapes: ``q_proj.weight``
     [nq*d, h], ``k_proj.weight``, ``v_proj.weight`` [nkv*d, h], ``o_proj.weight`` [h, nq*d],
-    optional biases.
+    optional biases, and with ``qk_norm_eps`` the per-head RMSNorm weights ``q_norm.weight``,
+    ``k_norm.weight`` [d] (replicated; applied to every query/key head before RoPE, Qwen3).
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
@@ -356,7 +394,8 @@ class TSPAttention(ShardedModule):
                  num_kv_heads: int | None = None, head_dim: int | None = None, *,
                  qkv_bias: bool = False, o_bias: bool = False, rope_theta: float = 10000.0,
                  causal: bool = True, sliding_window: int | None = None,
-                 scale: float | None = None, dtype: torch.dtype | None = None,
+                 scale: float | None = None, qk_norm_eps: float | None = None,
+                 dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -368,7 +407,7 @@ class TSPAttention(ShardedModule):
         check_attention_shape(mesh.size, hidden_size, num_heads, num_kv_heads, head_dim)
         self.mesh = mesh
         self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
-                                  mesh.layout, causal, sliding_window, scale)
+                                  mesh.layout, causal, sliding_window, scale, qk_norm_eps)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -378,16 +417,20 @@ class TSPAttention(ShardedModule):
             self.full_shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         if o_bias:
             self.full_shapes["o_proj.bias"] = (hidden_size,)
-        self._create(init_full(self.full_shapes, init_seed, dtype, device))
+        if qk_norm_eps is not None:
+            self.full_shapes.update({n: (head_dim,) for n in self.NORMS})
+        self._create(init_full(self.full_shapes, init_seed, dtype, device, ones=self.NORMS))
 
     def extra_repr(self) -> str:
         s = self.spec
         return (f"hidden_size={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
                 f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={s.sliding_window}")
 
+    NORMS = ("q_norm.weight", "k_norm.weight")
+
     def shard_spec(self, name: str, rank: int) -> ShardSpec:
         s = self.spec
-        if name == "o_proj.bias":
+        if name == "o_proj.bias" or name in self.NORMS:
             return REPLICATED
         if name.startswith(("k_proj", "v_proj")) and s.kv_replicas > 1:
             return chunk_spec(s.num_kv_heads * s.head_dim, rank, s.tsp_size)  # see _Shards
@@ -431,7 +474,10 @@ class TSPAttention(ShardedModule):
                 raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match "
                                  f"the input's [batch, local_seq] = {tuple(x.shape[:2])}")
             position_embeddings = rope.cos_sin(position_ids, self.inv_freq, 1.0, x.dtype)
-        x, weights, context = schedule_inputs(self, self._weight_names(), x)
+        norms = list(self.NORMS) if s.qk_norm_eps is not None else []
+        x, weights, context = schedule_inputs(self, self._weight_names() + norms, x)
+        if norms:  # replicated: every rank normalises its own tokens, gradients summed
+            weights[-2:] = [comm.sum_grad(w, self.mesh.group) for w in weights[-2:]]
         cos, sin = (t.to(x.dtype) for t in position_embeddings)
         with context:
             y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)

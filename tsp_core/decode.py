@@ -39,7 +39,7 @@ from . import comm, layout
 from .attention import TSPAttention
 from .mesh import TSPMesh
 from .mlp import TSPGatedMLP, _act
-from .norm import TSPRMSNorm
+from .norm import TSPRMSNorm, rms_norm
 from .params import local
 from .vocab import TSPEmbedding, TSPLMHead
 
@@ -298,8 +298,13 @@ def _attention_step(parts: _Parts, i: int, layer: _Layer, x: torch.Tensor, cos: 
     def heads(t: torch.Tensor, n: int) -> torch.Tensor:              # rank order -> [B, n, 1, d]
         return t.permute(1, 0, 2).reshape(B, -1)[:, :n * d].reshape(B, n, 1, d)
 
-    q_all = rope.apply(heads(q_all, D * nq), cos, sin)[:, :, 0]       # [B, nq_total, d]
-    k_all = rope.apply(heads(k_all, spec.num_kv_heads), cos, sin)[:, :, 0]
+    q_all = heads(q_all, D * nq)
+    k_all = heads(k_all, spec.num_kv_heads)
+    if spec.qk_norm_eps is not None:                                  # per-head norms (Qwen3)
+        q_all = rms_norm(q_all, w["q_norm.weight"], spec.qk_norm_eps)
+        k_all = rms_norm(k_all, w["k_norm.weight"], spec.qk_norm_eps)
+    q_all = rope.apply(q_all, cos, sin)[:, :, 0]                      # [B, nq_total, d]
+    k_all = rope.apply(k_all, cos, sin)[:, :, 0]
     v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
     if slot is not None:                                              # this rank's turn
         cache.keys[i][:, :, slot] = k_all

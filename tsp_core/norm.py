@@ -27,7 +27,13 @@ class TSPRMSNorm(ShardedModule):
         return REPLICATED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return local_replicated(self.weight, self.mesh) * x32.to(dtype)
+        return rms_norm(x, local_replicated(self.weight, self.mesh), self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm over the last dim: normalised in float32 whatever the input
+    dtype, cast back, then scaled (also the per-head q/k norm of Qwen3)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)

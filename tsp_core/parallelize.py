@@ -191,7 +191,36 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
         if not hasattr(base, name):
             raise ValueError(f"{type(model).__name__}.{policy.base_model} has no {name!r}; the "
                              f"policy {policy.name!r} does not describe this model")
+    _check_head_norms(model, policy, head_dim)
     rope.length_dependent_rotaries(model)  # raises for one TSP cannot give the global length
+
+
+def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
+    """The epsilon of the attention's per-head q/k norms (None: the family has none)."""
+    if policy.head_norms is None:
+        return None
+    q_norm, k_norm = (getattr(attn, n) for n in policy.head_norms)
+    return q_norm.variance_epsilon
+
+
+def _check_head_norms(model: nn.Module, policy: DecoderPolicy, head_dim: int) -> None:
+    """Per-head q/k norms are what TSP implements: one weight of head_dim, the same eps."""
+    if policy.head_norms is None:
+        return
+    for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
+        attn = getattr(layer, policy.attention)
+        norms = [getattr(attn, n, None) for n in policy.head_norms]
+        if any(n is None for n in norms):
+            raise ValueError(f"layer {i}: the policy {policy.name!r} names q/k norms "
+                             f"{policy.head_norms} that the attention does not have")
+        shapes = [tuple(n.weight.shape) for n in norms]
+        if shapes != [(head_dim,)] * 2:
+            raise ValueError(f"layer {i}: q/k norm weights of shapes {shapes}; TSP implements "
+                             f"per-head norms over head_dim ({head_dim},) only (a norm over all "
+                             f"heads of a token needs every head group at once)")
+        if norms[0].variance_epsilon != norms[1].variance_epsilon:
+            raise ValueError(f"layer {i}: q_norm eps ({norms[0].variance_epsilon}) and k_norm eps "
+                             f"({norms[1].variance_epsilon}) differ")
 
 
 def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None) -> nn.Module:
@@ -230,7 +259,8 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
         replace(layer, policy.attention, HFTSPAttention(
             mesh, c.hidden_size, nq, nkv, head_dim, qkv_bias=attn.q_proj.bias is not None,
             o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
-            scale=attn.scaling, init_seed=None, **opts))
+            scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn), init_seed=None,
+            **opts))
         mlp = getattr(layer, policy.mlp)
         replace(layer, policy.mlp, TSPGatedMLP(
             mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[c.hidden_act],

@@ -213,6 +213,12 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None) -> Pa
     when not given)."""
     if spec.name != "tsp":
         check_tensor_parallel(model.config, spec.tp)  # before any collective
+        if spec.tp > 1 and find_policy(model).head_norms:
+            raise NotImplementedError(
+                f"layout {spec.label}: {type(model).__name__}'s per-head q/k norms are one weight "
+                f"used by tensor-parallel ranks that hold different heads; the baselines do not "
+                f"sum its gradient over the tp group (TSP does): compare a family without them, "
+                f"or cp alone")
         ropes = [m for m in model.modules() if length_dependent_types(m)]
         if spec.cp > 1 and ropes:  # each context-parallel rank would use its own longest position
             raise NotImplementedError(

@@ -17,7 +17,8 @@ def _no_window(config: Any, attention: nn.Module) -> int | None:
 @dataclass(frozen=True)
 class DecoderPolicy:
     """Module names of one decoder-only family (defaults: the Llama layout shared by Mistral and
-    Qwen2) and how to read a layer's sliding window."""
+    Qwen2), how to read a layer's sliding window, and the hooks the TSP modules call: per-head
+    q/k norms (``head_norms``: the attention's module names, each an RMSNorm over head_dim)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -31,6 +32,7 @@ class DecoderPolicy:
     mlp: str = "mlp"
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     sliding_window: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
+    head_norms: tuple[str, str] | None = None  # the attention's per-head q/k RMSNorms (Qwen3)
 
 
 _POLICIES: dict[str, DecoderPolicy] = {}
@@ -60,4 +62,4 @@ def find_policy(model: nn.Module) -> DecoderPolicy:
         f"tsp_core.policies.register_policy(...)")
 
 
-from . import llama, mistral, qwen2  # noqa: E402,F401  (each registers its family)
+from . import llama, mistral, qwen2, qwen3  # noqa: E402,F401  (each registers its family)
