@@ -20,6 +20,10 @@ Decode needs no weight to move: a TSP rank already holds what tensor parallelism
 The embedding (rows of the vocabulary: a masked lookup and an all-reduce) and the LM head (this
 rank's vocabulary logits, all-gathered) are the model's own vocabulary shards.
 
+Prefill and every decode step run the model's own Hugging Face forward (embedding scale, norms,
+residuals, per-layer rotary embeddings: whatever the family does), with the TSP modules told what
+to do instead (``ShardedModule.tsp_decode``), so a family needs no decode code of its own.
+
 Prompts of different lengths arrive left-padded (Hugging Face's convention). Prefill drops the
 padding, places each prompt at positions 0..n-1 and pads the batch on the *right* to a multiple of
 2D: causal attention keeps those pad tokens invisible, and the cache drops them (a slot whose
@@ -28,6 +32,7 @@ position is not below its row's prompt length is marked empty), so padding never
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, layout
+from . import comm, layout, rope
 from .attention import TSPAttention
 from .mesh import TSPMesh
 from .mlp import TSPGatedMLP, _act
-from .norm import TSPRMSNorm, rms_norm
+from .norm import rms_norm
 from .params import local
 from .vocab import TSPEmbedding, TSPLMHead
 
@@ -99,20 +104,20 @@ class ShardedKVCache:
 class _Layer:
     attn: TSPAttention
     mlp: TSPGatedMLP
-    norm1: TSPRMSNorm
-    norm2: TSPRMSNorm
 
 
 @dataclass(frozen=True)
 class _Parts:
-    """The TSP modules of a parallelized model, in the order a pre-norm decoder uses them."""
+    """The TSP modules of a parallelized model and the Hugging Face base model around them, whose
+    own forward (norms, residuals, scalings, rotary embeddings: whatever the family does) runs
+    prefill and every decode step."""
 
     mesh: TSPMesh
+    base: nn.Module
     embed: TSPEmbedding
     layers: list[_Layer]
-    final_norm: TSPRMSNorm
     head: TSPLMHead
-    rotary: nn.Module | None
+    ropes: list[nn.Module]   # rotaries whose frequencies depend on the length
     vocab_size: int
 
 
@@ -122,28 +127,62 @@ def _parts(model: nn.Module) -> _Parts:
         raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize; "
                          f"generation needs a TSP model")
     base = getattr(model, policy.base_model)
-    n1, n2 = policy.layer_norms
-    layers = [_Layer(getattr(b, policy.attention), getattr(b, policy.mlp), getattr(b, n1),
-                     getattr(b, n2)) for b in getattr(base, policy.layers)]
-    return _Parts(mesh, getattr(base, policy.embed), layers, getattr(base, policy.final_norm),
-                  getattr(model, policy.lm_head), getattr(base, "rotary_emb", None),
-                  model.config.vocab_size)
+    layers = [_Layer(getattr(b, policy.attention), getattr(b, policy.mlp))
+              for b in getattr(base, policy.layers)]
+    return _Parts(mesh, base, getattr(base, policy.embed), layers, getattr(model, policy.lm_head),
+                  getattr(model, "_tsp_ropes", []), model.config.vocab_size)
 
 
-def _cos_sin(parts: _Parts, x: torch.Tensor, pos: torch.Tensor,
-             seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's own rotary embedding at global positions ``pos`` [B, L] (HF's numerics). A
-    rope whose frequencies depend on the length (dynamic, longrope) gets ``seq_len``, the length
-    Hugging Face's one-process generate gives it, identical on every rank (default
-    ``max(pos) + 1``: a decode step, whose positions every rank shares)."""
-    from . import rope
+@contextlib.contextmanager
+def _mode(modules: list[nn.Module], state: Any):
+    """Run the model's forward with ``state`` telling these TSP modules what to do instead."""
+    for m in modules:
+        m.tsp_decode = state
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.tsp_decode = None
 
-    if parts.rotary is not None:
-        if not isinstance(parts.rotary, rope.GlobalLengthRotary):
-            return parts.rotary(x, pos)
-        with rope.global_length([parts.rotary], int(pos.max()) + 1 if seq_len is None else seq_len):
-            return parts.rotary(x, pos)
-    return rope.cos_sin(pos, parts.layers[0].attn.inv_freq, 1.0, x.dtype)
+
+class _Prefill:
+    """Prefill: the attention runs its TSP schedule and hands its own tokens' K/V to ``sink``."""
+
+    decoding = False
+
+    def __init__(self, sink) -> None:
+        self.sink = sink
+
+
+class _Decode:
+    """One decode step: the embedding, attention and MLP take their tensor-parallel paths."""
+
+    decoding = True
+    sink = None
+
+    def __init__(self, parts: _Parts, cache: ShardedKVCache, slot: int | None,
+                 positions: torch.Tensor) -> None:
+        self.parts, self.cache, self.slot, self.positions = parts, cache, slot, positions
+        self.index = {id(layer.attn): i for i, layer in enumerate(parts.layers)}
+        self.used = cache.positions[:, :cache.length]
+        self.valid = self.used >= 0
+
+    def embed(self, module: TSPEmbedding, ids: torch.Tensor) -> torch.Tensor:
+        return _embed_rows(self.parts, ids)
+
+    def mlp(self, module: TSPGatedMLP, x: torch.Tensor) -> torch.Tensor:
+        return _mlp_step(self.parts, module, x)
+
+    def attention(self, module: TSPAttention, x: torch.Tensor,
+                  position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, 1, h] -> [B, 1, h]"""
+        window = module.spec.sliding_window
+        visible = self.valid if window is None else \
+            self.valid & (self.used > self.positions[:, None] - window)
+        cos, sin = position_embeddings
+        y = _attention_step(self.parts, self.index[id(module)], module, x[:, 0], cos, sin,
+                            self.cache, self.slot, visible)
+        return y.unsqueeze(1)
 
 
 # ------------------------------------------------------------- vocabulary shards, replicated rows
@@ -239,18 +278,16 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         keys.append(kv[0].clone())
         values.append(kv[1].clone())
 
-    x = parts.embed(ids)
-    cos, sin = _cos_sin(parts, x, pos, longest)  # HF: positions cumsum(mask) - 1, max + 1 = longest
-    for layer in parts.layers:
-        h = TSPAttention.forward(layer.attn, layer.norm1(x), position_embeddings=(cos, sin),
-                                 kv_sink=sink)
-        x = x + h
-        x = x + layer.mlp(layer.norm2(x))
-    # the hidden state of each row's last prompt token, from whichever rank holds it
+    # the model's own forward (the TSP schedules inside); a length-dependent rope sees what HF's
+    # generate gives it: positions cumsum(mask) - 1, so max + 1 = the longest prompt
+    with _mode([layer.attn for layer in parts.layers], _Prefill(sink)), \
+            rope.global_length(parts.ropes, longest):
+        x = parts.base(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    # the final hidden state of each row's last prompt token, from whichever rank holds it
     last = (pos == (lengths.to(pos.device) - 1)[:, None]).to(x.dtype)      # [B, T/D]
     hidden = torch.einsum("bl,blh->bh", last, x).contiguous()
     comm.all_reduce(hidden, mesh.group)
-    logits = _logits(parts, parts.final_norm(hidden))
+    logits = _logits(parts, hidden)
     cache = ShardedKVCache(keys, values, cache_pos.contiguous(), int(keep.sum()), counts, me,
                            lengths.to(ids.device))
     return logits, cache
@@ -275,12 +312,10 @@ def _attend_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: to
     return out.reshape(B, nq, d), lse.reshape(B, nq)
 
 
-def _attention_step(parts: _Parts, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor,
+def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, cache: ShardedKVCache, slot: int | None,
                     visible: torch.Tensor) -> torch.Tensor:
-    from . import rope
-
-    attn, group, D = layer.attn, parts.mesh.group, parts.mesh.size
+    group, D = parts.mesh.group, parts.mesh.size
     spec = attn.spec
     nq, d = spec.local_heads, spec.head_dim
     B = x.shape[0]
@@ -353,16 +388,14 @@ def decode_step(model: nn.Module, cache: ShardedKVCache, tokens: torch.Tensor,
             cache._grow(slot + max(16, slot // 4))
         cache.positions[:, slot] = positions
         cache.length += 1
-    x = _embed_rows(parts, tokens)                                    # [B, h]
-    cos, sin = _cos_sin(parts, x.unsqueeze(1), positions.unsqueeze(1))
-    used = cache.positions[:, :cache.length]
-    valid = used >= 0
-    for i, layer in enumerate(parts.layers):
-        window = layer.attn.spec.sliding_window
-        visible = valid if window is None else valid & (used > positions[:, None] - window)
-        x = x + _attention_step(parts, i, layer, layer.norm1(x), cos, sin, cache, slot, visible)
-        x = x + _mlp_step(parts, layer.mlp, layer.norm2(x))
-    return _logits(parts, parts.final_norm(x))
+    modules = [parts.embed] + [m for layer in parts.layers for m in (layer.attn, layer.mlp)]
+    # the model's own forward on one token per row; a length-dependent rope gets max(pos) + 1,
+    # as in HF's generate (every rank shares the positions)
+    with _mode(modules, _Decode(parts, cache, slot, positions)), \
+            rope.global_length(parts.ropes, int(positions.max()) + 1):
+        x = parts.base(input_ids=tokens[:, None], position_ids=positions[:, None],
+                       use_cache=False).last_hidden_state
+    return _logits(parts, x[:, 0])
 
 
 def cache_bytes_of(cache: Any) -> int:

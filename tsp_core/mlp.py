@@ -136,6 +136,8 @@ class TSPGatedMLP(ShardedModule):
         return even_spec(self.spec.intermediate_size, rank, self.spec.tsp_size, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tsp_decode is not None:  # generation: x identical on every rank
+            return self.tsp_decode.mlp(self, x)
         s = self.spec
         if x.dim() != 3 or x.shape[-1] != s.hidden_size:
             raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "

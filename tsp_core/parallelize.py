@@ -39,8 +39,12 @@ class HFTSPAttention(TSPAttention):
             raise NotImplementedError("TSP attention's forward takes no KV cache; generate with "
                                       "model.generate(...) or tsp_core.generate (tsp_core.decode "
                                       "keeps its own sequence-sharded cache)")
+        state = self.tsp_decode  # tsp_core.decode: a decode step, or prefill's K/V sink
+        if state is not None and state.decoding:
+            return state.attention(self, hidden_states, position_embeddings), None
         out = super().forward(hidden_states, position_embeddings=position_embeddings,
-                              docs=kwargs.get("tsp_docs"))
+                              docs=kwargs.get("tsp_docs"),
+                              kv_sink=None if state is None else state.sink)
         return out, None
 
 

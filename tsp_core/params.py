@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -161,6 +161,9 @@ class ShardedModule(nn.Module):
 
     mesh: TSPMesh
     full_shapes: dict[str, tuple[int, ...]]
+    # set by tsp_core.decode while it runs the model's own forward for one generation step: the
+    # embedding, attention and MLP then take their tensor-parallel decode path (DESIGN 3.4)
+    tsp_decode: Any = None
 
     def shard_spec(self, name: str, rank: int) -> ShardSpec:
         raise NotImplementedError

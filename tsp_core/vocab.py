@@ -45,6 +45,8 @@ class TSPEmbedding(ShardedModule):
         return vocab_spec(self.num_embeddings, rank, self.mesh.size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tsp_decode is not None:  # generation: ids identical on every rank
+            return self.tsp_decode.embed(self, input_ids)
         group, d = self.mesh.group, self.mesh.size
         per = local(self.weight).shape[0]
         flat = input_ids.reshape(-1)
