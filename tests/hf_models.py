@@ -8,7 +8,8 @@ import torch.nn.functional as F
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
-FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+            "granite")
 # the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
 BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 
@@ -36,19 +37,67 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
     elif family == "qwen2":        # q/k/v biases; layer 1 uses a sliding window
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, use_sliding_window=True,
                                              sliding_window=9, max_window_layers=1, **common))
-    elif family == "qwen3":        # per-head q/k norms (weights not ones), head_dim 24 (not
-        from transformers import Qwen3Config, Qwen3ForCausalLM   # 64/4), biases, a sliding layer
+    elif family == "qwen3":        # per-head q/k norms, head_dim 24 (not 64/4), biases, a
+        from transformers import Qwen3Config, Qwen3ForCausalLM   # sliding layer
 
         model = Qwen3ForCausalLM(Qwen3Config(vocab_size=96, head_dim=24, attention_bias=True,
                                              use_sliding_window=True, sliding_window=9,
                                              max_window_layers=1, **common))
+    elif family == "gemma":        # (1 + w) norms, scaled embedding, tanh-GELU, head_dim 24
+        from transformers import GemmaConfig, GemmaForCausalLM
+
+        model = GemmaForCausalLM(GemmaConfig(vocab_size=96, head_dim=24, **common))
+    elif family == "gemma2":       # sandwich norms, query_pre_attn_scalar, alternating sliding
+        from transformers import Gemma2Config, Gemma2ForCausalLM   # layers; no soft-capping
+
+        model = Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=96, head_dim=24, query_pre_attn_scalar=20, sliding_window=9,
+            attn_logit_softcapping=None, final_logit_softcapping=None, **common))
+        # HF allows only its eager attention for Gemma 2, whose softmax runs in float32 whatever
+        # the dtype (1e-7 off in float64, like its loss); without soft-capping sdpa computes the
+        # same attention, in float64
+        model.config._attn_implementation = "sdpa"
+    elif family == "gemma3":       # Gemma 2's layout plus per-head q/k norms and local/global
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig   # rotary bases
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=96, head_dim=24, query_pre_attn_scalar=20, sliding_window=9,
+            layer_types=["sliding_attention", "full_attention"], **common))
+    elif family == "granite":      # embedding, residual, attention and logits multipliers
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        model = GraniteForCausalLM(GraniteConfig(
+            vocab_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.3, logits_scaling=4.0, **common))
+    else:
+        raise ValueError(family)
+    if family.startswith("gemma"):
+        float64_gemma_norms(model)
+    if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite"):
+        # norms and biases away from their initial ones/zeros: a weight applied the wrong way
+        # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(("norm.weight", "bias")):
                     p.add_(0.1 * torch.randn(p.shape))
-    else:
-        raise ValueError(family)
     return model.to(dtype)
+
+
+def float64_gemma_norms(model) -> None:
+    """Gemma's RMSNorms compute in float32 even in a float64 model (``x.float()``,
+    ``weight.float()``): their weight gradients are sums rounded to float32, which caps agreement
+    with any other summation order at ~1e-7. The reference's norms compute in the model's dtype
+    when it is wider, as tsp_core.norm.gemma_rms_norm does (the same ops for float32 and below)."""
+    import types
+
+    from tsp_core.norm import gemma_rms_norm
+
+    def forward(self, x):
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+    for module in model.modules():
+        if type(module).__name__.startswith("Gemma") and type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(forward, module)
 
 
 def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

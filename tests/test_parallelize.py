@@ -101,7 +101,8 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['llama', 'mistral', 'qwen2', 'qwen3'\]\. Describe its module names"),
+         r"\['gemma', 'gemma2', 'gemma3', 'granite', 'llama', 'mistral', 'qwen2', 'qwen3'\]\. "
+         r"Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
                                       num_key_value_heads=6)),

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import comm, flash, rope
 from .layout import row_segments
 from .mesh import TSPMesh
-from .norm import rms_norm
+from .norm import NORMS
 from .packing import FlatPack
 from .params import (
     REPLICATED,
@@ -62,7 +62,8 @@ class AttentionSpec:
     causal: bool = True
     sliding_window: int | None = None
     scale: float | None = None
-    qk_norm_eps: float | None = None   # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm_eps: float | None = None   # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_kind: str = "llama"        # its numerics (tsp_core.norm.NORMS)
 
     @property
     def local_heads(self) -> int:
@@ -216,7 +217,7 @@ def _split_norms(weights: Sequence[torch.Tensor], spec: AttentionSpec):
 
 
 def _head_norm(t: torch.Tensor, weight: torch.Tensor | None, spec: AttentionSpec) -> torch.Tensor:
-    return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps)
+    return t if weight is None else NORMS[spec.qk_norm_kind](t, weight, spec.qk_norm_eps)
 
 
 def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec,
@@ -226,7 +227,7 @@ def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: Attention
     with torch.enable_grad():
         pre = pre.detach().requires_grad_()
         weight = weight.detach().requires_grad_()
-        return torch.autograd.grad(rms_norm(pre, weight, spec.qk_norm_eps), (pre, weight), grad)
+        return torch.autograd.grad(_head_norm(pre, weight, spec), (pre, weight), grad)
 
 
 class _TSPAttentionFn(torch.autograd.Function):
@@ -395,7 +396,7 @@ class TSPAttention(ShardedModule):
                  qkv_bias: bool = False, o_bias: bool = False, rope_theta: float = 10000.0,
                  causal: bool = True, sliding_window: int | None = None,
                  scale: float | None = None, qk_norm_eps: float | None = None,
-                 dtype: torch.dtype | None = None,
+                 qk_norm_kind: str = "llama", dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -407,7 +408,8 @@ class TSPAttention(ShardedModule):
         check_attention_shape(mesh.size, hidden_size, num_heads, num_kv_heads, head_dim)
         self.mesh = mesh
         self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
-                                  mesh.layout, causal, sliding_window, scale, qk_norm_eps)
+                                  mesh.layout, causal, sliding_window, scale, qk_norm_eps,
+                                  qk_norm_kind)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -419,7 +421,11 @@ class TSPAttention(ShardedModule):
             self.full_shapes["o_proj.bias"] = (hidden_size,)
         if qk_norm_eps is not None:
             self.full_shapes.update({n: (head_dim,) for n in self.NORMS})
-        self._create(init_full(self.full_shapes, init_seed, dtype, device, ones=self.NORMS))
+        ones = self.NORMS if qk_norm_kind == "llama" else ()  # gemma's: an offset from one
+        full = init_full(self.full_shapes, init_seed, dtype, device, ones=ones)
+        for n in self.NORMS if qk_norm_kind != "llama" and qk_norm_eps is not None else ():
+            full[n].zero_()
+        self._create(full)
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -44,7 +44,7 @@ from . import comm, layout, rope
 from .attention import TSPAttention
 from .mesh import TSPMesh
 from .mlp import TSPGatedMLP, _act
-from .norm import rms_norm
+from .norm import NORMS
 from .params import local
 from .vocab import TSPEmbedding, TSPLMHead
 
@@ -200,6 +200,7 @@ def _embed_rows(parts: _Parts, ids: torch.Tensor) -> torch.Tensor:
 
 def _logits(parts: _Parts, hidden: torch.Tensor) -> torch.Tensor:
     """[B, h] -> [B, V] on every rank: this rank's vocabulary rows, all-gathered."""
+    hidden = parts.head.scale_input(hidden)
     w = local(parts.head.weight)
     mine = hidden @ w.t()                                            # [B, per]
     d = parts.mesh.size
@@ -335,9 +336,10 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
 
     q_all = heads(q_all, D * nq)
     k_all = heads(k_all, spec.num_kv_heads)
-    if spec.qk_norm_eps is not None:                                  # per-head norms (Qwen3)
-        q_all = rms_norm(q_all, w["q_norm.weight"], spec.qk_norm_eps)
-        k_all = rms_norm(k_all, w["k_norm.weight"], spec.qk_norm_eps)
+    if spec.qk_norm_eps is not None:                        # per-head norms (Qwen3, Gemma 3)
+        norm = NORMS[spec.qk_norm_kind]
+        q_all = norm(q_all, w["q_norm.weight"], spec.qk_norm_eps)
+        k_all = norm(k_all, w["k_norm.weight"], spec.qk_norm_eps)
     q_all = rope.apply(q_all, cos, sin)[:, :, 0]                      # [B, nq_total, d]
     k_all = rope.apply(k_all, cos, sin)[:, :, 0]
     v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]

@@ -196,7 +196,8 @@ def full_logits(model: nn.Module, batch: Mapping[str, Any], *, argmax: bool = Fa
         except _HeadSkipped:
             loss = None
     head: TSPLMHead = getattr(inner, inner._tsp_policy.lm_head)
-    hidden = kept[-1].detach().to(head.weight.dtype)  # autocast, if on, casts both again
+    # autocast, if on, casts both again
+    hidden = head.scale_input(kept[-1].detach().to(head.weight.dtype))
     index = token_index(sharded["tsp_docs"], mesh.size, mesh.layout, original)
     with torch.no_grad():
         logits = ids = targets = None

@@ -103,8 +103,8 @@ class TSPCausalLM:
             out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
                                                    inputs_embeds=inputs_embeds, use_cache=False,
                                                    **kwargs)
-        hidden = out.last_hidden_state
         head: TSPLMHead = getattr(self, policy.lm_head)
+        hidden = head.scale_input(out.last_hidden_state)
         if shift_labels is None:
             return CausalLMOutputWithPast(logits=head(hidden))
         loss_sum = head.loss_sum(hidden, shift_labels)
@@ -170,8 +170,15 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
     if c.intermediate_size % mesh.size:
         raise ValueError(f"tsp_size ({mesh.size}) must divide intermediate_size "
                          f"({c.intermediate_size})")
-    if c.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"hidden_act {c.hidden_act!r} is not supported by TSPGatedMLP; "
+    refused = [f"config.{name}={getattr(c, name)!r} ({what})" for name, what in policy.unsupported
+               if getattr(c, name, None)]
+    if refused:
+        raise ValueError(f"{type(model).__name__}: {'; '.join(refused)} not implemented by TSP; "
+                         f"set {'them' if len(refused) > 1 else 'it'} to None/False to run it "
+                         f"without (a different model), or train it without TSP")
+    act = _activation(c)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported by TSPGatedMLP; "
                          f"supported: {sorted(ACTIVATIONS)}")
     if getattr(c, "attention_dropout", 0.0):
         raise ValueError(f"attention_dropout ({c.attention_dropout}) is not supported by TSP "
@@ -199,12 +206,22 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
     rope.length_dependent_rotaries(model)  # raises for one TSP cannot give the global length
 
 
+def _activation(config: Any) -> str:
+    """The MLP's activation name (Gemma 2/3 call the field hidden_activation)."""
+    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+
+
+def _eps(norm: nn.Module) -> float:
+    """An RMSNorm's epsilon (Llama's ``variance_epsilon``, Gemma's ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
 def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
     """The epsilon of the attention's per-head q/k norms (None: the family has none)."""
     if policy.head_norms is None:
         return None
-    q_norm, k_norm = (getattr(attn, n) for n in policy.head_norms)
-    return q_norm.variance_epsilon
+    return _eps(getattr(attn, policy.head_norms[0]))
 
 
 def _check_head_norms(model: nn.Module, policy: DecoderPolicy, head_dim: int) -> None:
@@ -222,9 +239,9 @@ def _check_head_norms(model: nn.Module, policy: DecoderPolicy, head_dim: int) ->
             raise ValueError(f"layer {i}: q/k norm weights of shapes {shapes}; TSP implements "
                              f"per-head norms over head_dim ({head_dim},) only (a norm over all "
                              f"heads of a token needs every head group at once)")
-        if norms[0].variance_epsilon != norms[1].variance_epsilon:
-            raise ValueError(f"layer {i}: q_norm eps ({norms[0].variance_epsilon}) and k_norm eps "
-                             f"({norms[1].variance_epsilon}) differ")
+        if _eps(norms[0]) != _eps(norms[1]):
+            raise ValueError(f"layer {i}: q_norm eps ({_eps(norms[0])}) and k_norm eps "
+                             f"({_eps(norms[1])}) differ")
 
 
 def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None) -> nn.Module:
@@ -257,28 +274,33 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     tied = old_head.weight is old_embed.weight
     embed = TSPEmbedding(mesh, c.vocab_size, c.hidden_size, old_embed.padding_idx,
                          init_seed=None, **opts)
+    if getattr(old_embed, "embed_scale", None) is not None:  # HF's scaled word embedding (Gemma)
+        embed.scale_by(old_embed.embed_scale)
     replace(base, policy.embed, embed)
     for layer in getattr(base, policy.layers):
         attn = getattr(layer, policy.attention)
         replace(layer, policy.attention, HFTSPAttention(
             mesh, c.hidden_size, nq, nkv, head_dim, qkv_bias=attn.q_proj.bias is not None,
             o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
-            scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn), init_seed=None,
-            **opts))
+            scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn),
+            qk_norm_kind=policy.norm, init_seed=None, **opts))
         mlp = getattr(layer, policy.mlp)
         replace(layer, policy.mlp, TSPGatedMLP(
-            mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[c.hidden_act],
+            mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
             bias=mlp.gate_proj.bias is not None, init_seed=None, **opts))
         for norm in policy.layer_norms:
             old = getattr(layer, norm)
-            replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, old.variance_epsilon, **opts))
+            replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))
     old = getattr(base, policy.final_norm)
-    replace(base, policy.final_norm, TSPRMSNorm(mesh, c.hidden_size, old.variance_epsilon, **opts))
+    replace(base, policy.final_norm,
+            TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))
     if tied:
         setattr(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size, tied_to=embed))
     else:
         replace(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size,
                                                  init_seed=None, **opts), old_head)
+    if policy.logits_divisor is not None:
+        getattr(model, policy.lm_head).logits_divisor = float(policy.logits_divisor(c))
 
     model.__class__ = _tsp_class(type(model))
     model._tsp_mesh, model._tsp_policy = mesh, policy

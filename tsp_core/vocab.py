@@ -37,6 +37,8 @@ class TSPEmbedding(ShardedModule):
         self.mesh, self.num_embeddings, self.padding_idx = mesh, num_embeddings, padding_idx
         self.full_shapes = {"weight": (num_embeddings, embedding_dim)}
         self._create(init_full(self.full_shapes, init_seed, dtype, device))
+        # Gemma: every output times this (scale_by), as HF's scaled word embedding does
+        self.register_buffer("embed_scale", None, persistent=False)
 
     def extra_repr(self) -> str:
         return f"{self.full_shapes['weight']}, tsp_size={self.mesh.size}"
@@ -44,9 +46,21 @@ class TSPEmbedding(ShardedModule):
     def shard_spec(self, name: str, rank: int) -> ShardSpec:
         return vocab_spec(self.num_embeddings, rank, self.mesh.size)
 
+    def scale_by(self, embed_scale: torch.Tensor) -> None:
+        """Multiply every output by ``embed_scale`` cast to the weight's dtype, as Hugging Face's
+        scaled word embeddings do (Gemma's sqrt(hidden_size), kept in float32)."""
+        self.embed_scale = embed_scale.detach().clone()
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tsp_decode is not None:  # generation: ids identical on every rank
-            return self.tsp_decode.embed(self, input_ids)
+            out = self.tsp_decode.embed(self, input_ids)
+        else:
+            out = self._sharded(input_ids)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(out.dtype)
+        return out
+
+    def _sharded(self, input_ids: torch.Tensor) -> torch.Tensor:
         group, d = self.mesh.group, self.mesh.size
         per = local(self.weight).shape[0]
         flat = input_ids.reshape(-1)
@@ -171,11 +185,18 @@ class TSPLMHead(ShardedModule):
         else:
             self._create(init_full(self.full_shapes, init_seed, dtype, device))
 
+    # Granite: logits divided by this (config.logits_scaling), applied to the head's input
+    logits_divisor: float = 1.0
+
     def extra_repr(self) -> str:
         return f"{self.full_shapes['weight']}, tsp_size={self.mesh.size}"
 
     def shard_spec(self, name: str, rank: int) -> ShardSpec:
         return vocab_spec(self.vocab_size, rank, self.mesh.size)
+
+    def scale_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head multiplies: ``hidden / logits_divisor`` gives the logits divided by it."""
+        return hidden if self.logits_divisor == 1.0 else hidden / self.logits_divisor
 
     def loss_sum(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         """Sum of the local tokens' cross-entropy (ignore index -100), float32 (float64 for a

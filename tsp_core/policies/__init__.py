@@ -18,7 +18,12 @@ def _no_window(config: Any, attention: nn.Module) -> int | None:
 class DecoderPolicy:
     """Module names of one decoder-only family (defaults: the Llama layout shared by Mistral and
     Qwen2), how to read a layer's sliding window, and the hooks the TSP modules call: per-head
-    q/k norms (``head_norms``: the attention's module names, each an RMSNorm over head_dim)."""
+    q/k norms (``head_norms``: the attention's module names, each an RMSNorm over head_dim), the
+    norms' numerics (``norm``), a divisor of the logits (``logits_divisor(config)``), and the
+    config fields to refuse (``unsupported``). The rest of a family (embedding scale, sandwich
+    norms, residual multipliers, per-layer rotary embeddings, the softmax scale) is the Hugging
+    Face model's own code around the TSP modules, in training and in generation; the attention's
+    ``scaling`` is read from the module, a scaled word embedding's ``embed_scale`` too."""
 
     name: str
     model_types: tuple[str, ...]
@@ -33,6 +38,10 @@ class DecoderPolicy:
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     sliding_window: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
     head_norms: tuple[str, str] | None = None  # the attention's per-head q/k RMSNorms (Qwen3)
+    norm: str = "llama"                        # every RMSNorm's numerics (tsp_core.norm.NORMS)
+    logits_divisor: Callable[[Any], float] | None = None  # logits / this (Granite)
+    # config fields TSP does not implement: (name, what it is); a truthy value is refused
+    unsupported: tuple[tuple[str, str], ...] = ()
 
 
 _POLICIES: dict[str, DecoderPolicy] = {}
@@ -62,4 +71,4 @@ def find_policy(model: nn.Module) -> DecoderPolicy:
         f"tsp_core.policies.register_policy(...)")
 
 
-from . import llama, mistral, qwen2, qwen3  # noqa: E402,F401  (each registers its family)
+from . import gemma, granite, llama, mistral, qwen2, qwen3  # noqa: E402,F401  (each registers its family)
