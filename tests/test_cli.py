@@ -69,3 +69,28 @@ def test_bench(tmp_path):
     assert rec["layer_forward_bytes"] == elements * 4, rec
     assert rec["tokens_per_s"] > 0 and len(rec["peak_bytes"]) == 2 and min(rec["peak_bytes"]) > 0
     assert f"{'tsp':<15} {seq:>6}" in proc.stdout, proc.stdout
+
+
+def test_simulate_a_config_json(tmp_path):
+    # `--model PATH/config.json`: any supported family, built from its config (a tiny Gemma 3:
+    # tied embeddings, head_dim 24, 4 norms per layer, per-head q/k norms); TSP keeps half of
+    # every large matrix and all of the replicated norms, in bf16
+    import torch
+
+    from . import hf_models
+
+    config = hf_models.build("gemma3", torch.float32).config
+    config.save_pretrained(tmp_path / "gemma3")
+    out = tmp_path / "sim.json"
+    tsp("simulate", "--model", str(tmp_path / "gemma3" / "config.json"), "--seq", "256",
+        "--degree", "2", "--layouts", "tsp", "--optimizer", "none", "--jobs", "1", "--json", str(out))
+    (rec,) = json.loads(out.read_text())
+    h, d, L = config.hidden_size, config.head_dim, config.num_hidden_layers
+    nq, nkv, F, V = (config.num_attention_heads, config.num_key_value_heads,
+                     config.intermediate_size, config.vocab_size)
+    large = V * h + L * (2 * (nq + nkv) * d * h + 3 * F * h)
+    replicated = (4 * L + 1) * h + L * 2 * d
+    assert rec["breakdown"]["parameters"] == (large // 2 + replicated) * 2, rec["breakdown"]
+    proc = subprocess.run([TSP, "simulate", "--model", str(tmp_path / "none.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "unknown model" in proc.stderr and "config.json" in proc.stderr

@@ -118,3 +118,33 @@ def test_memory_within_ten_percent_of_simulate():
         planned = estimate(shape, LayoutSpec(r.name, r.tp, r.cp), r.seq).peak
         print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned {planned / 2**30:.3f} GiB")
         assert abs(planned - r.peak_bytes) / r.peak_bytes < 0.10, (r.layout, r.seq, planned, r.peak_bytes)
+
+
+def test_model_presets_and_config_files(tmp_path):
+    # presets of today's shapes (Gemma 3's head_dim is not hidden / heads: the attention weights
+    # and K/V width follow head_dim) and any supported family's config.json, by file or folder
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.simulate import model_config
+
+    qwen = model_shape("qwen3-8b", None)
+    assert (qwen.hidden_size, qwen.num_heads, qwen.num_kv_heads, qwen.num_layers) == (4096, 32, 8, 36)
+    assert qwen.kv_width == 1024 and qwen.attention_weights == 2 * 4096 * (4096 + 1024)
+    gemma = model_shape("gemma-3-12b", 2)
+    assert gemma.num_layers == 2 and gemma.q_width == 16 * 256 != gemma.hidden_size
+    assert gemma.attention_weights == 2 * 3840 * (4096 + 2048) and gemma.group == 3840 / 2048
+    llama = model_shape("llama-3.1-70b", None)
+    assert (llama.hidden_size, llama.num_layers, llama.num_kv_heads) == (8192, 80, 8)
+    assert llama.attention_weights == (2 + 2 / 8) * 8192 ** 2   # the Llama formula
+    from transformers import Qwen3Config
+
+    Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=24, layer_types=["full_attention"] * 3,
+                max_position_embeddings=128).save_pretrained(tmp_path)
+    for path in (tmp_path, tmp_path / "config.json"):
+        config = model_config(str(path), layers=2, seq=4096)
+        assert (type(config).__name__, config.num_hidden_layers, config.layer_types,
+                config.max_position_embeddings) == ("Qwen3Config", 2, ["full_attention"] * 2, 4096)
+    assert model_shape(str(tmp_path), None).kv_width == 48
+    with pytest.raises(ValueError, match=r"unknown model 'nope'; choose from .*'qwen3-8b'.* or "
+                                         r"give the path of a config.json"):
+        model_config("nope")

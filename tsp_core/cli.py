@@ -26,20 +26,20 @@ def _write_json(path: str, data) -> None:
 def simulate_main(args: argparse.Namespace) -> int:
     from .baselines import parse_layouts
     from .plan.simulate import (
-        MODELS,
         SimulationRequest,
         model_config,
         record_dict,
         simulate_many,
     )
 
-    if args.model not in MODELS:
-        raise SystemExit(f"unknown model {args.model!r}; choose from {sorted(MODELS)}")
+    try:
+        config = model_config(args.model, args.layers)
+    except (ValueError, OSError) as e:
+        raise SystemExit(str(e))
     requests = [SimulationRequest(s.name, s.tp, s.cp, seq, args.model, args.layers, args.batch,
                                   args.recompute, args.optimizer, args.dtype)
                 for degree in args.degree for seq in args.seq
                 for s in parse_layouts(args.layouts, degree)]
-    config = model_config(args.model, args.layers)
     print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"heads {config.num_attention_heads}/{config.num_key_value_heads}, intermediate "
           f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}; batch "
@@ -114,7 +114,9 @@ def parser() -> argparse.ArgumentParser:
     layouts_help = f"comma-separated, from {', '.join(LAYOUTS)}"
 
     sim = sub.add_parser("simulate", help="per-rank memory of each layout (fake tensors)")
-    sim.add_argument("--model", default="7b", help="7b | small | tiny (Llama family)")
+    sim.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-3-12b, "
+                     "llama-3.1-70b, small, tiny) or the path of a config.json (any supported "
+                     "family)")
     sim.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     sim.add_argument("--seq", type=_ints, default=(131072,), help="sequence lengths")
     sim.add_argument("--degree", type=_ints, default=(8,), help="ranks per model replica")

@@ -14,17 +14,15 @@ PAPER = {"tsp_vs_matched_tp_sp": "2.0-2.6x (173M vs 66.3M-86M tokens/s, forward,
 
 
 def model_shape(name: str, layers: int | None) -> ModelShape:
-    from .simulate import MODELS
+    """A preset's shape or a ``config.json``'s (``tsp_core.plan.simulate.model_config``)."""
+    from .simulate import model_config
 
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
-    m = MODELS[name]
-    return ModelShape(m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"],
-                      m["intermediate_size"], layers or m["num_hidden_layers"], m["vocab_size"])
+    return ModelShape.from_config(model_config(name, layers))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="7b", help="7b | small | tiny (Llama family)")
+    p.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-3-12b, "
+                   "llama-3.1-70b, small, tiny) or the path of a config.json")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1, help="sequences per replica per micro-step")

@@ -31,9 +31,19 @@ GIB = 1024 ** 3
 RECOMPUTE = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "none")
 
-# Llama-family shapes (random weights, never downloaded). "7b" is the paper's dense model:
-# h=4096, 32 layers, 32 heads, gated MLP with intermediate 16384.
+# Model shapes (random weights, never downloaded; "model_type" defaults to llama). "7b" is the
+# paper's dense model: h=4096, 32 layers, 32 heads, gated MLP with intermediate 16384. The others
+# are the published configs' shapes.
 MODELS = {
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936),
+    "gemma-3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360,
+                        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=256, vocab_size=262208, query_pre_attn_scalar=256,
+                        sliding_window=1024),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
     "7b": dict(hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
     "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -88,14 +98,31 @@ class MemoryRecord:
 
 
 def model_config(name: str, layers: int | None = None, seq: int = 4096):
-    from transformers import LlamaConfig
+    """The config of a preset (:data:`MODELS`) or of a ``config.json`` (a file, or the folder
+    holding one: any family ``tsp_core.parallelize`` supports); ``layers`` cuts the layer count
+    (and ``layer_types``), and the context is at least ``seq``."""
+    import os
 
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
-    kw = dict(MODELS[name])
+    from transformers import AutoConfig
+
+    if name in MODELS:
+        kw = dict(MODELS[name])
+        config = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw)
+    elif os.path.isfile(name) or os.path.isfile(os.path.join(name, "config.json")):
+        path = name if os.path.isfile(name) else os.path.join(name, "config.json")
+        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)))
+        if os.path.basename(path) != "config.json":
+            config = type(config).from_json_file(path)
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)} or give the path "
+                         f"of a config.json")
+    config = getattr(config, "text_config", None) or config   # e.g. Gemma 3's multimodal config
     if layers is not None:
-        kw["num_hidden_layers"] = layers
-    return LlamaConfig(max_position_embeddings=seq, **kw)
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
+    config.max_position_embeddings = max(seq, getattr(config, "max_position_embeddings", 0) or 0)
+    return config
 
 
 def recompute_kwargs(recompute: str) -> dict | None:
@@ -182,7 +209,7 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ..baselines import build
     from ..baselines.layouts import LayoutSpec, build_mesh
@@ -204,7 +231,7 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
             default = torch.get_default_dtype()
             torch.set_default_dtype(dtype)  # INTEGRATION_NOTES: .to(dtype) fails under fake mode
             try:
-                model = LlamaForCausalLM(config)
+                model = AutoModelForCausalLM.from_config(config)
             finally:
                 torch.set_default_dtype(default)
             pm = build(model, spec, mesh)

@@ -1,8 +1,9 @@
 """Bytes each rank sends per decoder layer in the forward pass, by layout (DESIGN 5), in the same
 ring accounting as :mod:`tsp_core.comm` (so measured and predicted numbers are comparable).
 
-With h = hidden size, g = query heads per key/value head, F = MLP intermediate size,
-W_att = (2 + 2/g) h^2 and W_mlp = 3 F h (elements), on a T x C mesh (T tensor-parallel ranks
+With h = hidden size, g = query heads per key/value head (h over the K/V width when head_dim is
+not h / heads), F = MLP intermediate size, W_att = (2 + 2/g) h^2 (2 h (q + k/v widths) in
+general) and W_mlp = 3 F h (elements), on a T x C mesh (T tensor-parallel ranks
 inside C context-parallel ones; TSP uses D = T):
 
 - tp, tp-sp:  4 (T-1)/T * B (S/C) h          two all-reduces, or two all-gather + reduce-scatter
@@ -30,22 +31,34 @@ class ModelShape:
     intermediate_size: int
     num_layers: int = 1
     vocab_size: int = 32000
+    head_dim: int | None = None   # None: hidden_size / num_heads
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
         nq = config.num_attention_heads
         return cls(config.hidden_size, nq, getattr(config, "num_key_value_heads", None) or nq,
-                   config.intermediate_size, config.num_hidden_layers, config.vocab_size)
+                   config.intermediate_size, config.num_hidden_layers, config.vocab_size,
+                   getattr(config, "head_dim", None))
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    @property
+    def kv_width(self) -> int:
+        """One of K, V per token: num_kv_heads * head_dim."""
+        return self.num_kv_heads * (self.head_dim or self.hidden_size // self.num_heads)
 
     @property
     def group(self) -> float:
-        """g: query heads per key/value head."""
-        return self.num_heads / self.num_kv_heads
+        """g = h / kv_width, so that h / g is one of K, V per token: query heads per key/value
+        head when num_heads * head_dim = h (Llama, Qwen2); Gemma's head_dim is its own."""
+        return self.hidden_size / self.kv_width
 
     @property
     def attention_weights(self) -> float:
-        h = self.hidden_size
-        return (2 + 2 / self.group) * h * h
+        """q, k, v, o projections: 2 h (q_width + kv_width); (2 + 2/g) h^2 when q_width = h."""
+        return 2 * self.hidden_size * (self.q_width + self.kv_width)
 
     @property
     def mlp_weights(self) -> float:
