@@ -52,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tsp-size", type=int, default=None, help="else TSP_SIZE or every process")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--kv-heads", default="2", help="comma-separated: one model each")
+    ap.add_argument("--family", default="llama", help="a tests/hf_models family")
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="sgd")
     ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--clip", type=float, default=1.0)
@@ -76,7 +77,7 @@ def train(a) -> Accelerator:
             accelerator.init_trackers("job")
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     kv_heads = [int(k) for k in a.kv_heads.split(",")]
-    models = [build("llama", getattr(torch, a.dtype), kv_heads=k) for k in kv_heads]
+    models = [build(a.family, getattr(torch, a.dtype), kv_heads=k) for k in kv_heads]
     opt_cls = torch.optim.SGD if a.optimizer == "sgd" else torch.optim.AdamW
     optimizers = [opt_cls(m.parameters(), lr=a.lr) for m in models]
     loader = DataLoader([{"input_ids": r, "labels": r} for r in rows(a.rows)], batch_size=a.batch)

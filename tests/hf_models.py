@@ -118,12 +118,17 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     from tsp_core.params import ShardedModule, local
 
     out: dict[str, torch.Tensor] = {}
-    owned = set()
+    owned, seen = set(), set()
     for prefix, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, ShardedModule):
             pre = f"{prefix}." if prefix else ""
             owned |= {pre + n for n, _ in m.named_parameters()}
-            out.update({pre + n: g for n, g in m.full_tensors(grads=True).items()})
+            # a tied weight under its first name only, as model.named_parameters() gives it
+            fresh = {n for n, p in m.named_parameters() if id(p) not in seen}
+            seen |= {id(p) for _, p in m.named_parameters()}
+            if fresh:
+                out.update({pre + n: g for n, g in m.full_tensors(grads=True).items()
+                            if n in fresh})
     for name, p in model.named_parameters():
         if name not in owned and p.grad is not None:
             out[name] = local(p.grad).detach().clone()

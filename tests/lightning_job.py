@@ -51,8 +51,8 @@ def record_clip_grad_norm() -> None:
     torch.nn.utils.clip_grad_norm_ = recording
 
 
-def build_llama(kv_heads: int = 2):
-    return build("llama", torch.float32, kv_heads=kv_heads)
+def build_llama(kv_heads: int = 2, family: str = "llama"):
+    return build(family, torch.float32, kv_heads=kv_heads)
 
 
 class Sequences(Dataset):
@@ -136,7 +136,7 @@ class LitLlama(L.LightningModule):
 
             self.model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
         else:
-            self.model = build_llama(a.kv_heads)
+            self.model = build_llama(a.kv_heads, a.family)
         self.a = a
         self.losses: list[float] = []
         self.logged: list[float] = []
@@ -289,6 +289,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--family", default="llama", help="a tests/hf_models family")
     ap.add_argument("--record-grads", action="store_true")
     ap.add_argument("--evaluate", action="store_true", help="validate, test and predict after fit")
     ap.add_argument("--resume", default=None)

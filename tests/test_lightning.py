@@ -74,10 +74,10 @@ def assert_same(run: tuple[dict, dict], ref: tuple[dict, dict], tol: float = 1e-
 
 def reference(kv_heads: int, rows: int, dp: int, shuffle: bool, dtype=torch.float64,
               steps: int = 4, lr: float = 0.5, clip: float | None = 0.5,
-              pattern: bool = False) -> dict:
+              pattern: bool = False, family: str = "llama") -> dict:
     """One process on the global batches the distributed run's samplers give."""
     batches = global_batches(Sequences(rows, pattern).ids, dp, steps, shuffle)
-    model = hf_models.build("llama", dtype, kv_heads=kv_heads)
+    model = hf_models.build(family, dtype, kv_heads=kv_heads)
     ref = hf_models.sgd_reference(model, batches, lr, clip)
     ref["model"] = model
     return ref
@@ -129,9 +129,10 @@ def test_trainer_matches_one_process(tmp_path):
 
 
 def test_data_parallel_and_tsp4_match_one_process(tmp_path):
-    # one torchrun launch of 4 processes, four runs: the Trainer at dp 2 x tsp 2 (8 rows, the
+    # one torchrun launch of 4 processes, five runs: the Trainer at dp 2 x tsp 2 (8 rows, the
     # injected sampler gives each data-parallel replica its own, shuffled) and at tsp 4 with 1
-    # and 2 key/value heads; Fabric at dp 2 x tsp 2 (fabric.clip_gradients)
+    # and 2 key/value heads; Fabric at dp 2 x tsp 2 (fabric.clip_gradients); the Trainer on a
+    # Gemma 3 at tsp 4
     common = ("--devices", "4", *SGD)
     run_job(str(tmp_path), "--case",
             " ".join(["trainer_dp2", *common, "--tsp-size", "2", "--kv-heads", "1", "--rows", "8",
@@ -140,11 +141,15 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
             "--case", " ".join(["trainer_tsp4_kv2", *common, "--tsp-size", "4", "--kv-heads", "2",
                                 "--metrics-off"]),
             "--case", " ".join(["fabric_dp2", "--mode", "fabric", *common, "--tsp-size", "2",
-                               "--kv-heads", "1", "--rows", "8"]), torchrun=4)
+                               "--kv-heads", "1", "--rows", "8"]),
+            "--case", " ".join(["trainer_gemma3", *common, "--tsp-size", "4", "--family",
+                               "gemma3"]), torchrun=4)
     cases = {"trainer_dp2": reference(1, rows=8, dp=2, shuffle=True),
              "trainer_tsp4_kv1": reference(1, rows=4, dp=1, shuffle=True),
              "trainer_tsp4_kv2": reference(2, rows=4, dp=1, shuffle=True),
-             "fabric_dp2": reference(1, rows=8, dp=2, shuffle=False)}
+             "fabric_dp2": reference(1, rows=8, dp=2, shuffle=False),
+             # Gemma 3: sandwich and 1 + w norms, q/k norms, a scaled embedding, tied weights
+             "trainer_gemma3": reference(2, rows=4, dp=1, shuffle=True, family="gemma3")}
     for name, ref in cases.items():
         runs = full_run(str(tmp_path / name))
         assert len(runs) == 4, name

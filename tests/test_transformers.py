@@ -43,9 +43,9 @@ def full_run(out) -> list[dict]:
     return runs
 
 
-def save(tmp_path_factory, kv_heads: int) -> str:
-    path = str(tmp_path_factory.mktemp(f"llama_kv{kv_heads}"))
-    hf_models.build("llama", torch.float32, kv_heads=kv_heads).save_pretrained(path)
+def save(tmp_path_factory, kv_heads: int | None, family: str = "llama") -> str:
+    path = str(tmp_path_factory.mktemp(f"{family}_kv{kv_heads}"))
+    hf_models.build(family, torch.float32, kv_heads=kv_heads).save_pretrained(path)
     return path
 
 
@@ -57,6 +57,11 @@ def saved_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def saved_mqa(tmp_path_factory) -> str:
     return save(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def saved_qwen3(tmp_path_factory) -> str:
+    return save(tmp_path_factory, None, "qwen3")
 
 
 def common(model: str, out_dir) -> list[str]:
@@ -73,13 +78,14 @@ SGD = ["--dtype", "float64", "--optim", "sgd", "--learning_rate", "0.5", "--lr_s
        "--save_strategy", "no"]
 
 
-def reference(kv_heads: int, dp: int, rows: int = 8, steps: int = 4) -> dict:
+def reference(kv_heads: int | None, dp: int, rows: int = 8, steps: int = 4,
+              family: str = "llama") -> dict:
     """One process, float64, on the global batch of each step: the rows the data-parallel
     replicas took in turn (2 each, in order; the data repeat after ``rows``)."""
     data = torch.randint(0, 96, (rows, 24), generator=torch.Generator().manual_seed(5))
     data = torch.cat([data] * (steps * 2 * dp // rows + 1))
     batches = [data[2 * dp * k: 2 * dp * (k + 1)] for k in range(steps)]
-    model = hf_models.build("llama", torch.float64, kv_heads=kv_heads)
+    model = hf_models.build(family, torch.float64, kv_heads=kv_heads)
     ref = hf_models.sgd_reference(model, batches, lr=0.5, clip=0.5)
     with torch.no_grad():
         ref["eval_loss"] = hf_models.reference_loss(model, data[:4], data[:4]).item()
@@ -108,18 +114,21 @@ def test_tsp_trainer_matches_one_process(tmp_path, saved_mqa):
         assert abs(run["eval_loss"] - ref["eval_loss"]) <= 1e-8 * ref["eval_loss"], run
 
 
-def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama):
-    # one torchrun launch of 4 processes, three Trainer runs: dp 2 x tsp 2 (each data-parallel
-    # replica its own rows) with 1 key/value head, tsp 4 with 1 and with 2
+def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama, saved_qwen3):
+    # one torchrun launch of 4 processes, four Trainer runs: dp 2 x tsp 2 (each data-parallel
+    # replica its own rows) with 1 key/value head, tsp 4 with 1 and with 2, and a Qwen3 (per-head
+    # q/k norms, head_dim 24, biases, a sliding layer) at tsp 4
     torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--out", str(tmp_path), "--case",
              # TSP's logged figures, with an evaluation after step 2 and a checkpoint after
              # step 3 that must not count
              f"dp2 --tsp_size 2 --rows 16 --eval_strategy steps --eval_steps 2 "
              f"--save_strategy steps --save_steps 3",
              f"tsp4_kv1 --tsp_size 4",
-             f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama} --tsp_metrics false", procs=4)
+             f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama} --tsp_metrics false",
+             f"qwen3 --tsp_size 4 --model_path {saved_qwen3}", procs=4)
     cases = {"dp2": reference(kv_heads=1, dp=2, rows=16), "tsp4_kv1": reference(kv_heads=1, dp=1),
-             "tsp4_kv2": reference(kv_heads=2, dp=1)}
+             "tsp4_kv2": reference(kv_heads=2, dp=1),
+             "qwen3": reference(kv_heads=None, dp=1, family="qwen3")}
     for name, ref in cases.items():
         runs = full_run(tmp_path / name)
         assert len(runs) == 4, name
