@@ -12,6 +12,8 @@ FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2
             "granite")
 # the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
 BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
+# float32 runs (a sanity check beside the float64 exactness runs): one family per feature set
+FLOAT32_FAMILIES = ("llama-tied", "mistral", "qwen2", "qwen3", "gemma3", "granite")
 
 
 def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):

@@ -74,7 +74,7 @@ def test_training_parity_float64(pools, family, world, tsp):
 
 
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
-@pytest.mark.parametrize("family", hf_models.FAMILIES)
+@pytest.mark.parametrize("family", hf_models.FLOAT32_FAMILIES)
 def test_training_parity_float32(pools, family, world, tsp):
     pools.of(world).run(train_parity, family, tsp, "float32", 24)
 
