@@ -116,6 +116,15 @@ def bad_models() -> list[str]:
                                       num_key_value_heads=4, attention_dropout=0.1)),
          r"attention_dropout \(0\.1\) is not supported"),
     ]
+    # what a family uses and TSP does not implement is refused by its config field and value
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cases.append((Gemma2ForCausalLM(Gemma2Config(vocab_size=32, hidden_size=64, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=4,
+                                                 num_key_value_heads=4, head_dim=16)),
+                  r"Gemma2ForCausalLM: config\.attn_logit_softcapping=50\.0 \(attention logit "
+                  r"soft-capping\); config\.final_logit_softcapping=30\.0 \(final logit "
+                  r"soft-capping\) not implemented by TSP; set them to None"))
     for model, pattern in cases:
         before = dict(model.state_dict())
         with tsp_core.comm.track() as stats, pytest.raises(ValueError, match=pattern) as e:
