@@ -121,6 +121,9 @@ class StepMetrics:
     ``step`` arguments are the caller's count of optimizer steps so far (Lightning's and the
     Trainer's ``global_step``), so micro-batches of gradient accumulation are one step."""
 
+    # with group_max: the largest over every rank of these and of the peak memory
+    MAX_KEYS = ("tsp/step_s", "tsp/wait_frac", "tsp/comm_mib", "tsp/tokens_per_s_local")
+
     def __init__(self, mesh=None, device_type: str | None = None) -> None:
         self.dp = mesh.dp_size if mesh is not None else 1
         self._peak = _Peak(device_type or (mesh.device_type if mesh is not None else "cpu"))
@@ -195,8 +198,6 @@ class StepMetrics:
                 out[f"tsp/comm_mib/{kind}"] = acc.bytes[kind] / MIB / steps
                 out[f"tsp/collectives/{kind}"] = acc.calls[kind] / steps
         return out
-
-    MAX_KEYS = ("tsp/step_s", "tsp/wait_frac", "tsp/comm_mib", "tsp/tokens_per_s_local")
 
     def _group_max(self, out: dict[str, float]) -> dict[str, float]:
         """The largest value of a few figures over every rank of the job: one all-reduce."""

@@ -12,7 +12,8 @@ from accelerate.tracking import GeneralTracker
 
 
 class JSONLinesTracker(GeneralTracker):
-    """``Accelerator(log_with=[JSONLinesTracker(path)])``: appends to ``path`` (main process)."""
+    """``Accelerator(log_with=[JSONLinesTracker(path)])``: ``init_trackers`` empties ``path``,
+    each ``accelerator.log`` appends one line (main process)."""
 
     name = "jsonlines"
     requires_logging_directory = False
