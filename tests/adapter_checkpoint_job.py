@@ -91,6 +91,26 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> 
 
 # ------------------------------------------------------------------------------ Lightning
 
+def train(model, opt, steps, loss_at, backward, sched=None, after=None) -> dict:
+    """One run of ``steps``: the loss of each step (``loss_at(step)``), ``backward`` of it, the
+    gradient norm, the optimizer (and scheduler) step; ``after(step)`` ends each step (saving).
+    Returns the losses, norms (and learning rates) of the steps."""
+    out: dict = {"losses": [], "norms": []} | ({"lrs": []} if sched else {})
+    for step in steps:
+        loss = loss_at(step)
+        backward(loss)
+        out["norms"].append(grad_norm(model))
+        opt.step()
+        if sched is not None:
+            sched.step()
+            out["lrs"].append(sched.get_last_lr()[0])
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        if after is not None:
+            after(step)
+    return out
+
+
 def lightning_runs(a, results: dict) -> None:
     import lightning as L
     import tsp_lightning
@@ -192,22 +212,21 @@ def fabric_run(a, results: dict) -> None:
         if resume:
             fabric.load(resume, state)
         dp, dp_rank = world() // (tsp or 1), rank() // (tsp or 1)
-        losses, norms = [], []
-        for step in range(state["step"], STEPS):
+
+        def loss_at(step: int) -> torch.Tensor:
             ids = rows(2 * STEPS)[2 * step:2 * step + 2].chunk(dp)[dp_rank]  # this replica's rows
-            loss = loss_of(model, ids, ids)  # the TSP model shards full-sequence batches itself
-            fabric.backward(loss)
-            norms.append(grad_norm(model))
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+            return loss_of(model, ids, ids)  # the TSP model shards full-sequence batches itself
+
+        def save(step: int) -> None:
             if resume is None and step + 1 == SAVE_AT:
                 state["step"] = SAVE_AT
                 fabric.save(path, state)
                 fabric.strategy._save_distributed_checkpoint = False  # and as one file
                 fabric.save(onefile, state)
                 fabric.strategy._save_distributed_checkpoint = True
-        results[name] = dict(losses=losses, norms=norms, weights=full_weights(model))
+
+        out = train(model, opt, range(state["step"], STEPS), loss_at, fabric.backward, after=save)
+        results[name] = dict(**out, weights=full_weights(model))
 
     if a.phase == "save":
         run("fabric", 2, None)
@@ -252,22 +271,16 @@ def accelerate_run(a, results: dict) -> None:
         accelerator.load_state(path)
         start = SAVE_AT
         loader = accelerator.skip_first_batches(loader, SAVE_AT)
-    losses, norms, lrs = [], [], []
     batches = iter(loader)
-    for step in range(start, STEPS):
-        batch = next(batches)
-        loss = model(**batch).loss
-        accelerator.backward(loss)
-        norms.append(grad_norm(model))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        lrs.append(sched.get_last_lr()[0])
+
+    def save(step: int) -> None:
         if a.phase == "save" and step + 1 == SAVE_AT:
             accelerator.save_state(path)
+
+    out = train(model, opt, range(start, STEPS), lambda _: model(**next(batches)).loss,
+                accelerator.backward, sched, save)
     name = "accelerate" if a.phase == "save" else f"accelerate_tsp{tsp}"
-    results[name] = dict(losses=losses, norms=norms, lrs=lrs, weights=full_weights(model))
+    results[name] = dict(**out, weights=full_weights(model))
 
     if a.phase == "resume" and world() == 1:
         # the same checkpoint into the unmodified model and a plain optimizer and scheduler
@@ -275,19 +288,13 @@ def accelerate_run(a, results: dict) -> None:
         plain_opt, plain_sched = build(plain)
         tsp_core.load_checkpoint(os.path.join(path, "tsp_model"), plain, plain_opt)
         plain_sched.load_state_dict(torch.load(os.path.join(path, "scheduler.bin")))
-        losses, norms, lrs = [], [], []
-        for step in range(SAVE_AT, STEPS):
+        def plain_loss(step: int) -> torch.Tensor:
             ids = rows(2 * STEPS)[2 * step:2 * step + 2]
-            loss = hf_models.reference_loss(plain, ids, ids)
-            loss.backward()
-            norms.append(grad_norm(plain))
-            plain_opt.step()
-            plain_sched.step()
-            plain_opt.zero_grad()
-            losses.append(loss.item())
-            lrs.append(plain_sched.get_last_lr()[0])
-        results["accelerate_plain"] = dict(losses=losses, norms=norms, lrs=lrs,
-                                           weights=full_weights(plain))
+            return hf_models.reference_loss(plain, ids, ids)
+
+        out = train(plain, plain_opt, range(SAVE_AT, STEPS), plain_loss, torch.Tensor.backward,
+                    plain_sched)
+        results["accelerate_plain"] = dict(**out, weights=full_weights(plain))
 
 
 # ------------------------------------------------------------------------------ TSPTrainer
