@@ -9,7 +9,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-            "granite")
+            "granite", "olmo2", "phi3")
 # the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
 BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 # float32 runs (a sanity check beside the float64 exactness runs): one family per feature set
@@ -50,15 +50,18 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
 
         model = GemmaForCausalLM(GemmaConfig(vocab_size=96, head_dim=24, **common))
     elif family == "gemma2":       # sandwich norms, query_pre_attn_scalar, alternating sliding
-        from transformers import Gemma2Config, Gemma2ForCausalLM   # layers; no soft-capping
+        from transformers import Gemma2Config, Gemma2ForCausalLM   # layers, soft-capping
 
+        # soft-caps small for the scores and logits of this size: initializer_range 0.2 (not
+        # 0.02) gives attention scores of about 2 (up to ~13) and logits of about 1.3 (up to
+        # ~6), so tanh(s / 2) and tanh(logits / 3) are far from linear (GEMMA2_SOFTCAPS)
         model = Gemma2ForCausalLM(Gemma2Config(
             vocab_size=96, head_dim=24, query_pre_attn_scalar=20, sliding_window=9,
-            attn_logit_softcapping=None, final_logit_softcapping=None, **common))
-        # HF allows only its eager attention for Gemma 2, whose softmax runs in float32 whatever
-        # the dtype (1e-7 off in float64, like its loss); without soft-capping sdpa computes the
-        # same attention, in float64
-        model.config._attn_implementation = "sdpa"
+            initializer_range=0.2, **GEMMA2_SOFTCAPS, **common))
+        # HF's only attention for Gemma 2 with soft-capping is its eager one, whose softmax runs
+        # in float32 whatever the dtype (1e-7 off in float64, like its loss): the reference uses
+        # the same attention with the softmax in the model's dtype when that is wider
+        use_exact_eager(model)
     elif family == "gemma3":       # Gemma 2's layout plus per-head q/k norms and local/global
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig   # rotary bases
 
@@ -71,11 +74,21 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         model = GraniteForCausalLM(GraniteConfig(
             vocab_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
             attention_multiplier=0.3, logits_scaling=4.0, **common))
+    elif family == "olmo2":        # q/k norms over all heads, norms after attention and MLP,
+        from transformers import Olmo2Config, Olmo2ForCausalLM   # biases
+
+        model = Olmo2ForCausalLM(Olmo2Config(vocab_size=96, attention_bias=True, **common))
+    elif family == "phi3":         # fused qkv_proj and gate_up_proj, sliding window, partial
+        from transformers import Phi3Config, Phi3ForCausalLM   # rotary (Phi-4-mini), padding row
+
+        model = Phi3ForCausalLM(Phi3Config(vocab_size=96, sliding_window=7,
+                                           partial_rotary_factor=0.5, pad_token_id=0,
+                                           eos_token_id=2, **common))
     else:
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
-    if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite"):
+    if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3"):
         # norms and biases away from their initial ones/zeros: a weight applied the wrong way
         # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():
@@ -83,6 +96,44 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
                 if name.endswith(("norm.weight", "bias")):
                     p.add_(0.1 * torch.randn(p.shape))
     return model.to(dtype)
+
+
+GEMMA2_SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+EXACT_EAGER = "tsp_tests_exact_eager"
+
+
+def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                          softcap=None, **kwargs):
+    """transformers' Gemma 2 ``eager_attention_forward`` (the scores times ``scaling``, then
+    ``tanh(s / softcap) * softcap``, then the additive mask, softmax, times V), with one change:
+    the softmax runs in the scores' dtype when it is wider than float32 (HF's always runs in
+    float32, ~1e-7 off in a float64 model); for float32 and below it is HF's."""
+    from transformers.models.gemma2.modeling_gemma2 import repeat_kv
+
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        weights = weights / softcap
+        weights = torch.tanh(weights)
+        weights = weights * softcap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    wide = torch.promote_types(query.dtype, torch.float32)
+    weights = F.softmax(weights, dim=-1, dtype=wide).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def use_exact_eager(model) -> None:
+    """Make ``model`` (a Gemma 2) run :func:`exact_eager_attention`, registered with transformers
+    under its own name with eager attention's additive masks (causal, sliding, padding)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(EXACT_EAGER, exact_eager_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(EXACT_EAGER, eager_mask)
+    model.config._attn_implementation = EXACT_EAGER
 
 
 def float64_gemma_norms(model) -> None:
@@ -116,7 +167,8 @@ def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 def full_grads(model) -> dict[str, torch.Tensor]:
     """Gradients by Hugging Face name and full shape: a plain model's ``.grad``; of a TSP model
     the gathered shards (every rank of the TSP group must call it; KV-head and vocabulary
-    padding dropped as in ``tsp_core.full_state_dict``)."""
+    padding dropped and fused tensors such as Phi-3's ``qkv_proj`` assembled, as in
+    ``tsp_core.full_state_dict``)."""
     from tsp_core.params import ShardedModule, local
 
     out: dict[str, torch.Tensor] = {}
@@ -126,7 +178,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
             pre = f"{prefix}." if prefix else ""
             owned |= {pre + n for n, _ in m.named_parameters()}
             # a tied weight under its first name only, as model.named_parameters() gives it
-            fresh = {n for n, p in m.named_parameters() if id(p) not in seen}
+            fresh = {m.hf_name(n) for n, p in m.named_parameters() if id(p) not in seen}
             seen |= {id(p) for _, p in m.named_parameters()}
             if fresh:
                 out.update({pre + n: g for n, g in m.full_tensors(grads=True).items()

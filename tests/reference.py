@@ -22,13 +22,24 @@ def rope(t: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Te
 
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
-              head_dim: int, *, causal: bool = True, window: int | None = None) -> torch.Tensor:
+              head_dim: int, *, causal: bool = True, window: int | None = None,
+              qk_norm: str | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """``qk_norm``: RMSNorms of q and k scaled by ``1 + w[q_norm.weight]`` (Gemma's numerics, in
+    the input's dtype), over each head ("head") or over all heads of a token ("all", OLMo 2)."""
     B, S, _ = x.shape
     pos = torch.arange(S)
 
+    def rms(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+
     def proj(name: str, n: int) -> torch.Tensor:
         y = F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
-        return y.view(B, S, n, head_dim).transpose(1, 2)
+        if qk_norm == "all" and name in ("q", "k"):
+            y = rms(y, w[f"{name}_norm.weight"])
+        y = y.view(B, S, n, head_dim)
+        if qk_norm == "head" and name in ("q", "k"):
+            y = rms(y, w[f"{name}_norm.weight"])
+        return y.transpose(1, 2)
 
     q = rope(proj("q", num_heads), pos)
     k = rope(proj("k", num_kv_heads), pos)

@@ -24,7 +24,7 @@ def pool():
 
 
 def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
-                 head_dim: int = HEAD_DIM):
+                 head_dim: int = HEAD_DIM, qk_norm: str | None = None):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3  # noqa: E731
     w = {"q_proj.weight": r(nq * head_dim, HIDDEN), "k_proj.weight": r(nkv * head_dim, HIDDEN),
@@ -34,17 +34,22 @@ def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
                   "v_proj.bias": r(nkv * head_dim)})
     if o_bias:
         w["o_proj.bias"] = r(HIDDEN)
+    if qk_norm is not None:  # offsets from one (Gemma's numerics: float64 stays float64)
+        widths = (nq * head_dim, nkv * head_dim) if qk_norm == "all" else (head_dim, head_dim)
+        w.update({"q_norm.weight": r(widths[0]), "k_norm.weight": r(widths[1])})
     return w
 
 
 def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool = False,
                o_bias: bool = False, window: int | None = None, layout: str = "zigzag",
-               causal: bool = True, head_dim: int = HEAD_DIM) -> None:
+               causal: bool = True, head_dim: int = HEAD_DIM, qk_norm: str | None = None) -> None:
     mesh = dist_pool.mesh(tsp, layout)
     D, p = mesh.size, mesh.rank
-    w = full_weights(nq, nkv, qkv_bias, o_bias, head_dim=head_dim)
+    w = full_weights(nq, nkv, qkv_bias, o_bias, head_dim=head_dim, qk_norm=qk_norm)
     layer = TSPAttention(mesh, HIDDEN, nq, nkv, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
-                         sliding_window=window, causal=causal, dtype=torch.float64)
+                         sliding_window=window, causal=causal, dtype=torch.float64,
+                         qk_norm_eps=None if qk_norm is None else 1e-6, qk_norm_kind="gemma",
+                         qk_norm_all_heads=qk_norm == "all")
     layer.load_full(w)
 
     gen = torch.Generator().manual_seed(2)
@@ -52,7 +57,8 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
     dy = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
     ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
     x_ref = x.clone().requires_grad_()
-    y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window)
+    y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window,
+                                qk_norm=qk_norm)
     y_ref.backward(dy)
 
     # pad at the end (causal: padding cannot reach real tokens); zero upstream grad on padding
@@ -81,6 +87,10 @@ CASES = [
     dict(nq=8, nkv=2, seq=13, batch=2),                       # needs padding at every D > 1
     dict(nq=4, nkv=2, seq=32, batch=1, window=5),             # sliding window < chunk
     dict(nq=4, nkv=2, seq=24, batch=1, window=9),
+    dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, qk_norm="head"),
+    # norms over all heads of a token (OLMo 2: the phased schedule), with K/V slices at D = 4
+    dict(nq=8, nkv=2, seq=13, batch=2, qkv_bias=True, o_bias=True, qk_norm="all"),
+    dict(nq=4, nkv=1, seq=32, batch=1, window=5, qk_norm="all"),
 ]
 
 
@@ -96,9 +106,12 @@ def test_parity_contiguous_layout(pool, tsp):
     pool.run(run_parity, tsp, nq=8, nkv=8, seq=16, batch=1, layout="contiguous", causal=False)
 
 
-def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool):
+def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool,
+                      all_heads: bool = False):
     mesh = dist_pool.mesh(tsp)
-    layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, qkv_bias=qkv_bias, dtype=torch.float64)
+    norms = dict(qk_norm_eps=1e-6, qk_norm_all_heads=True) if all_heads else {}
+    layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, qkv_bias=qkv_bias, dtype=torch.float64,
+                         **norms)
     x = torch.randn(batch, seq // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
     pos = position_ids(seq, mesh.rank, tsp)
     with comm.track() as fwd:
@@ -108,13 +121,17 @@ def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bia
     return dict(fwd.calls), dict(bwd.calls), dict(fwd.bytes), dict(bwd.bytes)
 
 
-@pytest.mark.parametrize("tsp,nq,nkv,bias", [(2, 8, 8, False), (4, 8, 2, True), (4, 4, 1, False),
-                                             (4, 8, 4, True), (2, 4, 1, True)])
-def test_collective_counts(pool, tsp, nq, nkv, bias):
+@pytest.mark.parametrize("tsp,nq,nkv,bias,all_heads",
+                         [(2, 8, 8, False, False), (4, 8, 2, True, False), (4, 4, 1, False, False),
+                          (4, 8, 4, True, False), (2, 4, 1, True, False), (4, 8, 4, True, True),
+                          (4, 4, 1, True, True)])
+def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads):
     """Exact calls and bytes of one layer on every rank. With nkv >= D a round broadcasts all four
     projections of a head group; with nkv < D the rounds broadcast q/o only, the key/value slices
     are all-gathered once per pass (and their gradients reduce-scattered once), and each
-    key/value head's K/V is gathered once, not once per round that uses it."""
+    key/value head's K/V is gathered once, not once per round that uses it. With q/k norms over
+    all heads (the phased schedule) the output projection goes in rounds of its own: twice the
+    broadcasts and reduces, the same bytes; the norms' replicated weight gradients are summed."""
     D, seq, batch = tsp, 16, 2
     replicas = max(1, D // nkv)
     sliced = int(replicas > 1)
@@ -129,11 +146,16 @@ def test_collective_counts(pool, tsp, nq, nkv, bias):
         kv_weights = 0
     kv = 2 * batch * seq * nkv_l * HEAD_DIM
     frac = (D - 1) / D
+    rounds = D * (1 + all_heads)
+    norms = {"all_reduce": 2} if all_heads else {}
     for fwd, bwd, fwd_bytes, bwd_bytes in pool.run(count_collectives, tsp, nq, nkv, seq, batch,
-                                                   bias):
-        assert fwd == {"broadcast": D, "all_gather": heads_gathered + sliced}, fwd
-        assert bwd == {"broadcast": D, "all_gather": heads_gathered + sliced,
-                       "reduce_scatter": heads_gathered + sliced, "reduce": D}, bwd
+                                                   bias, all_heads):
+        assert fwd == {"broadcast": rounds, "all_gather": heads_gathered + sliced}, fwd
+        assert bwd == {"broadcast": rounds, "all_gather": heads_gathered + sliced,
+                       "reduce_scatter": heads_gathered + sliced, "reduce": rounds, **norms}, bwd
+        if all_heads:
+            assert bwd_bytes["all_reduce"] == pytest.approx(
+                2 * (nq + nkv) * HEAD_DIM * 8 * frac)
         assert fwd_bytes["broadcast"] == pytest.approx(D * frac * shard * 8)
         assert fwd_bytes["all_gather"] == pytest.approx(
             (heads_gathered * kv + kv_weights) * frac * 8)

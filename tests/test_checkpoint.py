@@ -127,7 +127,8 @@ def counting_disk_reads(fn, *args) -> dict:
         safetensors.safe_open = real
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-tied", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "qwen2", "qwen3", "gemma3", "olmo2",
+                                    "phi3"])
 @pytest.mark.parametrize("tsp", [2, 4])
 def test_round_trip_and_sliced_reads(pool, tmp_path, family, tsp):
     results = pool.run(counting_disk_reads, round_trip, family, tsp, str(tmp_path / "ckpt"))
@@ -135,7 +136,7 @@ def test_round_trip_and_sliced_reads(pool, tmp_path, family, tsp):
     h = cfg.hidden_size
     d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     layers, nkv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    kv_width = h + (1 if family in ("qwen2", "qwen3") else 0)  # weight columns + bias
+    kv_width = h + (1 if family in ("qwen2", "qwen3", "olmo2") else 0)  # weight columns + bias
     vocab_tables = 1 if cfg.tie_word_embeddings else 2
 
     def rows(n: int, p: int) -> int:
@@ -156,3 +157,111 @@ def test_round_trip_and_sliced_reads(pool, tmp_path, family, tsp):
         read = (sharded // tsp + res["replicated"] + layers * 2 * rows(nkv * d, p) * kv_width
                 + rows(cfg.vocab_size, p) * h * vocab_tables)
         assert res["read"] == res["disk_elements"] == read, (rank, res, read)
+
+
+def phi3_fused_tensors(tsp: int, root: str) -> None:
+    """Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` (the TSP modules keep q/k/v and gate/up as
+    separate parameters): every full state dict and checkpoint holds HF's own fused tensors, bit
+    for bit, and every loader takes them."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from tsp_transformers import load_pretrained
+
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build("phi3", torch.float32)
+    want = ref.state_dict()
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+
+    def same(got: dict, what: str) -> None:
+        assert sorted(got) == sorted(want), f"{what}: {sorted(set(got) ^ set(want))}"
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{what}: {name}"
+
+    assert "model.layers.0.self_attn.qkv_proj.weight" in want
+    same(tsp_core.full_state_dict(model), "full_state_dict")
+    hf_dir, tsp_dir, dcp_dir = (os.path.join(root, n) for n in ("hf", "tsp", "dcp"))
+    if dist.get_rank() == 0:
+        ref.save_pretrained(hf_dir)
+    model.save_pretrained(tsp_dir)
+    dist.barrier()
+    same(load_file(os.path.join(tsp_dir, "model.safetensors")), "save_pretrained")
+    same(load_file(os.path.join(hf_dir, "model.safetensors")), "HF's own save_pretrained")
+
+    # from HF's fused tensors: a dict, HF's checkpoint read slice by slice, tsp_transformers
+    shards = {k: local(v).clone() for k, v in model.state_dict().items()}
+    for source in (want, hf_dir):
+        other = tsp_core.parallelize(hf_models.build("phi3", torch.float32, seed=5), mesh)
+        tsp_core.load_full_state_dict(other, source)
+        same(tsp_core.full_state_dict(other), f"after load_full_state_dict({type(source).__name__})")
+        for k, v in other.state_dict().items():  # this rank's own shards of q, k, v, gate, up
+            assert torch.equal(local(v), shards[k]), k
+    same(tsp_core.full_state_dict(load_pretrained(hf_dir, mesh=mesh, dtype=torch.float32)),
+         "tsp_transformers.load_pretrained")
+
+    # a DCP checkpoint: one tensor per fused name, loadable into the plain model bit for bit
+    tsp_core.save_checkpoint(dcp_dir, model)
+    plain = hf_models.build("phi3", torch.float32, seed=5)
+    tsp_core.load_checkpoint(dcp_dir, plain)
+    same(plain.state_dict(), "a DCP checkpoint loaded into the plain model")
+
+    # a fused tensor of the wrong shape is refused under its own name; the one-file optimizer
+    # state (keyed by parameter index) is refused, pointing to save_checkpoint
+    bad = {**want, "model.layers.0.mlp.gate_up_proj.weight": want[
+        "model.layers.0.mlp.gate_up_proj.weight"][:-2]}
+    with pytest.raises(ValueError, match=r"gate_up_proj\.weight has shape \(254, 64\), "
+                                         r"expected \(256, 64\)"):
+        tsp_core.load_full_state_dict(other, bad)
+    from tsp_core.resharding import full_optimizer_state_dict
+
+    with pytest.raises(NotImplementedError, match=r"keeps each fused Hugging Face tensor "
+                                                  r"\(gate_up_proj\.weight, qkv_proj\.weight\) "
+                                                  r"as several parameters"):
+        full_optimizer_state_dict(model, torch.optim.AdamW(model.parameters()))
+    dist.barrier()
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_phi3_fused_tensors_bit_identical(pool, tmp_path, tsp):
+    pool.run(phi3_fused_tensors, tsp, str(tmp_path))
+
+
+def families_bit_identical(tsp: int, root: str) -> None:
+    """Every family: full_state_dict and save_pretrained of a parallelized model are the
+    unmodified model's state dict bit for bit (names, dtypes, values), and load_full_state_dict
+    of it into another parallelized model gives it back bit for bit."""
+    import os
+
+    from safetensors.torch import load_file
+
+    mesh = dist_pool.mesh(tsp)
+    for family in hf_models.FAMILIES:
+        ref = hf_models.build(family, torch.float32)
+        want = ref.state_dict()
+        tied = {k for k in want if k.endswith("lm_head.weight")} if ref.config.tie_word_embeddings \
+            else set()
+        model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+
+        def same(got: dict, what: str, skip: set = frozenset()) -> None:
+            names = sorted(set(want) - skip)
+            assert sorted(got) == names, f"{family} {what}: {sorted(set(got) ^ set(names))}"
+            for name in names:
+                t = want[name]
+                assert got[name].dtype == t.dtype and torch.equal(got[name], t), \
+                    f"{family} {what}: {name}"
+
+        same(tsp_core.full_state_dict(model), "full_state_dict")
+        path = os.path.join(root, family)
+        model.save_pretrained(path)
+        dist.barrier()
+        # a tied LM head is stored once, under the embedding's name, as HF's save_pretrained does
+        same(load_file(os.path.join(path, "model.safetensors")), "save_pretrained", tied)
+        other = tsp_core.parallelize(hf_models.build(family, torch.float32, seed=5), mesh)
+        tsp_core.load_full_state_dict(other, want)
+        same(tsp_core.full_state_dict(other), "after load_full_state_dict")
+    dist.barrier()
+
+
+def test_every_family_round_trips_bit_identical(pool, tmp_path):
+    pool.run(families_bit_identical, 4, str(tmp_path))

@@ -111,6 +111,28 @@ def test_full_logits_match_one_process(pools, tsp):
             assert torch.equal(t, per_rank[0][key]), f"{key} differs on rank {r}"
 
 
+def full_logits_softcapped(tsp: int) -> None:
+    # Gemma 2's final logit soft-capping (hf_models: cap 3, logits near it) in the logits, the
+    # argmax and the loss that full_logits computes itself
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build("gemma2", torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        want_loss = hf_models.reference_loss(ref, ids, ids)
+        got = tsp_core.full_logits(model, {"input_ids": ids, "labels": ids})
+        assert_close(got.logits, want, 1e-10, "soft-capped logits")
+        assert_close(got.loss, want_loss, 1e-10, "loss of soft-capped logits")
+        top = tsp_core.full_logits(model, {"input_ids": ids}, argmax=True)
+        assert torch.equal(top.ids, want.argmax(-1))
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_full_logits_softcapped(pools, tsp):
+    pools.of(tsp).run(full_logits_softcapped, tsp)
+
+
 
 def logits_memory(tsp: int, batch: int, seq: int, hidden_size: int, vocab: int) -> dict:
     """Peak bytes MemTracker sees allocated by each way of getting the logits, beyond the local

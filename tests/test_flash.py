@@ -1,5 +1,7 @@
 """Block-wise flash attention (one process): the pieces cover exactly the allowed (query, key)
-pairs for every layout, window and degree, and forward/backward match explicit-mask attention."""
+pairs for every layout, window and degree, and forward/backward match explicit-mask attention;
+with soft-capped scores (Gemma 2) the tiled math kernel matches the float64 math, tiles smaller
+than the pieces included."""
 
 from __future__ import annotations
 
@@ -8,13 +10,16 @@ import itertools
 import pytest
 import torch
 
+from tsp_core import flash
 from tsp_core.flash import attention_backward, attention_forward, plan_pieces
 from tsp_core.layout import local_segments, row_segments
 
 from .reference import assert_close
 
 
-def explicit(q, k, v, rows, causal, window, scale, doc_of=None):
+def explicit(q, k, v, rows, causal, window, scale, doc_of=None, cap=None):
+    """Plain float64 math: the full score matrix times the scale, with ``cap`` soft-capped
+    (``tanh(s / cap) * cap``, Gemma 2: HF's eager order), then the mask and softmax."""
     S = k.shape[2]
     i, j = torch.tensor(rows)[:, None], torch.arange(S)[None]
     visible = torch.ones(len(rows), S, dtype=torch.bool)
@@ -26,6 +31,8 @@ def explicit(q, k, v, rows, causal, window, scale, doc_of=None):
         visible &= j > i - window
     g = q.shape[1] // k.shape[1]
     s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
     return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v.repeat_interleave(g, 1)
 
 
@@ -84,3 +91,78 @@ def test_packed_documents_never_see_each_other(size, window):
         k = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
         v = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
         check(explicit(q, k, v, rows, True, window, scale, doc_of), q, k, v, pieces, scale, gen)
+
+
+def check_softcap(q, k, v, rows, pieces, causal, window, scale, cap, gen, doc_of=None) -> None:
+    ref = explicit(q, k, v, rows, causal, window, scale, doc_of, cap)
+    # the cap is far from linear at these scores: without it the output is measurably different
+    plain = explicit(q, k, v, rows, causal, window, scale, doc_of)
+    assert (plain - ref).abs().max() > 1e-2
+    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale, softcap=cap)
+    assert lse.dtype == torch.float64 and lse.shape == q.shape[:3]
+    assert_close(out, ref.detach(), 1e-12, "soft-capped output")
+    do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(ref, (q, k, v), do)
+    dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse, pieces,
+                                 scale, softcap=cap)
+    for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
+        assert_close(a, b, 1e-12, f"soft-capped d{name}")
+
+
+# tile 512: one tile per piece; 5 and 3: tiles smaller than the pieces (and not dividing them),
+# so the kernel's own log-sum-exp merge over tiles and its diagonal tiles are exercised
+@pytest.mark.parametrize("tile", [512, 5, 3])
+@pytest.mark.parametrize("kv_heads", [2, 1])                       # GQA (4 / 2) and MQA
+@pytest.mark.parametrize("size,causal,window", [
+    (1, False, None), (2, True, None), (4, True, None), (1, True, 4), (2, True, 13),
+    (4, True, 5)])
+def test_softcap_pieces_match_math(monkeypatch, tile, kv_heads, size, causal, window):
+    monkeypatch.setattr(flash, "SOFTCAP_TILE", tile)
+    seq, scale, cap = 48, 8 ** -0.5, 1.5
+    gen = torch.Generator().manual_seed(2)
+    for p in range(size):
+        segs = local_segments(seq, p, size, "zigzag")
+        rows = [t for a, b in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, causal, window)
+        # scores of a few units: tanh(s / 1.5) is far from linear
+        q = (3 * torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64)
+             ).requires_grad_()
+        k = (3 * torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64)
+             ).requires_grad_()
+        v = torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64,
+                        requires_grad=True)
+        check_softcap(q, k, v, rows, pieces, causal, window, scale, cap, gen)
+
+
+@pytest.mark.parametrize("tile", [512, 3])
+@pytest.mark.parametrize("size", [1, 4])
+@pytest.mark.parametrize("window", [None, 3, 7])
+def test_softcap_packed_documents(monkeypatch, tile, size, window):
+    monkeypatch.setattr(flash, "SOFTCAP_TILE", tile)
+    docs = [8, 16, 40, 8]
+    seq, scale, cap = sum(docs), 8 ** -0.5, 2.0
+    doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    gen = torch.Generator().manual_seed(3)
+    for p in range(size):
+        segs = row_segments(docs, p, size)
+        rows = [t for a, b, _ in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, True, window)
+        q = (3 * torch.randn(1, 2, len(rows), 8, generator=gen, dtype=torch.float64)
+             ).requires_grad_()
+        k = (3 * torch.randn(1, 1, seq, 8, generator=gen, dtype=torch.float64)).requires_grad_()
+        v = torch.randn(1, 1, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        check_softcap(q, k, v, rows, pieces, True, window, scale, cap, gen, doc_of)
+
+
+def test_softcap_float32_conventions():
+    # float32 in: output float32, LSE float32 (natural log), like the native kernel's; and the
+    # same as the float64 math to float32 precision
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    pieces = plan_pieces([(0, 16)], 16, True, None)
+    out, lse = attention_forward(q, k, v, pieces, 0.5, softcap=1.0)
+    assert out.dtype == lse.dtype == torch.float32
+    s = torch.tanh(q.double() @ k.double().transpose(-1, -2) * 0.5 / 1.0) * 1.0
+    s = s.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+    assert_close(lse.double(), torch.logsumexp(s, -1), 1e-5, "lse")
+    assert_close(out.double(), torch.softmax(s, -1) @ v.double(), 1e-5, "output")

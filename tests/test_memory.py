@@ -86,10 +86,10 @@ def floors(D: int) -> dict[str, tuple[int, int]]:
         # backward of one attention: three shard buffers as in the forward, one head group's K/V
         # and its dK/dV, the reduce-scattered dK/dV of own tokens, dX, two weight-gradient
         # buffers on their way to owners; working set: the kernel's dK/dV of one call, its other
-        # inputs/outputs over half a chunk (6), dQ of this round and the last, dO, the round's
-        # dQ/dK/dV after RoPE's backward, the round's weight gradients, one LSE slice
+        # inputs/outputs over half a chunk (6), dQ of this round, dO, the round's dQ and dK
+        # after RoPE's backward, the round's weight gradients, one LSE slice
         "attention backward": (3 * W + 2 * KV + KV // D + X + 2 * W,
-                               kernel_dkv + 3 * G + 2 * G + G + 3 * G + W + lse // 2),
+                               kernel_dkv + 3 * G + G + G + 2 * G + W + lse // 2),
         # forward of one MLP: its output, two shard buffers and its own shard packed, the
         # slice's gate and up; working set: act(gate)
         "mlp forward": (X + 3 * M + 2 * I, I),
@@ -170,9 +170,10 @@ def breaking_the_rule(variant: str | None) -> Iterator[None]:
         _KEPT.clear()
 
 
-def simulate_variant(degree: int, variant: str | None) -> dict:
-    """One simulate record (as ``tsp simulate --json`` writes it) of the 7B shape, run in a worker
-    process of its own process group, with the rule broken as ``variant`` says."""
+def simulate_variant(degree: int, variant: str | None, model: str = "7b", seq: int = SEQ) -> dict:
+    """One simulate record (as ``tsp simulate --json`` writes it) of one layer of ``model`` (a
+    preset), run in a worker process of its own process group, with the rule broken as
+    ``variant`` says."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
@@ -180,7 +181,7 @@ def simulate_variant(degree: int, variant: str | None) -> dict:
     from tsp_core.plan.simulate import simulate as run
 
     torch.set_num_threads(1)
-    req = SimulationRequest("tsp", degree, 1, SEQ, "7b", LAYERS, recompute="none")
+    req = SimulationRequest("tsp", degree, 1, seq, model, LAYERS, recompute="none")
     with breaking_the_rule(variant):
         return record_dict(run(req))
 
@@ -230,3 +231,63 @@ def test_simulate_rejects_bad_requests(tmp_path, bad, message):
     out = subprocess.run([sys.executable, "-m", "tsp_core.cli", "simulate", "--seq", "64", *bad],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ the rule in every family
+
+FAMILY_BLOCKS = ("qwen3-8b", "gemma-2-9b", "olmo-2-7b")  # q/k norms, sandwich + soft-caps, phased
+FAMILY_SEQ = 16384
+WORKING_SETS = (("attention_forward", "activations"), ("attention_backward", "temporaries"),
+                ("mlp_forward", "activations"), ("mlp_backward", "temporaries"))
+
+
+def scaling_violations(runs: dict[tuple[int, int], dict]) -> list[str]:
+    """DESIGN 4 without per-family floors, from one layer at (S, D=4), (S, D=8) and (2S, D=8):
+    what the forward keeps for backward is local activations only, a linear function of this
+    rank's token count S/D (so (S, 4) and (2S, 8) keep the same, twice (S, 8)): a kept weight
+    shard (a 1/D term) or a kept K/V of the whole sequence (an S term) breaks it. What each
+    attention and MLP adds while it runs, and the parameters, shrink at least as 1/D."""
+    s4, s8, l8 = runs[(FAMILY_SEQ, 4)], runs[(FAMILY_SEQ, 8)], runs[(2 * FAMILY_SEQ, 8)]
+    slack = FAMILY_SEQ // 8 * SLACK_PER_TOKEN
+    kept = {k: r["phases"]["kept"]["activations"] for k, r in
+            (("(S, 4)", s4), ("2 x (S, 8)", s8), ("(2S, 8)", l8))}
+    kept["2 x (S, 8)"] *= 2
+    bad = []
+    if max(kept.values()) - min(kept.values()) > 2 * slack:
+        bad.append(f"kept activations not linear in S/D: {kept} (slack {2 * slack})")
+    for phase, kind in WORKING_SETS:
+        a, b = s4["phases"][phase][kind], s8["phases"][phase][kind]
+        if b > a / 2 + slack:
+            bad.append(f"{phase} {kind}: {b} bytes at D=8 > half of {a} at D=4 + slack {slack}")
+    pa, pb = s4["breakdown"]["parameters"], s8["breakdown"]["parameters"]
+    if pb > pa / 2 + slack:
+        bad.append(f"parameters: {pb} bytes at D=8 > half of {pa} at D=4 + slack {slack}")
+    return bad
+
+
+def family_runs(models: tuple[str, ...], variants: tuple[str | None, ...]) -> dict:
+    points = [(FAMILY_SEQ, 4), (FAMILY_SEQ, 8), (2 * FAMILY_SEQ, 8)]
+    keys = [(m, v, p) for m in models for v in variants for p in points]
+    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
+        recs = pool.map(simulate_variant, [p[1] for _, _, p in keys], [v for _, v, _ in keys],
+                        [m for m, _, _ in keys], [p[0] for _, _, p in keys])
+        out: dict = {}
+        for (m, v, p), rec in zip(keys, recs):
+            assert rec["layers"] == LAYERS and rec["seq"] == p[0] and rec["degree"] == p[1]
+            out.setdefault((m, v), {})[p] = rec
+    return out
+
+
+def test_the_rule_holds_in_every_family_and_its_breaks_show():
+    """One block of Qwen3 (per-head q/k norms), Gemma 2 (sandwich norms, soft-capped attention
+    and logits) and OLMo 2 (whole-width q/k norms: the phased schedule) keeps and adds what the
+    rule allows; in OLMo 2's schedule, keeping the gathered K/V or a remote weight shard for
+    backward is seen."""
+    runs = family_runs(FAMILY_BLOCKS, (None,)) | family_runs(("olmo-2-7b",),
+                                                              ("keep_kv", "keep_shard"))
+    for model in FAMILY_BLOCKS:
+        bad = scaling_violations(runs[(model, None)])
+        assert bad == [], f"{model}: " + "\n".join(bad)
+    for variant in ("keep_kv", "keep_shard"):
+        bad = scaling_violations(runs[("olmo-2-7b", variant)])
+        assert any(b.startswith("kept activations") for b in bad), (variant, bad)

@@ -95,7 +95,7 @@ def packed_parity(family: str, tsp: int) -> None:
 
 
 @pytest.mark.parametrize("tsp", [2, 4])
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2"])  # windows 7, 9
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2", "olmo2"])  # windows 7, 9
 def test_packed_rows_match_documents_run_alone(pool, family, tsp):
     pool.run(packed_parity, family, tsp)
 

@@ -30,7 +30,7 @@ def batches(vocab: int, rows: int, seq: int, steps: int):
 def train_parity(family: str, tsp: int, dtype_name: str, seq: int, steps: int = 5,
                  kv_heads: int | None = None) -> list[float]:
     dtype = getattr(torch, dtype_name)
-    loss_tol, sd_tol = (1e-9, 1e-8) if dtype == torch.float64 else (1e-4, 1e-4)
+    loss_tol, sd_tol = (1e-10, 1e-8) if dtype == torch.float64 else (1e-4, 1e-4)
     mesh = dist_pool.mesh(tsp)
     dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
     ref = hf_models.build(family, dtype, kv_heads=kv_heads)
@@ -101,7 +101,8 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['gemma', 'gemma2', 'gemma3', 'granite', 'llama', 'mistral', 'qwen2', 'qwen3'\]\. "
+         r"\['gemma', 'gemma2', 'gemma3', 'granite', 'llama', 'mistral', 'olmo2', 'phi3', 'qwen2', "
+         r"'qwen3'\]\. "
          r"Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
@@ -117,14 +118,22 @@ def bad_models() -> list[str]:
          r"attention_dropout \(0\.1\) is not supported"),
     ]
     # what a family uses and TSP does not implement is refused by its config field and value
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    # (Gemma 2's soft-capping, once refused here, is implemented: test_training_parity_float64)
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+    )
 
-    cases.append((Gemma2ForCausalLM(Gemma2Config(vocab_size=32, hidden_size=64, intermediate_size=64,
-                                                 num_hidden_layers=1, num_attention_heads=4,
-                                                 num_key_value_heads=4, head_dim=16)),
-                  r"Gemma2ForCausalLM: config\.attn_logit_softcapping=50\.0 \(attention logit "
-                  r"soft-capping\); config\.final_logit_softcapping=30\.0 \(final logit "
-                  r"soft-capping\) not implemented by TSP; set them to None"))
+    small = dict(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=4, head_dim=16)
+    cases.append((Gemma3ForCausalLM(Gemma3TextConfig(use_bidirectional_attention=True, **small)),
+                  r"Gemma3ForCausalLM: config\.use_bidirectional_attention=True \(bidirectional "
+                  r"attention\) not implemented by TSP; set it to None/False"))
+    # a soft-cap of 0 (HF would divide by it) is refused, naming it
+    cases.append((Gemma2ForCausalLM(Gemma2Config(attn_logit_softcapping=0.0, **small)),
+                  r"Gemma2ForCausalLM: the attention soft-cap \(0\.0\) must be positive"))
     for model, pattern in cases:
         before = dict(model.state_dict())
         with tsp_core.comm.track() as stats, pytest.raises(ValueError, match=pattern) as e:
@@ -133,7 +142,8 @@ def bad_models() -> list[str]:
         assert model.state_dict().keys() == before.keys(), "the model was changed before the error"
         msgs.append(str(e.value))
     # OLMo 2's q/k norms span all heads of a token (one statistic over every head group): a
-    # policy naming them as per-head norms is refused, naming the shapes
+    # policy naming them as per-head norms (qk_norm_all_heads left False) is refused, naming the
+    # shapes
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
     from tsp_core.policies import DecoderPolicy
@@ -145,8 +155,9 @@ def bad_models() -> list[str]:
                              layer_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
                              head_norms=("q_norm", "k_norm"))
     with tsp_core.comm.track() as stats, pytest.raises(
-            ValueError, match=r"layer 0: q/k norm weights of shapes \[\(64,\), \(64,\)\]; TSP "
-                              r"implements per-head norms over head_dim \(16,\) only"):
+            ValueError, match=r"layer 0: q/k norm weights of shapes \[\(64,\), \(64,\)\], but "
+                              r"the policy 'olmo2-as-per-head' describes norms per head: "
+                              r"\[\(16,\), \(16,\)\]; set DecoderPolicy.qk_norm_all_heads"):
         tsp_core.parallelize(olmo, mesh, policy=per_head)
     assert not stats.calls
     model = tsp_core.parallelize(hf_models.build("llama", torch.float64), mesh)
@@ -164,3 +175,21 @@ def bad_models() -> list[str]:
 
 def test_bad_models_fail_before_any_change(pools):
     pools.of(4).run(bad_models)
+
+
+def test_gemma2_softcaps_change_the_loss():
+    # the test model's soft-caps are far from linear: without either, HF's own float64 loss
+    # (hf_models.reference_loss, soft-capped logits) moves by more than 0.1%, so the parity
+    # tests would see a cap applied wrongly or not at all
+    ref = hf_models.build("gemma2", torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=gen)
+    with torch.no_grad():
+        capped = hf_models.reference_loss(ref, ids, ids).item()
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            model = copy.deepcopy(ref)
+            setattr(model.config, field, None)
+            for layer in model.model.layers:  # each attention keeps its own copy of the field
+                layer.self_attn.attn_logit_softcapping = model.config.attn_logit_softcapping
+            plain = hf_models.reference_loss(model, ids, ids).item()
+            assert abs(plain - capped) > 1e-3 * abs(capped), (field, plain, capped)

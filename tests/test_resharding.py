@@ -108,9 +108,10 @@ def reshard_run(family: str, root: str) -> dict:
     return sorted(os.listdir(root))
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "phi3"])
 def test_resume_at_other_degrees_matches_one_process(pool, tmp_path, family):
-    # llama: 2 KV heads, their rows sliced over 4 ranks at degree 4; llama-tied: vocabulary 101, padded
+    # llama: 2 KV heads, their rows sliced over 4 ranks at degree 4; llama-tied: vocabulary 101,
+    # padded; phi3: fused qkv_proj / gate_up_proj, each saved as one tensor under its own name
     for listing in pool.run(reshard_run, family, str(tmp_path)):  # what every rank sees
         assert listing == ["d1_step4", "d2_step3", "d4_step2", "d4_step5"], listing
 

@@ -26,7 +26,9 @@ LENGTHS = (60, 10, 19, 24)
 
 
 def build(kind: str, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """``kind``: "dynamic" or "longrope" (Llama), or "phi3-longrope" (Phi-3, whose generate
+    recomputes the KV cache once the sequence first passes the original context)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
     half = 8  # head_dim 16
     if kind == "dynamic":
@@ -38,11 +40,16 @@ def build(kind: str, seed: int = 0):
                   "long_factor": [1.0 + 0.7 * i for i in range(half)],
                   "original_max_position_embeddings": ORIGINAL}
         max_pos = 4 * ORIGINAL
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                         max_position_embeddings=max_pos, rope_parameters=params)
+    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                 max_position_embeddings=max_pos)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(torch.float64)
+    if kind == "phi3-longrope":
+        params.pop("original_max_position_embeddings")
+        config = Phi3Config(**shape, rope_parameters=params, original_max_position_embeddings=ORIGINAL,
+                            pad_token_id=0, eos_token_id=2)
+        return Phi3ForCausalLM(config).to(torch.float64)
+    return LlamaForCausalLM(LlamaConfig(**shape, rope_parameters=params)).to(torch.float64)
 
 
 def rotary_state(model) -> tuple:
@@ -116,7 +123,7 @@ def generation_parity(kind: str, tsp: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("tsp", [2, 4])
 def test_greedy_generation_matches_hf(pools, tsp):
-    for kind in ("dynamic", "longrope"):
+    for kind in ("dynamic", "longrope", "phi3-longrope"):
         outs = pools.of(tsp).run(generation_parity, kind, tsp)
         assert all(o == outs[0] for o in outs)
 

@@ -25,7 +25,8 @@ def pool():
     p.close()
 
 
-def run_parity(tsp: int, vocab: int, tied: bool, padding_idx: int | None) -> dict:
+def run_parity(tsp: int, vocab: int, tied: bool, padding_idx: int | None,
+               softcap: float | None = None) -> dict:
     mesh = dist_pool.mesh(tsp)
     D, p = mesh.size, mesh.rank
     gen = torch.Generator().manual_seed(5)
@@ -41,12 +42,16 @@ def run_parity(tsp: int, vocab: int, tied: bool, padding_idx: int | None) -> dic
     head = TSPLMHead(mesh, vocab, HIDDEN, tied_to=emb if tied else None, dtype=torch.float64)
     if not tied:
         head.load_full({"weight": head_w})
+    head.logits_softcap = softcap  # Gemma 2's final logit soft-capping (None: off)
+
+    def capped(logits: torch.Tensor) -> torch.Tensor:
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
     ref_e = emb_w.clone().requires_grad_()
     ref_h = ref_e if tied else head_w.clone().requires_grad_()
     x_ref = F.embedding(ids, ref_e, padding_idx=padding_idx)
-    loss_ref = F.cross_entropy(F.linear(x_ref + dy, ref_h).flatten(0, 1), labels.flatten(),
-                               reduction="sum")
+    loss_ref = F.cross_entropy(capped(F.linear(x_ref + dy, ref_h)).flatten(0, 1),
+                               labels.flatten(), reduction="sum")
     loss_ref.backward()
 
     with comm.track() as stats:
@@ -62,8 +67,8 @@ def run_parity(tsp: int, vocab: int, tied: bool, padding_idx: int | None) -> dic
         assert_close(head.full_tensors(grads=True)["weight"], ref_h.grad, 1e-10, "head grad")
     # logits without labels: the whole vocabulary for the local tokens
     logits = head(x.detach())
-    assert_close(logits, shard_sequence(F.linear(x_ref.detach(), ref_h.detach()), p, D), 1e-12,
-                 "logits")
+    assert_close(logits, shard_sequence(capped(F.linear(x_ref.detach(), ref_h.detach())), p, D),
+                 1e-12, "logits")
     dist.barrier()
     return dict(stats.calls)
 
@@ -77,6 +82,14 @@ def test_parity_float64(pool, tsp, vocab, tied, padding_idx):
     want = {"all_to_all": 4, "ring_pass": 3 * D - 2, "all_reduce": 1} if D > 1 else {}
     for rank, calls in enumerate(pool.run(run_parity, tsp, vocab, tied, padding_idx)):
         assert calls == want, (rank, calls)
+
+
+@pytest.mark.parametrize("tsp", [1, 2, 4])
+@pytest.mark.parametrize("vocab,tied", [(32, False), (13, True)])
+def test_parity_softcapped_logits(pool, tsp, vocab, tied):
+    # logits of about 3 (unit rows, 8 wide) soft-capped at 2: tanh far from linear, in the loss,
+    # its gradients (the cap's 1 - tanh^2) and the logits
+    pool.run(run_parity, tsp, vocab, tied, None, 2.0)
 
 
 def bad_ids() -> str:

@@ -64,6 +64,9 @@ class AttentionSpec:
     scale: float | None = None
     qk_norm_eps: float | None = None   # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     qk_norm_kind: str = "llama"        # its numerics (tsp_core.norm.NORMS)
+    softcap: float | None = None       # scores tanh(s / softcap) * softcap (Gemma 2; flash.py)
+    # the q/k norms span all heads of a token (OLMo 2), not each head: attention_phased.py
+    qk_norm_all_heads: bool = False
 
     @property
     def local_heads(self) -> int:
@@ -116,6 +119,31 @@ class _Rounds:
             yield r, buf
 
 
+class _OwnerReduces:
+    """Each round's weight gradients summed onto the round's owner, at most one foreign reduce in
+    flight; :meth:`finish` waits for all and returns this rank's own sum."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.me = group, dist.get_rank(group)
+        self.mine: tuple | None = None
+        self.others: list[tuple] = []
+
+    def send(self, owner: int, buf: torch.Tensor) -> None:
+        pending = (buf, comm.reduce(buf, owner, self.group, async_op=True))
+        if owner == self.me:
+            self.mine = pending
+            return
+        self.others.append(pending)
+        if len(self.others) > 1:
+            self.others.pop(0)[1].wait()
+
+    def finish(self) -> torch.Tensor:
+        for _, handle in self.others:
+            handle.wait()
+        self.mine[1].wait()
+        return self.mine[0]
+
+
 @dataclass(frozen=True)
 class _RowGroup:
     """Rows of the batch that share one token layout (packed rows may differ)."""
@@ -154,11 +182,16 @@ class _Shards:
     gradients of the slices are reduce-scattered back at the end."""
 
     def __init__(self, weights: Sequence[torch.Tensor], spec: AttentionSpec,
-                 group: dist.ProcessGroup) -> None:
+                 group: dist.ProcessGroup, split_out: bool = False) -> None:
         wq, wk, wv, wo, *b = weights
         self.spec, self.group, self.bias = spec, group, bool(b)
         self.sliced = spec.kv_replicas > 1
         self.round = [wq, wo, *b[:1]] if self.sliced else list(weights)
+        # split_out: the output projection goes round by round on its own (attention_phased)
+        self.split_out = split_out
+        if split_out:
+            self.round = [w for w in self.round if w is not wo]
+            self.out_pack = FlatPack([wo.shape])
         self.round_pack = FlatPack([w.shape for w in self.round])
         self.kv_rows = spec.num_kv_heads * spec.head_dim
         self.kv_full: list[torch.Tensor] = []
@@ -177,11 +210,15 @@ class _Shards:
                 for part, s in zip(buf.split(self.kv_pack.sizes, dim=1), self.kv_pack.shapes)]
 
     def unpack(self, r: int, buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """Round ``r``'s (wq, wk, wv, wo, bq, bk, bv); absent biases are None."""
+        """Round ``r``'s (wq, wk, wv, wo, bq, bk, bv); absent biases (and wo when split out)
+        are None."""
+        parts = self.round_pack.unpack(buf)
+        if self.split_out:
+            parts.insert(1 if self.sliced else 3, None)
         if not self.sliced:
-            wq, wk, wv, wo, *b = self.round_pack.unpack(buf)
+            wq, wk, wv, wo, *b = parts
             return (wq, wk, wv, wo, *(b or [None] * 3))
-        wq, wo, *bq = self.round_pack.unpack(buf)
+        wq, wo, *bq = parts
         d = self.spec.head_dim
         rows = slice(r // self.spec.kv_replicas * d, (r // self.spec.kv_replicas + 1) * d)
         kv = [t[rows] for t in self.kv_full] + [None] * (4 - len(self.kv_full))
@@ -191,9 +228,39 @@ class _Shards:
         """Of round weight gradients (wq, wk, wv, wo, bq, bk, bv), those the round's owner
         receives (in ``round_pack`` order)."""
         gq, gk, gv, go, bq, bk, bv = grads
+        out = [] if self.split_out else [go]
         if self.sliced:
-            return [gq, go] + ([bq] if self.bias else [])
-        return [gq, gk, gv, go] + ([bq, bk, bv] if self.bias else [])
+            return [gq, *out] + ([bq] if self.bias else [])
+        return [gq, gk, gv, *out] + ([bq, bk, bv] if self.bias else [])
+
+    def add_kv_grads(self, j: int, dk: torch.Tensor, dv: torch.Tensor, x2: torch.Tensor,
+                     wk: torch.Tensor, wv: torch.Tensor, dx2: torch.Tensor,
+                     grads: list[torch.Tensor | None], kv_grads: list[torch.Tensor]) -> None:
+        """The last round of key/value head j: dX += dK Wk + dV Wv, and the key/value weight (and
+        bias) gradients of this rank's tokens into ``grads`` (flat [B*L, rows] inputs); with
+        slices, also into head j's rows of the ``kv_grads`` accumulators."""
+        dx2.addmm_(dk, wk).addmm_(dv, wv)
+        grads[1:3] = [dk.t() @ x2, dv.t() @ x2]
+        if self.bias:
+            grads[5:7] = [dk.sum(0), dv.sum(0)]
+        if self.sliced:  # this rank's tokens' share of head j's gradient
+            rows = slice(j * self.spec.head_dim, (j + 1) * self.spec.head_dim)
+            for acc, g in zip(kv_grads, grads[1:3] + grads[5:7]):
+                acc[rows] += g
+
+    def own_grads(self, own: list[torch.Tensor], kv_grads: list[torch.Tensor],
+                  go: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """This rank's weight gradients in weight order (wq, wk, wv, wo, biases), from its summed
+        round gradients ``own`` (``round_pack`` order), the key/value slices' accumulators and,
+        when the output projection is split out, its gradient ``go``."""
+        own = list(own)
+        if self.split_out:
+            own.insert(1 if self.sliced else 3, go)
+        if not self.sliced:
+            return own
+        gk, gv, *gb = self.scatter_kv_grads(kv_grads)
+        gq, go, *gbq = own
+        return [gq, gk, gv, go] + ([gbq[0], gb[0], gb[1]] if self.bias else [])
 
     def kv_grad_buffers(self) -> list[torch.Tensor]:
         """Zeroed padded full-row accumulators for the key/value weight gradients (sliced)."""
@@ -230,6 +297,56 @@ def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: Attention
         return torch.autograd.grad(_head_norm(pre, weight, spec), (pre, weight), grad)
 
 
+def _attend(r: int, q_all: torch.Tensor, kv_all: torch.Tensor, out_all: torch.Tensor,
+            lse_all: torch.Tensor, groups: list[_RowGroup], gathered: dict[int, torch.Tensor],
+            spec: AttentionSpec, group: dist.ProcessGroup) -> None:
+    """Round ``r``'s attention: the local queries of head group r against the whole sequence's
+    K/V of its key/value head j, gathered in the first of j's rounds (into ``gathered``) and
+    dropped after the last; writes ``out_all[r]`` and ``lse_all[r]``."""
+    R = spec.kv_replicas
+    j, first, last = r // R, r % R == 0, r % R == R - 1
+    for i, g in enumerate(groups):
+        if first:
+            gathered[i] = comm.all_gather_sequence(kv_all[j][:, g.rows], group, 3, spec.layout,
+                                                   g.docs)
+        kv = gathered[i]
+        o, lse = flash.attention_forward(q_all[r][g.rows], kv[0], kv[1], g.pieces,
+                                         spec.softmax_scale, softcap=spec.softcap)
+        if last:
+            del gathered[i], kv
+        out_all[r][g.rows], lse_all[r][g.rows] = o, lse
+
+
+def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, kv_all: torch.Tensor,
+                     out_all: torch.Tensor, lse_all: torch.Tensor, groups: list[_RowGroup],
+                     gathered: dict[int, torch.Tensor], dkv_sum: dict[int, torch.Tensor],
+                     spec: AttentionSpec, group: dist.ProcessGroup
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward of :func:`_attend` for round ``r`` given its output gradient ``do``: dQ of the
+    round (before RoPE's backward) and, in the last round of key/value head j, dK/dV of this
+    rank's own tokens (summed over j's rounds and every rank's queries: reduce-scattered), else
+    None."""
+    R = spec.kv_replicas
+    j, first, last = r // R, r % R == 0, r % R == R - 1
+    dq_parts, dkv_parts = [], []
+    for i, g in enumerate(groups):
+        if first:
+            gathered[i] = comm.all_gather_sequence(kv_all[j][:, g.rows], group, 3, spec.layout,
+                                                   g.docs)
+        dq_g, dkv_g = flash.attention_backward(do[g.rows], q_all[r][g.rows], gathered[i],
+                                               out_all[r][g.rows], lse_all[r][g.rows], g.pieces,
+                                               spec.softmax_scale, softcap=spec.softcap)
+        dq_parts.append((g.rows, dq_g))
+        dkv_sum[i] = dkv_g if first else dkv_sum[i].add_(dkv_g)
+        del dkv_g
+        if last:  # the full-sequence K/V and dK/dV never coexist with the next group's
+            del gathered[i]
+            dkv_parts.append((g.rows, comm.reduce_scatter_sequence(
+                dkv_sum.pop(i), group, 3, spec.layout, g.docs)))
+    dq = _by_rows(dq_parts, q_all[r])
+    return dq, (_by_rows(dkv_parts, kv_all[j]) if last else None)
+
+
 class _TSPAttentionFn(torch.autograd.Function):
     """Round r uses rank r's query heads; with nkv < D, rounds r of one key/value head
     (``kv_replicas`` consecutive rounds) share that head's K/V: it is computed, gathered (and in
@@ -252,22 +369,13 @@ class _TSPAttentionFn(torch.autograd.Function):
         gathered: dict[int, torch.Tensor] = {}
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
-            j, first, last = r // R, r % R == 0, r % R == R - 1
+            j, first = r // R, r % R == 0
             q_all[r] = rope.apply(_head_norm(_heads(F.linear(x, wq, bq), nq), qn, spec), cos, sin)
             if first:
                 kv_all[j, 0] = rope.apply(_head_norm(_heads(F.linear(x, wk, bk), nkv), kn, spec),
                                           cos, sin)
                 kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
-            for i, g in enumerate(groups):
-                if first:
-                    gathered[i] = comm.all_gather_sequence(kv_all[j][:, g.rows], group, 3,
-                                                           spec.layout, g.docs)
-                kv = gathered[i]
-                o, lse = flash.attention_forward(q_all[r][g.rows], kv[0], kv[1], g.pieces,
-                                                 spec.softmax_scale)
-                if last:
-                    del gathered[i], kv
-                out_all[r][g.rows], lse_all[r][g.rows] = o, lse
+            _attend(r, q_all, kv_all, out_all, lse_all, groups, gathered, spec, group)
             y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
@@ -289,32 +397,16 @@ class _TSPAttentionFn(torch.autograd.Function):
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
         dx = x.new_zeros(x.shape)
         dx2 = dx.view(B * L, h)
-        me = dist.get_rank(group)
-        mine, others = None, []
+        reduces = _OwnerReduces(group)
         gathered: dict[int, torch.Tensor] = {}
         dkv_sum: dict[int, torch.Tensor] = {}
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, wo, bq, bk, _ = shards.unpack(r, buf)
-            j, first, last = r // R, r % R == 0, r % R == R - 1
+            j, last = r // R, r % R == R - 1
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
-            dq_parts, dkv_parts = [], []
-            for i, g in enumerate(groups):
-                if first:
-                    gathered[i] = comm.all_gather_sequence(kv_all[j][:, g.rows], group, 3,
-                                                           spec.layout, g.docs)
-                dq_g, dkv_g = flash.attention_backward(do[g.rows], q_all[r][g.rows], gathered[i],
-                                                       o[g.rows], lse_all[r][g.rows], g.pieces,
-                                                       spec.softmax_scale)
-                dq_parts.append((g.rows, dq_g))
-                dkv_sum[i] = dkv_g if first else dkv_sum[i].add_(dkv_g)
-                del dkv_g
-                if last:  # the full-sequence K/V and dK/dV never coexist with the next group's
-                    del gathered[i]
-                    dkv_parts.append((g.rows, comm.reduce_scatter_sequence(
-                        dkv_sum.pop(i), group, 3, spec.layout, g.docs)))
-            dq = _by_rows(dq_parts, q_all[r])
-            del dq_parts
+            dq, dkv = _attend_backward(r, do, q_all, kv_all, out_all, lse_all, groups, gathered,
+                                       dkv_sum, spec, group)
             dq = rope.apply_backward(dq, cos, sin)
             if qn is not None:
                 dq, g = _head_norm_backward(_heads(F.linear(x, wq, bq), nq), qn, spec, dq)
@@ -324,40 +416,15 @@ class _TSPAttentionFn(torch.autograd.Function):
             grads = [dq.t() @ x2, None, None, dy2.t() @ _flat(o).reshape(B * L, -1),
                      dq.sum(0) if shards.bias else None, None, None]
             if last:
-                dkv = _by_rows(dkv_parts, kv_all[j])
-                del dkv_parts
                 dk = rope.apply_backward(dkv[0], cos, sin)
                 if kn is not None:
                     dk, g = _head_norm_backward(_heads(F.linear(x, wk, bk), nkv), kn, spec, dk)
                     norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
-                dk = _flat(dk).reshape(B * L, -1)
-                dv = _flat(dkv[1]).reshape(B * L, -1)
-                dx2.addmm_(dk, wk).addmm_(dv, wv)
-                grads[1:3] = [dk.t() @ x2, dv.t() @ x2]
-                if shards.bias:
-                    grads[5:7] = [dk.sum(0), dv.sum(0)]
-                if shards.sliced:  # this rank's tokens' share of head j's gradient
-                    rows = slice(j * spec.head_dim, (j + 1) * spec.head_dim)
-                    for acc, g in zip(kv_grads, grads[1:3] + grads[5:7]):
-                        acc[rows] += g
-            gbuf = shards.round_pack.pack(shards.round_grads(grads))
-            pending = (gbuf, comm.reduce(gbuf, r, group, async_op=True))
-            if r == me:
-                mine = pending
-            else:
-                others.append(pending)
-                if len(others) > 1:  # at most one foreign gradient reduce in flight
-                    others.pop(0)[1].wait()
-        for _, handle in others:
-            handle.wait()
-        mine[1].wait()
-        own = shards.round_pack.unpack(mine[0])
-        if shards.sliced:
-            gk, gv, *gb = shards.scatter_kv_grads(kv_grads)
-            gq, go, *gbq = own
-            grads = [gq, gk, gv, go] + ([gbq[0], gb[0], gb[1]] if shards.bias else [])
-        else:
-            grads = own
+                shards.add_kv_grads(j, _flat(dk).reshape(B * L, -1),
+                                    _flat(dkv[1]).reshape(B * L, -1), x2, wk, wv, dx2, grads,
+                                    kv_grads)
+            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads)))
+        grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
         if qn is not None:
             grads = [*grads, *norm_grads]
         return (dx, None, None, None, None, None, None, *grads)
@@ -384,7 +451,9 @@ class TSPAttention(ShardedModule):
     columns of o_proj. Parameters carry Hugging Face names and shapes: ``q_proj.weight``
     [nq*d, h], ``k_proj.weight``, ``v_proj.weight`` [nkv*d, h], ``o_proj.weight`` [h, nq*d],
     optional biases, and with ``qk_norm_eps`` the per-head RMSNorm weights ``q_norm.weight``,
-    ``k_norm.weight`` [d] (replicated; applied to every query/key head before RoPE, Qwen3).
+    ``k_norm.weight`` [d] (replicated; applied to every query/key head before RoPE, Qwen3), or
+    with ``qk_norm_all_heads`` norms over all heads of a token, [nq*d] and [nkv*d] (OLMo 2; the
+    phased schedule of :mod:`tsp_core.attention_phased`).
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
@@ -396,7 +465,8 @@ class TSPAttention(ShardedModule):
                  qkv_bias: bool = False, o_bias: bool = False, rope_theta: float = 10000.0,
                  causal: bool = True, sliding_window: int | None = None,
                  scale: float | None = None, qk_norm_eps: float | None = None,
-                 qk_norm_kind: str = "llama", dtype: torch.dtype | None = None,
+                 qk_norm_kind: str = "llama", softcap: float | None = None,
+                 qk_norm_all_heads: bool = False, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -409,7 +479,8 @@ class TSPAttention(ShardedModule):
         self.mesh = mesh
         self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
                                   mesh.layout, causal, sliding_window, scale, qk_norm_eps,
-                                  qk_norm_kind)
+                                  qk_norm_kind, softcap=softcap,
+                                  qk_norm_all_heads=qk_norm_all_heads)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -420,10 +491,11 @@ class TSPAttention(ShardedModule):
         if o_bias:
             self.full_shapes["o_proj.bias"] = (hidden_size,)
         if qk_norm_eps is not None:
-            self.full_shapes.update({n: (head_dim,) for n in self.NORMS})
-        ones = self.NORMS if qk_norm_kind == "llama" else ()  # gemma's: an offset from one
+            widths = (q, kv) if qk_norm_all_heads else (head_dim, head_dim)
+            self.full_shapes.update({n: (w,) for n, w in zip(self.NORMS, widths)})
+        ones = self.NORMS if qk_norm_kind != "gemma" else ()  # gemma's: an offset from one
         full = init_full(self.full_shapes, init_seed, dtype, device, ones=ones)
-        for n in self.NORMS if qk_norm_kind != "llama" and qk_norm_eps is not None else ():
+        for n in self.NORMS if qk_norm_kind == "gemma" and qk_norm_eps is not None else ():
             full[n].zero_()
         self._create(full)
 
@@ -485,8 +557,12 @@ class TSPAttention(ShardedModule):
         if norms:  # replicated: every rank normalises its own tokens, gradients summed
             weights[-2:] = [comm.sum_grad(w, self.mesh.group) for w in weights[-2:]]
         cos, sin = (t.to(x.dtype) for t in position_embeddings)
+        if s.qk_norm_all_heads:
+            from .attention_phased import PhasedAttentionFn as fn  # imports this module
+        else:
+            fn = _TSPAttentionFn
         with context:
-            y = _TSPAttentionFn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
+            y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
         return y

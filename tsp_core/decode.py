@@ -202,7 +202,7 @@ def _logits(parts: _Parts, hidden: torch.Tensor) -> torch.Tensor:
     """[B, h] -> [B, V] on every rank: this rank's vocabulary rows, all-gathered."""
     hidden = parts.head.scale_input(hidden)
     w = local(parts.head.weight)
-    mine = hidden @ w.t()                                            # [B, per]
+    mine = parts.head.cap(hidden @ w.t())                            # [B, per]
     d = parts.mesh.size
     out = mine.new_empty(d, *mine.shape)
     comm.all_gather(out, mine.contiguous(), parts.mesh.group)
@@ -297,15 +297,18 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
 # -------------------------------------------------------------------------------- decode
 
 def _attend_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV attention of every query head [B, nq, d] to this rank's slots k, v
     [B, nkv, L, d] where ``visible`` [B, L]; returns the partial output [B, nq, d] and its
-    log-sum-exp [B, nq] (-inf and 0 where nothing here is visible), in float32 or float64."""
+    log-sum-exp [B, nq] (-inf and 0 where nothing here is visible), in float32 or float64.
+    ``softcap``: scores ``tanh(s / softcap) * softcap`` before the mask (Gemma 2)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, nq, d = q.shape
     nkv = k.shape[1]
     qg = q.view(B, nkv, nq // nkv, d).to(acc)
     s = torch.einsum("bhgd,bhld->bhgl", qg, k.to(acc)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                  # [B, nkv, g]
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
@@ -336,10 +339,15 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
 
     q_all = heads(q_all, D * nq)
     k_all = heads(k_all, spec.num_kv_heads)
-    if spec.qk_norm_eps is not None:                        # per-head norms (Qwen3, Gemma 3)
+    if spec.qk_norm_eps is not None:         # per head (Qwen3, Gemma 3) or over all (OLMo 2)
         norm = NORMS[spec.qk_norm_kind]
-        q_all = norm(q_all, w["q_norm.weight"], spec.qk_norm_eps)
-        k_all = norm(k_all, w["k_norm.weight"], spec.qk_norm_eps)
+
+        def normed(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if not spec.qk_norm_all_heads:
+                return norm(t, weight, spec.qk_norm_eps)
+            return norm(t.reshape(B, -1), weight, spec.qk_norm_eps).view(t.shape)
+
+        q_all, k_all = normed(q_all, w["q_norm.weight"]), normed(k_all, w["k_norm.weight"])
     q_all = rope.apply(q_all, cos, sin)[:, :, 0]                      # [B, nq_total, d]
     k_all = rope.apply(k_all, cos, sin)[:, :, 0]
     v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
@@ -348,7 +356,7 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
         cache.values[i][:, :, slot] = v_all
     L = cache.length
     out, lse = _attend_local(q_all, cache.keys[i][:, :, :L], cache.values[i][:, :, :L],
-                             visible, spec.softmax_scale)
+                             visible, spec.softmax_scale, spec.softcap)
     # head group r's partial results go to rank r, which merges them by log-sum-exp
     send = torch.cat([out, lse.unsqueeze(-1)], dim=-1).view(B, D, nq, d + 1).transpose(0, 1)
     send = send.contiguous()

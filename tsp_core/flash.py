@@ -5,7 +5,9 @@ Each local query segment (a zigzag chunk) is cut into tiles; a tile sees a few k
 either fully visible, causal on a square diagonal block, or "anticausal" (the lower edge of a
 sliding window: key u visible to query v iff u >= v), which is causal once queries and keys are
 both reversed. Pieces are merged by log-sum-exp; the backward calls the kernel's backward per
-piece with the *merged* output and LSE, as ring attention does.
+piece with the *merged* output and LSE, as ring attention does. With soft-capped scores
+(``softcap``, Gemma 2) each piece runs a tiled pure-torch kernel instead (no native flash kernel
+soft-caps), with the same conventions and the same merge.
 """
 
 from __future__ import annotations
@@ -106,14 +108,126 @@ def _kernel_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
     return dq, unflat(dk), unflat(dv)
 
 
-def _piece_fwd(q, k, v, mask: Mask, scale: float):
+# ------------------------------------------------------------ soft-capping math kernel
+
+# Soft-capped scores (Gemma 2: s = tanh(q.k * scale / cap) * cap before the mask and softmax)
+# have no native flash kernel: each piece is then computed by the tiled pure-torch kernel below,
+# at most SOFTCAP_TILE queries x SOFTCAP_TILE keys (every head of the batch) at a time, merged by
+# log-sum-exp, so no score tensor larger than a tile exists (DESIGN 4).
+SOFTCAP_TILE = 512
+
+
+def _tiles(n: int, tile: int) -> list[tuple[int, int]]:
+    return [(a, min(a + tile, n)) for a in range(0, n, tile)]
+
+
+def _softcap_visible(mask: Mask, a: int, a1: int, b: int, b1: int, device
+                     ) -> torch.Tensor | None | bool:
+    """Query tile [a, a1) against key tile [b, b1) of one piece (causal and anticausal pieces are
+    square, tiled the same way on both axes): False if nothing is visible, None if everything is,
+    else the [tq, tk] visibility (causal: key u visible to query v iff u <= v; anticausal: u >= v).
+    Every row of a tile that is not skipped sees at least one key (its diagonal)."""
+    if mask == "full":
+        return None
+    if (mask == "causal" and b >= a1) or (mask == "anticausal" and b1 <= a):
+        return False
+    if (mask == "causal" and b1 <= a + 1) or (mask == "anticausal" and b >= a1 - 1):
+        return None
+    rows = torch.arange(a, a1, device=device)[:, None]
+    cols = torch.arange(b, b1, device=device)[None]
+    return cols <= rows if mask == "causal" else cols >= rows
+
+
+def _softcap_scores(qt, kt, scale: float, softcap: float, visible):
+    """tanh(q k^T * scale / cap) (the tile's [B, Hkv, g, tq, tk] tanh, for the backward) and the
+    capped, masked scores, in the order of Hugging Face's eager attention: times the scale, over
+    the cap, tanh, times the cap."""
+    t = torch.tanh(torch.matmul(qt, kt.transpose(-1, -2)) * scale / softcap)
+    s = t * softcap
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return t, s
+
+
+def _softcap_fwd(q, k, v, mask: Mask, scale: float, softcap: float):
+    """(out, lse) of one piece with soft-capped scores, the conventions of the native kernels:
+    q [B, Hq, Lq, d], k, v [B, Hkv, Lk, d] (Hkv divides Hq); out in q's dtype, lse [B, Hq, Lq]
+    natural-log, float32 (float64 for float64 input)."""
+    B, Hq, Lq, d = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.reshape(B, Hkv, g, Lq, d)
+    out = torch.zeros(B, Hkv, g, Lq, d, dtype=acc, device=q.device)
+    lse = torch.full((B, Hkv, g, Lq), float("-inf"), dtype=acc, device=q.device)
+    tile = SOFTCAP_TILE
+    for a, a1 in _tiles(Lq, tile):
+        qt = qg[:, :, :, a:a1].to(acc)
+        o_acc, l_acc = out[:, :, :, a:a1], lse[:, :, :, a:a1]
+        for b, b1 in _tiles(Lk, tile):
+            visible = _softcap_visible(mask, a, a1, b, b1, q.device)
+            if visible is False:
+                continue
+            _, s = _softcap_scores(qt, k[:, :, None, b:b1].to(acc), scale, softcap, visible)
+            l_t = torch.logsumexp(s, -1)
+            o_t = torch.matmul(torch.exp(s - l_t.unsqueeze(-1)), v[:, :, None, b:b1].to(acc))
+            del s
+            l_new = torch.logaddexp(l_acc, l_t)
+            o_acc.mul_(torch.exp(l_acc - l_new).unsqueeze(-1))
+            o_acc.add_(o_t * torch.exp(l_t - l_new).unsqueeze(-1))
+            l_acc.copy_(l_new)
+    return out.view(B, Hq, Lq, d).to(q.dtype), lse.view(B, Hq, Lq)
+
+
+def _softcap_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float):
+    """dq, dk, dv of one soft-capped piece from the *merged* output and LSE of its rows, tile by
+    tile: P = exp(s_capped - lse), dP = dO V^T, dS = P (dP - rowsum(dO O)), times the cap's
+    derivative 1 - tanh^2, then dQ = dS K scale, dK = dS^T Q scale, dV = P^T dO."""
+    B, Hq, Lq, d = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg, dog = q.reshape(B, Hkv, g, Lq, d), do.reshape(B, Hkv, g, Lq, d)
+    lseg = lse.reshape(B, Hkv, g, Lq).to(acc)
+    delta = (do.to(acc) * out.to(acc)).sum(-1).view(B, Hkv, g, Lq)
+    dq = torch.zeros(B, Hkv, g, Lq, d, dtype=acc, device=q.device)
+    dk = torch.zeros(B, Hkv, Lk, d, dtype=acc, device=q.device)
+    dv = torch.zeros(B, Hkv, Lk, d, dtype=acc, device=q.device)
+    tile = SOFTCAP_TILE
+    for a, a1 in _tiles(Lq, tile):
+        qt, dot = qg[:, :, :, a:a1].to(acc), dog[:, :, :, a:a1].to(acc)
+        for b, b1 in _tiles(Lk, tile):
+            visible = _softcap_visible(mask, a, a1, b, b1, q.device)
+            if visible is False:
+                continue
+            kt, vt = k[:, :, None, b:b1].to(acc), v[:, :, None, b:b1].to(acc)
+            t, s = _softcap_scores(qt, kt, scale, softcap, visible)
+            p = torch.exp(s - lseg[:, :, :, a:a1].unsqueeze(-1))
+            del s
+            dv[:, :, b:b1] += torch.matmul(p.transpose(-1, -2), dot).sum(2)
+            ds = p * (torch.matmul(dot, vt.transpose(-1, -2)) - delta[:, :, :, a:a1].unsqueeze(-1))
+            del p
+            ds.mul_(1 - t * t).mul_(scale)
+            del t
+            dq[:, :, :, a:a1] += torch.matmul(ds, kt)
+            dk[:, :, b:b1] += torch.matmul(ds.transpose(-1, -2), qt).sum(2)
+    return dq.view(B, Hq, Lq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _piece_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None = None):
+    if softcap is not None:  # scores in float32/float64 even under autocast, as a flash kernel's
+        with torch.autocast(q.device.type, enabled=False):
+            return _softcap_fwd(q, k, v, mask, scale, softcap)
     if mask == "anticausal":
         out, lse = _kernel_fwd(q.flip(2), k.flip(2), v.flip(2), True, scale)
         return out.flip(2), lse.flip(2)
     return _kernel_fwd(q, k, v, mask == "causal", scale)
 
 
-def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float):
+def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None = None):
+    if softcap is not None:
+        with torch.autocast(q.device.type, enabled=False):
+            return _softcap_bwd(do, q, k, v, out, lse, mask, scale, softcap)
     if mask == "anticausal":
         grads = _kernel_bwd(do.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2),
                             lse.flip(2), True, scale)
@@ -124,16 +238,19 @@ def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float):
 # -------------------------------------------------------------------- forward / backward
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece],
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, *, softcap: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, L, d] local queries; k, v [B, Hkv, S, d] full sequence (Hkv divides Hq).
-    Returns the attention output [B, Hq, L, d] and its log-sum-exp [B, Hq, L]."""
+    Returns the attention output [B, Hq, L, d] and its log-sum-exp [B, Hq, L]. ``softcap``:
+    scores become ``tanh(s / softcap) * softcap`` before the mask and softmax (Gemma 2's
+    attention logit soft-capping; the tiled math kernel instead of the native one)."""
     B, H, L, d = q.shape
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, H, L, d, dtype=acc_dtype, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc_dtype, device=q.device)
     for p in pieces:
         o_p, l_p = _piece_fwd(q[:, :, p.q0:p.q1], k[:, :, p.k0:p.k1], v[:, :, p.k0:p.k1],
-                              p.mask, scale)
+                              p.mask, scale, softcap)
         o_acc, l_acc = out[:, :, p.q0:p.q1], lse[:, :, p.q0:p.q1]
         l_new = torch.logaddexp(l_acc, l_p.to(acc_dtype))
         o_acc.mul_(torch.exp(l_acc - l_new).unsqueeze(-1))
@@ -145,17 +262,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces:
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, pieces: list[Piece],
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`attention_forward` w.r.t. q (local) and the packed full-sequence
-    ``kv`` [2, B, Hkv, S, d]; dK and dV come back packed the same way, ready for one
-    reduce-scatter."""
+                       scale: float, *, softcap: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`attention_forward` (with the same ``softcap``) w.r.t. q (local) and
+    the packed full-sequence ``kv`` [2, B, Hkv, S, d]; dK and dV come back packed the same way,
+    ready for one reduce-scatter."""
     dq = torch.zeros_like(q)
     dkv = torch.zeros_like(kv)
     for p in pieces:
         rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
         g_q, g_k, g_v = _piece_bwd(do[:, :, rows].contiguous(), q[:, :, rows], kv[0, :, :, keys],
                                    kv[1, :, :, keys], out[:, :, rows].contiguous(),
-                                   lse[:, :, rows].contiguous(), p.mask, scale)
+                                   lse[:, :, rows].contiguous(), p.mask, scale, softcap)
         dq[:, :, rows] += g_q
         dkv[0, :, :, keys] += g_k
         dkv[1, :, :, keys] += g_v

@@ -183,6 +183,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
         else:
             _sync_global_rng(model, logits.device)
     cache.reserve(max(0, max_new_tokens - 1))
+    policy = getattr(model, "_tsp_policy", None)  # Phi-3: HF's generate recomputes its cache once
+    recompute = getattr(policy, "recompute_cache_at", None)
+    recompute_at = None if recompute is None else recompute(model.config)
+    decoded = 0  # tokens decoded since the cache was filled
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     eos_t = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
     tokens, steps = [], []
@@ -197,7 +201,17 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
         if eos and not bool(unfinished.any()):
             break
         if step + 1 < max_new_tokens:
-            logits = decode_step(model, cache, nxt, cache.lengths + step)
+            if recompute_at is not None and input_ids.shape[1] + step + 1 == recompute_at + 1:
+                # as Hugging Face's generate does for this family: the whole sequence again (a
+                # length-dependent rope switches here, e.g. longrope's short to long factors)
+                so_far = torch.cat([input_ids] + [t[:, None] for t in tokens], dim=1)
+                logits, cache = prefill(model, so_far, torch.cat(
+                    [mask, mask.new_ones(mask.shape[0], step + 1)], dim=1))
+                cache.reserve(max(0, max_new_tokens - step - 2))
+                decoded = 0
+            else:
+                logits = decode_step(model, cache, nxt, cache.lengths + decoded)
+                decoded += 1
     out = torch.cat([input_ids] + [t[:, None] for t in tokens], dim=1) if tokens else input_ids
     return (out, steps) if return_logits else out
 

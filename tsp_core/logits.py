@@ -126,7 +126,8 @@ def _logits(head: TSPLMHead, hidden: torch.Tensor) -> torch.Tensor:
     def compute(owner: int, w: torch.Tensor) -> None:
         spec = vocab_spec(head.vocab_size, owner, mesh.size)
         if spec.length:
-            out[..., spec.start:spec.start + spec.length] = F.linear(hidden, w[:spec.length])
+            out[..., spec.start:spec.start + spec.length] = head.cap(
+                F.linear(hidden, w[:spec.length]))
 
     with context:
         comm.ring_over_shards(shard.contiguous(), mesh.group, compute)
@@ -148,7 +149,8 @@ def _argmax(head: TSPLMHead, hidden: torch.Tensor) -> torch.Tensor:
         if not spec.length:
             return
         for c in range(0, flat.shape[0], chunk):
-            value, col = F.linear(flat[c:c + chunk], w[:spec.length]).max(-1)
+            # soft-capped as the logits are: tanh is monotone, but it can make neighbours equal
+            value, col = head.cap(F.linear(flat[c:c + chunk], w[:spec.length])).max(-1)
             col = col + spec.start
             old, old_id = best[c:c + chunk], ids[c:c + chunk]
             better = (value > old) | ((value == old) & (col < old_id))

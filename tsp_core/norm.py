@@ -30,8 +30,17 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (xa * (1.0 + weight.to(acc))).type_as(x)
 
 
+def olmo2_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMo 2's RMSNorm (its q/k norms too): normalised in float32 whatever the input dtype,
+    scaled by the weight *before* the cast back (Llama casts, then scales)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32).to(dtype)
+
+
 NORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "llama": rms_norm, "gemma": gemma_rms_norm}
+    "llama": rms_norm, "gemma": gemma_rms_norm, "olmo2": olmo2_rms_norm}
 
 
 class TSPRMSNorm(ShardedModule):

@@ -176,6 +176,11 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
         raise ValueError(f"{type(model).__name__}: {'; '.join(refused)} not implemented by TSP; "
                          f"set {'them' if len(refused) > 1 else 'it'} to None/False to run it "
                          f"without (a different model), or train it without TSP")
+    for what, hook in (("attention", policy.attn_softcap), ("logits", policy.logits_softcap)):
+        cap = _softcap(hook, c)
+        if cap is not None and not cap > 0:
+            raise ValueError(f"{type(model).__name__}: the {what} soft-cap ({cap}) must be "
+                             f"positive, or None for no soft-capping")
     act = _activation(c)
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden_act {act!r} is not supported by TSPGatedMLP; "
@@ -202,8 +207,36 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
         if not hasattr(base, name):
             raise ValueError(f"{type(model).__name__}.{policy.base_model} has no {name!r}; the "
                              f"policy {policy.name!r} does not describe this model")
-    _check_head_norms(model, policy, head_dim)
+    _check_head_norms(model, policy, nq * head_dim if policy.qk_norm_all_heads else head_dim,
+                      nkv * head_dim if policy.qk_norm_all_heads else head_dim)
+    _check_fused(model, policy, {"q_proj": nq * head_dim, "k_proj": nkv * head_dim,
+                                 "v_proj": nkv * head_dim, "gate_proj": c.intermediate_size,
+                                 "up_proj": c.intermediate_size})
     rope.length_dependent_rotaries(model)  # raises for one TSP cannot give the global length
+
+
+def _linear(module: nn.Module, name: str, fused: dict[str, tuple[str, ...]]) -> nn.Module:
+    """The Hugging Face Linear holding projection ``name``: itself, or the fused one it is part
+    of (Phi-3's ``qkv_proj`` holds q_proj's rows)."""
+    for fused_name, parts in fused.items():
+        if name in parts:
+            return getattr(module, fused_name)
+    return getattr(module, name)
+
+
+def _check_fused(model: nn.Module, policy: DecoderPolicy, rows: dict[str, int]) -> None:
+    """Every fused projection the policy names exists with the rows of its parts."""
+    base = getattr(model, policy.base_model)
+    for role, name, parts in policy.fused:
+        for i, layer in enumerate(getattr(base, policy.layers)):
+            module = getattr(layer, getattr(policy, role))
+            linear = getattr(module, name, None)
+            want = sum(rows[p] for p in parts)
+            got = None if linear is None else tuple(linear.weight.shape)
+            if got is None or got[0] != want:
+                raise ValueError(f"layer {i}: {getattr(policy, role)}.{name} has weight shape "
+                                 f"{got}; the policy {policy.name!r} fuses {parts} there "
+                                 f"({want} rows)")
 
 
 def _activation(config: Any) -> str:
@@ -217,6 +250,12 @@ def _eps(norm: nn.Module) -> float:
     return norm.eps if eps is None else eps
 
 
+def _softcap(hook: Any, config: Any) -> float | None:
+    """A policy's soft-cap of ``config`` (None: the family has none, or it is off)."""
+    cap = None if hook is None else hook(config)
+    return None if cap is None else float(cap)
+
+
 def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
     """The epsilon of the attention's per-head q/k norms (None: the family has none)."""
     if policy.head_norms is None:
@@ -224,8 +263,9 @@ def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
     return _eps(getattr(attn, policy.head_norms[0]))
 
 
-def _check_head_norms(model: nn.Module, policy: DecoderPolicy, head_dim: int) -> None:
-    """Per-head q/k norms are what TSP implements: one weight of head_dim, the same eps."""
+def _check_head_norms(model: nn.Module, policy: DecoderPolicy, q_width: int, k_width: int) -> None:
+    """The q/k norms are what the policy says: per head (weights of head_dim) or over all heads of
+    a token (``qk_norm_all_heads``: nq*head_dim, nkv*head_dim), with the same eps."""
     if policy.head_norms is None:
         return
     for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
@@ -235,10 +275,11 @@ def _check_head_norms(model: nn.Module, policy: DecoderPolicy, head_dim: int) ->
             raise ValueError(f"layer {i}: the policy {policy.name!r} names q/k norms "
                              f"{policy.head_norms} that the attention does not have")
         shapes = [tuple(n.weight.shape) for n in norms]
-        if shapes != [(head_dim,)] * 2:
-            raise ValueError(f"layer {i}: q/k norm weights of shapes {shapes}; TSP implements "
-                             f"per-head norms over head_dim ({head_dim},) only (a norm over all "
-                             f"heads of a token needs every head group at once)")
+        if shapes != [(q_width,), (k_width,)]:
+            what = ("over all heads of a token" if policy.qk_norm_all_heads else "per head")
+            raise ValueError(f"layer {i}: q/k norm weights of shapes {shapes}, but the policy "
+                             f"{policy.name!r} describes norms {what}: [({q_width},), "
+                             f"({k_width},)]; set DecoderPolicy.qk_norm_all_heads to match")
         if _eps(norms[0]) != _eps(norms[1]):
             raise ValueError(f"layer {i}: q_norm eps ({_eps(norms[0])}) and k_norm eps "
                              f"({_eps(norms[1])}) differ")
@@ -264,6 +305,10 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
 
     def replace(parent: nn.Module, name: str, new: nn.Module, old: nn.Module | None = None) -> None:
+        role = ("attention" if isinstance(new, TSPAttention) else
+                "mlp" if isinstance(new, TSPGatedMLP) else None)
+        if role is not None and policy.fused_in(role):  # Hugging Face's fused projections
+            new.fuse(policy.fused_in(role))
         if not empty:
             new.load_full((old or getattr(parent, name)).state_dict())
         setattr(parent, name, new)
@@ -280,14 +325,17 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     for layer in getattr(base, policy.layers):
         attn = getattr(layer, policy.attention)
         replace(layer, policy.attention, HFTSPAttention(
-            mesh, c.hidden_size, nq, nkv, head_dim, qkv_bias=attn.q_proj.bias is not None,
+            mesh, c.hidden_size, nq, nkv, head_dim,
+            qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
             o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
             scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn),
-            qk_norm_kind=policy.norm, init_seed=None, **opts))
+            qk_norm_kind=policy.norm, softcap=_softcap(policy.attn_softcap, c),
+            qk_norm_all_heads=policy.qk_norm_all_heads, init_seed=None, **opts))
         mlp = getattr(layer, policy.mlp)
         replace(layer, policy.mlp, TSPGatedMLP(
             mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
-            bias=mlp.gate_proj.bias is not None, init_seed=None, **opts))
+            bias=_linear(mlp, "gate_proj", policy.fused_in("mlp")).bias is not None, init_seed=None,
+            **opts))
         for norm in policy.layer_norms:
             old = getattr(layer, norm)
             replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))
@@ -301,6 +349,7 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
                                                  init_seed=None, **opts), old_head)
     if policy.logits_divisor is not None:
         getattr(model, policy.lm_head).logits_divisor = float(policy.logits_divisor(c))
+    getattr(model, policy.lm_head).logits_softcap = _softcap(policy.logits_softcap, c)
 
     model.__class__ = _tsp_class(type(model))
     model._tsp_mesh, model._tsp_policy = mesh, policy

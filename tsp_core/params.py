@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -187,11 +187,12 @@ class ShardedModule(nn.Module):
         """Keep this rank's slices of full Hugging Face-shaped tensors (names relative to this
         module, e.g. ``q_proj.weight``)."""
         source = TensorSource(full) if isinstance(full, Mapping) else full
-        for name, expected in self.full_shapes.items():
+        for name, expected in self.hf_shapes().items():
             got = source.shape(name)
             if got != tuple(expected):
                 raise ValueError(f"{type(self).__name__}: {name} has shape {got}, expected "
                                  f"{tuple(expected)} ({self.extra_repr()})")
+        source = Unfused(source, self) if self.fused else source
         with torch.no_grad():
             for name, param in self.named_parameters():
                 local(param).copy_(read_local(source, name, self.shard_spec(name, self.mesh.rank)))
@@ -202,18 +203,110 @@ class ShardedModule(nn.Module):
         out = {}
         for name, p in self.named_parameters():
             t = p.grad if grads else p
-            if t is None:
-                continue
-            specs = [self.shard_spec(name, r) for r in range(self.mesh.size)]
-            part = local(t).detach()
-            if specs[0].dim is None:
-                out[name] = part.clone()
-                continue
-            gathered = part.new_empty((self.mesh.size, *part.shape))
-            comm.all_gather(gathered, part.contiguous(), self.mesh.group)
-            virtual = torch.cat(gathered.unbind(0), dim=specs[0].dim)
-            out[name] = assemble_full(virtual, specs, self.full_shapes[name][specs[0].dim])
+            if t is not None:
+                out[name] = self.gather_full(name, t)
+        for fused, parts in self.fused_names().items():  # Hugging Face's fused tensors
+            if all(n in out for n, _ in parts):
+                out[fused] = torch.cat([out.pop(n) for n, _ in parts])
         return out
+
+    def gather_full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The full tensor of parameter ``name`` from every rank's local ``t`` laid out like it
+        (the parameter, its gradient, an optimizer state); every rank of the group must call it."""
+        specs = [self.shard_spec(name, r) for r in range(self.mesh.size)]
+        part = local(t).detach()
+        if specs[0].dim is None:
+            return part.clone()
+        gathered = part.new_empty((self.mesh.size, *part.shape))
+        comm.all_gather(gathered, part.contiguous(), self.mesh.group)
+        virtual = torch.cat(gathered.unbind(0), dim=specs[0].dim)
+        return assemble_full(virtual, specs, self.full_shapes[name][specs[0].dim])
+
+    # ---------------------------------------------- fused Hugging Face tensors (Phi-3)
+
+    def fuse(self, groups: Mapping[str, Sequence[str]]) -> None:
+        """Name parameters the way a model that fuses them does, e.g. Phi-3's
+        ``{"qkv_proj": ("q_proj", "k_proj", "v_proj")}``: the Hugging Face tensor
+        ``qkv_proj.weight`` (and ``.bias``) is the parts' rows concatenated in this order. The
+        module keeps the parts as its parameters (each sharded as usual: a rank owns whole heads
+        of q, k and v, matching gate and up channels) and computes with them; every full tensor
+        in or out of it (:meth:`full_tensors`, :meth:`load_full`, hence ``full_state_dict``,
+        ``load_full_state_dict``, ``save_pretrained``, ``save_checkpoint``) has the fused name
+        and shape."""
+        for fused, parts in groups.items():
+            for part in parts:
+                if f"{part}.weight" not in self.full_shapes:
+                    raise ValueError(f"{type(self).__name__} has no {part}.weight to fuse into "
+                                     f"{fused}; its parameters: {sorted(self.full_shapes)}")
+                if self.shard_spec(f"{part}.weight", 0).dim != 0:
+                    raise ValueError(f"{type(self).__name__}.{part} is not sharded by rows; only "
+                                     f"row-sharded projections can form {fused}")
+            has_bias = {f"{p}.bias" in self.full_shapes for p in parts}
+            if len(has_bias) > 1:
+                raise ValueError(f"{fused}: some of {tuple(parts)} have a bias and some not")
+        self.fused = {f: tuple(parts) for f, parts in groups.items()}
+
+    fused: dict[str, tuple[str, ...]] = {}
+
+    def fused_names(self) -> dict[str, list[tuple[str, int]]]:
+        """Fused Hugging Face name -> [(part parameter name, its rows)], in row order."""
+        out = {}
+        for fused, parts in self.fused.items():
+            for suffix in ("weight", "bias"):
+                names = [f"{p}.{suffix}" for p in parts]
+                if names[0] in self.full_shapes:
+                    out[f"{fused}.{suffix}"] = [(n, self.full_shapes[n][0]) for n in names]
+        return out
+
+    def hf_name(self, name: str) -> str:
+        """The Hugging Face name of parameter ``name``: the fused tensor it is in, or itself."""
+        for fused, parts in self.fused_names().items():
+            if any(n == name for n, _ in parts):
+                return fused
+        return name
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full Hugging Face shapes by Hugging Face name (fused tensors as one)."""
+        out = {}
+        for name, shape in self.full_shapes.items():
+            hf = self.hf_name(name)
+            if hf == name:
+                out[name] = tuple(shape)
+            elif hf not in out:
+                rows = sum(r for _, r in self.fused_names()[hf])
+                out[hf] = (rows, *shape[1:])
+        return out
+
+
+class Unfused:
+    """A :class:`FullSource` serving a module's part names (``q_proj.weight``) from the fused
+    Hugging Face tensors (``qkv_proj.weight``) of ``source``: a row slice of a part is read as
+    the same rows of the fused tensor, never the whole."""
+
+    def __init__(self, source: FullSource, module: ShardedModule) -> None:
+        self.source = source
+        self.where: dict[str, tuple[str, int, int]] = {}
+        for fused, parts in module.fused_names().items():
+            offset = 0
+            for name, rows in parts:
+                self.where[name] = (fused, offset, rows)
+                offset += rows
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        if name not in self.where:
+            return self.source.shape(name)
+        fused, _, rows = self.where[name]
+        shape = self.source.shape(fused)
+        return None if shape is None else (rows, *shape[1:])
+
+    def read(self, name: str, dim: int | None, start: int, length: int) -> torch.Tensor:
+        if name not in self.where:
+            return self.source.read(name, dim, start, length)
+        fused, offset, rows = self.where[name]
+        if dim == 0:
+            return self.source.read(fused, 0, offset + start, length)
+        whole = self.source.read(fused, 0, offset, rows)
+        return whole if dim is None else whole.narrow(dim, start, length)
 
 
 def schedule_inputs(module: nn.Module, names: list[str], x: torch.Tensor):

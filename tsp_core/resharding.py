@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import comm
 from .checkpoint import _sharded_modules
-from .params import TensorSource, assemble_full, chunk_spec, local, read_local
+from .params import (ShardSpec, TensorSource, Unfused, assemble_full, chunk_spec, local,
+                     read_local)
 
 MARKER = "tsp_checkpoint.json"
 EXTRA = "extra.pt"
@@ -69,6 +70,123 @@ class _Layout:
         return DTensor.from_local(own, self.mesh, self.placements, run_check=False,
                                   shape=torch.Size(self.full_shape),
                                   stride=torch.empty(self.full_shape, device="meta").stride())
+
+
+class _Fused:
+    """A fused Hugging Face tensor (Phi-3's ``qkv_proj.weight``, ``gate_up_proj.weight``) whose
+    parts a TSP module keeps as separate parameters, each sharded its own way (a rank owns its
+    heads' rows of q, of k and of v). In a checkpoint it is one tensor under its Hugging Face name
+    and shape, each rank writing DTensor's chunk of its rows (the layout every DCP loader, a
+    plain model included, reads): built from the parts gathered whole, and split back after a
+    load the same way, one fused tensor at a time (transiently whole on every rank)."""
+
+    def __init__(self, module, prefix: str, fused: str, parts: list[tuple[str, int]]) -> None:
+        mesh = module.mesh
+        self.module, self.name = module, fused
+        self.fqn = prefix + fused
+        self.parts = [n for n, _ in parts]
+        self.part_fqns = [prefix + n for n in self.parts]
+        rows = sum(r for _, r in parts)
+        self.full_shape = (rows, *module.full_shapes[self.parts[0]][1:])
+        self.specs = [chunk_spec(rows, r, mesh.size) for r in range(mesh.size)]
+        self.spec = self.specs[mesh.rank]
+        self.mesh = mesh.device_mesh
+        self.placements = [Shard(0) if n == mesh.dim else Replicate()
+                           for n in self.mesh.mesh_dim_names]
+
+    def _dtensor(self, own: torch.Tensor) -> DTensor:
+        return DTensor.from_local(own, self.mesh, self.placements, run_check=False,
+                                  shape=torch.Size(self.full_shape),
+                                  stride=torch.empty(self.full_shape, device="meta").stride())
+
+    def export(self, parts: list[torch.Tensor]) -> DTensor:
+        """The checkpoint tensor from the parts' local tensors (parameters or optimizer state)."""
+        full = torch.cat([self.module.gather_full(n, t) for n, t in zip(self.parts, parts)])
+        return self._dtensor(full.narrow(0, self.spec.start, self.spec.length).clone())
+
+    def target(self, like: torch.Tensor) -> tuple[DTensor, Callable[[], list[torch.Tensor]]]:
+        """(load target, function returning the parts' local tensors from what was loaded)."""
+        buf = like.new_zeros((self.spec.length, *self.full_shape[1:]))
+
+        def back() -> list[torch.Tensor]:
+            own = ShardSpec(0, 0, self.spec.length, self.spec.local_len)  # padded for the gather
+            padded = read_local(TensorSource({"": buf}), "", own)
+            gathered = padded.new_empty((len(self.specs), *padded.shape))
+            comm.all_gather(gathered, padded.contiguous(), self.module.mesh.group)
+            full = assemble_full(torch.cat(gathered.unbind(0)), self.specs, self.full_shape[0])
+            source = Unfused(TensorSource({self.name: full}), self.module)
+            rank = self.module.mesh.rank
+            return [read_local(source, n, self.module.shard_spec(n, rank)) for n in self.parts]
+        return self._dtensor(buf), back
+
+
+def _fusions(model: nn.Module) -> list[_Fused]:
+    """Every fused Hugging Face tensor of the TSP modules in ``model`` (none for most families)."""
+    return [_Fused(m, prefix, fused, parts) for prefix, m in _sharded_modules(model)
+            for fused, parts in m.fused_names().items()]
+
+
+def _fuse_entries(fusions: list[_Fused], entries: dict[str, Any], make) -> dict[str, Any]:
+    """``entries`` (by parameter name) with each fused tensor's parts replaced by one entry
+    ``make(fusion, [the parts' values])`` under the fused name."""
+    out = dict(entries)
+    for f in fusions:
+        if all(n in out for n in f.part_fqns):
+            out[f.fqn] = make(f, [out.pop(n) for n in f.part_fqns])
+    return out
+
+
+def _fuse_param_groups(fusions: list[_Fused], groups: list[dict],
+                       split: bool = False) -> list[dict]:
+    """Optimizer param groups naming the fused tensors instead of their parts (``split``: the
+    other way round)."""
+    to_fused = {n: f.fqn for f in fusions for n in f.part_fqns}
+    to_parts = {f.fqn: f.part_fqns for f in fusions}
+    out = []
+    for g in groups:
+        names: list[str] = []
+        for n in g["params"]:
+            for m in (to_parts.get(n, [n]) if split else [to_fused.get(n, n)]):
+                if m not in names:
+                    names.append(m)
+        out.append({**g, "params": names})
+    return out
+
+
+def _fused_state(f: _Fused, states: list[dict]) -> dict:
+    """One optimizer state for a fused tensor from its parts' states: tensors of the parameter's
+    layout fused, scalars (``step``) taken once (they must agree)."""
+    out = {}
+    for k, v in states[0].items():
+        if isinstance(v, DTensor) and v.dim() > 0:
+            out[k] = f.export([local(s[k]) for s in states])
+        else:
+            if any(not _equal(s[k], v) for s in states[1:]):
+                raise ValueError(f"optimizer state {k!r} differs between the parts {f.part_fqns} "
+                                 f"of {f.fqn}; it cannot be saved as one tensor's state")
+            out[k] = v
+    return out
+
+
+def _parts_back(f: _Fused, back: Callable[[], list[torch.Tensor]],
+                likes: list[torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+    """Part name -> function returning that part's loaded tensor, laid out like ``likes``' (a
+    DTensor like the parameter); ``back`` runs once, on the first call (it gathers)."""
+    done: list[list[torch.Tensor]] = []
+
+    def part(i: int) -> torch.Tensor:
+        if not done:
+            done.append(back())
+        t, like = done[0][i], likes[i]
+        if not isinstance(like, DTensor):
+            return t
+        return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    return {n: (lambda i=i: part(i)) for i, n in enumerate(f.part_fqns)}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
 
 
 def _tsp_mesh(model: nn.Module):
@@ -190,11 +308,16 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
     mesh = _tsp_mesh(model)
     model_sd = model.state_dict()
     layouts = _layouts(model)
+    fusions = _fusions(model)  # fused Hugging Face tensors (Phi-3): saved under their own names
     state: dict[str, Any] = {}
     if model_state:
-        state["model"] = {k: _export(layouts, k, v) for k, v in model_sd.items()}
+        sd = _fuse_entries(fusions, model_sd, lambda f, vs: f.export([local(v) for v in vs]))
+        state["model"] = {k: _export(layouts, k, v) for k, v in sd.items()}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer)
+        if fusions:
+            osd = {"state": _fuse_entries(fusions, osd["state"], _fused_state),
+                   "param_groups": _fuse_param_groups(fusions, osd["param_groups"])}
         state["optimizer"] = _map_optimizer(osd, _optimizer_fn(layouts, model_sd, _export))
     if _rank0() and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a save that died earlier
@@ -316,16 +439,43 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
     model_sd = model.state_dict()
     state: dict[str, Any] = {}
     finish: dict[str, Callable[[], torch.Tensor]] = {}
+    fusions = _fusions(model)  # fused Hugging Face tensors (Phi-3): loaded by their own names
     if model_state:
         state["model"] = {}
         for k, v in model_sd.items():
             state["model"][k], finish[k] = _fresh(layouts, k, v)
+        for f in fusions:
+            for n in f.part_fqns:
+                del state["model"][n]
+            state["model"][f.fqn], back = f.target(local(model_sd[f.part_fqns[0]]))
+            finish.update(_parts_back(f, back, [model_sd[n] for n in f.part_fqns]))
     flat = {f"model.{k}": v for k, v in state.get("model", {}).items()}
     opt_finish: dict[tuple[str, str], Callable[[], torch.Tensor]] = {}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer)
         make = _optimizer_fn(layouts, model_sd, _fresh)
-        state["optimizer"] = {"param_groups": osd["param_groups"], "state": {}}
+        state["optimizer"] = {"param_groups": _fuse_param_groups(fusions, osd["param_groups"]),
+                              "state": {}}
+        for f in fusions:
+            if not all(n in osd["state"] for n in f.part_fqns):
+                continue
+            parts = [osd["state"].pop(n) for n in f.part_fqns]
+            fused = state["optimizer"]["state"][f.fqn] = {}
+            for k, v in parts[0].items():
+                if isinstance(v, DTensor) and v.dim() > 0:
+                    fused[k], back = f.target(local(v))
+                    for n, fn in _parts_back(f, back, [s[k] for s in parts]).items():
+                        opt_finish[(n, k)] = fn
+                elif torch.is_tensor(v):  # step: one value, a copy for each part
+                    fused[k] = buf = torch.zeros_like(v)
+                    for n in f.part_fqns:
+                        opt_finish[(n, k)] = buf.clone
+                else:
+                    fused[k] = v
+                    for n in f.part_fqns:
+                        opt_finish[(n, k)] = lambda v=v: v
+                if torch.is_tensor(v):
+                    flat[f"optimizer.state.{f.fqn}.{k}"] = fused[k]
         for fqn, s in osd["state"].items():
             state["optimizer"]["state"][fqn] = {}
             for k, v in s.items():
@@ -342,10 +492,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
             loaded = finish[k]()
             local(v).copy_(local(loaded))
     if optimizer is not None:
-        osd = {"param_groups": state["optimizer"]["param_groups"],
+        loaded = {n: s for fqn, s in state["optimizer"]["state"].items()
+                  for n in next((f.part_fqns for f in fusions if f.fqn == fqn), [fqn])}
+        osd = {"param_groups": _fuse_param_groups(fusions, state["optimizer"]["param_groups"],
+                                                  split=True),
                "state": {fqn: {k: opt_finish[(fqn, k)]() if (fqn, k) in opt_finish else v
                                for k, v in s.items()}
-                         for fqn, s in state["optimizer"]["state"].items()}}
+                         for fqn, s in loaded.items()}}
         set_optimizer_state_dict(model, optimizer, osd)
     return extra
 
@@ -356,6 +509,16 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     """id(parameter) -> (its TSP module, its name there), for every sharded or replicated TSP
     parameter."""
     return {id(p): (m, name) for _, m in _sharded_modules(model) for name, p in m.named_parameters()}
+
+
+def _refuse_fused(model: nn.Module, what: str) -> None:
+    fused = sorted({f.name for f in _fusions(model)})
+    if fused:
+        raise NotImplementedError(
+            f"{what} keys optimizer state by parameter index, and this model keeps each fused "
+            f"Hugging Face tensor ({', '.join(fused)}) as several parameters, so its indices are "
+            f"not the unmodified model's; save and load the optimizer with "
+            f"tsp_core.save_checkpoint / load_checkpoint, which name them by the fused tensors")
 
 
 def _opt_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -369,7 +532,9 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     every per-parameter tensor gathered to the Hugging Face shape of its parameter, so the same
     optimizer built over the unmodified model loads it. The counterpart of
     :func:`tsp_core.full_state_dict` for a one-file checkpoint; every rank must call it (it
-    gathers); with ``rank0_only`` the other ranks get an empty dict."""
+    gathers); with ``rank0_only`` the other ranks get an empty dict. Not for models with fused
+    Hugging Face tensors (Phi-3): use :func:`save_checkpoint`."""
+    _refuse_fused(model, "full_optimizer_state_dict")
     owners = _owners(model)
     sd = optimizer.state_dict()
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
@@ -406,7 +571,9 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
                                    state_dict: dict[str, Any]) -> None:
     """Load a :func:`full_optimizer_state_dict` (or a plain optimizer's ``state_dict()`` of the
     unmodified model) into the optimizer of a TSP model at any degree: each rank keeps its slices.
-    Shapes are checked before anything changes."""
+    Shapes are checked before anything changes. Not for models with fused Hugging Face tensors
+    (Phi-3): use :func:`load_checkpoint`."""
+    _refuse_fused(model, "load_full_optimizer_state_dict")
     owners = _owners(model)
     params = _opt_params(optimizer)
     state: dict[int, dict[str, Any]] = {}

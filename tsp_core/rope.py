@@ -30,15 +30,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, L, d] with cos, sin [B, L, d]."""
+    """Rotate x [B, H, L, d] with cos, sin [B, L, r]: the first r <= d channels of each head
+    (r < d: partial rotary, ``partial_rotary_factor``; the rest pass unchanged, as in HF)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
 def apply_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Gradient through :func:`apply` (the rotation's transpose)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return g * cos - rotate_half(g * sin)
+    r = cos.shape[-1]
+    if r == g.shape[-1]:
+        return g * cos - rotate_half(g * sin)
+    rot, rest = g[..., :r], g[..., r:]
+    return torch.cat([rot * cos - rotate_half(rot * sin), rest], dim=-1)
 
 
 # ------------------------------------------------ rope whose frequencies depend on the length

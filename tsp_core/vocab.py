@@ -98,6 +98,12 @@ class TSPEmbedding(ShardedModule):
         return back.index_select(0, torch.argsort(order)).view(*input_ids.shape, -1)
 
 
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``tanh(logits / cap) * cap`` in Hugging Face's order (Gemma 2's final logit soft-capping);
+    ``cap`` None: the logits unchanged."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def _in_shard(labels: torch.Tensor, lo: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which labels fall in the shard's rows [lo, lo + valid), and their column there (clamped
     for the others): masks, not indices, so no host sync and no data-dependent shapes."""
@@ -105,10 +111,11 @@ def _in_shard(labels: torch.Tensor, lo: int, valid: int) -> tuple[torch.Tensor, 
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Sum over tokens of cross-entropy against vocabulary shards that circulate in a ring."""
+    """Sum over tokens of cross-entropy against vocabulary shards that circulate in a ring, of
+    the logits soft-capped by ``cap`` (None: not capped)."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, weight, vocab_size: int, group):
+    def forward(ctx, hidden, labels, weight, vocab_size: int, group, cap: float | None = None):
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         n, per = hidden.shape[0], weight.shape[0]
         m = hidden.new_full((n,), float("-inf"), dtype=acc)
@@ -123,7 +130,7 @@ class _VocabParallelCE(torch.autograd.Function):
                 return
             for c in range(0, n, chunk):
                 sl = slice(c, c + chunk)
-                logits = (hidden[sl] @ shard[:valid].t()).to(acc)
+                logits = softcap((hidden[sl] @ shard[:valid].t()).to(acc), cap)
                 m_new = torch.maximum(m[sl], logits.max(-1).values)
                 ssum[sl] = ssum[sl] * torch.exp(m[sl] - m_new) + torch.exp(
                     logits - m_new[:, None]).sum(-1)
@@ -135,14 +142,14 @@ class _VocabParallelCE(torch.autograd.Function):
         comm.ring_over_shards(weight.contiguous(), group, compute)
         lse = m + torch.log(ssum)
         keep = labels != IGNORE_INDEX
-        ctx.vocab_size, ctx.group = vocab_size, group
+        ctx.vocab_size, ctx.group, ctx.cap = vocab_size, group, cap
         ctx.save_for_backward(hidden, labels, weight, lse)
         return torch.where(keep, lse - target, 0).sum()
 
     @staticmethod
     def backward(ctx, g):
         hidden, labels, weight, lse = ctx.saved_tensors
-        vocab_size = ctx.vocab_size
+        vocab_size, cap = ctx.vocab_size, ctx.cap
         n, per = hidden.shape[0], weight.shape[0]
         chunk = max(1, LOSS_CHUNK_ELEMENTS // per)
         scale = (labels != IGNORE_INDEX).to(lse.dtype) * g.to(lse.dtype)
@@ -154,16 +161,23 @@ class _VocabParallelCE(torch.autograd.Function):
             dw = torch.zeros_like(shard)
             for c in range(0, n if valid else 0, chunk):
                 sl = slice(c, c + chunk)
-                p = torch.exp((hidden[sl] @ shard[:valid].t()).to(lse.dtype) - lse[sl, None])
+                raw = (hidden[sl] @ shard[:valid].t()).to(lse.dtype)
+                t = None if cap is None else torch.tanh(raw / cap)
+                p = torch.exp((raw if t is None else t * cap) - lse[sl, None])
+                del raw
                 inside, col = _in_shard(labels[sl], lo, valid)
                 p.scatter_add_(1, col[:, None], -inside.to(p.dtype)[:, None])
-                p = (p * scale[sl, None]).to(hidden.dtype)
+                p = p * scale[sl, None]
+                if t is not None:  # through the cap: d(cap tanh(x / cap))/dx = 1 - tanh^2
+                    p = p * (1 - t * t)
+                    del t
+                p = p.to(hidden.dtype)
                 dh[sl] += p @ shard[:valid]
                 dw[:valid] += p.t() @ hidden[sl]
             return dw
 
         dw = comm.ring_over_shards_with_grads(weight.contiguous(), ctx.group, contribute)
-        return dh, None, dw, None, None
+        return dh, None, dw, None, None, None
 
 
 class TSPLMHead(ShardedModule):
@@ -187,6 +201,8 @@ class TSPLMHead(ShardedModule):
 
     # Granite: logits divided by this (config.logits_scaling), applied to the head's input
     logits_divisor: float = 1.0
+    # Gemma 2: logits (after the divisor) soft-capped, tanh(logits / cap) * cap; None: not capped
+    logits_softcap: float | None = None
 
     def extra_repr(self) -> str:
         return f"{self.full_shapes['weight']}, tsp_size={self.mesh.size}"
@@ -197,6 +213,10 @@ class TSPLMHead(ShardedModule):
     def scale_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head multiplies: ``hidden / logits_divisor`` gives the logits divided by it."""
         return hidden if self.logits_divisor == 1.0 else hidden / self.logits_divisor
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the head does to its logits after the product: ``logits_softcap``'s soft-cap."""
+        return softcap(logits, self.logits_softcap)
 
     def loss_sum(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         """Sum of the local tokens' cross-entropy (ignore index -100), float32 (float64 for a
@@ -209,7 +229,7 @@ class TSPLMHead(ShardedModule):
         with context:
             return _VocabParallelCE.apply(hidden.reshape(-1, hidden.shape[-1]),
                                           shift_labels.reshape(-1), weight, self.vocab_size,
-                                          self.mesh.group)
+                                          self.mesh.group, self.logits_softcap)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the local tokens over the whole vocabulary [..., V] (each rank's shard is
@@ -220,4 +240,4 @@ class TSPLMHead(ShardedModule):
             valid = vocab_spec(self.vocab_size, r, self.mesh.size).length
             w = comm.owner_broadcast(shard, r, self.mesh.group)
             parts.append(F.linear(hidden, w[:valid]))
-        return torch.cat(parts, -1)
+        return self.cap(torch.cat(parts, -1))

@@ -19,8 +19,10 @@ class DecoderPolicy:
     """Module names of one decoder-only family (defaults: the Llama layout shared by Mistral and
     Qwen2), how to read a layer's sliding window, and the hooks the TSP modules call: per-head
     q/k norms (``head_norms``: the attention's module names, each an RMSNorm over head_dim), the
-    norms' numerics (``norm``), a divisor of the logits (``logits_divisor(config)``), and the
-    config fields to refuse (``unsupported``). The rest of a family (embedding scale, sandwich
+    norms' numerics (``norm``), a divisor of the logits (``logits_divisor(config)``), soft-caps
+    (``tanh(x / cap) * cap``, None: off) of the attention scores (``attn_softcap(config)``) and of
+    the logits after the divisor (``logits_softcap(config)``), and the config fields to refuse
+    (``unsupported``). The rest of a family (embedding scale, sandwich
     norms, residual multipliers, per-layer rotary embeddings, the softmax scale) is the Hugging
     Face model's own code around the TSP modules, in training and in generation; the attention's
     ``scaling`` is read from the module, a scaled word embedding's ``embed_scale`` too."""
@@ -38,10 +40,25 @@ class DecoderPolicy:
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     sliding_window: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
     head_norms: tuple[str, str] | None = None  # the attention's per-head q/k RMSNorms (Qwen3)
+    qk_norm_all_heads: bool = False            # ... over all heads of a token instead (OLMo 2)
     norm: str = "llama"                        # every RMSNorm's numerics (tsp_core.norm.NORMS)
     logits_divisor: Callable[[Any], float] | None = None  # logits / this (Granite)
+    attn_softcap: Callable[[Any], float | None] | None = None    # scores soft-capped (Gemma 2)
+    logits_softcap: Callable[[Any], float | None] | None = None  # logits soft-capped (Gemma 2)
     # config fields TSP does not implement: (name, what it is); a truthy value is refused
     unsupported: tuple[tuple[str, str], ...] = ()
+    # projections the Hugging Face model fuses into one Linear (Phi-3): (role, fused module,
+    # parts in row order), role "attention" or "mlp"; the TSP module keeps the parts and names
+    # them by the fused tensor in every full state dict and checkpoint (ShardedModule.fuse)
+    fused: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    # generation: Hugging Face's generate drops the KV cache and runs the whole sequence again
+    # when it first reaches this many tokens + 1 (Phi-3: original_max_position_embeddings, where
+    # longrope switches factors); tsp_core.generate does the same
+    recompute_cache_at: Callable[[Any], int | None] | None = None
+
+    def fused_in(self, role: str) -> dict[str, tuple[str, ...]]:
+        """The fused projections of ``role`` ("attention" or "mlp"): fused name -> parts."""
+        return {name: parts for r, name, parts in self.fused if r == role}
 
 
 _POLICIES: dict[str, DecoderPolicy] = {}
@@ -71,4 +88,4 @@ def find_policy(model: nn.Module) -> DecoderPolicy:
         f"tsp_core.policies.register_policy(...)")
 
 
-from . import gemma, granite, llama, mistral, qwen2, qwen3  # noqa: E402,F401  (each registers its family)
+from . import gemma, granite, llama, mistral, olmo2, phi3, qwen2, qwen3  # noqa: E402,F401  (each registers its family)
