@@ -12,8 +12,13 @@ FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2
             "granite", "olmo2", "phi3")
 # the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
 BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
-# float32 runs (a sanity check beside the float64 exactness runs): one family per feature set
-FLOAT32_FAMILIES = ("llama-tied", "mistral", "qwen2", "qwen3", "gemma3", "granite")
+# float32 runs (a sanity check beside the float64 exactness runs): one family per feature set.
+# Not Phi-3 and OLMo 2: after 5 AdamW steps single weight elements differ from HF's float32 run by
+# 1.1e-4 and 1.25e-4 (OLMo 2 already at tsp 1), float32 rounding that AdamW amplifies past the
+# 1e-4 tolerance: OLMo 2's q/k norm weight gradients are ill-conditioned sums, HF's own float32
+# ones up to 3.8e-5 (relative to their max) off the float64 ones, TSP's 7.9e-5. Their float64
+# runs hold every weight to 1e-8
+FLOAT32_FAMILIES = ("llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite")
 
 
 def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):

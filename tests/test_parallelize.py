@@ -80,10 +80,12 @@ def test_training_parity_float32(pools, family, world, tsp):
 
 
 @pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
-def test_qwen3_one_kv_head(pools, world, tsp):
-    # Qwen3's per-head k norm on a key/value head split over 2 or 4 ranks (each a slice of its
-    # rows): the norm's weight gradient summed once per head, not once per round
-    losses = pools.of(world).run(train_parity, "qwen3", tsp, "float64", 24, 5, 1)
+@pytest.mark.parametrize("family", ["qwen3", "gemma", "gemma3", "olmo2"])
+def test_one_kv_head(pools, family, world, tsp):
+    # one key/value head (Gemma 2B and Gemma 3 1B ship with one) split over 2 or 4 ranks, each a
+    # slice of its rows: Qwen3's and Gemma 3's per-head k norm and OLMo 2's whole-width one on a
+    # sliced head, the norm's weight gradient summed once per head, not once per round
+    losses = pools.of(world).run(train_parity, family, tsp, "float64", 24, 5, 1)
     assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
 
 

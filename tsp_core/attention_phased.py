@@ -109,8 +109,8 @@ class PhasedAttentionFn(torch.autograd.Function):
         go = reduces.finish()
         with torch.enable_grad():                          # the norms and RoPE, recomputed
             leaves = [t.detach().requires_grad_() for t in (q_raw, kv_raw[:, 0], qn, kn)]
-            q_all, k_all = _normed(leaves[0], torch.stack([leaves[1], kv_raw[:, 1]], 1),
-                                   leaves[2], leaves[3], cos, sin, spec, split=True)
+            q_all = normed_heads(leaves[0], leaves[2], nq, cos, sin, spec)
+            k_all = normed_heads(leaves[1], leaves[3], spec.local_kv_heads, cos, sin, spec)
         q_fixed = q_all.detach()
         kv_all = torch.stack([k_all.detach(), _v_heads(kv_raw, spec)], 1)
         dq_all, dkv_all = torch.empty_like(q_fixed), torch.empty_like(kv_all)
@@ -145,13 +145,11 @@ class PhasedAttentionFn(torch.autograd.Function):
 
 
 def _normed(q_raw: torch.Tensor, kv_raw: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor,
-            cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec, split: bool = False):
+            cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec):
     """Raw projections -> (q_all [D, B, nq, L, d], kv_all [G, 2, B, nkv, L, d]), normalised and
-    rotated; ``split``: (q_all, k_all [G, B, nkv, L, d]) instead, the keys alone."""
+    rotated."""
     q_all = normed_heads(q_raw, qn, spec.local_heads, cos, sin, spec)
     k_all = normed_heads(kv_raw[:, 0], kn, spec.local_kv_heads, cos, sin, spec)
-    if split:
-        return q_all, k_all
     return q_all, torch.stack([k_all, _v_heads(kv_raw, spec)], 1)
 
 
