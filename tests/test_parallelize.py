@@ -133,6 +133,12 @@ def bad_models() -> list[str]:
     cases.append((Gemma3ForCausalLM(Gemma3TextConfig(use_bidirectional_attention=True, **small)),
                   r"Gemma3ForCausalLM: config\.use_bidirectional_attention=True \(bidirectional "
                   r"attention\) not implemented by TSP; set it to None/False"))
+    # mixture-of-experts models are refused by the field that makes them one (docs/moe.md)
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cases.append((MixtralForCausalLM(MixtralConfig(num_local_experts=4, **small)),
+                  r"MixtralForCausalLM is a mixture-of-experts model \(config\.num_local_experts"
+                  r"=4\); TSP does not implement MoE MLPs yet"))
     # a soft-cap of 0 (HF would divide by it) is refused, naming it
     cases.append((Gemma2ForCausalLM(Gemma2Config(attn_logit_softcapping=0.0, **small)),
                   r"Gemma2ForCausalLM: the attention soft-cap \(0\.0\) must be positive"))

@@ -239,6 +239,17 @@ def _check_fused(model: nn.Module, policy: DecoderPolicy, rows: dict[str, int]) 
                                  f"({want} rows)")
 
 
+def _check_not_moe(model: nn.Module) -> None:
+    """Mixture-of-experts MLPs are not implemented (docs/moe.md): refused by the config field
+    that makes a model one, whatever the policy."""
+    c = getattr(model, "config", None)
+    for name in ("num_local_experts", "num_experts"):  # Mixtral; Qwen2/3-MoE, OLMoE, ...
+        if getattr(c, name, None):
+            raise ValueError(f"{type(model).__name__} is a mixture-of-experts model "
+                             f"(config.{name}={getattr(c, name)}); TSP does not implement MoE "
+                             f"MLPs yet (docs/moe.md): train it without TSP")
+
+
 def _activation(config: Any) -> str:
     """The MLP's activation name (Gemma 2/3 call the field hidden_activation)."""
     return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
@@ -288,6 +299,7 @@ def _check_head_norms(model: nn.Module, policy: DecoderPolicy, q_width: int, k_w
 def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None) -> nn.Module:
     """Convert ``model`` in place to TSP on ``mesh`` and return it. A model whose parameters are
     all on the meta device gets uninitialised shards (fill them with load_full_state_dict)."""
+    _check_not_moe(model)
     policy = policy or find_policy(model)
     _check(model, mesh, policy)
     c = model.config
