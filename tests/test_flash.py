@@ -36,16 +36,24 @@ def explicit(q, k, v, rows, causal, window, scale, doc_of=None, cap=None):
     return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v.repeat_interleave(g, 1)
 
 
-def check(ref, q, k, v, pieces, scale, gen) -> None:
-    """The pieces' forward and backward against the explicit-mask reference ``ref``."""
-    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale)
+def check(ref, q, k, v, pieces, scale, gen, cap=None) -> None:
+    """The pieces' forward and backward (soft-capped by ``cap``) against the explicit-mask
+    reference ``ref``."""
+    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale, softcap=cap)
+    assert lse.dtype == torch.float64 and lse.shape == q.shape[:3]
     assert_close(out, ref.detach(), 1e-12, "output")
     do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(ref, (q, k, v), do)
     dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse, pieces,
-                                 scale)
+                                 scale, softcap=cap)
     for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
-        assert_close(a, b, 1e-12, f"d{name}")
+        assert_close(a, b, 1e-12, f"d{name} (cap {cap})")
+
+
+def packed(docs: list[int], p: int, size: int, window: int | None):
+    """Rank p's rows of a packed row of ``docs`` and their pieces."""
+    segs = row_segments(docs, p, size)
+    return [t for a, b, _ in segs for t in range(a, b)], plan_pieces(segs, sum(docs), True, window)
 
 
 @pytest.mark.parametrize("size,layout,causal,window", [
@@ -84,9 +92,7 @@ def test_packed_documents_never_see_each_other(size, window):
     doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
     gen = torch.Generator().manual_seed(1)
     for p in range(size):
-        segs = row_segments(docs, p, size)
-        rows = [t for a, b, _ in segs for t in range(a, b)]
-        pieces = plan_pieces(segs, seq, True, window)
+        rows, pieces = packed(docs, p, size, window)
         q = torch.randn(1, 2, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
         k = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
         v = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -98,15 +104,7 @@ def check_softcap(q, k, v, rows, pieces, causal, window, scale, cap, gen, doc_of
     # the cap is far from linear at these scores: without it the output is measurably different
     plain = explicit(q, k, v, rows, causal, window, scale, doc_of)
     assert (plain - ref).abs().max() > 1e-2
-    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale, softcap=cap)
-    assert lse.dtype == torch.float64 and lse.shape == q.shape[:3]
-    assert_close(out, ref.detach(), 1e-12, "soft-capped output")
-    do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    expected = torch.autograd.grad(ref, (q, k, v), do)
-    dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse, pieces,
-                                 scale, softcap=cap)
-    for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
-        assert_close(a, b, 1e-12, f"soft-capped d{name}")
+    check(ref, q, k, v, pieces, scale, gen, cap)
 
 
 # tile 512: one tile per piece; 5 and 3: tiles smaller than the pieces (and not dividing them),
@@ -144,9 +142,7 @@ def test_softcap_packed_documents(monkeypatch, tile, size, window):
     doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
     gen = torch.Generator().manual_seed(3)
     for p in range(size):
-        segs = row_segments(docs, p, size)
-        rows = [t for a, b, _ in segs for t in range(a, b)]
-        pieces = plan_pieces(segs, seq, True, window)
+        rows, pieces = packed(docs, p, size, window)
         q = (3 * torch.randn(1, 2, len(rows), 8, generator=gen, dtype=torch.float64)
              ).requires_grad_()
         k = (3 * torch.randn(1, 1, seq, 8, generator=gen, dtype=torch.float64)).requires_grad_()
