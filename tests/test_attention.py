@@ -121,6 +121,71 @@ def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bia
     return dict(fwd.calls), dict(bwd.calls), dict(fwd.bytes), dict(bwd.bytes)
 
 
+def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
+    """The order in which one layer's forward and backward issue their collectives, compute
+    attention and wait for dK/dV: "bcast", "gather" (a K/V all-gather started), "attend",
+    "attend_bwd", "rs_done" (a dK/dV reduce-scatter waited for), "backward" between the passes."""
+    from tsp_core import flash
+
+    mesh = dist_pool.mesh(tsp)
+    layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, dtype=torch.float64)
+    x = torch.randn(1, 16 // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
+    events: list[str] = []
+    saved = (comm.broadcast, comm.start_all_gather_sequence, comm.start_reduce_scatter_sequence,
+             flash.attention_forward, flash.attention_backward)
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    def scatter(*args, **kwargs):
+        pending = saved[2](*args, **kwargs)
+        pending.wait = logged("rs_done", pending.wait)
+        return pending
+
+    comm.broadcast = logged("bcast", saved[0])
+    comm.start_all_gather_sequence = logged("gather", saved[1])
+    comm.start_reduce_scatter_sequence = scatter
+    flash.attention_forward = logged("attend", saved[3])
+    flash.attention_backward = logged("attend_bwd", saved[4])
+    try:
+        y = layer(x, position_ids(16, mesh.rank, tsp))
+        events.append("backward")
+        y.sum().backward()
+    finally:
+        (comm.broadcast, comm.start_all_gather_sequence, comm.start_reduce_scatter_sequence,
+         flash.attention_forward, flash.attention_backward) = saved
+    return events
+
+
+@pytest.mark.parametrize("tsp,nq,nkv", [(4, 8, 8), (4, 8, 2), (2, 4, 4)])
+def test_collectives_overlap_the_rounds(pool, tsp, nq, nkv):
+    """While round r attends, the K/V all-gather of round r+1 and the owner broadcast of round
+    r+2 are already issued; in the backward the next key/value head's K/V gather is issued before
+    the round's attention backward, and a head's dK/dV reduce-scatter is waited for only after
+    the next round's attention backward (DESIGN 3.1, "Overlap")."""
+    D, R = tsp, max(1, tsp // nkv)
+    for events in pool.run(overlap_events, tsp, nq, nkv):
+        cut = events.index("backward")
+        fwd, bwd = events[:cut], events[cut + 1:]
+        at = [i for i, e in enumerate(fwd) if e == "attend"]
+        assert len(at) == D, fwd
+        for r, i in enumerate(at):
+            assert fwd[:i].count("bcast") >= min(D, r + 3), (r, fwd)
+            assert fwd[:i].count("gather") >= min(D // R, (r + 1) // R + 1), (r, fwd)
+        at = [i for i, e in enumerate(bwd) if e == "attend_bwd"]
+        done = [i for i, e in enumerate(bwd) if e == "rs_done"]
+        assert len(at) == D and len(done) == D // R, bwd
+        for r, i in enumerate(at):
+            ahead = r // R + (2 if r % R == R - 1 else 1)
+            assert bwd[:i].count("gather") >= min(D // R, ahead), (r, bwd)
+            assert bwd[:i].count("bcast") >= min(D, r + 2), (r, bwd)
+        for j, i in enumerate(done[:-1]):  # head j's dK/dV arrive after round (j+1)R computed
+            assert i > at[(j + 1) * R], (j, bwd)
+
+
 @pytest.mark.parametrize("tsp,nq,nkv,bias,all_heads",
                          [(2, 8, 8, False, False), (4, 8, 2, True, False), (4, 4, 1, False, False),
                           (4, 8, 4, True, False), (2, 4, 1, True, False), (4, 8, 4, True, True),

@@ -115,7 +115,7 @@ def check_softcap(q, k, v, rows, pieces, causal, window, scale, cap, gen, doc_of
     (1, False, None), (2, True, None), (4, True, None), (1, True, 4), (2, True, 13),
     (4, True, 5)])
 def test_softcap_pieces_match_math(monkeypatch, tile, kv_heads, size, causal, window):
-    monkeypatch.setattr(flash, "SOFTCAP_TILE", tile)
+    monkeypatch.setattr(flash, "MATH_TILE", tile)
     seq, scale, cap = 48, 8 ** -0.5, 1.5
     gen = torch.Generator().manual_seed(2)
     for p in range(size):
@@ -136,7 +136,7 @@ def test_softcap_pieces_match_math(monkeypatch, tile, kv_heads, size, causal, wi
 @pytest.mark.parametrize("size", [1, 4])
 @pytest.mark.parametrize("window", [None, 3, 7])
 def test_softcap_packed_documents(monkeypatch, tile, size, window):
-    monkeypatch.setattr(flash, "SOFTCAP_TILE", tile)
+    monkeypatch.setattr(flash, "MATH_TILE", tile)
     docs = [8, 16, 40, 8]
     seq, scale, cap = sum(docs), 8 ** -0.5, 2.0
     doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
@@ -162,3 +162,124 @@ def test_softcap_float32_conventions():
     s = s.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
     assert_close(lse.double(), torch.logsumexp(s, -1), 1e-5, "lse")
     assert_close(out.double(), torch.softmax(s, -1) @ v.double(), 1e-5, "output")
+
+
+# ------------------------------------------------- kernels: dispatch, GQA per piece, accumulation
+
+@pytest.mark.parametrize("dtype,head_dim,cap,expected", [
+    (torch.bfloat16, 128, None, "flash"), (torch.float16, 64, None, "flash"),
+    (torch.bfloat16, 12, None, "efficient"), (torch.bfloat16, 512, None, "efficient"),
+    (torch.float32, 128, None, "efficient"), (torch.float64, 128, None, flash.MATH),
+    (torch.bfloat16, 128, 50.0, flash.MATH)])
+def test_kernel_choice_off_the_cpu(dtype, head_dim, cap, expected):
+    """FlashAttention-2 for bf16/fp16 with a head size it takes, the memory-efficient kernel for
+    float32 and other head sizes, the math kernel for float64 and soft-capped scores (meta
+    tensors stand in for a GPU's: only dtype, device and shape decide)."""
+    q = torch.empty(1, 2, 4, head_dim, dtype=dtype, device="meta")
+    assert flash.kernel_for(q, cap) == expected
+    assert flash.kernel_for(torch.empty(1, 2, 4, head_dim, dtype=dtype), None) == "cpu"
+
+
+def _cpu_kernel_without_gqa(seen: list[tuple[int, int]]) -> flash.Kernel:
+    """The CPU flash kernel declared without native GQA, so that the piece logic expands K/V as
+    it does for CUDA's memory-efficient kernel; records (query heads, key length) per call."""
+    cpu = flash.KERNELS["cpu"]
+
+    def fwd(q, k, v, causal, scale):
+        assert k.shape[1] == v.shape[1] == q.shape[1], "K/V not expanded to the query heads"
+        seen.append((q.shape[1], k.shape[2]))
+        return cpu.fwd(q, k, v, causal, scale)
+
+    def bwd(do, q, k, v, out, lse, causal, scale):
+        assert k.shape[1] == q.shape[1], "K/V not expanded to the query heads"
+        seen.append((q.shape[1], k.shape[2]))
+        return cpu.bwd(do, q, k, v, out, lse, causal, scale)
+
+    return flash.Kernel("cpu-expanded", fwd, bwd, native_gqa=False)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])                       # GQA (4 / 2) and MQA
+@pytest.mark.parametrize("size,window", [(2, None), (4, 5), (1, 13)])
+def test_kv_heads_expanded_per_piece(monkeypatch, kv_heads, size, window):
+    """A kernel without native GQA gets each piece's K/V expanded (that piece's keys only, never
+    the whole sequence) and its dK/dV folded back onto the shared heads: exact in float64."""
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setitem(flash.KERNELS, "cpu", _cpu_kernel_without_gqa(seen))
+    seq, scale = 48, 8 ** -0.5
+    gen = torch.Generator().manual_seed(5)
+    for p in range(size):
+        segs = local_segments(seq, p, size, "zigzag")
+        rows = [t for a, b in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, True, window)
+        q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64,
+                        requires_grad=True)
+        v = torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64,
+                        requires_grad=True)
+        check(explicit(q, k, v, rows, True, window, scale), q, k, v, pieces, scale, gen)
+        longest = max(pc.k1 - pc.k0 for pc in pieces)
+        assert max(n for _, n in seen) == longest and (size == 1 or longest < seq), seen
+        seen.clear()
+
+
+@pytest.mark.parametrize("size,causal,window", [(1, False, None), (4, True, None), (2, True, 5)])
+def test_math_kernel_without_cap(monkeypatch, size, causal, window):
+    """The tiled math kernel, uncapped (what float64 runs off the CPU), against the math."""
+    monkeypatch.setattr(flash, "kernel_for", lambda q, softcap=None: flash.MATH)
+    monkeypatch.setattr(flash, "MATH_TILE", 5)
+    seq, scale = 48, 8 ** -0.5
+    gen = torch.Generator().manual_seed(6)
+    for p in range(size):
+        segs = local_segments(seq, p, size, "zigzag")
+        rows = [t for a, b in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, causal, window)
+        q = torch.randn(1, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        check(explicit(q, k, v, rows, causal, window, scale), q, k, v, pieces, scale, gen)
+
+
+@pytest.mark.parametrize("size,window,docs", [(4, None, None), (2, 3, None), (2, None, [8, 24, 16])])
+def test_bf16_piece_gradients_summed_in_float32(size, window, docs):
+    """In bf16, every piece's dQ/dK/dV is summed in float32 (the forward merges in float32 too):
+    dK/dV come back as the float32 accumulator, equal to the float64 sum of the kernel's own
+    per-piece gradients to float32 precision (a bf16 accumulator would be off by its ulp, 4e-3),
+    and dQ is that sum rounded once to bf16. The result is also the float64 math's to bf16
+    precision."""
+    seq, scale = 48, 8 ** -0.5
+    gen = torch.Generator().manual_seed(7)
+    doc_of = None if docs is None else torch.repeat_interleave(torch.arange(len(docs)),
+                                                               torch.tensor(docs))
+    for p in range(size):
+        if docs is None:
+            segs = local_segments(seq, p, size, "zigzag")
+            rows = [t for a, b in segs for t in range(a, b)]
+            pieces = plan_pieces(segs, seq, True, window)
+        else:
+            rows, pieces = packed(docs, p, size, window)
+        q64 = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64)
+        kv64 = torch.randn(2, 2, 2, seq, 8, generator=gen, dtype=torch.float64)
+        q, kv = q64.bfloat16(), kv64.bfloat16()
+        out, lse = attention_forward(q, kv[0], kv[1], pieces, scale)
+        do = torch.randn(out.shape, generator=gen, dtype=torch.float64).bfloat16()
+        dq, dkv = attention_backward(do, q, kv, out, lse, pieces, scale)
+        assert dq.dtype == torch.bfloat16 and dkv.dtype == torch.float32
+        sum_q = torch.zeros(q.shape, dtype=torch.float64)
+        sum_kv = torch.zeros(kv.shape, dtype=torch.float64)
+        for pc in pieces:
+            r, c = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
+            g = flash._piece_bwd(do[:, :, r].contiguous(), q[:, :, r], kv[0, :, :, c],
+                                 kv[1, :, :, c], out[:, :, r].contiguous(),
+                                 lse[:, :, r].contiguous(), pc.mask, scale)
+            sum_q[:, :, r] += g[0].double()
+            sum_kv[0, :, :, c] += g[1].double()
+            sum_kv[1, :, :, c] += g[2].double()
+        assert_close(dkv.double(), sum_kv, 1e-6, "dK/dV accumulator")
+        assert_close(dq.double(), sum_q.bfloat16().double(), 1e-6, "dQ, rounded once")
+        # and the math, to bf16 precision (inputs rounded to bf16 once)
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, kv[0], kv[1]))
+        ref = explicit(qr, kr, vr, rows, True, window, scale, doc_of)
+        assert_close(out.double(), ref.detach(), 2e-2, "bf16 output")
+        expected = torch.autograd.grad(ref, (qr, kr, vr), do.double())
+        for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
+            assert_close(a.double(), b, 3e-2, f"bf16 d{name}")

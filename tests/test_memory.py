@@ -79,16 +79,20 @@ def floors(D: int) -> dict[str, tuple[int, int]]:
         "parameters": (own * bf16, 0),
         "optimizer_states": (2 * own * bf16 + steps, 0),
         "kept activations": (kept, 0),
-        # forward of one attention: what it keeps, its output, two shard buffers (in use and
-        # prefetched) and its own shard packed for its broadcast, one head group's K/V as
-        # received (rank order) and in sequence order; working set: that group's output and LSE
-        "attention forward": (attention + X + 3 * W + 2 * KV, G + lse),
-        # backward of one attention: three shard buffers as in the forward, one head group's K/V
-        # and its dK/dV, the reduce-scattered dK/dV of own tokens, dX, two weight-gradient
-        # buffers on their way to owners; working set: the kernel's dK/dV of one call, its other
-        # inputs/outputs over half a chunk (6), dQ of this round, dO, the round's dQ and dK
-        # after RoPE's backward, the round's weight gradients, one LSE slice
-        "attention backward": (3 * W + 2 * KV + KV // D + X + 2 * W,
+        # forward of one attention: what it keeps, its output, three shard buffers (round r's
+        # output projection in use, round r+1's projections, round r+2's broadcast in flight)
+        # and its own shard packed for its broadcast; K/V: one head group's in use (sequence
+        # order), the next one's arriving (rank order) and put in order; working set: that
+        # group's output and LSE
+        "attention forward": (attention + X + 4 * W + 3 * KV, G + lse),
+        # backward of one attention: four shard buffers as in the forward (the previous round's
+        # kept for its key/value tail), one head group's K/V in use and the next one's arriving,
+        # its dK/dV summed in float32 (2 KV), the previous group's dK/dV in flight to the token
+        # owners and their result, dX, two weight-gradient buffers on their way to owners;
+        # working set: the kernel's dK/dV of one call, its other inputs/outputs over half a chunk
+        # (6), dQ of this round, dO, the round's dQ and dK after RoPE's backward, the round's
+        # weight gradients, one LSE slice
+        "attention backward": (4 * W + 2 * KV + 2 * KV + KV + KV // D + X + 2 * W,
                                kernel_dkv + 3 * G + G + G + 2 * G + W + lse // 2),
         # forward of one MLP: its output, two shard buffers and its own shard packed, the
         # slice's gate and up; working set: act(gate)
@@ -144,12 +148,19 @@ def breaking_the_rule(variant: str | None) -> Iterator[None]:
     after this rank's own) until the step ends. ``None`` changes nothing."""
     from tsp_core import attention, comm
 
-    gather, start = comm.all_gather_sequence, attention._Rounds._start
+    gather, start = comm.start_all_gather_sequence, attention._Rounds._start
 
     def gather_kept(*args, **kwargs):
-        out = gather(*args, **kwargs)
-        _KEPT.append(out)
-        return out
+        pending = gather(*args, **kwargs)
+        wait = pending.wait
+
+        def wait_kept():
+            out = wait()
+            _KEPT.append(out)
+            return out
+
+        pending.wait = wait_kept
+        return pending
 
     def start_kept(self, r: int):
         buf, handle = start(self, r)
@@ -158,7 +169,7 @@ def breaking_the_rule(variant: str | None) -> Iterator[None]:
         return buf, handle
 
     if variant == "keep_kv":
-        comm.all_gather_sequence = gather_kept
+        comm.start_all_gather_sequence = gather_kept
     elif variant == "keep_shard":
         attention._Rounds._start = start_kept
     elif variant is not None:
@@ -166,7 +177,7 @@ def breaking_the_rule(variant: str | None) -> Iterator[None]:
     try:
         yield
     finally:
-        comm.all_gather_sequence, attention._Rounds._start = gather, start
+        comm.start_all_gather_sequence, attention._Rounds._start = gather, start
         _KEPT.clear()
 
 

@@ -297,60 +297,88 @@ def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: Attention
         return torch.autograd.grad(_head_norm(pre, weight, spec), (pre, weight), grad)
 
 
-def _attend(r: int, q_all: torch.Tensor, kv_all: torch.Tensor, out_all: torch.Tensor,
-            lse_all: torch.Tensor, groups: list[_RowGroup], gathered: dict[int, torch.Tensor],
-            spec: AttentionSpec, group: dist.ProcessGroup) -> None:
+class _KVGathers:
+    """The whole-sequence K/V of each key/value head j (one tensor per row group), gathered from
+    every rank's own tokens. ``start(j)`` issues head j's all-gathers without waiting, so that
+    they run while the previous head's attention computes (on CUDA the NCCL stream does the
+    transfer); ``get(j)`` waits and puts the tokens in order; ``drop(j)`` after the head's last
+    round frees them. At most two heads' K/V exist at once: one in use, one arriving."""
+
+    def __init__(self, kv_all: torch.Tensor, groups: list[_RowGroup], spec: AttentionSpec,
+                 group: dist.ProcessGroup) -> None:
+        self.kv_all, self.groups, self.spec, self.group = kv_all, groups, spec, group
+        self._pending: dict[int, list[comm.PendingSequence]] = {}
+        self._ready: dict[int, list[torch.Tensor]] = {}
+
+    def start(self, j: int) -> None:
+        if j >= len(self.kv_all) or j in self._pending or j in self._ready:
+            return
+        self._pending[j] = [comm.start_all_gather_sequence(self.kv_all[j][:, g.rows], self.group,
+                                                           3, self.spec.layout, g.docs)
+                            for g in self.groups]
+
+    def get(self, j: int) -> list[torch.Tensor]:
+        if j not in self._ready:
+            self.start(j)  # not started ahead: gather now
+            self._ready[j] = [p.wait() for p in self._pending.pop(j)]
+        return self._ready[j]
+
+    def drop(self, j: int) -> None:
+        self._ready.pop(j, None)
+
+
+def _attend(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.Tensor,
+            kvs: _KVGathers) -> None:
     """Round ``r``'s attention: the local queries of head group r against the whole sequence's
-    K/V of its key/value head j, gathered in the first of j's rounds (into ``gathered``) and
-    dropped after the last; writes ``out_all[r]`` and ``lse_all[r]``."""
+    K/V of its key/value head j (from ``kvs``, dropped after j's last round); writes
+    ``out_all[r]`` and ``lse_all[r]``."""
+    spec = kvs.spec
     R = spec.kv_replicas
-    j, first, last = r // R, r % R == 0, r % R == R - 1
-    for i, g in enumerate(groups):
-        if first:
-            gathered[i] = comm.all_gather_sequence(kv_all[j][:, g.rows], group, 3, spec.layout,
-                                                   g.docs)
-        kv = gathered[i]
+    j = r // R
+    for g, kv in zip(kvs.groups, kvs.get(j)):
         o, lse = flash.attention_forward(q_all[r][g.rows], kv[0], kv[1], g.pieces,
                                          spec.softmax_scale, softcap=spec.softcap)
-        if last:
-            del gathered[i], kv
         out_all[r][g.rows], lse_all[r][g.rows] = o, lse
+    if r % R == R - 1:
+        kvs.drop(j)
 
 
-def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, kv_all: torch.Tensor,
-                     out_all: torch.Tensor, lse_all: torch.Tensor, groups: list[_RowGroup],
-                     gathered: dict[int, torch.Tensor], dkv_sum: dict[int, torch.Tensor],
-                     spec: AttentionSpec, group: dist.ProcessGroup
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: torch.Tensor,
+                     lse_all: torch.Tensor, kvs: _KVGathers, dkv_sum: dict[int, torch.Tensor]
+                     ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
     """Backward of :func:`_attend` for round ``r`` given its output gradient ``do``: dQ of the
-    round (before RoPE's backward) and, in the last round of key/value head j, dK/dV of this
-    rank's own tokens (summed over j's rounds and every rank's queries: reduce-scattered), else
-    None."""
+    round (before RoPE's backward) and, in the last round of key/value head j, a function that
+    returns dK/dV of this rank's own tokens (summed in float32 over j's rounds and pieces, cast
+    once, and reduce-scattered over every rank's queries: the reduce-scatter is started here and
+    runs while the caller goes on with the next round), else None."""
+    spec, group = kvs.spec, kvs.group
     R = spec.kv_replicas
     j, first, last = r // R, r % R == 0, r % R == R - 1
-    dq_parts, dkv_parts = [], []
-    for i, g in enumerate(groups):
-        if first:
-            gathered[i] = comm.all_gather_sequence(kv_all[j][:, g.rows], group, 3, spec.layout,
-                                                   g.docs)
-        dq_g, dkv_g = flash.attention_backward(do[g.rows], q_all[r][g.rows], gathered[i],
-                                               out_all[r][g.rows], lse_all[r][g.rows], g.pieces,
-                                               spec.softmax_scale, softcap=spec.softcap)
+    dq_parts = []
+    for i, (g, kv) in enumerate(zip(kvs.groups, kvs.get(j))):
+        dq_g, dkv_sum[i] = flash.attention_backward(
+            do[g.rows], q_all[r][g.rows], kv, out_all[r][g.rows], lse_all[r][g.rows], g.pieces,
+            spec.softmax_scale, softcap=spec.softcap, dkv=None if first else dkv_sum[i])
         dq_parts.append((g.rows, dq_g))
-        dkv_sum[i] = dkv_g if first else dkv_sum[i].add_(dkv_g)
-        del dkv_g
-        if last:  # the full-sequence K/V and dK/dV never coexist with the next group's
-            del gathered[i]
-            dkv_parts.append((g.rows, comm.reduce_scatter_sequence(
-                dkv_sum.pop(i), group, 3, spec.layout, g.docs)))
     dq = _by_rows(dq_parts, q_all[r])
-    return dq, (_by_rows(dkv_parts, kv_all[j]) if last else None)
+    if not last:
+        return dq, None
+    kvs.drop(j)  # the full-sequence K/V and dK/dV of one head never coexist with the next's dK/dV
+    like = kvs.kv_all[j]
+    scatters = [(g.rows, comm.start_reduce_scatter_sequence(dkv_sum.pop(i).to(like.dtype), group,
+                                                            3, spec.layout, g.docs))
+                for i, g in enumerate(kvs.groups)]
+    return dq, lambda: _by_rows([(rows, p.wait()) for rows, p in scatters], like)
 
 
 class _TSPAttentionFn(torch.autograd.Function):
     """Round r uses rank r's query heads; with nkv < D, rounds r of one key/value head
     (``kv_replicas`` consecutive rounds) share that head's K/V: it is computed, gathered (and in
-    the backward, its gradient reduce-scattered) once per head, not once per round."""
+    the backward, its gradient reduce-scattered) once per head, not once per round.
+
+    Overlap (DESIGN 3.1): while round r attends, the K/V all-gather of round r+1 and the owner
+    broadcast of round r+2 are in flight; in the backward, the K/V of the next key/value head
+    are gathered and the dK/dV of the previous one reduce-scattered while round r computes."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
@@ -366,17 +394,32 @@ class _TSPAttentionFn(torch.autograd.Function):
         lse_all = x.new_empty(D, B, nq, L, dtype=torch.float64 if x.dtype == torch.float64
                               else torch.float32)
         y = x.new_zeros(x.shape)  # contiguous, whatever x's strides
-        gathered: dict[int, torch.Tensor] = {}
-        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+        kvs = _KVGathers(kv_all, groups, spec, group)
+
+        def project(r: int, buf: torch.Tensor) -> torch.Tensor:
+            """Round r's queries and, in the first round of its key/value head, that head's K/V,
+            whose gather starts at once; returns the round's output projection."""
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
-            j, first = r // R, r % R == 0
             q_all[r] = rope.apply(_head_norm(_heads(F.linear(x, wq, bq), nq), qn, spec), cos, sin)
-            if first:
+            if r % R == 0:
+                j = r // R
                 kv_all[j, 0] = rope.apply(_head_norm(_heads(F.linear(x, wk, bk), nkv), kn, spec),
                                           cos, sin)
                 kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
-            _attend(r, q_all, kv_all, out_all, lse_all, groups, gathered, spec, group)
+                kvs.start(j)
+            return wo
+
+        def attend(r: int, wo: torch.Tensor) -> None:
+            _attend(r, q_all, out_all, lse_all, kvs)
             y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
+
+        previous = None
+        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+            wo = project(r, buf)  # receiving buf started round r+1's broadcast
+            if previous is not None:
+                attend(*previous)
+            previous = (r, wo)
+        attend(*previous)
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
         ctx.spec, ctx.group, ctx.groups = spec, group, groups
@@ -398,15 +441,34 @@ class _TSPAttentionFn(torch.autograd.Function):
         dx = x.new_zeros(x.shape)
         dx2 = dx.view(B * L, h)
         reduces = _OwnerReduces(group)
-        gathered: dict[int, torch.Tensor] = {}
+        kvs = _KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
+
+        def finish(r: int, grads: list, dkv: Callable[[], torch.Tensor] | None, wk: torch.Tensor,
+                   wv: torch.Tensor, bk: torch.Tensor | None) -> None:
+            """Round r's tail, one round late so that its dK/dV reduce-scatter overlapped the
+            next round: the key/value projection's backward, then the round's weight gradients
+            on their way to the owner."""
+            if dkv is not None:
+                dkv = dkv()
+                dk = rope.apply_backward(dkv[0], cos, sin)
+                if kn is not None:
+                    dk, g = _head_norm_backward(_heads(F.linear(x, wk, bk), nkv), kn, spec, dk)
+                    norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
+                shards.add_kv_grads(r // R, _flat(dk).reshape(B * L, -1),
+                                    _flat(dkv[1]).reshape(B * L, -1), x2, wk, wv, dx2, grads,
+                                    kv_grads)
+            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads)))
+
+        kvs.start(0)
+        previous = None
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, wo, bq, bk, _ = shards.unpack(r, buf)
-            j, last = r // R, r % R == R - 1
+            if r % R == R - 1:
+                kvs.start(r // R + 1)  # the next head's K/V arrive while this round computes
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
-            dq, dkv = _attend_backward(r, do, q_all, kv_all, out_all, lse_all, groups, gathered,
-                                       dkv_sum, spec, group)
+            dq, dkv = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
             dq = rope.apply_backward(dq, cos, sin)
             if qn is not None:
                 dq, g = _head_norm_backward(_heads(F.linear(x, wq, bq), nq), qn, spec, dq)
@@ -415,15 +477,10 @@ class _TSPAttentionFn(torch.autograd.Function):
             dx2.addmm_(dq, wq)
             grads = [dq.t() @ x2, None, None, dy2.t() @ _flat(o).reshape(B * L, -1),
                      dq.sum(0) if shards.bias else None, None, None]
-            if last:
-                dk = rope.apply_backward(dkv[0], cos, sin)
-                if kn is not None:
-                    dk, g = _head_norm_backward(_heads(F.linear(x, wk, bk), nkv), kn, spec, dk)
-                    norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
-                shards.add_kv_grads(j, _flat(dk).reshape(B * L, -1),
-                                    _flat(dkv[1]).reshape(B * L, -1), x2, wk, wv, dx2, grads,
-                                    kv_grads)
-            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads)))
+            if previous is not None:
+                finish(*previous)
+            previous = (r, grads, dkv, wk, wv, bk)
+        finish(*previous)
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
         if qn is not None:
             grads = [*grads, *norm_grads]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from . import rope
 from .attention import (
     AttentionSpec,
+    _KVGathers,
     _OwnerReduces,
     _attend,
     _attend_backward,
@@ -76,9 +77,12 @@ class PhasedAttentionFn(torch.autograd.Function):
         q_all, kv_all = _normed(q_raw, kv_raw, qn, kn, cos, sin, spec)
         out_all = x.new_empty(D, B, nq, L, d)              # phase 2: attention, no weights move
         lse_all = x.new_empty(D, B, nq, L, dtype=_lse_dtype(x))
-        gathered: dict[int, torch.Tensor] = {}
+        kvs = _KVGathers(kv_all, groups, spec, group)
+        kvs.start(0)
         for r in range(D):
-            _attend(r, q_all, kv_all, out_all, lse_all, groups, gathered, spec, group)
+            if r % R == R - 1:
+                kvs.start(r // R + 1)  # the next head's K/V arrive while this round attends
+            _attend(r, q_all, out_all, lse_all, kvs)
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
         del q_all, kv_all
@@ -114,14 +118,22 @@ class PhasedAttentionFn(torch.autograd.Function):
         q_fixed = q_all.detach()
         kv_all = torch.stack([k_all.detach(), _v_heads(kv_raw, spec)], 1)
         dq_all, dkv_all = torch.empty_like(q_fixed), torch.empty_like(kv_all)
-        gathered: dict[int, torch.Tensor] = {}
+        kvs = _KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
+        kvs.start(0)
+        previous = None  # the last head's dK/dV, reduce-scattered while the next round computes
         for r in range(D):                                 # attention, no weights move
-            dq_all[r], dkv = _attend_backward(r, do_all[r], q_fixed, kv_all, out_all, lse_all,
-                                              groups, gathered, dkv_sum, spec, group)
+            if r % R == R - 1:
+                kvs.start(r // R + 1)
+            dq_all[r], dkv = _attend_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs,
+                                              dkv_sum)
+            if previous is not None:
+                dkv_all[previous[0]] = previous[1]()
+                previous = None
             if dkv is not None:
-                dkv_all[r // R] = dkv
-        del do_all, kv_all
+                previous = (r // R, dkv)
+        dkv_all[previous[0]] = previous[1]()
+        del do_all, kv_all, kvs
         dq_raw, dk_raw, gqn, gkn = torch.autograd.grad((q_all, k_all), leaves,
                                                         (dq_all, dkv_all[:, 0]))
         dv_raw = _flat_groups(dkv_all[:, 1])

@@ -320,34 +320,69 @@ def _zigzag_halves(full: torch.Tensor, buf: torch.Tensor, dim: int, d: int):
             rev)
 
 
+class PendingSequence:
+    """An async sequence gather or reduce-scatter in flight: ``wait()`` blocks until it is done
+    and returns the result (in global token order for a gather, this rank's tokens for a
+    reduce-scatter), once; the transfer buffers are released then."""
+
+    def __init__(self, handle: Handle | None, finish: Callable[[], torch.Tensor],
+                 keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self._handle, self._finish = handle, finish
+        self._keep = keep  # the transfer's buffers stay alive until it is done
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is None:
+            raise RuntimeError("this sequence collective was already waited for")
+        if self._handle is not None:
+            self._handle.wait()
+        finish, self._finish, self._handle = self._finish, None, None
+        result = finish()
+        self._keep = ()
+        return result
+
+
+def start_all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int, layout: str,
+                              docs: Sequence[int] | None = None) -> PendingSequence:
+    """Start gathering the full sequence (in global token order) from every rank's local tokens
+    along ``dim``; ``docs`` gives the document lengths of a packed row (the same for every row of
+    ``x``). The reordering into token order runs in ``wait()``."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        return PendingSequence(None, lambda: x)
+    buf, src = x.new_empty((d, *x.shape)), x.contiguous()
+    handle = all_gather(buf, src, group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] *= d
+        full = x.new_empty(shape)
+        if docs is None and layout == "zigzag":
+            (first, second), (mine, theirs), rev = _zigzag_halves(full, buf, dim, d)
+            first.copy_(mine)
+            second.index_copy_(dim, rev, theirs)
+            return full
+        for r, offset, start, n in _moves(shape[dim], d, layout, docs):
+            full.narrow(dim, start, n).copy_(buf[r].narrow(dim, offset, n))
+        return full
+
+    return PendingSequence(handle, finish, (src,))
+
+
 def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int, layout: str,
                         docs: Sequence[int] | None = None) -> torch.Tensor:
-    """Full sequence (in global token order) from every rank's local tokens along ``dim``;
-    ``docs`` gives the document lengths of a packed row (the same for every row of ``x``)."""
-    d = dist.get_world_size(group)
-    if d == 1:
-        return x
-    buf = x.new_empty((d, *x.shape))
-    all_gather(buf, x.contiguous(), group)
-    shape = list(x.shape)
-    shape[dim] *= d
-    full = x.new_empty(shape)
-    if docs is None and layout == "zigzag":
-        (first, second), (mine, theirs), rev = _zigzag_halves(full, buf, dim, d)
-        first.copy_(mine)
-        second.index_copy_(dim, rev, theirs)
-        return full
-    for r, offset, start, n in _moves(shape[dim], d, layout, docs):
-        full.narrow(dim, start, n).copy_(buf[r].narrow(dim, offset, n))
-    return full
+    """Full sequence (in global token order) from every rank's local tokens along ``dim``."""
+    return start_all_gather_sequence(x, group, dim, layout, docs).wait()
 
 
-def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup, dim: int, layout: str,
-                            docs: Sequence[int] | None = None) -> torch.Tensor:
-    """This rank's tokens of the sum over the group of a full-sequence tensor."""
+def start_reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup, dim: int,
+                                  layout: str, docs: Sequence[int] | None = None
+                                  ) -> PendingSequence:
+    """Start summing a full-sequence tensor over the group onto its tokens' owners; ``wait()``
+    returns this rank's tokens. ``full`` may be freed by the caller once this returns (the
+    transfer works on a rank-ordered copy)."""
     d = dist.get_world_size(group)
     if d == 1:
-        return full
+        return PendingSequence(None, lambda: full)
     shape = list(full.shape)
     shape[dim] //= d
     buf = full.new_empty((d, *shape))
@@ -359,8 +394,14 @@ def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup, dim: i
         for r, offset, start, n in _moves(full.shape[dim], d, layout, docs):
             buf[r].narrow(dim, offset, n).copy_(full.narrow(dim, start, n))
     out = full.new_empty(shape)
-    reduce_scatter(out, buf, group)
-    return out
+    handle = reduce_scatter(out, buf, group, async_op=True)
+    return PendingSequence(handle, lambda: out, (buf,))
+
+
+def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup, dim: int, layout: str,
+                            docs: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's tokens of the sum over the group of a full-sequence tensor."""
+    return start_reduce_scatter_sequence(full, group, dim, layout, docs).wait()
 
 
 # ------------------------------------------------------------- autograd-aware collectives

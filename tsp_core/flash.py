@@ -4,16 +4,19 @@ score or mask tensor larger than the kernel's own tiles.
 Each local query segment (a zigzag chunk) is cut into tiles; a tile sees a few key ranges, each
 either fully visible, causal on a square diagonal block, or "anticausal" (the lower edge of a
 sliding window: key u visible to query v iff u >= v), which is causal once queries and keys are
-both reversed. Pieces are merged by log-sum-exp; the backward calls the kernel's backward per
-piece with the *merged* output and LSE, as ring attention does. With soft-capped scores
-(``softcap``, Gemma 2) each piece runs a tiled pure-torch kernel instead (no native flash kernel
-soft-caps), with the same conventions and the same merge.
+both reversed. Pieces are merged by log-sum-exp in float32; the backward calls the kernel's
+backward per piece with the *merged* output and LSE, as ring attention does, and sums the pieces'
+gradients in float32. The piece logic is the same on every device; only the kernel differs
+(:func:`kernel_for`: CPU flash, CUDA FlashAttention-2 for bf16/fp16, the memory-efficient kernel
+for float32, with K/V heads expanded per piece where a kernel has no native GQA). With
+soft-capped scores (``softcap``, Gemma 2) each piece runs a tiled pure-torch kernel instead (no
+native flash kernel soft-caps), with the same conventions and the same merge.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -80,49 +83,122 @@ def plan_pieces(segments: Sequence[tuple[int, ...]], seq_len: int, causal: bool,
 
 # ------------------------------------------------------------------------------- kernels
 
-def _kernel_fwd(q, k, v, causal: bool, scale: float):
-    """Flash-class kernel: CPU flash attention (native GQA); elsewhere the memory-efficient SDPA
-    kernel with K/V heads expanded for one head group (not yet verified on a GPU)."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+@dataclass(frozen=True)
+class Kernel:
+    """One attention kernel with the conventions the piece logic relies on: ``fwd(q, k, v, causal,
+    scale)`` returns the output and its natural-log LSE [B, Hq, Lq] in float32 (float64 for float64
+    input); ``bwd(do, q, k, v, out, lse, causal, scale)`` returns dq, dk, dv from a (merged)
+    output and LSE. Without ``native_gqa`` the kernel needs as many K/V heads as query heads:
+    the piece's K/V are expanded (one piece's keys, never the sequence's) and dK/dV folded back."""
+
+    name: str
+    fwd: Callable
+    bwd: Callable
+    native_gqa: bool
+
+
+def _cpu_fwd(q, k, v, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _cuda_flash_fwd(q, k, v, causal: bool, scale: float):
+    """FlashAttention-2 (bf16/fp16): K/V with fewer heads than Q are used in place (GQA)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _cuda_flash_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
+    # no dropout: the random-state tensors are placeholders; no varlen: no cumulative lengths
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        scale=scale)
+    return dq, dk, dv
+
+
+def _cuda_efficient_fwd(q, k, v, causal: bool, scale: float):
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale)
     return out, lse[..., : q.shape[2]]
 
 
-def _kernel_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, scale=scale)
-    g = q.shape[1] // k.shape[1]
-    kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+def _cuda_efficient_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's padded layout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        do, q, kr, vr, None, out, lse.contiguous(), seed, seed, 0.0, [True, True, True, False],
+        do, q, k, v, None, out, lse.contiguous(), seed, seed, 0.0, [True, True, True, False],
         causal, scale=scale)
-    unflat = lambda t: t.unflatten(1, (k.shape[1], g)).sum(2)  # noqa: E731
-    return dq, unflat(dk), unflat(dv)
+    return dq, dk, dv
 
 
-# ------------------------------------------------------------ soft-capping math kernel
+KERNELS = {
+    "cpu": Kernel("cpu", _cpu_fwd, _cpu_bwd, native_gqa=True),
+    "flash": Kernel("flash", _cuda_flash_fwd, _cuda_flash_bwd, native_gqa=True),
+    "efficient": Kernel("efficient", _cuda_efficient_fwd, _cuda_efficient_bwd, native_gqa=False),
+}
+MATH = "math"  # the tiled pure-torch kernel below: soft-capped scores, float64 off the CPU
+
+
+def kernel_for(q: torch.Tensor, softcap: float | None = None) -> str:
+    """The kernel that runs a piece of ``q``'s dtype, device and head size: the CPU flash kernel
+    on CPU; on CUDA FlashAttention-2 for bf16/fp16 with a head size it takes (a multiple of 8, at
+    most 256), the memory-efficient kernel for float32 and other head sizes; the tiled math
+    kernel for soft-capped scores (no native kernel caps) and for float64 off the CPU."""
+    if softcap is not None:
+        return MATH
+    if q.device.type == "cpu":
+        return "cpu"
+    low = q.dtype in (torch.float16, torch.bfloat16)
+    if low and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        return "flash"
+    return "efficient" if low or q.dtype == torch.float32 else MATH
+
+
+def _expanded(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """K/V with one head per query head if the kernel needs it (this piece's keys only)."""
+    g = q.shape[1] // k.shape[1]
+    if kernel.native_gqa or g == 1:
+        return k, v, g
+    return k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), g
+
+
+def _kernel_fwd(kernel: Kernel, q, k, v, causal: bool, scale: float):
+    k, v, _ = _expanded(kernel, q, k, v)
+    return kernel.fwd(q, k, v, causal, scale)
+
+
+def _kernel_bwd(kernel: Kernel, do, q, k, v, out, lse, causal: bool, scale: float):
+    ke, ve, g = _expanded(kernel, q, k, v)
+    dq, dk, dv = kernel.bwd(do, q, ke, ve, out, lse, causal, scale)
+    if ke is not k:  # fold the expanded heads' gradients back onto their shared K/V head
+        dk, dv = (t.unflatten(1, (k.shape[1], g)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------- tiled math kernel
 
 # Soft-capped scores (Gemma 2: s = tanh(q.k * scale / cap) * cap before the mask and softmax)
 # have no native flash kernel: each piece is then computed by the tiled pure-torch kernel below,
-# at most SOFTCAP_TILE queries x SOFTCAP_TILE keys (every head of the batch) at a time, merged by
-# log-sum-exp, so no score tensor larger than a tile exists (DESIGN 4).
-SOFTCAP_TILE = 512
+# at most MATH_TILE queries x MATH_TILE keys (every head of the batch) at a time, merged by
+# log-sum-exp, so no score tensor larger than a tile exists (DESIGN 4). Float64 pieces off the
+# CPU (no native kernel takes float64 there) run it too, uncapped.
+MATH_TILE = 512
 
 
 def _tiles(n: int, tile: int) -> list[tuple[int, int]]:
     return [(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
-def _softcap_visible(mask: Mask, a: int, a1: int, b: int, b1: int, device
-                     ) -> torch.Tensor | None | bool:
+def _math_visible(mask: Mask, a: int, a1: int, b: int, b1: int, device
+                  ) -> torch.Tensor | None | bool:
     """Query tile [a, a1) against key tile [b, b1) of one piece (causal and anticausal pieces are
     square, tiled the same way on both axes): False if nothing is visible, None if everything is,
     else the [tq, tk] visibility (causal: key u visible to query v iff u <= v; anticausal: u >= v).
@@ -138,19 +214,22 @@ def _softcap_visible(mask: Mask, a: int, a1: int, b: int, b1: int, device
     return cols <= rows if mask == "causal" else cols >= rows
 
 
-def _softcap_scores(qt, kt, scale: float, softcap: float, visible):
-    """tanh(q k^T * scale / cap) (the tile's [B, Hkv, g, tq, tk] tanh, for the backward) and the
-    capped, masked scores, in the order of Hugging Face's eager attention: times the scale, over
-    the cap, tanh, times the cap."""
-    t = torch.tanh(torch.matmul(qt, kt.transpose(-1, -2)) * scale / softcap)
-    s = t * softcap
+def _math_scores(qt, kt, scale: float, softcap: float | None, visible):
+    """The masked scores of one tile and, when capped, tanh(q k^T * scale / cap) (the tile's
+    [B, Hkv, g, tq, tk] tanh, for the backward; else None), in the order of Hugging Face's eager
+    attention: times the scale, over the cap, tanh, times the cap."""
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     return t, s
 
 
-def _softcap_fwd(q, k, v, mask: Mask, scale: float, softcap: float):
-    """(out, lse) of one piece with soft-capped scores, the conventions of the native kernels:
+def _math_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None):
+    """(out, lse) of one piece by the tiled math kernel, the conventions of the native kernels:
     q [B, Hq, Lq, d], k, v [B, Hkv, Lk, d] (Hkv divides Hq); out in q's dtype, lse [B, Hq, Lq]
     natural-log, float32 (float64 for float64 input)."""
     B, Hq, Lq, d = q.shape
@@ -160,15 +239,15 @@ def _softcap_fwd(q, k, v, mask: Mask, scale: float, softcap: float):
     qg = q.reshape(B, Hkv, g, Lq, d)
     out = torch.zeros(B, Hkv, g, Lq, d, dtype=acc, device=q.device)
     lse = torch.full((B, Hkv, g, Lq), float("-inf"), dtype=acc, device=q.device)
-    tile = SOFTCAP_TILE
+    tile = MATH_TILE
     for a, a1 in _tiles(Lq, tile):
         qt = qg[:, :, :, a:a1].to(acc)
         o_acc, l_acc = out[:, :, :, a:a1], lse[:, :, :, a:a1]
         for b, b1 in _tiles(Lk, tile):
-            visible = _softcap_visible(mask, a, a1, b, b1, q.device)
+            visible = _math_visible(mask, a, a1, b, b1, q.device)
             if visible is False:
                 continue
-            _, s = _softcap_scores(qt, k[:, :, None, b:b1].to(acc), scale, softcap, visible)
+            _, s = _math_scores(qt, k[:, :, None, b:b1].to(acc), scale, softcap, visible)
             l_t = torch.logsumexp(s, -1)
             o_t = torch.matmul(torch.exp(s - l_t.unsqueeze(-1)), v[:, :, None, b:b1].to(acc))
             del s
@@ -179,10 +258,10 @@ def _softcap_fwd(q, k, v, mask: Mask, scale: float, softcap: float):
     return out.view(B, Hq, Lq, d).to(q.dtype), lse.view(B, Hq, Lq)
 
 
-def _softcap_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float):
-    """dq, dk, dv of one soft-capped piece from the *merged* output and LSE of its rows, tile by
-    tile: P = exp(s_capped - lse), dP = dO V^T, dS = P (dP - rowsum(dO O)), times the cap's
-    derivative 1 - tanh^2, then dQ = dS K scale, dK = dS^T Q scale, dV = P^T dO."""
+def _math_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None):
+    """dq, dk, dv of one piece from the *merged* output and LSE of its rows, tile by tile:
+    P = exp(s - lse), dP = dO V^T, dS = P (dP - rowsum(dO O)), times the cap's derivative
+    1 - tanh^2 when capped, then dQ = dS K scale, dK = dS^T Q scale, dV = P^T dO."""
     B, Hq, Lq, d = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -193,46 +272,52 @@ def _softcap_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float
     dq = torch.zeros(B, Hkv, g, Lq, d, dtype=acc, device=q.device)
     dk = torch.zeros(B, Hkv, Lk, d, dtype=acc, device=q.device)
     dv = torch.zeros(B, Hkv, Lk, d, dtype=acc, device=q.device)
-    tile = SOFTCAP_TILE
+    tile = MATH_TILE
     for a, a1 in _tiles(Lq, tile):
         qt, dot = qg[:, :, :, a:a1].to(acc), dog[:, :, :, a:a1].to(acc)
         for b, b1 in _tiles(Lk, tile):
-            visible = _softcap_visible(mask, a, a1, b, b1, q.device)
+            visible = _math_visible(mask, a, a1, b, b1, q.device)
             if visible is False:
                 continue
             kt, vt = k[:, :, None, b:b1].to(acc), v[:, :, None, b:b1].to(acc)
-            t, s = _softcap_scores(qt, kt, scale, softcap, visible)
+            t, s = _math_scores(qt, kt, scale, softcap, visible)
             p = torch.exp(s - lseg[:, :, :, a:a1].unsqueeze(-1))
             del s
             dv[:, :, b:b1] += torch.matmul(p.transpose(-1, -2), dot).sum(2)
             ds = p * (torch.matmul(dot, vt.transpose(-1, -2)) - delta[:, :, :, a:a1].unsqueeze(-1))
             del p
-            ds.mul_(1 - t * t).mul_(scale)
-            del t
+            if t is not None:
+                ds.mul_(1 - t * t)
+                del t
+            ds.mul_(scale)
             dq[:, :, :, a:a1] += torch.matmul(ds, kt)
             dk[:, :, b:b1] += torch.matmul(ds.transpose(-1, -2), qt).sum(2)
     return dq.view(B, Hq, Lq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _piece_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None = None):
-    if softcap is not None:  # scores in float32/float64 even under autocast, as a flash kernel's
+    name = kernel_for(q, softcap)
+    if name == MATH:  # scores in float32/float64 even under autocast, as a flash kernel's
         with torch.autocast(q.device.type, enabled=False):
-            return _softcap_fwd(q, k, v, mask, scale, softcap)
+            return _math_fwd(q, k, v, mask, scale, softcap)
+    kernel = KERNELS[name]
     if mask == "anticausal":
-        out, lse = _kernel_fwd(q.flip(2), k.flip(2), v.flip(2), True, scale)
+        out, lse = _kernel_fwd(kernel, q.flip(2), k.flip(2), v.flip(2), True, scale)
         return out.flip(2), lse.flip(2)
-    return _kernel_fwd(q, k, v, mask == "causal", scale)
+    return _kernel_fwd(kernel, q, k, v, mask == "causal", scale)
 
 
 def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None = None):
-    if softcap is not None:
+    name = kernel_for(q, softcap)
+    if name == MATH:
         with torch.autocast(q.device.type, enabled=False):
-            return _softcap_bwd(do, q, k, v, out, lse, mask, scale, softcap)
+            return _math_bwd(do, q, k, v, out, lse, mask, scale, softcap)
+    kernel = KERNELS[name]
     if mask == "anticausal":
-        grads = _kernel_bwd(do.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2),
+        grads = _kernel_bwd(kernel, do.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2),
                             lse.flip(2), True, scale)
         return tuple(g.flip(2) for g in grads)
-    return _kernel_bwd(do, q, k, v, out, lse, mask == "causal", scale)
+    return _kernel_bwd(kernel, do, q, k, v, out, lse, mask == "causal", scale)
 
 
 # -------------------------------------------------------------------- forward / backward
@@ -262,13 +347,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces:
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, pieces: list[Piece],
-                       scale: float, *, softcap: float | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float, *, softcap: float | None = None,
+                       dkv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` (with the same ``softcap``) w.r.t. q (local) and
-    the packed full-sequence ``kv`` [2, B, Hkv, S, d]; dK and dV come back packed the same way,
-    ready for one reduce-scatter."""
-    dq = torch.zeros_like(q)
-    dkv = torch.zeros_like(kv)
+    the packed full-sequence ``kv`` [2, B, Hkv, S, d]. Every piece's gradients are summed in
+    float32 (float64 for float64 input) whatever the input dtype, as the forward merges its
+    outputs: dQ comes back in q's dtype, dK/dV as that float32 accumulator, packed like ``kv``
+    (added into ``dkv`` when given: a key/value head shared by several rounds), for the caller to
+    cast once before its reduce-scatter."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = q.new_zeros(q.shape, dtype=acc)
+    if dkv is None:
+        dkv = kv.new_zeros(kv.shape, dtype=acc)
+    elif dkv.dtype != acc or dkv.shape != kv.shape:
+        raise ValueError(f"dkv accumulator {dkv.dtype} {tuple(dkv.shape)} does not match "
+                         f"{acc} {tuple(kv.shape)}")
     for p in pieces:
         rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
         g_q, g_k, g_v = _piece_bwd(do[:, :, rows].contiguous(), q[:, :, rows], kv[0, :, :, keys],
@@ -277,4 +370,4 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out:
         dq[:, :, rows] += g_q
         dkv[0, :, :, keys] += g_k
         dkv[1, :, :, keys] += g_v
-    return dq, dkv
+    return dq.to(q.dtype), dkv

@@ -57,7 +57,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         kv = comm.all_gather_sequence(kv_local, cp.group, 3, cp.layout)
         dq, dkv = flash.attention_backward(do.contiguous(), q, kv, out, lse, ctx.pieces, ctx.scale)
         del kv
-        dkv = comm.reduce_scatter_sequence(dkv, cp.group, 3, cp.layout)
+        # the pieces' gradients were summed in float32: one cast, then the reduce-scatter
+        dkv = comm.reduce_scatter_sequence(dkv.to(kv_local.dtype), cp.group, 3, cp.layout)
         return dq, dkv[0], dkv[1], None, None
 
 

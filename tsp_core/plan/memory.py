@@ -64,9 +64,11 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
         per = -(-V // d)
         chunk = min(n_r, max(1, CHUNK_ELEMENTS // per))
         # attention: norm (fp32 input + output: 3r), its input x, local Q and output (2r), K/V of
-        # all heads (2r/g); per round the gathered K/V, its gradient and the kernel's pieces (3 x
-        # 2r/g); dx and dy (2r); two broadcast shards and two gradient buffers
-        attn = 3 * r + r + 2 * r + 2 * r / g + 3 * 2 * r / g + 2 * r + 4 * w_att
+        # all heads (2r/g); per round the gathered K/V in use and the next one arriving, its
+        # gradient summed in float32 (2), the previous head's gradient in flight and the
+        # kernel's pieces (6 x 2r/g); dx and dy (2r); four broadcast shards (round r-1's kept for
+        # its key/value tail, r's, r+1's in flight, the own one) and two gradient buffers
+        attn = 3 * r + r + 2 * r + 2 * r / g + 6 * 2 * r / g + 2 * r + 6 * w_att
         # MLP: both norms (6r) and the residual's fp32 copy (1r), attention's saved tensors (4r +
         # 2r/g), the MLP input, per shard gate/up/act/product [n, F/D] (4), dx, dy; the ring's
         # current and next shard, their gradient accumulators and the owner's gradient (5)
@@ -81,7 +83,9 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
     a = n_a * h * b                   # one gathered (tp-sp) or replicated projection input
     sp = lay.name.startswith("tp-sp")
     saved_attn = (2 + 2 / g) * t + t  # q, k, v, output; o_proj's input
-    attn = 3 * r + (a if sp else 0) + saved_attn + 3 * kv + 2 * t + a + r
+    # context parallel: the gathered K/V, its gradient summed in float32 (2) and the kernel's
+    # pieces; tensor parallel (kv local): the kernel's K/V, their gradients and pieces
+    attn = 3 * r + (a if sp else 0) + saved_attn + (4 if lay.cp > 1 else 3) * kv + 2 * t + a + r
     mlp = 7 * r + (2 * a if sp else 0) + saved_attn + 4 * f + 3 * f + a
     # the post-attention RMSNorm's backward (HF's, over this rank's residual tokens, after the
     # MLP's): both norms' saved tensors (6r), attention's (not yet run backward; under tp-sp its
