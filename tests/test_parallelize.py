@@ -103,8 +103,8 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['gemma', 'gemma2', 'gemma3', 'granite', 'llama', 'mistral', 'olmo2', 'phi3', 'qwen2', "
-         r"'qwen3'\]\. "
+         r"\['gemma', 'gemma2', 'gemma3', 'granite', 'llama', 'mistral', 'mixtral', 'olmo2', "
+         r"'phi3', 'qwen2', 'qwen3', 'qwen3_moe'\]\. "
          r"Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
@@ -133,19 +133,25 @@ def bad_models() -> list[str]:
     cases.append((Gemma3ForCausalLM(Gemma3TextConfig(use_bidirectional_attention=True, **small)),
                   r"Gemma3ForCausalLM: config\.use_bidirectional_attention=True \(bidirectional "
                   r"attention\) not implemented by TSP; set it to None/False"))
-    # mixture-of-experts models are refused by the field that makes them one (docs/moe.md)
+    # experts that cannot be owned whole, 1/D each (docs/moe.md)
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cases.append((MixtralForCausalLM(MixtralConfig(num_local_experts=4, **small)),
-                  r"MixtralForCausalLM is a mixture-of-experts model \(config\.num_local_experts"
-                  r"=4\); TSP does not implement MoE MLPs yet"))
+    cases.append((MixtralForCausalLM(MixtralConfig(num_local_experts=6, **small)),
+                  r"tsp_size \(4\) must divide the number of experts \(6\)"))
     # a soft-cap of 0 (HF would divide by it) is refused, naming it
     cases.append((Gemma2ForCausalLM(Gemma2Config(attn_logit_softcapping=0.0, **small)),
                   r"Gemma2ForCausalLM: the attention soft-cap \(0\.0\) must be positive"))
-    for model, pattern in cases:
+    # a mixture-of-experts model under a policy that describes no experts is refused by the
+    # field that makes it one, not run as a dense model
+    from tsp_core.policies.mistral import POLICY as MISTRAL
+
+    cases.append((MixtralForCausalLM(MixtralConfig(num_local_experts=4, **small)),
+                  r"MixtralForCausalLM is a mixture-of-experts model \(config\.num_local_experts"
+                  r"=4\) and the policy 'mistral' describes no experts", MISTRAL))
+    for model, pattern, *policy in cases:
         before = dict(model.state_dict())
         with tsp_core.comm.track() as stats, pytest.raises(ValueError, match=pattern) as e:
-            tsp_core.parallelize(model, mesh)
+            tsp_core.parallelize(model, mesh, policy=policy[0] if policy else None)
         assert not stats.calls, "a collective ran before the error"
         assert model.state_dict().keys() == before.keys(), "the model was changed before the error"
         msgs.append(str(e.value))

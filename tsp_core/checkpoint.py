@@ -82,6 +82,99 @@ class _Prefixed:
         return self.source.read(self.prefix + name, dim, start, length)
 
 
+class _HubExperts:
+    """A :class:`FullSource` that serves a mixture-of-experts model's in-memory names
+    (``<mlp>.experts.gate_up_proj`` [E, 2F, h], ``<mlp>.experts.down_proj`` [E, h, F],
+    ``<mlp>.gate.weight``) from a checkpoint in the Hub's layout, one tensor per expert and
+    projection (``<hub>.experts.<e>.<gate|up|down>.weight``; transformers converts the same way
+    in ``from_pretrained``). Only the experts, and the rows or columns, a rank owns are read.
+    Names the checkpoint has as they are pass through."""
+
+    KINDS = ("experts.gate_up_proj", "experts.down_proj", "gate.weight")
+
+    def __init__(self, source: FullSource, policy, num_experts: int) -> None:
+        self.source, self.experts = source, num_experts
+        self.mlp, self.hub = policy.mlp, policy.moe.hub_module or policy.mlp
+        self.gate, self.up, self.down = policy.moe.hub_parts
+
+    def _split(self, name: str) -> tuple[str, str] | None:
+        """(the block's prefix in the checkpoint, kind) of an in-memory MoE name, else None."""
+        for kind in self.KINDS:
+            suffix = f"{self.mlp}.{kind}"
+            if name.endswith(suffix) and self.source.shape(name) is None:
+                return name[: -len(suffix)] + self.hub + ".", kind
+        return None
+
+    def _expert(self, base: str, e: int, part: str) -> str:
+        return f"{base}experts.{e}.{part}.weight"
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        where = self._split(name)
+        if where is None:
+            return self.source.shape(name)
+        base, kind = where
+        if kind == "gate.weight":
+            return self.source.shape(base + kind)
+        one = self.source.shape(self._expert(base, 0, self.down if "down" in kind else self.gate))
+        if one is None:
+            return None
+        return (self.experts, *one) if "down" in kind else (self.experts, 2 * one[0], one[1])
+
+    def read(self, name: str, dim: int | None, start: int, length: int) -> torch.Tensor:
+        where = self._split(name)
+        if where is None:
+            return self.source.read(name, dim, start, length)
+        base, kind = where
+        if kind == "gate.weight":
+            return self.source.read(base + kind, dim, start, length)
+        experts = range(start, start + length) if dim == 0 else range(self.experts)
+        inner = None if dim in (None, 0) else dim - 1  # the dim inside one expert's tensor
+        if "down" in kind:
+            return torch.stack([self.source.read(self._expert(base, e, self.down), inner, start,
+                                                 length) for e in experts])
+        rows = self.source.shape(self._expert(base, 0, self.gate))[0]
+        return torch.stack([self._gate_up(base, e, inner, start, length, rows) for e in experts])
+
+    def _gate_up(self, base: str, e: int, inner: int | None, start: int, length: int,
+                 rows: int) -> torch.Tensor:
+        """Expert e's [gate; up] rows, or the slice ``[start, start + length)`` along ``inner``."""
+        gate, up = self._expert(base, e, self.gate), self._expert(base, e, self.up)
+        if inner == 0 and start + length <= rows:
+            return self.source.read(gate, 0, start, length)
+        if inner == 0 and start >= rows:
+            return self.source.read(up, 0, start - rows, length)
+        whole = torch.cat([self.source.read(gate, inner if inner else None, start, length),
+                           self.source.read(up, inner if inner else None, start, length)])
+        return whole.narrow(0, start, length) if inner == 0 else whole
+
+
+def _hub_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts model's full state dict in the Hub's checkpoint layout (one tensor
+    per expert and projection, the block under its checkpoint name), as transformers' own
+    ``save_pretrained`` writes it; other models' unchanged."""
+    policy = getattr(model, "_tsp_policy", None)
+    if policy is None or policy.moe is None:
+        return state
+    gate, up, down = policy.moe.hub_parts
+    out = {}
+    for name, t in state.items():
+        kind = next((k for k in _HubExperts.KINDS if name.endswith(f"{policy.mlp}.{k}")), None)
+        if kind is None:
+            out[name] = t
+            continue
+        base = name[: -len(f"{policy.mlp}.{kind}")] + (policy.moe.hub_module or policy.mlp) + "."
+        if kind == "gate.weight":
+            out[base + kind] = t
+        elif kind == "experts.down_proj":
+            out.update({f"{base}experts.{e}.{down}.weight": t[e] for e in range(t.shape[0])})
+        else:
+            g, u = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{base}experts.{e}.{gate}.weight"] = g[e]
+                out[f"{base}experts.{e}.{up}.weight"] = u[e]
+    return out
+
+
 def _sharded_modules(model: nn.Module):
     """(prefix, module) for every TSP module, the tied LM head included, in a fixed order."""
     return [(f"{n}." if n else "", m) for n, m in model.named_modules(remove_duplicate=False)
@@ -116,6 +209,9 @@ def load_full_state_dict(model: nn.Module,
             source: FullSource = TensorSource(state_dict_or_path)
         else:
             source = SafetensorsSource(state_dict_or_path, stack)
+        policy = getattr(model, "_tsp_policy", None)
+        if policy is not None and policy.moe is not None:  # the Hub's per-expert layout too
+            source = _HubExperts(source, policy, getattr(model.config, policy.moe.num_experts))
         sharded = _sharded_modules(model)
         owners = set()
         for prefix, m in sharded:
@@ -152,5 +248,6 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
         model.generation_config.save_pretrained(path)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop(f"{model._tsp_policy.lm_head}.weight", None)  # tied: loaded from the embedding
+    state = _hub_layout(model, state)
     save_file({k: v.contiguous() for k, v in state.items()},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

@@ -1,9 +1,10 @@
 """Every collective TSP issues, with call and byte counters.
 
 Bytes are the per-rank traffic of the standard ring algorithms (what NCCL calls bus bytes), one
-rule for every kind so that layouts can be compared: broadcast, reduce, all-gather (of the output),
-reduce-scatter (of the input) and all-to-all move (D-1)/D of the buffer per rank, all-reduce
-2(D-1)/D, a ring hop the whole buffer. A group of one rank issues nothing and counts nothing.
+rule for every kind so that layouts can be compared: broadcast, reduce, all-gather (of the output)
+and reduce-scatter (of the input) move (D-1)/D of the buffer per rank, all-to-all the larger of
+what the rank sends to and receives from the others ((D-1)/D of the buffer when the splits are
+even), all-reduce 2(D-1)/D, a ring hop the whole buffer. A group of one rank issues nothing and counts nothing.
 ``wait_seconds`` is the host time spent blocked in collectives: inside a synchronous call, or in
 ``wait()`` of an async one (on CUDA, NCCL returns before the transfer ends, so there it is the
 host's wait, not the GPU stream's).
@@ -16,6 +17,7 @@ Functions; the autograd-aware ones (``owner_broadcast``, ``gather_sequence``, ``
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -195,12 +197,19 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
                out_splits: list[int] | None = None, in_splits: list[int] | None = None,
                async_op: bool = False):
-    """``all_to_all_single`` along dim 0 with optional split sizes."""
+    """``all_to_all_single`` along dim 0 with optional split sizes (rows to / from each rank).
+    Counted: the larger of the bytes this rank sends to the other ranks and receives from them
+    ((D-1)/D of the buffer with even splits; with skewed splits, e.g. routed tokens all bound for
+    one rank's experts, what really crosses this rank's link)."""
     d = dist.get_world_size(group)
     if d == 1:
         out.copy_(inp)
         return _done(async_op)
-    return _run("all_to_all", max(_nbytes(inp), _nbytes(out)) * (d - 1) / d,
+    me, row = dist.get_rank(group), math.prod(inp.shape[1:]) * inp.element_size()
+    ins = in_splits or [inp.shape[0] // d] * d
+    outs = out_splits or [out.shape[0] // d] * d
+    nbytes = max(sum(ins) - ins[me], sum(outs) - outs[me]) * row
+    return _run("all_to_all", nbytes,
                 lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                                  async_op=a), async_op, group)
 

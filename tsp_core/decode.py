@@ -44,6 +44,7 @@ from . import comm, layout, rope
 from .attention import TSPAttention
 from .mesh import TSPMesh
 from .mlp import TSPGatedMLP, _act
+from .moe import TSPMoE
 from .norm import NORMS
 from .params import local
 from .vocab import TSPEmbedding, TSPLMHead
@@ -103,7 +104,7 @@ class ShardedKVCache:
 @dataclass(frozen=True)
 class _Layer:
     attn: TSPAttention
-    mlp: TSPGatedMLP
+    mlp: TSPGatedMLP | TSPMoE
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,9 @@ class _Decode:
     def embed(self, module: TSPEmbedding, ids: torch.Tensor) -> torch.Tensor:
         return _embed_rows(self.parts, ids)
 
-    def mlp(self, module: TSPGatedMLP, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, module: TSPGatedMLP | TSPMoE, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(module, TSPMoE):
+            return module.decode_step(x)
         return _mlp_step(self.parts, module, x)
 
     def attention(self, module: TSPAttention, x: torch.Tensor,

@@ -20,6 +20,7 @@ from .data_parallel import install_gradient_sync
 from .layout import IGNORE_INDEX, shard_batch
 from .mesh import TSPMesh
 from .mlp import TSPGatedMLP
+from .moe import SCHEDULES, MoESpec, TSPMoE, check_moe_shape, choose_schedule, load_balancing_loss
 from .norm import TSPRMSNorm
 from .policies import DecoderPolicy, find_policy
 from .validate import check_model_inputs
@@ -99,13 +100,19 @@ class TSPCausalLM:
         # bad input raises on every rank of the group, before any schedule collective
         check_model_inputs(self, input_ids, inputs_embeds, position_ids, shift_labels,
                            kwargs.get("tsp_docs"), tsp_rope_len, tsp_fingerprint)
+        router = kwargs.pop("output_router_logits", None)
         with rope.global_length(ropes, rope_len):
             out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
                                                    inputs_embeds=inputs_embeds, use_cache=False,
                                                    **kwargs)
+        aux = self._tsp_aux_loss(router, attention_mask)
         head: TSPLMHead = getattr(self, policy.lm_head)
         hidden = head.scale_input(out.last_hidden_state)
         if shift_labels is None:
+            if aux is not None:
+                from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+                return MoeCausalLMOutputWithPast(logits=head(hidden), aux_loss=aux)
             return CausalLMOutputWithPast(logits=head(hidden))
         loss_sum = head.loss_sum(hidden, shift_labels)
         if num_items_in_batch is None:
@@ -115,10 +122,39 @@ class TSPCausalLM:
         else:
             count = torch.as_tensor(num_items_in_batch, dtype=loss_sum.dtype)
         loss = comm.sum_over(loss_sum, mesh.all_groups) / count
+        if aux is not None:  # Hugging Face adds it when there are labels
+            loss = loss + self.config.router_aux_loss_coef * aux
         scale = getattr(self, "_tsp_grad_scale", 1)
         if scale != 1:  # an engine that averages data-parallel gradients (DeepSpeed): same value,
             loss = loss * scale - loss.detach() * (scale - 1)  # gradient times the dp size
+        if aux is not None:
+            from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux)
         return CausalLMOutputWithPast(loss=loss)
+
+    def _tsp_aux_loss(self, output_router_logits: bool | None,
+                      attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The MoE load-balancing loss of the forward that just ran, over the global batch
+        (:func:`tsp_core.moe.load_balancing_loss`), when ``output_router_logits`` (else the
+        config's) asks for it, as Hugging Face computes it; None for a dense model. The layers'
+        router logits are released either way."""
+        layers = [m for m in self.modules() if isinstance(m, TSPMoE)]
+        if not layers:
+            return None
+        wanted = (output_router_logits if output_router_logits is not None
+                  else getattr(self.config, "output_router_logits", False))
+        try:
+            if not wanted:
+                return None
+            if any(m.router_logits is None for m in layers):
+                raise ValueError("an MoE layer has no router logits: it did not run forward")
+            s = layers[0].spec
+            return load_balancing_loss([m.router_logits for m in layers], s.num_experts,
+                                       s.top_k, self._tsp_mesh.all_groups, attention_mask)
+        finally:
+            for m in layers:
+                m.router_logits = None
 
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None,
@@ -158,7 +194,7 @@ def _register_attention_implementation() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, never_called)
 
 
-def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
+def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule: str) -> None:
     """Every check that can fail, before anything is changed or communicated."""
     if isinstance(model, TSPCausalLM):
         raise ValueError("this model is already parallelized with TSP")
@@ -167,7 +203,15 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> None:
     nkv = getattr(c, "num_key_value_heads", None) or nq
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
     check_attention_shape(mesh.size, c.hidden_size, nq, nkv, head_dim)
-    if c.intermediate_size % mesh.size:
+    layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
+    sparse = [_is_sparse(getattr(layer, policy.mlp), policy) for layer in layers]
+    if any(sparse):
+        spec = _moe_spec(c, policy, mesh)
+        check_moe_shape(mesh.size, spec.num_experts, spec.top_k, moe_schedule)
+        if moe_schedule == "ring" and spec.intermediate_size % mesh.size:
+            raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
+                             f"({spec.intermediate_size}) under the ring schedule")
+    if not all(sparse) and c.intermediate_size % mesh.size:
         raise ValueError(f"tsp_size ({mesh.size}) must divide intermediate_size "
                          f"({c.intermediate_size})")
     refused = [f"config.{name}={getattr(c, name)!r} ({what})" for name, what in policy.unsupported
@@ -239,15 +283,31 @@ def _check_fused(model: nn.Module, policy: DecoderPolicy, rows: dict[str, int]) 
                                  f"({want} rows)")
 
 
-def _check_not_moe(model: nn.Module) -> None:
-    """Mixture-of-experts MLPs are not implemented (docs/moe.md): refused by the config field
-    that makes a model one, whatever the policy."""
+def _check_moe_policy(model: nn.Module, policy: DecoderPolicy) -> None:
+    """A mixture-of-experts model needs a policy that describes its experts (Mixtral and
+    Qwen3-MoE have one): refused by the config field that makes a model one, so that a dense
+    policy matched by class or model_type never runs it as a dense model."""
     c = getattr(model, "config", None)
     for name in ("num_local_experts", "num_experts"):  # Mixtral; Qwen2/3-MoE, OLMoE, ...
-        if getattr(c, name, None):
+        if getattr(c, name, None) and policy.moe is None:
             raise ValueError(f"{type(model).__name__} is a mixture-of-experts model "
-                             f"(config.{name}={getattr(c, name)}); TSP does not implement MoE "
-                             f"MLPs yet (docs/moe.md): train it without TSP")
+                             f"(config.{name}={getattr(c, name)}) and the policy {policy.name!r} "
+                             f"describes no experts; TSP runs the MoE of Mixtral and Qwen3-MoE "
+                             f"(docs/moe.md): train it without TSP, or describe its experts with "
+                             f"DecoderPolicy(moe=ExpertsPolicy(...))")
+
+
+def _moe_spec(c: Any, policy: DecoderPolicy, mesh: TSPMesh) -> MoESpec:
+    """The shape and routing of the family's sparse MLPs, from the config."""
+    m = policy.moe
+    return MoESpec(c.hidden_size, getattr(c, m.intermediate_size), getattr(c, m.num_experts),
+                   getattr(c, m.top_k), mesh.size, ACTIVATIONS.get(_activation(c), "silu"),
+                   m.norm_topk(c), m.weights_in_logits_dtype)
+
+
+def _is_sparse(mlp: nn.Module, policy: DecoderPolicy) -> bool:
+    """Whether a layer's MLP is the family's sparse mixture-of-experts block."""
+    return policy.moe is not None and hasattr(mlp, policy.moe.experts)
 
 
 def _activation(config: Any) -> str:
@@ -296,12 +356,23 @@ def _check_head_norms(model: nn.Module, policy: DecoderPolicy, q_width: int, k_w
                              f"({_eps(norms[1])}) differ")
 
 
-def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None,
+                moe_schedule: str = "auto", moe_tokens_per_rank: int | None = None) -> nn.Module:
     """Convert ``model`` in place to TSP on ``mesh`` and return it. A model whose parameters are
-    all on the meta device gets uninitialised shards (fill them with load_full_state_dict)."""
-    _check_not_moe(model)
+    all on the meta device gets uninitialised shards (fill them with load_full_state_dict).
+
+    Mixture-of-experts layers (:mod:`tsp_core.moe`) run ``moe_schedule`` "expert" (whole experts
+    per rank, routed tokens move) or "ring" (every expert's channels split, weights move);
+    "auto" picks per layer the one that moves fewer bytes for ``moe_tokens_per_rank`` (batch x
+    sequence / tsp_size of the run), "expert" when that is not given."""
+    if moe_schedule not in ("auto", *SCHEDULES):
+        raise ValueError(f"moe_schedule {moe_schedule!r} is not one of "
+                         f"{('auto', *SCHEDULES)}")
     policy = policy or find_policy(model)
-    _check(model, mesh, policy)
+    _check_moe_policy(model, policy)
+    if policy.moe is not None and moe_schedule == "auto":
+        moe_schedule = choose_schedule(_moe_spec(model.config, policy, mesh), moe_tokens_per_rank)
+    _check(model, mesh, policy, moe_schedule)
     c = model.config
     p0 = next(model.parameters())
     empty = p0.is_meta  # weights come later, from load_full_state_dict
@@ -344,10 +415,18 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             qk_norm_kind=policy.norm, softcap=_softcap(policy.attn_softcap, c),
             qk_norm_all_heads=policy.qk_norm_all_heads, init_seed=None, **opts))
         mlp = getattr(layer, policy.mlp)
-        replace(layer, policy.mlp, TSPGatedMLP(
-            mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
-            bias=_linear(mlp, "gate_proj", policy.fused_in("mlp")).bias is not None, init_seed=None,
-            **opts))
+        if _is_sparse(mlp, policy):
+            spec = _moe_spec(c, policy, mesh)
+            replace(layer, policy.mlp, TSPMoE(
+                mesh, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k,
+                activation=spec.activation, norm_topk=spec.norm_topk,
+                weights_in_logits_dtype=spec.weights_in_logits_dtype, schedule=moe_schedule,
+                init_seed=None, **opts))
+        else:
+            replace(layer, policy.mlp, TSPGatedMLP(
+                mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
+                bias=_linear(mlp, "gate_proj", policy.fused_in("mlp")).bias is not None,
+                init_seed=None, **opts))
         for norm in policy.layer_norms:
             old = getattr(layer, norm)
             replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))

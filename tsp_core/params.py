@@ -189,10 +189,14 @@ class ShardedModule(nn.Module):
         source = TensorSource(full) if isinstance(full, Mapping) else full
         for name, expected in self.hf_shapes().items():
             got = source.shape(name)
+            if got is None:
+                raise ValueError(f"{type(self).__name__}: {name} (shape {tuple(expected)}) is "
+                                 f"missing from the state dict or checkpoint "
+                                 f"({self.extra_repr()})")
             if got != tuple(expected):
                 raise ValueError(f"{type(self).__name__}: {name} has shape {got}, expected "
                                  f"{tuple(expected)} ({self.extra_repr()})")
-        source = Unfused(source, self) if self.fused else source
+        source = Unfused(source, self) if self.fused_names() else source
         with torch.no_grad():
             for name, param in self.named_parameters():
                 local(param).copy_(read_local(source, name, self.shard_spec(name, self.mesh.rank)))
@@ -207,7 +211,7 @@ class ShardedModule(nn.Module):
                 out[name] = self.gather_full(name, t)
         for fused, parts in self.fused_names().items():  # Hugging Face's fused tensors
             if all(n in out for n, _ in parts):
-                out[fused] = torch.cat([out.pop(n) for n, _ in parts])
+                out[fused] = torch.cat([out.pop(n) for n, _ in parts], dim=self.fused_dim(fused))
         return out
 
     def gather_full(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -246,17 +250,39 @@ class ShardedModule(nn.Module):
                 raise ValueError(f"{fused}: some of {tuple(parts)} have a bias and some not")
         self.fused = {f: tuple(parts) for f, parts in groups.items()}
 
+    def fuse_tensors(self, fused: str, parts: Sequence[str], dim: int) -> None:
+        """Name parameters ``parts`` (full names, e.g. ``experts.gate_proj``) as one Hugging Face
+        tensor ``fused``, their concatenation along ``dim`` (along which each part must be
+        sharded): a mixture-of-experts ring keeps every expert's gate and up channels as two
+        parameters, Hugging Face stores them as ``experts.gate_up_proj`` [E, 2F, h]."""
+        for part in parts:
+            if part not in self.full_shapes:
+                raise ValueError(f"{type(self).__name__} has no {part} to fuse into {fused}; "
+                                 f"its parameters: {sorted(self.full_shapes)}")
+            if self.shard_spec(part, 0).dim != dim:
+                raise ValueError(f"{type(self).__name__}.{part} is not sharded along dim {dim}, "
+                                 f"the dim it is fused along into {fused}")
+        self.fused_tensors = {**self.fused_tensors, fused: (tuple(parts), dim)}
+
     fused: dict[str, tuple[str, ...]] = {}
+    fused_tensors: dict[str, tuple[tuple[str, ...], int]] = {}
 
     def fused_names(self) -> dict[str, list[tuple[str, int]]]:
-        """Fused Hugging Face name -> [(part parameter name, its rows)], in row order."""
+        """Fused Hugging Face name -> [(part parameter name, its size along the fused dim)], in
+        order (:meth:`fused_dim`: rows for fused projections)."""
         out = {}
         for fused, parts in self.fused.items():
             for suffix in ("weight", "bias"):
                 names = [f"{p}.{suffix}" for p in parts]
                 if names[0] in self.full_shapes:
                     out[f"{fused}.{suffix}"] = [(n, self.full_shapes[n][0]) for n in names]
+        for fused, (parts, dim) in self.fused_tensors.items():
+            out[fused] = [(n, self.full_shapes[n][dim]) for n in parts]
         return out
+
+    def fused_dim(self, fused: str) -> int:
+        """The dim along which the parts of fused tensor ``fused`` are concatenated."""
+        return self.fused_tensors[fused][1] if fused in self.fused_tensors else 0
 
     def hf_name(self, name: str) -> str:
         """The Hugging Face name of parameter ``name``: the fused tensor it is in, or itself."""
@@ -273,8 +299,9 @@ class ShardedModule(nn.Module):
             if hf == name:
                 out[name] = tuple(shape)
             elif hf not in out:
-                rows = sum(r for _, r in self.fused_names()[hf])
-                out[hf] = (rows, *shape[1:])
+                full = list(shape)
+                full[self.fused_dim(hf)] = sum(r for _, r in self.fused_names()[hf])
+                out[hf] = tuple(full)
         return out
 
 
@@ -285,27 +312,31 @@ class Unfused:
 
     def __init__(self, source: FullSource, module: ShardedModule) -> None:
         self.source = source
-        self.where: dict[str, tuple[str, int, int]] = {}
+        self.where: dict[str, tuple[str, int, int, int]] = {}
         for fused, parts in module.fused_names().items():
-            offset = 0
+            offset, along = 0, module.fused_dim(fused)
             for name, rows in parts:
-                self.where[name] = (fused, offset, rows)
+                self.where[name] = (fused, along, offset, rows)
                 offset += rows
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         if name not in self.where:
             return self.source.shape(name)
-        fused, _, rows = self.where[name]
+        fused, along, _, rows = self.where[name]
         shape = self.source.shape(fused)
-        return None if shape is None else (rows, *shape[1:])
+        if shape is None:
+            return None
+        shape = list(shape)
+        shape[along] = rows
+        return tuple(shape)
 
     def read(self, name: str, dim: int | None, start: int, length: int) -> torch.Tensor:
         if name not in self.where:
             return self.source.read(name, dim, start, length)
-        fused, offset, rows = self.where[name]
-        if dim == 0:
-            return self.source.read(fused, 0, offset + start, length)
-        whole = self.source.read(fused, 0, offset, rows)
+        fused, along, offset, rows = self.where[name]
+        if dim == along:
+            return self.source.read(fused, along, offset + start, length)
+        whole = self.source.read(fused, along, offset, rows)
         return whole if dim is None else whole.narrow(dim, start, length)
 
 

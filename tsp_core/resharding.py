@@ -86,8 +86,11 @@ class _Fused:
         self.fqn = prefix + fused
         self.parts = [n for n, _ in parts]
         self.part_fqns = [prefix + n for n in self.parts]
-        rows = sum(r for _, r in parts)
-        self.full_shape = (rows, *module.full_shapes[self.parts[0]][1:])
+        self.along = module.fused_dim(fused)  # the parts' concatenation dim (rows, or channels)
+        full_shape = list(module.full_shapes[self.parts[0]])
+        full_shape[self.along] = sum(r for _, r in parts)
+        self.full_shape = tuple(full_shape)
+        rows = self.full_shape[0]
         self.specs = [chunk_spec(rows, r, mesh.size) for r in range(mesh.size)]
         self.spec = self.specs[mesh.rank]
         self.mesh = mesh.device_mesh
@@ -101,7 +104,8 @@ class _Fused:
 
     def export(self, parts: list[torch.Tensor]) -> DTensor:
         """The checkpoint tensor from the parts' local tensors (parameters or optimizer state)."""
-        full = torch.cat([self.module.gather_full(n, t) for n, t in zip(self.parts, parts)])
+        full = torch.cat([self.module.gather_full(n, t) for n, t in zip(self.parts, parts)],
+                         dim=self.along)
         return self._dtensor(full.narrow(0, self.spec.start, self.spec.length).clone())
 
     def target(self, like: torch.Tensor) -> tuple[DTensor, Callable[[], list[torch.Tensor]]]:

@@ -27,6 +27,8 @@ from ..parallelize import parallelize
 from ..policies import find_policy
 from ..rope import length_dependent_types
 from . import context_parallel
+from ..moe import load_balancing_loss
+from .moe import TensorParallelMoE, check_moe
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 LAYOUTS = ("tsp", "tp", "tp-sp", "cp", "tp+cp", "tp-sp+cp")
@@ -82,6 +84,11 @@ class ParallelModel:
     ``step(batch)`` takes the full batch (``input_ids``, ``labels``; identical on every rank),
     runs forward and backward and returns the global mean loss (identical on every rank).
     ``full_grads()`` gathers every gradient to full shape by Hugging Face name.
+
+    A mixture-of-experts model whose config asks for the router logits
+    (``output_router_logits``) gets Hugging Face's load-balancing loss added with
+    ``router_aux_loss_coef``, as its own loss does, but over the global batch
+    (:func:`tsp_core.baselines.moe.load_balancing_loss`).
     """
 
     def __init__(self, model: nn.Module, spec: LayoutSpec, mesh: TSPMesh) -> None:
@@ -138,8 +145,11 @@ class ParallelModel:
     def loss(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.spec.name == "tsp":
             return self.model(**local).loss
-        logits = self.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                            use_cache=False).logits
+        aux = self._aux_loss_layers()
+        kwargs = {} if aux is None else {"output_router_logits": not aux}
+        out = self.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                         use_cache=False, **kwargs)
+        logits = out.logits
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         labels = local["shift_labels"]
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
@@ -148,7 +158,24 @@ class ParallelModel:
             loss_sum = loss_sum.full_tensor()
         count = (labels != IGNORE_INDEX).sum().to(loss_sum.dtype)
         comm.all_reduce(count, self.mesh.group)
-        return comm.sum_over(loss_sum, [self.mesh.group]) / count
+        loss = comm.sum_over(loss_sum, [self.mesh.group]) / count
+        if aux is None:
+            return loss
+        # tensor parallel: the blocks' own router logits; context parallel alone: Hugging Face's
+        router_logits = [m.router_logits for m in aux] if aux else list(out.router_logits)
+        c = self.model.config
+        experts = find_policy(self.model).moe
+        balance = load_balancing_loss(
+            router_logits, getattr(c, experts.num_experts), getattr(c, experts.top_k),
+            [self.mesh.group])
+        return loss + c.router_aux_loss_coef * balance
+
+    def _aux_loss_layers(self) -> list[TensorParallelMoE] | None:
+        """None: no load-balancing loss (a dense model, or ``output_router_logits`` off); else
+        the tensor-parallel MoE blocks (empty under context parallel alone)."""
+        if find_policy(self.model).moe is None or not self.model.config.output_router_logits:
+            return None
+        return [m for m in self.model.modules() if isinstance(m, TensorParallelMoE)]
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -194,7 +221,7 @@ class ParallelModel:
 
 
 # the families the tensor/context-parallel baselines are checked on (tests/test_baselines.py)
-BASELINE_FAMILIES = ("llama", "mistral", "qwen2")
+BASELINE_FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
 
 
 def build_mesh(spec: LayoutSpec) -> TSPMesh:
@@ -217,6 +244,8 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None) -> Pa
     when not given)."""
     if spec.name != "tsp":
         check_tensor_parallel(model.config, spec.tp)  # before any collective
+        if spec.tp > 1:
+            check_moe(model.config, find_policy(model), spec.tp)
         family = find_policy(model).name
         if family not in BASELINE_FAMILIES:
             raise NotImplementedError(

@@ -6,6 +6,10 @@
 - ``tp-sp`` (sequence parallel): the residual stream and norms are split over the sequence; the
   all-reduces become an all-gather before and a reduce-scatter after each block.
 
+Sparse mixture-of-experts blocks (Mixtral) get Megatron's tensor-parallel experts
+(:mod:`tsp_core.baselines.moe`): replicated router, every expert's channels split 1/T, the same
+collectives as the dense MLP.
+
 Both end in a vocabulary-parallel cross-entropy (``loss_parallel``), so no rank holds logits of
 the whole vocabulary.
 """
@@ -24,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..policies import DecoderPolicy
+from .moe import apply_moe, check_moe, is_moe_block
 
 
 def check_tensor_parallel(config, tp: int) -> None:
@@ -37,19 +42,22 @@ def check_tensor_parallel(config, tp: int) -> None:
                              f"baselines (Megatron would replicate key/value heads; not built)")
 
 
-def layer_plan(policy: DecoderPolicy, sequence_parallel: bool) -> dict[str, object]:
-    """Parallel styles of one decoder layer, by module name."""
+def layer_plan(policy: DecoderPolicy, sequence_parallel: bool,
+               moe: bool = False) -> dict[str, object]:
+    """Parallel styles of one decoder layer, by module name (``moe``: its MLP is a sparse experts
+    block, laid out by :func:`tsp_core.baselines.moe.apply_moe` instead)."""
     a, m = policy.attention, policy.mlp
     plan: dict[str, object] = {f"{a}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-    plan |= {f"{m}.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}
     # Each block's input becomes a DTensor once, at the block (as torchtitan does): its gradient
     # is then reduced once per block, not once per projection (q, k, v / gate, up).
     seq = Shard(1) if sequence_parallel else Replicate()
     plan |= {f"{a}.o_proj": RowwiseParallel(output_layouts=seq),
-             f"{m}.down_proj": RowwiseParallel(output_layouts=seq),
              a: PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
-                                   desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-             m: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))}
+                                   desired_input_kwarg_layouts={"hidden_states": Replicate()})}
+    if not moe:
+        plan |= {f"{m}.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}
+        plan |= {f"{m}.down_proj": RowwiseParallel(output_layouts=seq),
+                 m: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))}
     if sequence_parallel:
         plan |= {norm: SequenceParallel() for norm in policy.layer_norms}
     return plan
@@ -60,13 +68,17 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, policy: DecoderPol
     """Shard ``model`` in place over the 1-D ``mesh``; the LM head's output stays a vocabulary-
     sharded DTensor for ``loss_parallel``."""
     check_tensor_parallel(model.config, mesh.size())
+    check_moe(model.config, policy, mesh.size())
     base = getattr(model, policy.base_model)
     embed, head = getattr(base, policy.embed), getattr(model, policy.lm_head)
     tied = head.weight is embed.weight
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
     for layer in getattr(base, policy.layers):
-        parallelize_module(layer, mesh, layer_plan(policy, sequence_parallel))
+        moe = is_moe_block(policy, getattr(layer, policy.mlp))
+        parallelize_module(layer, mesh, layer_plan(policy, sequence_parallel, moe))
+        if moe:
+            apply_moe(layer, policy, model.config, mesh, sequence_parallel)
     if sequence_parallel:
         parallelize_module(getattr(base, policy.final_norm), mesh, SequenceParallel())
     parallelize_module(head, mesh, ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),

@@ -14,6 +14,33 @@ def _no_window(config: Any, attention: nn.Module) -> int | None:
     return None
 
 
+def _always(config: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class ExpertsPolicy:
+    """Where a family keeps its sparse mixture-of-experts blocks and how they route
+    (:mod:`tsp_core.moe`): the block's router and experts module names (Hugging Face's
+    ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``), the config fields of the
+    expert count, the experts per token and the per-expert intermediate size, whether the top-k
+    weights are renormalised (``norm_topk(config)``) and cast back to the logits' dtype, and the
+    names of the Hub's per-expert checkpoint layout (read and written by tsp_core.checkpoint). A layer
+    whose MLP has no ``experts`` module is a dense one (Qwen3-MoE's ``mlp_only_layers``)."""
+
+    num_experts: str
+    intermediate_size: str = "intermediate_size"
+    top_k: str = "num_experts_per_tok"
+    router: str = "gate"
+    experts: str = "experts"
+    norm_topk: Callable[[Any], bool] = field(default=_always)
+    weights_in_logits_dtype: bool = False
+    # the Hub's checkpoint layout (transformers' conversion mapping): one tensor per expert and
+    # projection, ``<mlp>.experts.<e>.<gate|up|down>.weight``, the block under ``hub_module``
+    hub_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    hub_module: str | None = None   # the block's name in the checkpoint, if not the model's
+
+
 @dataclass(frozen=True)
 class DecoderPolicy:
     """Module names of one decoder-only family (defaults: the Llama layout shared by Mistral and
@@ -55,6 +82,8 @@ class DecoderPolicy:
     # when it first reaches this many tokens + 1 (Phi-3: original_max_position_embeddings, where
     # longrope switches factors); tsp_core.generate does the same
     recompute_cache_at: Callable[[Any], int | None] | None = None
+    # sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE): None for dense families
+    moe: ExpertsPolicy | None = None
 
     def fused_in(self, role: str) -> dict[str, tuple[str, ...]]:
         """The fused projections of ``role`` ("attention" or "mlp"): fused name -> parts."""
@@ -88,4 +117,4 @@ def find_policy(model: nn.Module) -> DecoderPolicy:
         f"tsp_core.policies.register_policy(...)")
 
 
-from . import gemma, granite, llama, mistral, olmo2, phi3, qwen2, qwen3  # noqa: E402,F401  (each registers its family)
+from . import gemma, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe  # noqa: E402,F401,E501  (each registers its family)
