@@ -364,7 +364,7 @@ def test_hf_saved_checkpoint_loads_into_tsp(pools, tmp_path, family, schedule):
 TRAFFIC = dict(hidden=16, intermediate=8, experts=8, top_k=2, rows=2, seq=16)
 
 
-def routed_layer(tsp: int, case: str):
+def routed_layer(tsp: int, case: str, schedule: str = "expert"):
     """A TSPMoE whose routing is set by construction, on this rank's tokens x [rows, seq/D, h],
     and the experts [N, k] every token must pick. The router reads expert e's logit from
     feature e (uniform) or experts 0..k-1 from feature 0, positive on every token (skewed)."""
@@ -390,7 +390,7 @@ def routed_layer(tsp: int, case: str):
         chosen = torch.arange(k).repeat(N, 1)
     else:
         raise ValueError(case)
-    moe = TSPMoE(mesh, h, c["intermediate"], E, k, dtype=torch.float64)
+    moe = TSPMoE(mesh, h, c["intermediate"], E, k, dtype=torch.float64, schedule=schedule)
     F_ = c["intermediate"]
     moe.load_full({"gate.weight": router,
                    "experts.gate_up_proj": 0.3 * torch.randn(E, 2 * F_, h, generator=gen,
@@ -465,6 +465,31 @@ def test_layer_collectives_exact(pools, tsp, case):
                                    arrive=(tsp - 1) * T_k_h_b), per_rank
         assert all(r == dict(counted=T_k_h_b, leave=T_k_h_b, arrive=0)
                    for r in per_rank[1:]), per_rank
+
+
+def ring_traffic(tsp: int, case: str) -> None:
+    """Schedule "ring": the forward moves every expert's channel slices D-1 hops, the backward
+    D-1 hops again and the gradient accumulators D hops (3 E F/D h b each), plus the router
+    gradient's all-reduce; routing changes none of it (no token moves)."""
+    c = TRAFFIC
+    mesh, moe, x, _ = routed_layer(tsp, case, "ring")
+    x.requires_grad_(True)
+    D, E, h, F_ = tsp, c["experts"], c["hidden"], c["intermediate"]
+    shard = 3 * E * F_ // D * h * 8
+    with comm.track() as fwd:
+        y = moe(x)
+    with comm.track() as bwd:
+        y.sum().backward()
+    assert dict(fwd.calls) == {"ring_pass": D - 1} and dict(fwd.bytes) == {
+        "ring_pass": (D - 1) * shard}, dict(fwd.bytes)
+    assert dict(bwd.calls) == {"ring_pass": 2 * D - 1, "all_reduce": 1}, dict(bwd.calls)
+    assert dict(bwd.bytes) == {"ring_pass": (2 * D - 1) * shard,
+                               "all_reduce": 2 * E * h * 8 * (D - 1) / D}, dict(bwd.bytes)
+
+
+@pytest.mark.parametrize("case", ["uniform", "skewed"])
+def test_ring_layer_collectives_exact(pools, case):
+    pools.of(4).run(ring_traffic, 4, case)
 
 
 # ------------------------------------------------------------------------------ refusals
