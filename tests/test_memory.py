@@ -302,3 +302,61 @@ def test_the_rule_holds_in_every_family_and_its_breaks_show():
     for variant in ("keep_kv", "keep_shard"):
         bad = scaling_violations(runs[("olmo-2-7b", variant)])
         assert any(b.startswith("kept activations") for b in bad), (variant, bad)
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+def test_the_rule_holds_for_moe_blocks():
+    """One block of Mixtral-8x7B (8 experts, top 2) and of Qwen3-30B-A3B (128 experts, top 8,
+    per-head q/k norms) under TSP's expert-parallel schedule (tsp_core.moe, uniform routing
+    under fake tensors). What the forward keeps is linear in this rank's tokens; the MoE
+    block's working sets and the parameters shrink at least as 1/D, up to what expert
+    parallelism keeps constant: the replicated router, and the expert running backward (its
+    k S / E rows and its gate/up gradient slice do not depend on D). Attention is the dense
+    rule's (Qwen3-30B-A3B has 4 key/value heads: below D = 8 they are not cut further)."""
+    models = ("mixtral-8x7b", "qwen3-30b-a3b")
+    runs = family_runs(models, (None,))
+    shapes = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}
+    for model in models:
+        h, f, e, k = shapes[model]
+        s4, s8, l8 = (runs[(model, None)][p] for p in
+                      ((FAMILY_SEQ, 4), (FAMILY_SEQ, 8), (2 * FAMILY_SEQ, 8)))
+        slack = FAMILY_SEQ // 8 * SLACK_PER_TOKEN
+        kept = [s4["phases"]["kept"]["activations"], 2 * s8["phases"]["kept"]["activations"],
+                l8["phases"]["kept"]["activations"]]
+        assert max(kept) - min(kept) <= 2 * slack, (model, kept)
+        router = e * h * 2
+        one_expert = (k * FAMILY_SEQ // e) * 3 * f * 2 + 2 * f * h * 2  # its rows' F, its slice
+        for what, allowed in ((("breakdown", "parameters"), router),
+                              (("phases", "mlp_forward", "activations"), 0),
+                              (("phases", "mlp_backward", "temporaries"), router + one_expert)):
+            a, b = s4, s8
+            for key in what:
+                a, b = a[key], b[key]
+            assert b <= a / 2 + allowed + slack, (model, what, a, b, allowed)
+
+
+def simulate_recompute(layout: str, model: str, layers: int, seq: int) -> dict:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    from tsp_core.plan.simulate import SimulationRequest, record_dict
+    from tsp_core.plan.simulate import simulate as run
+
+    torch.set_num_threads(1)
+    return record_dict(run(SimulationRequest(layout, 8, 1, seq, model, layers,
+                                             recompute="full")))
+
+
+def test_moe_leaves_nothing_after_the_step_under_recompute():
+    """Under full recompute (what `tsp simulate` and `tsp plan` assume), once the step is done
+    no activation of an MoE block is alive, as for the dense blocks, under TSP and the tensor-
+    parallel baseline: the recompute in backward must not keep its router logits (and with them
+    its graph, the routed rows and the expert activations; 42 GiB at Mixtral's 32 layers and
+    128K before tsp_core.moe.recomputing)."""
+    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
+        recs = list(pool.map(simulate_recompute, ["tsp", "tp"], ["mixtral-8x7b"] * 2, [2, 2],
+                             [4096, 4096]))
+    for rec in recs:  # the slack: the batch's int64 tensors of the tokens the rank sees
+        slack = (4096 if rec["layout"] == "tp" else 4096 // 8) * SLACK_PER_TOKEN
+        assert rec["phases"]["end"]["activations"] <= slack, (rec["layout"], rec["phases"]["end"])

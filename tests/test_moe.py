@@ -142,18 +142,23 @@ def test_ring_schedule_training_parity_float64(pools, family, world, tsp):
 
 
 def test_schedule_chosen_by_the_bytes_formula():
-    """"auto" picks the schedule that moves fewer bytes: below the crossover T* the expert
-    schedule, above it the ring (Qwen3-30B-A3B's shape at D = 8: T* = 3 E F (3D-2) / (4 k (D-1))
-    = 28965 tokens per rank)."""
-    from tsp_core.moe import MoESpec, choose_schedule, schedule_bytes
+    """"auto" picks the schedule that moves fewer bytes per layer by the traffic model's formula:
+    below the crossover T* the expert schedule, above it the ring (Qwen3-30B-A3B's shape at
+    D = 8: 4 T k h b (D-1)/D plus the counts against 3 E F h b (3D-2)/D plus the same router
+    all-reduce, T* = 28964.6 tokens per rank)."""
+    from tsp_core.moe import MoESpec, choose_schedule
+    from tsp_core.plan.traffic import moe_bytes
 
     spec = MoESpec(2048, 768, 128, 8, 8)
-    cross = 3 * 128 * 768 * 22 / (4 * 8 * 7)
-    for t in (1024, 28964, 28966, 65536):
-        b = schedule_bytes(spec, t)
-        assert b["expert"] == 4 * t * 8 * 2048 * 2 * 7 / 8
-        assert b["ring"] == 3 * 128 * 768 * 2048 * 2 * 22 / 8
-        assert choose_schedule(spec, t) == ("expert" if t <= cross else "ring"), t
+    E, k, F_, h, D, b = 128, 8, 768, 2048, 8, 2
+    for t in (1024, 28964, 28965, 65536):
+        got = moe_bytes(E, k, F_, h, t, D)
+        router = 2 * E * h * b * (D - 1) / D
+        assert got.a == pytest.approx(4 * t * k * h * b * (D - 1) / D + 8 * E * (D - 1) / D
+                                      + router)
+        assert got.b == pytest.approx(3 * E * F_ * h * b * (3 * D - 2) / D + router)
+        assert choose_schedule(spec, t) == ("expert" if got.a <= got.b else "ring"), t
+    assert choose_schedule(spec, 28964) == "expert" and choose_schedule(spec, 28965) == "ring"
     assert choose_schedule(spec, None) == "expert"
 
 

@@ -148,3 +148,89 @@ def test_model_presets_and_config_files(tmp_path):
     with pytest.raises(ValueError, match=r"unknown model 'nope'; choose from .*'qwen3-8b'.* or "
                                          r"give the path of a config.json"):
         model_config("nope")
+
+
+# ------------------------------------------------------------------ mixture of experts (docs/moe.md)
+
+def test_moe_presets_and_schedule_bytes():
+    """The MoE presets' shapes, and the bytes per MoE layer of TSP's two schedules: (a) moves
+    2 T k h b (D-1)/D each way, (b) every expert's weights; the crossover is where they meet."""
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.traffic import moe_crossover_tokens, moe_schedule_bytes
+
+    mix, qwen = model_shape("mixtral-8x7b", None), model_shape("qwen3-30b-a3b", None)
+    assert (mix.num_experts, mix.top_k, mix.expert_intermediate_size, mix.num_moe_layers,
+            mix.routing_fp32) == (8, 2, 14336, 32, True)
+    assert (qwen.num_experts, qwen.top_k, qwen.expert_intermediate_size, qwen.num_moe_layers,
+            qwen.routing_fp32, qwen.q_width) == (128, 8, 768, 48, False, 4096)
+    assert not SEVEN_B.is_moe and SEVEN_B.layer_mlp_weights == SEVEN_B.mlp_weights
+    assert mix.active_mlp_weights == 3 * 2 * 14336 * 4096 + 8 * 4096
+    MiB, f = 2 ** 20, 7 / 8
+    m = moe_schedule_bytes(mix, 131072 / 8, 8)   # T = 16384 tokens per rank, bf16
+    assert m.a_forward == f * (2 * 16384 * 2 * 4096 * 2 + 8 * 8) and round(m.a_forward / MiB) == 448
+    assert m.a_backward == f * (2 * 16384 * 2 * 4096 * 2 + 2 * 8 * 4096 * 2)
+    assert m.b_forward == f * 3 * 8 * 14336 * 4096 * 2 and round(m.b_forward / MiB) == 2352
+    assert m.b_backward == (f + 1) * 3 * 8 * 14336 * 4096 * 2 + 2 * f * 8 * 4096 * 2
+    assert m.choice == "a" and round(m.b / m.a, 1) == 8.2
+    for shape in (mix, qwen):  # the crossover: (a) and (b) move the same bytes there
+        for passes in (1, 2):
+            t = moe_crossover_tokens(shape, 8, passes)
+            at = moe_schedule_bytes(shape, t, 8, forward_passes=passes)
+            assert at.a == pytest.approx(at.b, rel=1e-12)
+            assert moe_schedule_bytes(shape, 1.01 * t, 8, forward_passes=passes).choice == "b"
+        # about 9 E F_e / (4 k) (the large-D limit): Mixtral 129024, Qwen3-30B-A3B 27648
+        limit = 9 * shape.num_experts * shape.expert_intermediate_size / (4 * shape.top_k)
+        assert limit < moe_crossover_tokens(shape, 8) < 1.05 * limit
+        assert moe_crossover_tokens(shape, 1024) == pytest.approx(limit, rel=2e-3)
+    # Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) are counted as dense
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0],
+                         decoder_sparse_step=2)
+    s = ModelShape.from_config(cfg)
+    assert (s.num_moe_layers, s.num_dense_layers) == (3, 3)  # layers 1, 3, 5
+
+
+def test_moe_plan_ranks_tsp_with_expert_traffic_and_memory(tmp_path):
+    """`tsp plan` on the MoE presets: TSP must own E/D whole experts; the ranking runs on the
+    MoE traffic and memory; the command prints tsp."""
+    from tsp_core.plan.command import model_shape
+
+    qwen = model_shape("qwen3-30b-a3b", None)
+    ranked, refused = plan(qwen, 131072, Cluster(device("h100"), 8, 8))
+    assert ranked[0].layout == "tsp" and ranked[0].fits
+    mix = model_shape("mixtral-8x7b", None)
+    _, refused = plan(mix, 131072, Cluster(device("h100"), 8, 8))
+    assert "tsp at 16: D (16) must divide the number of experts (8)" in refused
+    # each rank holds E/D experts (TSP) or every expert's 1/T channels (tp): the same share
+    tsp8, tp8 = (estimate(mix, LayoutSpec(n, 8), 16384) for n in ("tsp", "tp"))
+    layer = 2 * 4096 * (4096 + 1024) / 8 + 3 * 8 * 14336 * 4096 / 8 + 8 * 4096 + 2 * 4096
+    assert tsp8.parts["parameters"] == tp8.parts["parameters"] == \
+        2 * (32 * layer + 2 * 4000 * 4096 + 4096)
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "tsp_core.cli", "plan", "--model", "mixtral-8x7b",
+                          "--seq", "131072", "--gpus", "64", "--gpus-per-node", "8", "--gpu",
+                          "h100", "--json", str(out)], check=True, env=env, capture_output=True,
+                         text=True)
+    assert "model mixtral-8x7b: 32 layers" in run.stdout
+    data = json.loads(out.read_text())
+    assert any(c["layout"] == "tsp" and c["degree"] == 8 and c["fits"] for c in data["ranking"])
+    assert (data["choice"]["layout"], data["choice"]["degree"]) == ("tsp", 8)
+
+
+def test_moe_memory_within_ten_percent_of_simulate():
+    """The planner's MoE working set (docs/planning.md) against `tsp simulate` of the real
+    TSPMoE (schedule (a), uniform routing under fake tensors) on a one-layer cut of
+    Mixtral-8x7B at 16K tokens, D = 8."""
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.simulate import SimulationRequest, simulate_many
+
+    (r,) = simulate_many([SimulationRequest("tsp", 8, 1, 16384, "mixtral-8x7b", 1,
+                                            recompute="full")], jobs=1)
+    planned = estimate(model_shape("mixtral-8x7b", 1), LayoutSpec("tsp", 8), 16384)
+    print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned {planned.peak / 2**30:.3f} GiB")
+    assert planned.parts["parameters"] == r.breakdown["parameters"]
+    assert abs(planned.peak - r.peak_bytes) / r.peak_bytes < 0.10, (planned.peak, r.peak_bytes)

@@ -115,8 +115,8 @@ def parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="per-rank memory of each layout (fake tensors)")
     sim.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                     "gemma-3-12b, olmo-2-7b, llama-3.1-70b, small, tiny) or the path of a "
-                     "config.json (any supported family)")
+                     "gemma-3-12b, olmo-2-7b, llama-3.1-70b, mixtral-8x7b, qwen3-30b-a3b, small, "
+                     "tiny) or the path of a config.json (any supported family)")
     sim.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     sim.add_argument("--seq", type=_ints, default=(131072,), help="sequence lengths")
     sim.add_argument("--degree", type=_ints, default=(8,), help="ranks per model replica")

@@ -17,7 +17,7 @@ step for T local tokens) and "ring": every expert's intermediate channels split 
 down of channels [pF/D, (p+1)F/D) of every expert), the slices of all experts circulating as in
 :class:`tsp_core.mlp.TSPGatedMLP` while every token stays on its rank (3 E F h b (3D-2)/D bytes
 per step, whatever T). :func:`choose_schedule` picks the one that moves fewer bytes for a given
-T; they cross at about T* = 9 E F / (4 k).
+T (the traffic model's formula); they cross at about T* = 9 E F / (4 k).
 
 What the backward keeps under "expert": this rank's expert weights, the router logits of its own
 tokens and, as autograd saves them, the rows its experts received (about k times its own token
@@ -81,6 +81,13 @@ def check_moe_shape(tsp_size: int, num_experts: int, top_k: int,
                          f"would break the 1/D memory rule); pick tsp_size from the divisors of "
                          f"{num_experts}, or moe_schedule=\"ring\" (every expert's channels "
                          f"split instead)")
+
+
+def recomputing() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a forward called now is an
+    activation checkpoint's recompute, whose router logits must not be kept (they would hold
+    the recomputed graph, saved rows and expert activations included, past the step)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,39 +157,38 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     counts = torch.tensor([c for row in splits.received for c in row], device=x.device)
     expert_of_row = torch.repeat_interleave(owner, counts, output_size=rows.shape[0])
     by_expert = torch.argsort(expert_of_row, stable=True)
-    outs = [_expert_mlp(r, gate_up[e], down[e], spec.activation)
-            for e, r in enumerate(rows[by_expert].split(splits.per_expert))]
-    out_rows = torch.empty_like(rows).index_copy(0, by_expert, torch.cat(outs))
+    grouped = rows[by_expert].split(splits.per_expert)
+    del rows  # every [k T, h] buffer is dropped as soon as the next one exists
+    # unbind: one gradient buffer for all local experts, not one full-size one per expert
+    outs = torch.cat([_expert_mlp(r, gu, dn, spec.activation)
+                      for r, gu, dn in zip(grouped, gate_up.unbind(0), down.unbind(0))])
+    del grouped
+    out_rows = outs.new_empty(outs.shape).index_copy(0, by_expert, outs)
+    del outs
     back = comm.all_to_all_rows(out_rows, group, splits.send, splits.recv)
+    del out_rows
     weighted = back * weights.reshape(-1)[order, None]  # promoted as Hugging Face's product is
+    del back
     return x.new_zeros(x.shape).index_add(0, tokens, weighted.to(x.dtype))
 
 
 SCHEDULES = ("expert", "ring")
 
 
-def schedule_bytes(spec: MoESpec, tokens_per_rank: int, itemsize: int = 2) -> dict[str, float]:
-    """Bytes one rank sends per MoE layer per training step (forward + backward) under each
-    schedule, uniform routing, by :mod:`tsp_core.comm`'s rule (docs/moe.md): "expert" moves every
-    routed copy there and back and both gradients, 4 T k h b (D-1)/D; "ring" moves every
-    expert's weight slices D-1 hops in the forward and again in the backward and the gradient
-    accumulators D hops, 3 E F h b (3D-2)/D. The router's gradient all-reduce and the counts'
-    all-to-all are left out (the same under both, or negligible)."""
-    d = spec.tsp_size
-    h, f, e, k = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k
-    return {"expert": 4 * tokens_per_rank * k * h * itemsize * (d - 1) / d,
-            "ring": 3 * e * f * h * itemsize * (3 * d - 2) / d}
-
-
-def choose_schedule(spec: MoESpec, tokens_per_rank: int | None) -> str:
-    """The schedule that moves fewer bytes for ``tokens_per_rank`` (batch x sequence / D); "expert"
-    when it is not known. They cross at T* = 3 E F (3D-2) / (4 k (D-1)) tokens per rank (about
-    9 E F / (4 k); at D = 8 Mixtral-8x7B 135168, Qwen3-30B-A3B 28965: "expert" at the context
-    lengths people train Mixtral at, "ring" for Qwen3-30B-A3B beyond ~232K tokens at D = 8)."""
+def choose_schedule(spec: MoESpec, tokens_per_rank: int | None, forward_passes: int = 1) -> str:
+    """The schedule that moves fewer bytes per layer for ``tokens_per_rank`` (batch x sequence
+    / D), by the traffic model's formula (:func:`tsp_core.plan.traffic.moe_bytes`, docs/moe.md;
+    ``forward_passes`` 2 under full recompute); "expert" when it is not known. They cross at
+    about T* = 9 E F / (4 k) tokens per rank (at D = 8: Mixtral-8x7B 135168, Qwen3-30B-A3B 28965:
+    "expert" at the lengths people train Mixtral at, "ring" for Qwen3-30B-A3B beyond ~232K
+    tokens at D = 8)."""
     if tokens_per_rank is None:
         return "expert"
-    b = schedule_bytes(spec, tokens_per_rank)
-    return "expert" if b["expert"] <= b["ring"] else "ring"
+    from .plan.traffic import moe_bytes
+
+    bytes_ = moe_bytes(spec.num_experts, spec.top_k, spec.intermediate_size, spec.hidden_size,
+                       tokens_per_rank, spec.tsp_size, forward_passes=forward_passes)
+    return "expert" if bytes_.choice == "a" else "ring"
 
 
 def _by_expert(experts: torch.Tensor, num_experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -329,7 +335,8 @@ class TSPMoE(ShardedModule):
         with context:
             x2 = x.reshape(-1, s.hidden_size)
             logits = F.linear(x2, comm.sum_grad(router, self.mesh.group))
-            self.router_logits = logits
+            if not recomputing():  # the load-balancing loss reads the forward's, not a recompute's
+                self.router_logits = logits
             weights, experts = route(logits, s)
             if self.schedule == "expert":
                 y = dispatch_combine(x2, weights, experts, *experts_weights, s, self.mesh.group)

@@ -159,10 +159,14 @@ class ParallelModel:
         count = (labels != IGNORE_INDEX).sum().to(loss_sum.dtype)
         comm.all_reduce(count, self.mesh.group)
         loss = comm.sum_over(loss_sum, [self.mesh.group]) / count
+        blocks = [m for m in self.model.modules() if isinstance(m, TensorParallelMoE)]
+        # tensor parallel: the blocks' own router logits; context parallel alone: Hugging Face's
+        router_logits = [m.router_logits for m in blocks] if aux else (
+            None if aux is None else list(out.router_logits))
+        for m in blocks:  # released every step, used or not
+            m.router_logits = None
         if aux is None:
             return loss
-        # tensor parallel: the blocks' own router logits; context parallel alone: Hugging Face's
-        router_logits = [m.router_logits for m in aux] if aux else list(out.router_logits)
         c = self.model.config
         experts = find_policy(self.model).moe
         balance = load_balancing_loss(

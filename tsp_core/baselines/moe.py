@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import comm
-from ..moe import MoESpec, route
+from ..moe import MoESpec, recomputing, route
 from ..policies import DecoderPolicy, ExpertsPolicy
 
 GATE_UP = _StridedShard(1, split_factor=2)  # gate rows and up rows, each split 1/T
@@ -177,9 +177,10 @@ class TensorParallelExperts(nn.Module):
                 config=self._hf.get("config"), _apply_gate=self._gate)
             return implementation(view, x, experts, weights)
         y = torch.zeros_like(x)
+        gate_ups, downs = gate_up.unbind(0), down.unbind(0)  # one gradient buffer, not E
         for e, token, slot in self._assignments(experts):
-            gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-            part = F.linear(self.act_fn(gate) * up, down[e]) * weights[token, slot, None]
+            gate, up = F.linear(x[token], gate_ups[e]).chunk(2, dim=-1)
+            part = F.linear(self.act_fn(gate) * up, downs[e]) * weights[token, slot, None]
             y.index_add_(0, token, part.to(y.dtype))
         return y
 
@@ -234,7 +235,8 @@ class TensorParallelMoE(nn.Module):
         # part of x's gradient on
         first = self.mesh.get_local_rank() == 0
         logits = F.linear(_FirstRankGrad.apply(x2, first), self.gate.weight.to_local())
-        self.router_logits = logits
+        if not recomputing():  # the load-balancing loss reads the forward's, not a recompute's
+            self.router_logits = logits
         weights, experts = route(logits, self.spec)
         # each rank's share of the weights' gradient, summed before it reaches the router's
         # float32 (in the product's dtype, as Hugging Face's weights * expert output promotes)

@@ -22,8 +22,8 @@ def model_shape(name: str, layers: int | None) -> ModelShape:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                   "gemma-3-12b, olmo-2-7b, llama-3.1-70b, small, tiny) or the path of a "
-                   "config.json")
+                   "gemma-3-12b, olmo-2-7b, llama-3.1-70b, mixtral-8x7b, qwen3-30b-a3b, small, "
+                   "tiny) or the path of a config.json")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1, help="sequences per replica per micro-step")

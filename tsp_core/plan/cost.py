@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from ..baselines.layouts import LAYOUTS, LayoutSpec, layout_specs
 from .hardware import Cluster
 from .memory import estimate
-from .traffic import ModelShape, layer_forward_elements
+from .traffic import ModelShape, layer_forward_elements, moe_schedule_bytes
 
 LAYOUT_NAMES = ("tsp", "tp", "tp-sp", "cp", "tp+cp", "tp-sp+cp")
 GLOBAL_BATCH_TOKENS = 1 << 24  # 16M tokens per optimizer step (Llama 3's pre-training batch)
@@ -72,13 +72,40 @@ def check_layout(shape: ModelShape, lay: LayoutSpec) -> str | None:
             return f"D ({d}) must divide num_attention_heads ({shape.num_heads})"
         if shape.num_kv_heads >= d and shape.num_kv_heads % d:
             return f"D ({d}) must divide num_key_value_heads ({shape.num_kv_heads}) when it is below it"
+        if shape.is_moe and shape.num_experts % d:  # schedule (a): E/D whole experts per rank
+            return f"D ({d}) must divide the number of experts ({shape.num_experts})"
         return None
-    for what, n in (("num_attention_heads", shape.num_heads),
-                    ("num_key_value_heads", shape.num_kv_heads),
-                    ("intermediate_size", shape.intermediate_size)):
+    sizes = [("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads)]
+    if shape.num_dense_layers:
+        sizes.append(("intermediate_size", shape.intermediate_size))
+    if shape.is_moe:
+        sizes.append(("the experts' intermediate size", shape.expert_intermediate_size))
+    for what, n in sizes:
         if n % lay.tp:
             return f"tensor-parallel size ({lay.tp}) must divide {what} ({n})"
     return None
+
+
+def tsp_layer_bytes(shape: ModelShape, d: int, tokens_per_rank: float, passes: int = 4,
+                    b: int = 2) -> tuple[float, float]:
+    """(prefetchable, exposed) bytes one rank sends per decoder layer in a training step under
+    TSP at degree ``d`` with full recompute, averaged over the layers. Prefetchable: weights
+    (attention broadcasts, the dense MLP's ring, MoE schedule (b)'s ring), ``passes`` forward
+    equivalents (forward, recompute, backward at twice). Exposed: the K/V gathers (and their
+    reduce-scatter) and, for MoE schedule (a), its all-to-alls (they wait for the routing) and
+    the router's gradient all-reduce, counted exactly by :func:`moe_schedule_bytes`."""
+    f = (d - 1) / d
+    h, g = shape.hidden_size, shape.group
+    hidden = passes * f * shape.attention_weights * b
+    exposed = passes * f * 2 * tokens_per_rank * d * h / g * b
+    dense = passes * f * shape.mlp_weights * b
+    if not shape.is_moe:
+        return hidden + dense, exposed
+    m = moe_schedule_bytes(shape, tokens_per_rank, d, b, forward_passes=2)
+    moe_hidden, moe_exposed = (0.0, m.a) if m.choice == "a" else (m.b, 0.0)
+    L, n = shape.num_layers, shape.num_moe_layers
+    return (hidden + (n * moe_hidden + (L - n) * dense) / L,
+            exposed + n * moe_exposed / L)
 
 
 def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, batch: int = 1,
@@ -89,7 +116,7 @@ def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, bat
     d = lay.degree
     h, L, V = shape.hidden_size, shape.num_layers, shape.vocab_size
     tok = batch * seq
-    mm = 2 * tok * (L * (shape.attention_weights + shape.mlp_weights) + h * V)
+    mm = 2 * tok * (L * (shape.attention_weights + shape.active_mlp_weights) + h * V)
     att = L * 2 * batch * seq * seq * h            # causal QK^T and PV
     # forward + recompute + backward (2x) = 4 forward passes (the LM head is not recomputed: 3)
     compute = (4 * (mm - 2 * tok * h * V) + 3 * 2 * tok * h * V) / d / (dev.peak_tflops * 1e12 *
@@ -109,12 +136,9 @@ def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, bat
     if lay.name == "tsp":
         link = links["tsp"]
         if link != "none":
-            g = shape.group
-            frac = (t - 1) / t
-            weights = frac * (shape.attention_weights + shape.mlp_weights) * 2
-            kv = frac * 2 * tok * h / g * 2
-            w_time = per_layer * weights / bw[link] + per_layer * 3 * t * lat[link]
-            exposed = L * (max(0.0, w_time - layer_compute) + per_layer * kv / bw[link])
+            weights, critical = tsp_layer_bytes(shape, t, tok / t, per_layer)
+            w_time = weights / bw[link] + per_layer * 3 * t * lat[link]
+            exposed = L * (max(0.0, w_time - layer_compute) + critical / bw[link])
     else:
         if t > 1:
             vol = layer_forward_elements("tp", t, c, shape, batch, seq) * 2

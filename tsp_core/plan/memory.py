@@ -15,6 +15,11 @@ Long sequences peak at A (checkpoints dominate), short ones at B (gradients domi
 adds the working set of what runs then: one layer's recomputed activations and its backward
 temporaries, counted tensor by tensor below (``docs/planning.md`` lists them). The tensor counts
 are read from the code paths, not fitted; where they miss, ``docs/planning.md`` says by how much.
+
+Sparse mixture-of-experts layers (Mixtral, Qwen3-MoE) under uniform routing: each rank holds
+1/D (1/T) of the experts and the whole router; the MLP's working set is that of TSP's schedule (a)
+(:func:`moe_working_set`) or of the baselines' tensor-parallel experts
+(:func:`grouped_experts_working_set`).
 """
 
 from __future__ import annotations
@@ -34,13 +39,62 @@ class MemoryEstimate:
 
 
 def _param_counts(shape: ModelShape, lay: LayoutSpec) -> dict[str, float]:
-    """Elements per rank: one layer, its attention part, the embedding, the head (+ final norm)."""
+    """Elements per rank: one layer (the first and last: a sparse one when the model has any),
+    its attention part, all layers together, the embedding, the head (+ final norm). A sparse
+    layer's experts are cut 1/D by whole experts (TSP) or 1/T by channels (tp): the same count;
+    its router (E x h) is replicated."""
     h, v = shape.hidden_size, shape.vocab_size
     shard = lay.tp  # cp: tp = 1, every matrix whole
     vocab = -(-v // shard) * h  # padded to a multiple of the shard count
     attn = shape.attention_weights / shard + h
-    return {"layer": attn + shape.mlp_weights / shard + h, "attention": attn,
-            "embed": vocab, "head": vocab + h}
+    dense = attn + shape.mlp_weights / shard + h
+    sparse = attn + shape.expert_weights / shard + shape.router_weights + h
+    edge = sparse if shape.is_moe else dense
+    return {"layer": edge, "attention": attn, "embed": vocab, "head": vocab + h,
+            "layers": shape.num_moe_layers * sparse + shape.num_dense_layers * dense}
+
+
+def moe_working_set(shape: ModelShape, rows: float, channels: float, experts: float,
+                    b: int = 2) -> dict[str, float]:
+    """Bytes one sparse MLP adds at its backward's two peaks on one rank that runs ``experts``
+    experts of ``channels`` intermediate channels each on ``rows`` routed copies in all
+    (uniform routing: TSP's (a) receives k T rows for its E/D whole experts; tp runs k N rows
+    through all E experts' F/T channels). Read from :func:`tsp_core.moe.dispatch_combine` and
+    the baselines' experts:
+
+    - ``combine``: the end of the (recomputed) forward: what the forward keeps for backward for
+      every expert, the rows sorted by expert (h), the gate/up output (2 F), the activation and
+      the product (F each), and the [rows, h] tensors ``dispatch_combine`` holds until it
+      returns: the received rows, the experts' outputs, their concatenation, the rows put back
+      in arrival order, the rows come back and their weighted copy (float32 under Mixtral's
+      float32 routing weights, then cast to bf16): rows (6 h + 4 F) + rows h (4 + 2 | 2) bytes;
+    - ``backward``: the saved tensors above, the incoming gradient of the rows (h) and, for the
+      expert running backward, three [rows/n, F] gradients (the product's, then the
+      activation's and the up half's) in place of its product: rows (2 h + 4 F + 2 F / n);
+    - ``weight_grad``: when the first expert's gate/up gradient is formed: the rows and their
+      gradients (3 h), the gate/up output's gradient (2 F / n per expert's rows), and the
+      gate_up gradient twice (its slice and the zero-filled whole of this rank's experts
+      autograd builds for ``gate_up[e]``), plus the summed down gradient when n > 1."""
+    h = shape.hidden_size
+    n = max(1.0, experts)
+    gate_up, down = n * 2 * channels * h * b, n * channels * h * b
+    weighted = (4 + b) if shape.routing_fp32 else b
+    combine = rows * (6 * h + 4 * channels) * b + rows * h * weighted
+    act = rows * (2 * h + 4 * channels + 2 * channels / n) * b
+    wgrad = rows * (3 * h + 2 * channels / n) * b + 2 * gate_up + (down if n > 1 else 0)
+    return {"combine": combine, "backward": act, "weight_grad": wgrad}
+
+
+def grouped_experts_working_set(shape: ModelShape, rows: float, channels: float,
+                                b: int = 2) -> float:
+    """Bytes the tensor-parallel baselines' MoE block adds at its backward's peak (Hugging Face's
+    default ``grouped_mm`` experts on this rank's ``channels`` of every expert, ``rows`` routed
+    copies): the saved sorted rows and the experts' [rows, h] output, the gate/up output (2 F),
+    activation and product (F each), and three [rows, h] tensors in the routing weights' dtype
+    (float32 for Mixtral) in the backward of the weighted sum: rows (2 h + 4 F) b + 3 rows h w."""
+    h = shape.hidden_size
+    w = 4 if shape.routing_fp32 else b
+    return rows * (2 * h + 4 * channels) * b + 3 * rows * h * w
 
 
 def tokens(lay: LayoutSpec, seq: int, batch: int) -> tuple[float, float]:
@@ -73,6 +127,11 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
         # 2r/g), the MLP input, per shard gate/up/act/product [n, F/D] (4), dx, dy; the ring's
         # current and next shard, their gradient accumulators and the owner's gradient (5)
         mlp = 7 * r + 4 * r + 2 * r / g + r + 4 * n_r * F / d * b + 2 * r + 5 * w_mlp
+        if shape.is_moe:  # schedule (a): k T routed rows through this rank's E/D whole experts
+            moe = moe_working_set(shape, shape.top_k * n_r, shape.expert_intermediate_size,
+                                  shape.num_experts / d, b)
+            common = 7 * r + 4 * r + 2 * r / g + r + 2 * r
+            mlp = max(common + max(moe.values()), mlp if shape.num_dense_layers else 0)
         # loss: final norm (3r), one chunk's logits in bf16 and three float32 [chunk, V/D] (exp,
         # shifted, product), two vocabulary shards in the ring
         loss = 3 * r + chunk * per * (b + 3 * 4) + 2 * per * h * b
@@ -87,6 +146,11 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
     # pieces; tensor parallel (kv local): the kernel's K/V, their gradients and pieces
     attn = 3 * r + (a if sp else 0) + saved_attn + (4 if lay.cp > 1 else 3) * kv + 2 * t + a + r
     mlp = 7 * r + (2 * a if sp else 0) + saved_attn + 4 * f + 3 * f + a
+    if shape.is_moe:  # every expert's F/T channels on the k N routed copies of the N tokens
+        common = 7 * r + (2 * a if sp else 0) + saved_attn + a
+        moe = grouped_experts_working_set(shape, shape.top_k * n_a,
+                                          shape.expert_intermediate_size / lay.tp, b)
+        mlp = max(common + moe, mlp if shape.num_dense_layers else 0)
     # the post-attention RMSNorm's backward (HF's, over this rank's residual tokens, after the
     # MLP's): both norms' saved tensors (6r), attention's (not yet run backward; under tp-sp its
     # gathered input), and autograd's float32 formulas for to/mul/pow/mean: five float32 copies
@@ -107,7 +171,7 @@ def estimate(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int = 1, b: in
     """Peak bytes of one rank for one training step (full recompute, AdamW)."""
     c = _param_counts(shape, lay)
     L = shape.num_layers
-    params = (L * c["layer"] + c["embed"] + c["head"]) * b
+    params = (c["layers"] + c["embed"] + c["head"]) * b
     opt = optimizer_moments * params
     n_r, _ = tokens(lay, seq, batch)
     ckpt = n_r * shape.hidden_size * b

@@ -5,7 +5,10 @@ code of rank 0 of a ``degree``-rank world runs one training step under ``FakeTen
 The peak is split into parameters, gradients, optimizer states (AdamW's two moments, allocated
 the way ``torch.optim.AdamW`` allocates them), activations (saved for backward) and temporaries.
 ``phases`` adds the same split at the moments that DESIGN 4's rules are about: what the forward
-leaves for backward, and what each decoder layer's attention and MLP add while they run.
+leaves for backward, and what each decoder layer's attention and MLP add while they run (a sparse
+layer's MLP phase is its mixture-of-experts block, ``tsp_core.moe.TSPMoE`` or the baselines'
+``TensorParallelMoE``, found where the family's policy keeps the MLP; under fake tensors its
+routing is uniform).
 The optimizer step's own transients are not simulated (a fake tensor has no value for AdamW's step
 count). Every layout runs the same flash-piece attention kernels and the same recompute wrapper, so
 the comparison is like for like.
@@ -33,7 +36,8 @@ OPTIMIZERS = ("adamw", "none")
 
 # Model shapes (random weights, never downloaded; "model_type" defaults to llama). "7b" is the
 # paper's dense model: h=4096, 32 layers, 32 heads, gated MLP with intermediate 16384. The others
-# are the published configs' shapes.
+# are the published configs' shapes (Mixtral-8x7B, Qwen3-30B-A3B: sparse MoE in every layer;
+# Qwen3-30B-A3B's intermediate_size is that of dense layers it does not have).
 MODELS = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -52,6 +56,16 @@ MODELS = {
                       vocab_size=100352),
     "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
+    # sparse mixture-of-experts (tsp_core.moe, docs/moe.md): every layer's MLP is the experts
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+                         sliding_window=None),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[]),
     "7b": dict(hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
     "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,

@@ -14,6 +14,14 @@ inside C context-parallel ones; TSP uses D = T):
 
 so TSP moves less than tp / tp-sp once B S (4 - 2/g) h > W_att + W_mlp (B*S > 8h for g=1, F=4h).
 Backward is about twice the forward for every layout.
+
+Sparse mixture-of-experts layers (Mixtral, Qwen3-MoE: E experts of intermediate F_e, top k, router
+replicated; ``docs/moe.md``): attention's traffic is unchanged; the MLP term becomes that of the
+schedule :func:`moe_schedule_bytes` picks for TSP, (a) expert parallel (tokens move, by
+all-to-all) or (b) the dense ring over every expert's channels (weights move). Under tp / tp-sp
+the MoE layer moves what the dense MLP moves (the all-reduce, or all-gather + reduce-scatter, of
+its input/output): every rank routes the same (replicated or gathered) tokens with the
+replicated router and runs its 1/T slice of every expert, so routing adds nothing.
 """
 
 from __future__ import annotations
@@ -32,13 +40,66 @@ class ModelShape:
     num_layers: int = 1
     vocab_size: int = 32000
     head_dim: int | None = None   # None: hidden_size / num_heads
+    # sparse mixture of experts (0 experts: a dense model): E experts of F_e intermediate
+    # channels each, top_k of them per token, in ``moe_layers`` of the layers (None: all); the
+    # other layers keep the dense MLP of ``intermediate_size``
+    num_experts: int = 0
+    top_k: int = 0
+    expert_intermediate_size: int = 0
+    moe_layers: int | None = None
+    routing_fp32: bool = False     # the top-k weights stay float32 (Mixtral; Qwen3-MoE casts back)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
         nq = config.num_attention_heads
+        experts = _moe_fields(config)
         return cls(config.hidden_size, nq, getattr(config, "num_key_value_heads", None) or nq,
                    config.intermediate_size, config.num_hidden_layers, config.vocab_size,
-                   getattr(config, "head_dim", None))
+                   getattr(config, "head_dim", None), **experts)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        if not self.is_moe:
+            return 0
+        return self.num_layers if self.moe_layers is None else self.moe_layers
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def expert_weights(self) -> float:
+        """Every expert's gate, up and down: 3 E F_e h (the router, E h, apart)."""
+        return 3 * self.num_experts * self.expert_intermediate_size * self.hidden_size
+
+    @property
+    def router_weights(self) -> float:
+        return self.num_experts * self.hidden_size
+
+    @property
+    def layer_mlp_weights(self) -> float:
+        """MLP weights of an average layer (experts and router in the MoE layers)."""
+        if not self.is_moe:
+            return self.mlp_weights
+        return self._average(self.expert_weights + self.router_weights)
+
+    @property
+    def active_mlp_weights(self) -> float:
+        """MLP weights one token multiplies by in an average layer (the FLOPs are 2 x this per
+        token): its k experts and the router in the MoE layers."""
+        if not self.is_moe:
+            return self.mlp_weights
+        k, f, h = self.top_k, self.expert_intermediate_size, self.hidden_size
+        return self._average(3 * k * f * h + self.router_weights)
+
+    def _average(self, moe: float) -> float:
+        """Per layer, ``moe`` in the sparse layers and the dense MLP's weights in the others."""
+        dense = self.num_dense_layers * self.mlp_weights
+        return (self.num_moe_layers * moe + dense) / self.num_layers
 
     @property
     def q_width(self) -> int:
@@ -65,14 +126,125 @@ class ModelShape:
         return 3 * self.intermediate_size * self.hidden_size
 
 
+def _moe_fields(config) -> dict:
+    """The MoE fields of :class:`ModelShape` from a config, by the family's TSP policy
+    (:class:`tsp_core.policies.ExpertsPolicy`: which config fields hold the expert count, top-k
+    and per-expert size); {} for dense families. Which layers are sparse follows Hugging Face's
+    Qwen3-MoE rule (``mlp_only_layers``, ``decoder_sparse_step``); Mixtral's are all sparse."""
+    from types import SimpleNamespace
+
+    from ..policies import find_policy
+
+    try:
+        policy = find_policy(SimpleNamespace(config=config))
+    except ValueError:
+        return {}
+    m = policy.moe
+    if m is None or not getattr(config, m.num_experts, None):
+        return {}
+    L = config.num_hidden_layers
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    sparse = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=getattr(config, m.num_experts), top_k=getattr(config, m.top_k),
+                expert_intermediate_size=getattr(config, m.intermediate_size),
+                moe_layers=None if sparse == L else sparse,
+                routing_fp32=not m.weights_in_logits_dtype)
+
+
+@dataclass(frozen=True)
+class MoEScheduleBytes:
+    """Bytes one rank sends in one MoE layer under the two TSP schedules of ``docs/moe.md``."""
+
+    a_forward: float   # (a) expert parallel: dispatch + combine (+ the counts)
+    a_backward: float  # their gradients + the router's gradient all-reduce
+    b_forward: float   # (b) the ring: every rank's slice of every expert travels D-1 hops
+    b_backward: float  # the slices again (D-1 hops) + the gradient accumulators (D hops) + router
+    crossover: float   # tokens per rank at which (a) and (b) move the same bytes
+    forward_passes: int = 1
+
+    @property
+    def a(self) -> float:
+        return self.forward_passes * self.a_forward + self.a_backward
+
+    @property
+    def b(self) -> float:
+        return self.forward_passes * self.b_forward + self.b_backward
+
+    @property
+    def choice(self) -> str:
+        """"a" or "b": the schedule that moves fewer bytes (ties: "a", the default)."""
+        return "a" if self.a <= self.b else "b"
+
+
+def moe_schedule_bytes(shape: ModelShape, tokens_per_rank: float, d: int, b: int = 2,
+                       forward_passes: int = 1) -> MoEScheduleBytes:
+    """Bytes one rank sends per MoE layer at degree ``d`` with ``tokens_per_rank`` tokens
+    (T = B S / D), ``b`` bytes per element, routing uniform (a fraction (D-1)/D of each
+    all-to-all leaves the rank), in :mod:`tsp_core.comm`'s accounting; ``forward_passes`` = 2
+    under full recompute (the forward runs again before the backward). With E experts of F_e
+    channels, top k, hidden h, and f = (D-1)/D:
+
+    - (a) forward  f (2 T k h b + 8 E)          dispatch + combine all-to-all, the int64 counts
+          backward f (2 T k h b + 2 E h b)      their gradients, the router's gradient all-reduce
+    - (b) forward  f 3 E F_e h b                every expert's gate/up/down slice, D-1 hops
+          backward (f + 1) 3 E F_e h b + f 2 E h b   slices again (D-1 hops), gradient
+                                                accumulators (D hops: the last to the owner), router
+
+    The crossover (one forward pass) is T* = (3 E F_e (2 + 1/f) - 8 E / (h b)) / (4 k), which is
+    9 E F_e / (4 k) as D grows (f -> 1): the figure ``docs/moe.md`` quotes.
+    """
+    if not shape.is_moe:
+        raise ValueError("moe_schedule_bytes: the model has no experts (num_experts = 0)")
+    return moe_bytes(shape.num_experts, shape.top_k, shape.expert_intermediate_size,
+                     shape.hidden_size, tokens_per_rank, d, b, forward_passes)
+
+
+def moe_bytes(E: int, k: int, Fe: int, h: int, tokens_per_rank: float, d: int, b: int = 2,
+              forward_passes: int = 1) -> MoEScheduleBytes:
+    """:func:`moe_schedule_bytes` of E experts of Fe channels, top k, hidden h (what
+    :func:`tsp_core.moe.choose_schedule` decides with)."""
+    f = (d - 1) / d
+    per_token = f * 2 * k * h * b                   # one all-to-all pair per token, one pass
+    router = f * 2 * E * h * b
+    a_fw, a_bw = per_token * tokens_per_rank + f * 8 * E, per_token * tokens_per_rank + router
+    ring = 3 * E * Fe * h * b
+    b_fw, b_bw = f * ring, (f + 1) * ring + router
+    if f == 0:
+        crossover = float("inf")
+    else:  # forward_passes * (a_fw - b_fw) + a_bw - b_bw = 0, linear in T
+        crossover = (forward_passes * (b_fw - f * 8 * E) + b_bw - router) / \
+            ((forward_passes + 1) * per_token)
+    return MoEScheduleBytes(a_fw, a_bw, b_fw, b_bw, crossover, forward_passes)
+
+
+def moe_crossover_tokens(shape: ModelShape, d: int, forward_passes: int = 1) -> float:
+    """Tokens per rank above which schedule (b) (the ring) moves fewer bytes than (a) per MoE
+    layer, forward plus backward (:func:`moe_schedule_bytes`); about 9 E F_e / (4 k)."""
+    return moe_schedule_bytes(shape, 0, d, forward_passes=forward_passes).crossover
+
+
+def _mlp_forward_elements(shape: ModelShape, d: int, tokens_per_rank: float) -> float:
+    """TSP: elements one rank sends in an average layer's MLP forward (the dense ring, or the MoE
+    schedule :func:`moe_schedule_bytes` chooses, in bf16 elements)."""
+    dense = (d - 1) / d * shape.mlp_weights
+    if not shape.is_moe:
+        return dense
+    m = moe_schedule_bytes(shape, tokens_per_rank, d)
+    moe = (m.a_forward if m.choice == "a" else m.b_forward) / 2
+    return (shape.num_moe_layers * moe + shape.num_dense_layers * dense) / shape.num_layers
+
+
 def layer_forward_elements(name: str, tp: int, cp: int, shape: ModelShape, batch: int,
                            seq: int) -> float:
     """Elements one rank sends in one decoder layer's forward (``name`` as in
-    :data:`tsp_core.baselines.LAYOUTS`; TSP's degree is ``tp``)."""
+    :data:`tsp_core.baselines.LAYOUTS`; TSP's degree is ``tp``); for a model with dense and
+    sparse layers, the average layer."""
     h, g = shape.hidden_size, shape.group
     if name == "tsp":
         d = tp
-        return (d - 1) / d * (shape.attention_weights + shape.mlp_weights + 2 * batch * seq * h / g)
+        return ((d - 1) / d * (shape.attention_weights + 2 * batch * seq * h / g)
+                + _mlp_forward_elements(shape, d, batch * seq / d))
     tensor = 4 * (tp - 1) / tp * batch * (seq / cp) * h
     context = 2 * (cp - 1) / cp * batch * seq * (h / tp) / g
     return tensor + context
@@ -80,6 +252,10 @@ def layer_forward_elements(name: str, tp: int, cp: int, shape: ModelShape, batch
 
 def crossover_tokens(shape: ModelShape) -> float:
     """B*S above which TSP's forward moves fewer bytes than tp / tp-sp at the same degree (both
-    carry the same (D-1)/D factor)."""
+    carry the same (D-1)/D factor). Dense models: a sparse layer's TSP traffic depends on the
+    schedule (:func:`moe_schedule_bytes`, :func:`moe_crossover_tokens`)."""
+    if shape.is_moe:
+        raise ValueError("crossover_tokens is for dense models; for MoE layers compare "
+                         "layer_forward_elements per layout or use moe_crossover_tokens")
     h, g = shape.hidden_size, shape.group
     return (shape.attention_weights + shape.mlp_weights) / ((4 - 2 / g) * h)
