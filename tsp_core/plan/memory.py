@@ -55,34 +55,60 @@ def _param_counts(shape: ModelShape, lay: LayoutSpec) -> dict[str, float]:
 
 
 def moe_working_set(shape: ModelShape, rows: float, channels: float, experts: float,
-                    b: int = 2) -> dict[str, float]:
-    """Bytes one sparse MLP adds at its backward's two peaks on one rank that runs ``experts``
-    experts of ``channels`` intermediate channels each on ``rows`` routed copies in all
-    (uniform routing: TSP's (a) receives k T rows for its E/D whole experts; tp runs k N rows
-    through all E experts' F/T channels). Read from :func:`tsp_core.moe.dispatch_combine` and
-    the baselines' experts:
+                    b: int = 2, tokens: float | None = None) -> dict[str, float]:
+    """Bytes one sparse MLP adds at each candidate peak of its (recomputed) forward and backward
+    on one rank that runs ``experts`` (n) experts of ``channels`` (F) intermediate channels each
+    on ``rows`` (R) routed copies of ``tokens`` (T, default R / k) tokens (uniform routing: TSP's
+    (a) receives k T rows for its E/D whole experts). Read from
+    :func:`tsp_core.moe.dispatch_combine` (each [R, h] buffer dropped once the next exists; the
+    experts run on ``unbind`` views, so each expert's weight gradient is its own [2F, h] and
+    [h, F] until one ``stack`` per weight after the last expert) and autograd's saved tensors.
+    What the forward keeps for backward, common to the first two moments: the rows sorted by
+    expert (one [R, h] buffer, split into views), every expert's gate/up output (2 F),
+    activation and product (F each), the experts' concatenated output (``index_copy`` keeps its
+    source) and the rows come back (the routing-weight product keeps them):
+    ``saved`` = R (3 h + 4 F) b. w: the routing weights' dtype (float32 under Mixtral, bf16
+    under Qwen3-MoE, which casts them back).
 
-    - ``combine``: the end of the (recomputed) forward: what the forward keeps for backward for
-      every expert, the rows sorted by expert (h), the gate/up output (2 F), the activation and
-      the product (F each), and the [rows, h] tensors ``dispatch_combine`` holds until it
-      returns: the received rows, the experts' outputs, their concatenation, the rows put back
-      in arrival order, the rows come back and their weighted copy (float32 under Mixtral's
-      float32 routing weights, then cast to bf16): rows (6 h + 4 F) + rows h (4 + 2 | 2) bytes;
-    - ``backward``: the saved tensors above, the incoming gradient of the rows (h) and, for the
-      expert running backward, three [rows/n, F] gradients (the product's, then the
-      activation's and the up half's) in place of its product: rows (2 h + 4 F + 2 F / n);
-    - ``weight_grad``: when the first expert's gate/up gradient is formed: the rows and their
-      gradients (3 h), the gate/up output's gradient (2 F / n per expert's rows), and the
-      gate_up gradient twice (its slice and the zero-filled whole of this rank's experts
-      autograd builds for ``gate_up[e]``), plus the summed down gradient when n > 1."""
-    h = shape.hidden_size
-    n = max(1.0, experts)
-    gate_up, down = n * 2 * channels * h * b, n * channels * h * b
-    weighted = (4 + b) if shape.routing_fp32 else b
-    combine = rows * (6 * h + 4 * channels) * b + rows * h * weighted
-    act = rows * (2 * h + 4 * channels + 2 * channels / n) * b
-    wgrad = rows * (3 * h + 2 * channels / n) * b + 2 * gate_up + (down if n > 1 else 0)
-    return {"combine": combine, "backward": act, "weight_grad": wgrad}
+    - ``forward``: the end of the recomputed forward (it stops at ``index_add``, the last op
+      that saves a tensor): ``saved``, the weighted rows in w and, under float32 routing, their
+      bf16 copy (``index_add``'s source), and the [T, h] zeros it adds into;
+    - ``weights_backward``: the routing-weight product's backward: ``saved`` and three [R, h]
+      in w (the incoming gradient, the rows' and the weights' gradients before the sum);
+    - ``expert_backward``: the m-th expert to run backward (the last one first), with the sorted
+      rows, the gradient of the experts' output (one [R, h] buffer, freed after the last
+      expert's down backward), the saved tensors of the n - m experts not done and, for each
+      expert done, its [2F, h] and [h, F] weight gradients and its rows' [R/n, h] gradient; the
+      largest of three points: its down backward done (its product's gradient, [R/n, F], and
+      its [h, F] weight gradient), its product's backward (its product freed, three [R/n, F]
+      gradients: the product's, the activation's, the up half's) and its gate/up backward (its
+      saved tensors freed, its [R/n, 2F] output gradient, its weight gradients and its rows'
+      gradient). Linear in m but for the buffer freed at the last expert, so the largest of
+      m = 0, n - 2 and n - 1;
+    - ``weight_grad``: after the last expert, every local expert's weight gradient (3 n F h) with
+      the larger of the gate/up ``stack`` (the rows' gradients and the [n, 2F, h] stacked copy:
+      R h + 2 n F h) and the rows' gradients put back in arrival order (concatenated, zeros,
+      ``index_put``: 3 R h)."""
+    h, F, R = shape.hidden_size, channels, rows
+    n = max(1, round(experts))
+    T = R / shape.top_k if tokens is None else tokens
+    w = 4 if shape.routing_fp32 else b      # the routing weights' dtype
+    cast = b if shape.routing_fp32 else 0   # the weighted rows cast back to the model's dtype
+    saved = R * (3 * h + 4 * F) * b
+    per = R / n                             # one expert's rows
+
+    def expert(m: int) -> float:
+        kept = R * h + m * (3 * F * h + per * h) + (n - m) * per * 4 * F
+        out_grad = R * h if m < n - 1 else 0
+        down = kept + R * h + per * F + F * h
+        act = kept + out_grad - per * F + 3 * per * F + F * h
+        gate_up = kept + out_grad - per * 4 * F + per * 2 * F + 3 * F * h + per * h
+        return max(down, act, gate_up) * b
+
+    return {"forward": saved + R * h * (w + cast) + T * h * b,
+            "weights_backward": saved + 3 * R * h * w,
+            "expert_backward": max(expert(m) for m in {0, max(0, n - 2), n - 1}),
+            "weight_grad": (3 * n * F * h + max(R * h + 2 * n * F * h, 3 * R * h)) * b}
 
 
 def grouped_experts_working_set(shape: ModelShape, rows: float, channels: float,
@@ -129,8 +155,13 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
         mlp = 7 * r + 4 * r + 2 * r / g + r + 4 * n_r * F / d * b + 2 * r + 5 * w_mlp
         if shape.is_moe:  # schedule (a): k T routed rows through this rank's E/D whole experts
             moe = moe_working_set(shape, shape.top_k * n_r, shape.expert_intermediate_size,
-                                  shape.num_experts / d, b)
-            common = 7 * r + 4 * r + 2 * r / g + r + 2 * r
+                                  shape.num_experts / d, b, tokens=n_r)
+            moe["forward"] += r  # the recompute's residual (x + attention), freed at its stop
+            # both norms (fp32 input, normalised bf16, output: 4r each, the MLP input among
+            # them), attention's saved q_all and out_all (every query head of this rank's
+            # tokens: n q_width each) and kv_all (2r/g), the layer's output gradient (r: the
+            # residual's and the MoE's, one tensor)
+            common = 8 * r + 2 * n_r * shape.q_width * b + 2 * r / g + r
             mlp = max(common + max(moe.values()), mlp if shape.num_dense_layers else 0)
         # loss: final norm (3r), one chunk's logits in bf16 and three float32 [chunk, V/D] (exp,
         # shifted, product), two vocabulary shards in the ring
