@@ -180,6 +180,21 @@ def test_kernel_choice_off_the_cpu(dtype, head_dim, cap, expected):
     assert flash.kernel_for(torch.empty(1, 2, 4, head_dim, dtype=dtype), None) == "cpu"
 
 
+def check_rank(p: int, size: int, causal: bool, window: int | None, kv_heads: int,
+               gen: torch.Generator, seq: int = 48) -> list:
+    """:func:`check` of rank p's zigzag rows of a ``seq``-token row (2 rows, 4 query heads of 8 on
+    ``kv_heads``); returns the rank's pieces."""
+    segs = local_segments(seq, p, size, "zigzag")
+    rows = [t for a, b in segs for t in range(a, b)]
+    pieces = plan_pieces(segs, seq, causal, window)
+    q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64,
+                        requires_grad=True) for _ in range(2))
+    scale = 8 ** -0.5
+    check(explicit(q, k, v, rows, causal, window, scale), q, k, v, pieces, scale, gen)
+    return pieces
+
+
 def _cpu_kernel_without_gqa(seen: list[tuple[int, int]]) -> flash.Kernel:
     """The CPU flash kernel declared without native GQA, so that the piece logic expands K/V as
     it does for CUDA's memory-efficient kernel; records (query heads, key length) per call."""
@@ -205,20 +220,11 @@ def test_kv_heads_expanded_per_piece(monkeypatch, kv_heads, size, window):
     the whole sequence) and its dK/dV folded back onto the shared heads: exact in float64."""
     seen: list[tuple[int, int]] = []
     monkeypatch.setitem(flash.KERNELS, "cpu", _cpu_kernel_without_gqa(seen))
-    seq, scale = 48, 8 ** -0.5
     gen = torch.Generator().manual_seed(5)
     for p in range(size):
-        segs = local_segments(seq, p, size, "zigzag")
-        rows = [t for a, b in segs for t in range(a, b)]
-        pieces = plan_pieces(segs, seq, True, window)
-        q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
-        k = torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64,
-                        requires_grad=True)
-        v = torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64,
-                        requires_grad=True)
-        check(explicit(q, k, v, rows, True, window, scale), q, k, v, pieces, scale, gen)
+        pieces = check_rank(p, size, True, window, kv_heads, gen)
         longest = max(pc.k1 - pc.k0 for pc in pieces)
-        assert max(n for _, n in seen) == longest and (size == 1 or longest < seq), seen
+        assert max(n for _, n in seen) == longest and (size == 1 or longest < 48), seen
         seen.clear()
 
 
@@ -227,16 +233,9 @@ def test_math_kernel_without_cap(monkeypatch, size, causal, window):
     """The tiled math kernel, uncapped (what float64 runs off the CPU), against the math."""
     monkeypatch.setattr(flash, "kernel_for", lambda q, softcap=None: flash.MATH)
     monkeypatch.setattr(flash, "MATH_TILE", 5)
-    seq, scale = 48, 8 ** -0.5
     gen = torch.Generator().manual_seed(6)
     for p in range(size):
-        segs = local_segments(seq, p, size, "zigzag")
-        rows = [t for a, b in segs for t in range(a, b)]
-        pieces = plan_pieces(segs, seq, causal, window)
-        q = torch.randn(1, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
-        k = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-        v = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-        check(explicit(q, k, v, rows, causal, window, scale), q, k, v, pieces, scale, gen)
+        check_rank(p, size, causal, window, 2, gen)
 
 
 @pytest.mark.parametrize("size,window,docs", [(4, None, None), (2, 3, None), (2, None, [8, 24, 16])])

@@ -18,6 +18,7 @@ from tsp_core import comm
 from tsp_core.moe import TSPMoE
 
 from . import dist_pool
+from .test_decode import left_padded
 from .reference import assert_close
 
 AUX_COEF = 0.3  # large enough that a wrong load-balancing loss moves the loss and the router
@@ -163,19 +164,6 @@ def test_schedule_chosen_by_the_bytes_formula():
 
 
 # ------------------------------------------------------------------------- greedy generation
-
-def left_padded(vocab: int, lengths: list[int], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random prompts of the given lengths, left-padded with token 0 (mask 0), as
-    tests/test_decode.py builds them."""
-    gen = torch.Generator().manual_seed(seed)
-    S = max(lengths)
-    ids = torch.zeros(len(lengths), S, dtype=torch.long)
-    mask = torch.zeros(len(lengths), S, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, S - n:] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[b, S - n:] = 1
-    return ids, mask
-
 
 def greedy_generation(family: str, tsp: int, lengths: list[int], new: int,
                       schedule: str = "expert") -> list[list[int]]:

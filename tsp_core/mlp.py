@@ -46,6 +46,13 @@ def _act_grad(g: torch.Tensor, kind: str) -> torch.Tensor:
     return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g)
 
 
+def check_local_input(x: torch.Tensor, hidden_size: int) -> None:
+    """An MLP's input must be this rank's tokens [batch, local_seq, hidden_size]."""
+    if x.dim() != 3 or x.shape[-1] != hidden_size:
+        raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
+                         f"[batch, local_seq, hidden_size={hidden_size}]")
+
+
 @dataclass(frozen=True)
 class MLPSpec:
     hidden_size: int
@@ -139,9 +146,7 @@ class TSPGatedMLP(ShardedModule):
         if self.tsp_decode is not None:  # generation: x identical on every rank
             return self.tsp_decode.mlp(self, x)
         s = self.spec
-        if x.dim() != 3 or x.shape[-1] != s.hidden_size:
-            raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
-                             f"[batch, local_seq, hidden_size={s.hidden_size}]")
+        check_local_input(x, s.hidden_size)
         names = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
         if "gate_proj.bias" in self.full_shapes:
             names += ["gate_proj.bias", "up_proj.bias"]

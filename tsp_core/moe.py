@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import comm
 from .mesh import TSPMesh
-from .mlp import ACTIVATIONS, _act, _act_grad
+from .mlp import ACTIVATIONS, _act, _act_grad, check_local_input
 from .packing import FlatPack
 from .params import (
     REPLICATED,
@@ -328,9 +328,7 @@ class TSPMoE(ShardedModule):
         if self.tsp_decode is not None:  # generation: x identical on every rank
             return self.tsp_decode.mlp(self, x)
         s = self.spec
-        if x.dim() != 3 or x.shape[-1] != s.hidden_size:
-            raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
-                             f"[batch, local_seq, hidden_size={s.hidden_size}]")
+        check_local_input(x, s.hidden_size)
         x, (router, *experts_weights), context = schedule_inputs(self, list(self.names), x)
         with context:
             x2 = x.reshape(-1, s.hidden_size)
