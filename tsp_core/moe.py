@@ -47,7 +47,6 @@ from .params import (
     even_spec,
     init_full,
     local,
-    local_replicated,
     schedule_inputs,
 )
 
