@@ -134,7 +134,7 @@ def test_training_parity_float64(pools, family, world, tsp):
     assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
 
 
-@pytest.mark.parametrize("world,tsp", CONFIGS[1:], ids=lambda v: str(v))
+@pytest.mark.parametrize("world,tsp", [(2, 2), (4, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_ring_schedule_training_parity_float64(pools, family, world, tsp):
     """The other schedule: every expert's channels split 1/D, the slices circulating."""
@@ -311,8 +311,8 @@ def resume(family: str, tsp: int, root: str, saver_loss: float,
 
 
 @pytest.mark.parametrize("family,saved,loaded", [
-    ("mixtral", "expert", "expert"), ("qwen3_moe", "expert", "expert"),
-    ("mixtral", "ring", "expert"), ("qwen3_moe", "expert", "ring")])
+    ("mixtral", "expert", "expert"), ("mixtral", "ring", "expert"),
+    ("qwen3_moe", "expert", "ring")])
 def test_checkpoint_saved_at_tsp2_resumes_at_4_1_and_plain(pools, tmp_path, family, saved,
                                                            loaded):
     # across schedules too: a checkpoint holds Hugging Face's tensors, whatever the layout
