@@ -204,7 +204,7 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
     check_attention_shape(mesh.size, c.hidden_size, nq, nkv, head_dim)
     layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
-    sparse = [_is_sparse(getattr(layer, policy.mlp), policy) for layer in layers]
+    sparse = [policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers]
     if any(sparse):
         spec = _moe_spec(c, policy, mesh)
         check_moe_shape(mesh.size, spec.num_experts, spec.top_k, moe_schedule)
@@ -299,15 +299,7 @@ def _check_moe_policy(model: nn.Module, policy: DecoderPolicy) -> None:
 
 def _moe_spec(c: Any, policy: DecoderPolicy, mesh: TSPMesh) -> MoESpec:
     """The shape and routing of the family's sparse MLPs, from the config."""
-    m = policy.moe
-    return MoESpec(c.hidden_size, getattr(c, m.intermediate_size), getattr(c, m.num_experts),
-                   getattr(c, m.top_k), mesh.size, ACTIVATIONS.get(_activation(c), "silu"),
-                   m.norm_topk(c), m.weights_in_logits_dtype)
-
-
-def _is_sparse(mlp: nn.Module, policy: DecoderPolicy) -> bool:
-    """Whether a layer's MLP is the family's sparse mixture-of-experts block."""
-    return policy.moe is not None and hasattr(mlp, policy.moe.experts)
+    return policy.moe.spec(c, mesh.size, ACTIVATIONS.get(_activation(c), "silu"))
 
 
 def _activation(config: Any) -> str:
@@ -415,7 +407,7 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             qk_norm_kind=policy.norm, softcap=_softcap(policy.attn_softcap, c),
             qk_norm_all_heads=policy.qk_norm_all_heads, init_seed=None, **opts))
         mlp = getattr(layer, policy.mlp)
-        if _is_sparse(mlp, policy):
+        if policy.sparse_mlp(mlp):
             spec = _moe_spec(c, policy, mesh)
             replace(layer, policy.mlp, TSPMoE(
                 mesh, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k,

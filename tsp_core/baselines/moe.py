@@ -63,18 +63,6 @@ from ..policies import DecoderPolicy, ExpertsPolicy
 GATE_UP = _StridedShard(1, split_factor=2)  # gate rows and up rows, each split 1/T
 
 
-def is_moe_block(policy: DecoderPolicy, mlp: nn.Module) -> bool:
-    """Whether a layer's MLP is a sparse experts block (Qwen3-MoE's ``mlp_only_layers`` are not)."""
-    return policy.moe is not None and hasattr(mlp, policy.moe.experts)
-
-
-def moe_spec(config, experts: ExpertsPolicy, tp: int) -> MoESpec:
-    return MoESpec(config.hidden_size, getattr(config, experts.intermediate_size),
-                   getattr(config, experts.num_experts), getattr(config, experts.top_k), tp,
-                   norm_topk=experts.norm_topk(config),
-                   weights_in_logits_dtype=experts.weights_in_logits_dtype)
-
-
 def check_moe(config, policy: DecoderPolicy, tp: int) -> None:
     """Raise, naming the numbers, when a family's experts cannot be split over ``tp`` ranks."""
     if policy.moe is None:
@@ -250,6 +238,6 @@ class TensorParallelMoE(nn.Module):
 def apply_moe(layer: nn.Module, policy: DecoderPolicy, config, mesh: DeviceMesh,
               sequence_parallel: bool) -> None:
     """Replace ``layer``'s sparse MoE block by a :class:`TensorParallelMoE`."""
-    spec = moe_spec(config, policy.moe, mesh.size())
+    spec = policy.moe.spec(config, mesh.size())
     block = getattr(layer, policy.mlp)
     setattr(layer, policy.mlp, TensorParallelMoE(block, mesh, spec, policy.moe, sequence_parallel))

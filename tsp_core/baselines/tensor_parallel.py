@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..policies import DecoderPolicy
-from .moe import apply_moe, check_moe, is_moe_block
+from .moe import apply_moe, check_moe
 
 
 def check_tensor_parallel(config, tp: int) -> None:
@@ -75,7 +75,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, policy: DecoderPol
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
     for layer in getattr(base, policy.layers):
-        moe = is_moe_block(policy, getattr(layer, policy.mlp))
+        moe = policy.sparse_mlp(getattr(layer, policy.mlp))
         parallelize_module(layer, mesh, layer_plan(policy, sequence_parallel, moe))
         if moe:
             apply_moe(layer, policy, model.config, mesh, sequence_parallel)

@@ -40,6 +40,14 @@ class ExpertsPolicy:
     hub_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     hub_module: str | None = None   # the block's name in the checkpoint, if not the model's
 
+    def spec(self, config: Any, size: int, activation: str = "silu"):
+        """The :class:`tsp_core.moe.MoESpec` of the family's sparse MLPs over ``size`` ranks."""
+        from ..moe import MoESpec
+
+        return MoESpec(config.hidden_size, getattr(config, self.intermediate_size),
+                       getattr(config, self.num_experts), getattr(config, self.top_k), size,
+                       activation, self.norm_topk(config), self.weights_in_logits_dtype)
+
 
 @dataclass(frozen=True)
 class DecoderPolicy:
@@ -84,6 +92,11 @@ class DecoderPolicy:
     recompute_cache_at: Callable[[Any], int | None] | None = None
     # sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE): None for dense families
     moe: ExpertsPolicy | None = None
+
+    def sparse_mlp(self, mlp: nn.Module) -> bool:
+        """Whether a layer's MLP is the family's sparse mixture-of-experts block (a layer without
+        ``experts`` is a dense one: Qwen3-MoE's ``mlp_only_layers``)."""
+        return self.moe is not None and hasattr(mlp, self.moe.experts)
 
     def fused_in(self, role: str) -> dict[str, tuple[str, ...]]:
         """The fused projections of ``role`` ("attention" or "mlp"): fused name -> parts."""
