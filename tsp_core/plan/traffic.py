@@ -146,8 +146,9 @@ def _moe_fields(config) -> dict:
     dense = set(getattr(config, "mlp_only_layers", None) or ())
     step = getattr(config, "decoder_sparse_step", None) or 1
     sparse = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0)
-    return dict(num_experts=getattr(config, m.num_experts), top_k=getattr(config, m.top_k),
-                expert_intermediate_size=getattr(config, m.intermediate_size),
+    spec = m.spec(config, 1)
+    return dict(num_experts=spec.num_experts, top_k=spec.top_k,
+                expert_intermediate_size=spec.intermediate_size,
                 moe_layers=None if sparse == L else sparse,
                 routing_fp32=not m.weights_in_logits_dtype)
 
