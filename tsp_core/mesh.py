@@ -1,8 +1,9 @@
 """The TSP device mesh: which ranks share weights and tokens, and who their ring neighbours are.
 
 A TSP group is the innermost dim of a named ``DeviceMesh`` so that it spans consecutive ranks (one
-node). Every other dim (``dp`` today; pp or ep later) replicates the TSP group, so code always names
-the dim it uses instead of assuming a 1-D mesh.
+node). Every other dim is data parallel: it replicates the TSP group, or, for the dim named
+``shard_dim`` (``dp_shard``), holds FSDP2 shards of each rank's TSP shard (DESIGN 3.6). Code always
+names the dim it uses instead of assuming a 1-D mesh.
 """
 
 from __future__ import annotations
@@ -21,25 +22,33 @@ LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 
 @dataclass(frozen=True)
 class TSPMesh:
-    """A device mesh plus the name of its TSP dim and the token layout used on that dim."""
+    """A device mesh plus the name of its TSP dim, the token layout used on that dim and, when
+    FSDP2 shards model state over data parallel too, the name of the data-parallel dim it shards
+    over (``shard_dim``; every other non-TSP dim then holds replicas: HSDP)."""
 
     device_mesh: DeviceMesh
     dim: str = "tsp"
     layout: Layout = "zigzag"
+    shard_dim: str | None = None
 
     def __post_init__(self) -> None:
         names = self.device_mesh.mesh_dim_names or ()
         if self.dim not in names:
             raise ValueError(f"mesh has no dim named {self.dim!r} (its dims are {names}); "
                              f"pass the name of the dim that holds the TSP group")
+        if self.shard_dim is not None and (self.shard_dim not in names
+                                           or self.shard_dim == self.dim):
+            raise ValueError(f"shard_dim {self.shard_dim!r} must name a data-parallel dim of the "
+                             f"mesh (its dims are {names}; {self.dim!r} holds the TSP group)")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {LAYOUTS}")
 
     @classmethod
-    def from_device_mesh(cls, mesh: DeviceMesh, dim: str, layout: Layout = "zigzag") -> "TSPMesh":
+    def from_device_mesh(cls, mesh: DeviceMesh, dim: str, layout: Layout = "zigzag",
+                         shard_dim: str | None = None) -> "TSPMesh":
         """Wrap a mesh a framework already built (Accelerate calls its dim "tp", Lightning
-        "tensor_parallel")."""
-        return cls(mesh, dim, layout)
+        "tensor_parallel"; Accelerate's FSDP2 dim is "dp_shard")."""
+        return cls(mesh, dim, layout, shard_dim)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -72,6 +81,18 @@ class TSPMesh:
     def dp_size(self) -> int:
         """Number of TSP-group replicas (product of every non-TSP dim)."""
         return self.device_mesh.size() // self.size
+
+    @property
+    def fsdp_size(self) -> int:
+        """How many ranks FSDP2 shards each TSP shard over (1: no FSDP2)."""
+        if self.shard_dim is None:
+            return 1
+        return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(self.shard_dim))
+
+    @property
+    def replicate_dims(self) -> tuple[str, ...]:
+        """Data-parallel dims that hold whole replicas (every non-TSP dim but ``shard_dim``)."""
+        return tuple(n for n in self.other_dims if n != self.shard_dim)
 
     @property
     def _dim_index(self) -> int:
@@ -148,14 +169,33 @@ def warn_if_spanning_nodes(tsp_size: int, local_world_size: int | None = None) -
     return True
 
 
-def init_mesh(tsp_size: int, dp_size: int | None = None, *, layout: Layout = "zigzag") -> TSPMesh:
-    """Build the ("dp", "tsp") mesh over all processes, TSP innermost, initialising the default
-    process group first when needed (gloo on CPU, NCCL on CUDA)."""
+def check_dp_shard(dp_size: int, dp_shard: int) -> int:
+    """Return ``dp_replicate = dp_size / dp_shard`` after checking that it divides."""
+    if dp_shard < 1 or dp_size % dp_shard:
+        raise ValueError(f"dp_shard ({dp_shard}) must be a divisor of the data-parallel size "
+                         f"({dp_size}): dp_replicate = dp_size / dp_shard replicas of dp_shard "
+                         f"FSDP2 shards each")
+    return dp_size // dp_shard
+
+
+def init_mesh(tsp_size: int, dp_size: int | None = None, *, dp_shard: int | None = None,
+              layout: Layout = "zigzag") -> TSPMesh:
+    """Build the mesh over all processes, TSP innermost, initialising the default process group
+    first when needed (gloo on CPU, NCCL on CUDA). Without ``dp_shard`` it is ("dp", "tsp"), data
+    parallel replicating each TSP group. With ``dp_shard`` it is ("dp_replicate", "dp_shard",
+    "tsp"): the ``dp_size`` data-parallel ranks split into ``dp_size / dp_shard`` replicas of
+    ``dp_shard`` ranks each, and :func:`tsp_core.parallelize` applies FSDP2 over "dp_shard" when
+    it is larger than 1 (HSDP when there are replicas too)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     init_process_group_from_env()
     dp_size = check_mesh_shape(dist.get_world_size(), tsp_size, dp_size)
+    replicas = None if dp_shard is None else check_dp_shard(dp_size, dp_shard)
     warn_if_spanning_nodes(tsp_size)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (dp_size, tsp_size), mesh_dim_names=("dp", "tsp"))
-    return TSPMesh(mesh, "tsp", layout)
+    if replicas is None:
+        mesh = init_device_mesh(device_type, (dp_size, tsp_size), mesh_dim_names=("dp", "tsp"))
+        return TSPMesh(mesh, "tsp", layout)
+    mesh = init_device_mesh(device_type, (replicas, dp_shard, tsp_size),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tsp"))
+    return TSPMesh(mesh, "tsp", layout, "dp_shard")

@@ -17,6 +17,7 @@ from torch import nn
 from . import comm, rope
 from .attention import TSPAttention, check_attention_shape
 from .data_parallel import install_gradient_sync
+from .fsdp import apply_fsdp
 from .layout import IGNORE_INDEX, shard_batch
 from .mesh import TSPMesh
 from .mlp import TSPGatedMLP
@@ -349,14 +350,25 @@ def _check_head_norms(model: nn.Module, policy: DecoderPolicy, q_width: int, k_w
 
 
 def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None,
-                moe_schedule: str = "auto", moe_tokens_per_rank: int | None = None) -> nn.Module:
+                moe_schedule: str = "auto", moe_tokens_per_rank: int | None = None,
+                mp_policy: Any = None, reshard_after_forward: bool = True) -> nn.Module:
     """Convert ``model`` in place to TSP on ``mesh`` and return it. A model whose parameters are
     all on the meta device gets uninitialised shards (fill them with load_full_state_dict).
+
+    When the mesh shards data parallel too (``init_mesh(..., dp_shard=N)``, N > 1), FSDP2's
+    ``fully_shard`` then splits each rank's TSP shards over "dp_shard", per decoder layer and the
+    root (:mod:`tsp_core.fsdp`): ``mp_policy`` is its ``MixedPrecisionPolicy`` (e.g. bf16
+    parameters, float32 gradient reduction) and ``reshard_after_forward`` its option of that
+    name. Build the optimizer after this call.
 
     Mixture-of-experts layers (:mod:`tsp_core.moe`) run ``moe_schedule`` "expert" (whole experts
     per rank, routed tokens move) or "ring" (every expert's channels split, weights move);
     "auto" picks per layer the one that moves fewer bytes for ``moe_tokens_per_rank`` (batch x
     sequence / tsp_size of the run), "expert" when that is not given."""
+    if mp_policy is not None and mesh.fsdp_size == 1:
+        raise ValueError("mp_policy is FSDP2's and needs a mesh that shards data parallel "
+                         f"(dp_shard > 1; this mesh's is {mesh.fsdp_size}); without FSDP2 train "
+                         "in mixed precision with autocast (Lightning's bf16-mixed)")
     if moe_schedule not in ("auto", *SCHEDULES):
         raise ValueError(f"moe_schedule {moe_schedule!r} is not one of "
                          f"{('auto', *SCHEDULES)}")
@@ -441,7 +453,11 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     rope.use_global_length(model._tsp_ropes)
     _register_attention_implementation()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    install_gradient_sync(model, mesh)
+    if mesh.fsdp_size > 1:  # FSDP2 sums data-parallel gradients itself
+        apply_fsdp(model, mesh, list(getattr(base, policy.layers)), mp_policy=mp_policy,
+                   reshard_after_forward=reshard_after_forward)
+    else:
+        install_gradient_sync(model, mesh)
     return model
 
 

@@ -128,6 +128,40 @@ def local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def _over_tsp_only(t: DTensor, mesh: TSPMesh) -> list:
+    """``t``'s placements with every data-parallel dim replicated (FSDP2 shards there)."""
+    names = t.device_mesh.mesh_dim_names
+    return [p if n == mesh.dim else Replicate() for n, p in zip(names, t.placements)]
+
+
+def tsp_part(t: torch.Tensor, mesh: TSPMesh) -> torch.Tensor:
+    """This rank's TSP-local tensor of a parameter, gradient or optimizer state (its ShardSpec's
+    layout). Under FSDP2 (:mod:`tsp_core.fsdp`) a stored tensor holds only a data-parallel slice
+    of that: the slices are all-gathered over the data-parallel dims (a new tensor; write back
+    with :func:`set_tsp_part`). Otherwise the local tensor itself."""
+    if not isinstance(t, DTensor):
+        return t
+    want = _over_tsp_only(t, mesh)
+    if list(t.placements) != want:
+        t = t.redistribute(t.device_mesh, want)
+    return t.to_local()
+
+
+def set_tsp_part(t: torch.Tensor, value: torch.Tensor, mesh: TSPMesh) -> None:
+    """Copy ``value``, laid out like :func:`tsp_part` of ``t``, into ``t``: under FSDP2 only this
+    rank's data-parallel slice of it is kept."""
+    with torch.no_grad():
+        if not isinstance(t, DTensor):
+            t.copy_(value)
+            return
+        want = _over_tsp_only(t, mesh)
+        if list(t.placements) != want:
+            whole = DTensor.from_local(value, t.device_mesh, want, run_check=False,
+                                       shape=t.shape, stride=t.stride())
+            value = whole.redistribute(t.device_mesh, t.placements).to_local()
+        t.to_local().copy_(value)
+
+
 def local_replicated(param: torch.Tensor, mesh: TSPMesh) -> torch.Tensor:
     """The local copy of a replicated parameter, whose gradient is summed over the TSP group
     (each rank saw different tokens)."""
@@ -197,9 +231,9 @@ class ShardedModule(nn.Module):
                 raise ValueError(f"{type(self).__name__}: {name} has shape {got}, expected "
                                  f"{tuple(expected)} ({self.extra_repr()})")
         source = Unfused(source, self) if self.fused_names() else source
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                local(param).copy_(read_local(source, name, self.shard_spec(name, self.mesh.rank)))
+        for name, param in self.named_parameters():
+            set_tsp_part(param, read_local(source, name, self.shard_spec(name, self.mesh.rank)),
+                         self.mesh)
 
     def full_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full Hugging Face-shaped parameters (or their gradients), gathered over the group;
@@ -218,7 +252,7 @@ class ShardedModule(nn.Module):
         """The full tensor of parameter ``name`` from every rank's local ``t`` laid out like it
         (the parameter, its gradient, an optimizer state); every rank of the group must call it."""
         specs = [self.shard_spec(name, r) for r in range(self.mesh.size)]
-        part = local(t).detach()
+        part = tsp_part(t, self.mesh).detach()
         if specs[0].dim is None:
             return part.clone()
         gathered = part.new_empty((self.mesh.size, *part.shape))
