@@ -95,14 +95,15 @@ class DistPool:
             os.unlink(self._init_file)
 
 
-_MESHES: dict[tuple[int, str], Any] = {}
+_MESHES: dict[tuple, Any] = {}
 
 
-def mesh(tsp_size: int, layout: str = "zigzag"):
-    """The ("dp", "tsp") mesh with this TSP size over the pool (built once per worker)."""
+def mesh(tsp_size: int, layout: str = "zigzag", dp_shard: int | None = None):
+    """The ("dp", "tsp") mesh with this TSP size over the pool, or with ``dp_shard`` the
+    ("dp_replicate", "dp_shard", "tsp") one (built once per worker)."""
     from tsp_core import init_mesh
 
-    key = (tsp_size, layout)
+    key = (tsp_size, layout, dp_shard)
     if key not in _MESHES:
-        _MESHES[key] = init_mesh(tsp_size, layout=layout)
+        _MESHES[key] = init_mesh(tsp_size, layout=layout, dp_shard=dp_shard)
     return _MESHES[key]

@@ -194,14 +194,17 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def sgd_reference(model, batches: list[torch.Tensor], lr: float, clip: float | None) -> dict:
+def sgd_reference(model, batches: list[torch.Tensor], lr: float, clip: float | None,
+                  optimizer=torch.optim.SGD) -> dict:
     """The unmodified model on one process, one global batch per step: loss
     (:func:`reference_loss`), gradient, ``torch.nn.utils.clip_grad_norm_`` at ``clip`` (None:
     no clipping, the norm still measured), plain SGD (no momentum, no weight decay: the update
     is lr times the clipped gradient, so a gradient of the wrong scale shows in the weights
-    unless clipping cancels it, and then in the norm). Returns the losses, the norms before
-    clipping, the first step's gradients (before clipping) and the final weights."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    unless clipping cancels it, and then in the norm; ``optimizer`` another class, e.g. AdamW,
+    whose scale invariance only the norms and first gradients then guard). Returns the losses,
+    the norms before clipping, the first step's gradients (before clipping) and the final
+    weights."""
+    opt = optimizer(model.parameters(), lr=lr)
     losses, norms, grads0 = [], [], None
     for ids in batches:
         loss = reference_loss(model, ids, ids)

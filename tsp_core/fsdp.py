@@ -15,6 +15,9 @@ through :mod:`tsp_core.comm`, so they are counted like every other collective.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -64,8 +67,11 @@ def apply_fsdp(model: nn.Module, mesh: TSPMesh, units: list[nn.Module], *,
         raise ValueError("the mesh names no data-parallel dim to shard over (shard_dim); build it "
                          "with tsp_core.init_mesh(..., dp_shard=N)")
     dm = mesh.device_mesh
-    dims = DataParallelMeshDims(shard=mesh.shard_dim)
-    kwargs = dict(mesh=dm, dp_mesh_dims=dims, reshard_after_forward=reshard_after_forward,
+    # FSDP2 wants the very mesh object the parameters' DTensors hold; DTensor may have swapped in
+    # an equal mesh it had cached (a second init_mesh of the same shape in one process)
+    dm = next(p.device_mesh for p in model.parameters())
+    kwargs = dict(mesh=dm, dp_mesh_dims=DataParallelMeshDims(shard=mesh.shard_dim),
+                  reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy())
     for unit in units:
         fully_shard(unit, **kwargs)
@@ -81,3 +87,19 @@ def apply_fsdp(model: nn.Module, mesh: TSPMesh, units: list[nn.Module], *,
         if replicas:
             module.set_all_reduce_hook(_sum_over_replicas(replicas))
     return model
+
+
+@contextlib.contextmanager
+def root_unsharded(model: nn.Module) -> Iterator[None]:
+    """Hold the root's parameters (embedding, final norm, LM head) whole while code calls the
+    model's parts instead of its forward (generation's prefill and decode steps); the decoder
+    layers still gather their own in their forward. Nothing to do without FSDP2."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model._get_fsdp_state()._lazy_init()  # the root is the model, as its forward would decide
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()

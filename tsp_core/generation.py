@@ -20,6 +20,7 @@ from torch import nn
 
 from . import comm
 from .decode import _parts, check_prompts, decode_step, prefill
+from .fsdp import root_unsharded
 
 # Hugging Face's defaults when neither the call nor the model's generation_config sets a value
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "max_length": 20}
@@ -156,6 +157,16 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
     ``model.generation_config``, then Hugging Face's defaults (top_k 50 when sampling). Stops
     when every row produced an EOS token (``eos_token_id``, default the generation config's;
     ``[]`` for none)."""
+    with root_unsharded(model):
+        return _generate(model, input_ids, max_new_tokens, attention_mask, do_sample, temperature,
+                         top_k, top_p, eos_token_id, pad_token_id, seed, return_logits)
+
+
+def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+              attention_mask: torch.Tensor | None, do_sample: bool | None,
+              temperature: float | None, top_k: int | None, top_p: float | None,
+              eos_token_id: int | Sequence[int] | None, pad_token_id: int | None,
+              seed: int | None, return_logits: bool):
     config = getattr(model, "generation_config", None)
     sampling = resolve_sampling(config, do_sample, temperature, top_k, top_p)
     if max_new_tokens < 0:

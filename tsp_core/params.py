@@ -147,19 +147,24 @@ def tsp_part(t: torch.Tensor, mesh: TSPMesh) -> torch.Tensor:
     return t.to_local()
 
 
+def from_tsp_part(value: torch.Tensor, like: torch.Tensor, mesh: TSPMesh) -> torch.Tensor:
+    """A tensor laid out like ``like`` (a parameter or optimizer state) from ``value``, laid out
+    like :func:`tsp_part` of it: under FSDP2 this rank's data-parallel slice of ``value``."""
+    if not isinstance(like, DTensor):
+        return value
+    want = _over_tsp_only(like, mesh)
+    whole = DTensor.from_local(value, like.device_mesh, want, run_check=False, shape=like.shape,
+                               stride=like.stride())
+    if list(like.placements) == want:
+        return whole
+    return whole.redistribute(like.device_mesh, like.placements)
+
+
 def set_tsp_part(t: torch.Tensor, value: torch.Tensor, mesh: TSPMesh) -> None:
     """Copy ``value``, laid out like :func:`tsp_part` of ``t``, into ``t``: under FSDP2 only this
     rank's data-parallel slice of it is kept."""
     with torch.no_grad():
-        if not isinstance(t, DTensor):
-            t.copy_(value)
-            return
-        want = _over_tsp_only(t, mesh)
-        if list(t.placements) != want:
-            whole = DTensor.from_local(value, t.device_mesh, want, run_check=False,
-                                       shape=t.shape, stride=t.stride())
-            value = whole.redistribute(t.device_mesh, t.placements).to_local()
-        t.to_local().copy_(value)
+        local(t).copy_(local(from_tsp_part(value, t, mesh)))
 
 
 def local_replicated(param: torch.Tensor, mesh: TSPMesh) -> torch.Tensor:

@@ -8,6 +8,11 @@ rank really owns (padding dropped). DCP then
 reads whatever slices the loading model needs, at another degree or into a plain Hugging Face
 model. Format and guarantees: docs/checkpointing.md.
 
+Under FSDP2 (:mod:`tsp_core.fsdp`) a rank stores a data-parallel slice of its TSP shard. A tensor
+without padding is then written as it is stored (its DTensor already has the Hugging Face shape),
+so a save never holds more than the rank's own state; a padded one (vocabulary rows, key/value
+rows when there are fewer heads than ranks: small) is gathered over data parallel first.
+
 A save is written to ``<path>.partial`` and renamed to ``<path>`` only after every rank's data, the
 DCP metadata and the ``tsp_checkpoint.json`` marker exist, so a process killed mid-save never
 leaves a directory that looks complete; loading refuses a directory without the marker.
@@ -32,8 +37,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import comm
 from .checkpoint import _sharded_modules
-from .params import (ShardSpec, TensorSource, Unfused, assemble_full, chunk_spec, local,
-                     read_local)
+from .params import (ShardSpec, TensorSource, Unfused, assemble_full, chunk_spec, from_tsp_part,
+                     local, read_local, tsp_part)
 
 MARKER = "tsp_checkpoint.json"
 EXTRA = "extra.pt"
@@ -60,12 +65,15 @@ class _Layout:
             raise NotImplementedError(f"{type(module).__name__}.{name}: shard layout "
                                       f"{[(s.start, s.length) for s in specs]} is not one DCP can "
                                       f"describe (DTensor's chunks of dim {self.dim}, in rank order)")
-        self.mesh = mesh.device_mesh
+        self.tsp_mesh, self.mesh = mesh, mesh.device_mesh
         self.placements = [Shard(self.dim) if n == mesh.dim else Replicate()
                            for n in self.mesh.mesh_dim_names]
+        # no rank pads: the parameter's DTensor is the checkpoint tensor, however it is stored
+        self.padded = tuple(param.shape) != self.full_shape
 
     def export(self, t: torch.Tensor) -> DTensor:
-        """Checkpoint view of a local tensor in this parameter's layout (shares its storage)."""
+        """Checkpoint view of a TSP-local tensor in this parameter's layout (shares its
+        storage)."""
         own = t.narrow(self.dim, 0, self.spec.length)
         return DTensor.from_local(own, self.mesh, self.placements, run_check=False,
                                   shape=torch.Size(self.full_shape),
@@ -103,7 +111,7 @@ class _Fused:
                                   stride=torch.empty(self.full_shape, device="meta").stride())
 
     def export(self, parts: list[torch.Tensor]) -> DTensor:
-        """The checkpoint tensor from the parts' local tensors (parameters or optimizer state)."""
+        """The checkpoint tensor from the parts (parameters or optimizer state)."""
         full = torch.cat([self.module.gather_full(n, t) for n, t in zip(self.parts, parts)],
                          dim=self.along)
         return self._dtensor(full.narrow(0, self.spec.start, self.spec.length).clone())
@@ -163,7 +171,7 @@ def _fused_state(f: _Fused, states: list[dict]) -> dict:
     out = {}
     for k, v in states[0].items():
         if isinstance(v, DTensor) and v.dim() > 0:
-            out[k] = f.export([local(s[k]) for s in states])
+            out[k] = f.export([s[k] for s in states])
         else:
             if any(not _equal(s[k], v) for s in states[1:]):
                 raise ValueError(f"optimizer state {k!r} differs between the parts {f.part_fqns} "
@@ -181,11 +189,7 @@ def _parts_back(f: _Fused, back: Callable[[], list[torch.Tensor]],
     def part(i: int) -> torch.Tensor:
         if not done:
             done.append(back())
-        t, like = done[0][i], likes[i]
-        if not isinstance(like, DTensor):
-            return t
-        return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False,
-                                  shape=like.shape, stride=like.stride())
+        return from_tsp_part(done[0][i], likes[i], f.module.mesh)
     return {n: (lambda i=i: part(i)) for i, n in enumerate(f.part_fqns)}
 
 
@@ -213,25 +217,19 @@ def _layouts(model: nn.Module) -> dict[str, _Layout]:
 
 def _export(layouts: dict[str, _Layout], fqn: str, t: torch.Tensor):
     layout = layouts.get(fqn)
-    if layout is not None and isinstance(t, DTensor):
-        return layout.export(t.to_local())
+    if layout is not None and layout.padded and isinstance(t, DTensor):
+        return layout.export(tsp_part(t, layout.tsp_mesh))
     return t
 
 
 def _fresh(layouts: dict[str, _Layout], fqn: str, t: torch.Tensor):
     """(checkpoint-shaped load target, function returning the loaded tensor in ``t``'s layout)."""
-    if not isinstance(t, DTensor):
-        buf = torch.zeros_like(t)
-        return buf, lambda: buf
-    buf = torch.zeros_like(t.to_local())
     layout = layouts.get(fqn)
-    target = layout.export(buf) if layout is not None else DTensor.from_local(
-        buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-
-    def back() -> DTensor:
-        return DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    return target, back
+    if not isinstance(t, DTensor) or layout is None or not layout.padded:
+        buf = torch.zeros_like(t)  # a DTensor laid out like t: DCP reads t's own chunk
+        return buf, lambda: buf
+    part = torch.zeros_like(tsp_part(t, layout.tsp_mesh))
+    return layout.export(part), lambda: from_tsp_part(part, t, layout.tsp_mesh)
 
 
 def _map_optimizer(osd: dict, fn: Callable[[str, torch.Tensor], Any]) -> dict:
@@ -315,7 +313,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
     fusions = _fusions(model)  # fused Hugging Face tensors (Phi-3): saved under their own names
     state: dict[str, Any] = {}
     if model_state:
-        sd = _fuse_entries(fusions, model_sd, lambda f, vs: f.export([local(v) for v in vs]))
+        sd = _fuse_entries(fusions, model_sd, lambda f, vs: f.export(vs))
         state["model"] = {k: _export(layouts, k, v) for k, v in sd.items()}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer)
@@ -552,7 +550,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             if isinstance(v, DTensor) and owner is not None and v.shape == p.shape:
                 m, name = owner
                 specs = [m.shard_spec(name, r) for r in range(m.mesh.size)]
-                part = v.to_local().detach()
+                part = tsp_part(v, m.mesh).detach()
                 if specs[0].dim is None:
                     v = part.clone()
                 else:
@@ -597,8 +595,6 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
                                      f"{tuple(v.shape)} in the checkpoint, {full} in the model: "
                                      f"the checkpoint is of another model; nothing was changed")
                 part = read_local(TensorSource({name: v}), name, m.shard_spec(name, m.mesh.rank))
-                v = DTensor.from_local(part.to(local(p).device, p.dtype), p.device_mesh,
-                                       p.placements, run_check=False, shape=p.shape,
-                                       stride=p.stride())
+                v = from_tsp_part(part.to(local(p).device, p.dtype), p, m.mesh)
             state[i][k] = v
     optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
