@@ -155,19 +155,31 @@ def test_generation(pools):
 
 # ---------------------------------------------------------------- checkpoints across shapes
 
-def _training(tsp: int, shard: int | None, path: str, save: bool) -> tuple[float, dict]:
-    """Step 1 then save (``save``), or load then step 2: step 2's loss and the final weights."""
+def _training(tsp: int, shard: int | None, path: str, mode: str) -> tuple[float, dict]:
+    """Step 1 then save (``mode`` "save": save_checkpoint to ``path``, and the one-file full state
+    dicts to ``path``.pt), or load ("dcp" or "one-file") then step 2: step 2's loss and the final
+    weights."""
+    from tsp_core.resharding import full_optimizer_state_dict, load_full_optimizer_state_dict
+
     mesh = dist_pool.mesh(tsp, dp_shard=shard)
     ref = hf_models.build(FAMILY, torch.float64, kv_heads=KV)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     first, second = _batches(ref.config.vocab_size, 2)
-    if save:
+    if mode == "save":
         _step(model, mesh, first, opt)
         tsp_core.save_checkpoint(path, model, opt, step=1)
+        weights = tsp_core.full_state_dict(model, rank0_only=True)
+        state = full_optimizer_state_dict(model, opt, rank0_only=True)
+        if dist.get_rank() == 0:
+            torch.save((weights, state), path + ".pt")
         dist.barrier()
-    else:
+    elif mode == "dcp":
         assert tsp_core.load_checkpoint(path, model, opt) == {"step": 1}
+    else:
+        weights, state = torch.load(path + ".pt", weights_only=True)
+        tsp_core.load_full_state_dict(model, weights)
+        load_full_optimizer_state_dict(model, opt, state)
     loss = _step(model, mesh, second, opt)[0]
     return loss, tsp_core.full_state_dict(model)
 
@@ -180,11 +192,17 @@ def _same(got: tuple[float, dict], want: tuple[float, dict], what: str) -> None:
 
 
 def test_checkpoint_resumes_at_other_shapes(pools):
+    """Saved at dp_shard 2 x tsp 2; resumed at tsp 4, tsp 2 alone, dp_shard 4 x tsp 1 (another
+    FSDP2 split, 101 vocabulary rows over 4) and on one process through save_checkpoint, and at
+    dp_shard 2 x tsp 2 from the one-file state dicts: step 2 as if never interrupted."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
-        want = pools.of(4).run(_training, 2, 2, path, True)[0]  # dp_shard 2 x tsp 2
-        for what, size, tsp, shard in (("tsp 4", 4, 4, None), ("tsp 2 alone", 2, 2, None)):
-            for got in pools.of(size).run(_training, tsp, shard, path, False):
+        want = pools.of(4).run(_training, 2, 2, path, "save")[0]
+        for what, size, tsp, shard, mode in (("tsp 4", 4, 4, None, "dcp"),
+                                             ("tsp 2 alone", 2, 2, None, "dcp"),
+                                             ("dp_shard 4 x tsp 1", 4, 1, 4, "dcp"),
+                                             ("dp_shard 2 x tsp 2, one file", 4, 2, 2, "one-file")):
+            for got in pools.of(size).run(_training, tsp, shard, path, mode):
                 _same(got, want, f"saved at dp_shard 2 x tsp 2, resumed at {what}")
         # one process: the unmodified model and its optimizer
         ref = hf_models.build(FAMILY, torch.float64, kv_heads=KV)
