@@ -140,17 +140,23 @@ def test_mixed_precision_and_reshard_after_forward(pools):
     pools.of(4).run(mixed_precision_step)
 
 
-def generate_matches_hf() -> None:
+def generate_and_full_logits_match_hf() -> None:
+    """The paths that call the model's parts outside its forward (generation's steps, the LM head
+    of full_logits) see whole TSP shards."""
     mesh = dist_pool.mesh(2, dp_shard=2)
     ref = hf_models.build(FAMILY, torch.float64, kv_heads=KV)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     ids = _batches(ref.config.vocab_size, 1)[0][:2, :9]
     want = ref.generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(tsp_core.generate(model, ids, 5), want)
+    with torch.no_grad():
+        out = tsp_core.full_logits(model, {"input_ids": ids, "labels": ids})
+        assert_close(out.logits, ref(input_ids=ids).logits, 1e-10, "full_logits")
+        assert abs(out.loss.item() - hf_models.reference_loss(ref, ids, ids).item()) < 1e-10
 
 
-def test_generation(pools):
-    pools.of(4).run(generate_matches_hf)
+def test_generation_and_full_logits(pools):
+    pools.of(4).run(generate_and_full_logits_match_hf)
 
 
 # ---------------------------------------------------------------- checkpoints across shapes

@@ -34,6 +34,7 @@ from torch import nn
 
 from . import comm
 from .layout import _BATCH_KEYS, document_lengths, row_segments, shard_batch
+from .fsdp import root_unsharded
 from .mesh import TSPMesh
 from .params import schedule_inputs
 from .parallelize import get_mesh
@@ -198,10 +199,10 @@ def full_logits(model: nn.Module, batch: Mapping[str, Any], *, argmax: bool = Fa
         except _HeadSkipped:
             loss = None
     head: TSPLMHead = getattr(inner, inner._tsp_policy.lm_head)
-    # autocast, if on, casts both again
-    hidden = head.scale_input(kept[-1].detach().to(head.weight.dtype))
     index = token_index(sharded["tsp_docs"], mesh.size, mesh.layout, original)
-    with torch.no_grad():
+    with torch.no_grad(), root_unsharded(inner):  # FSDP2: the head's whole TSP shard
+        # autocast, if on, casts both again
+        hidden = head.scale_input(kept[-1].detach().to(head.weight.dtype))
         logits = ids = targets = None
         if argmax:
             local = _argmax(head, hidden)
