@@ -13,6 +13,9 @@ every run), the bytes each rank sent in that step and "wait %": rank 0's host ti
 collectives during another extra step, over the median step (``tsp_core.comm``'s
 ``wait_seconds``; DTensor's collectives timed the same way).
 
+``--tsp 1 --dp-shard 2`` (or, with 4 processes, ``--tsp 2 --dp-shard 2``) adds FSDP2 over the
+data-parallel ranks (docs/fsdp.md); the baselines run only without data parallel.
+
 Elastic training (docs/checkpointing.md): with ``--checkpoint-dir`` the script trains the TSP model
 only, on batches that depend only on the step number, saves a sharded checkpoint every
 ``--checkpoint-every`` steps and, with ``--resume``, starts from the latest complete one. Under
@@ -141,6 +144,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--tsp", type=int, default=None, help="TSP degree (default: every process)")
+    ap.add_argument("--dp-shard", type=int, default=None,
+                    help="FSDP2 over this many data-parallel ranks (docs/fsdp.md)")
     ap.add_argument("--baselines", default="tp,tp-sp,cp",
                     help="layouts run beside TSP on the same processes (empty: none; only without "
                          "data parallel); from tsp_core.baselines.LAYOUTS")
@@ -153,7 +158,8 @@ def main() -> None:
                     help="elastic mode: save the final full state dict (torch.save) here")
     a = ap.parse_args()
 
-    mesh = tsp_core.init_mesh(a.tsp or int(os.environ.get("WORLD_SIZE", "1")))
+    mesh = tsp_core.init_mesh(a.tsp or int(os.environ.get("WORLD_SIZE", "1")),
+                              dp_shard=a.dp_shard)
     if a.checkpoint_dir is not None:
         elastic(a, mesh)
         return
@@ -164,7 +170,8 @@ def main() -> None:
     runs = [("HF model, 1 process", train(
         plain, lambda ids: backward(plain(input_ids=ids, labels=ids).loss), data, a))]
     tsp_model = tsp_core.parallelize(copy.deepcopy(initial), mesh)
-    runs.append((f"TSP, {mesh.size} processes", train(
+    fsdp = f" + FSDP2 x {mesh.fsdp_size}" if mesh.fsdp_size > 1 else ""
+    runs.append((f"TSP{fsdp}, {dist.get_world_size()} processes", train(
         tsp_model, lambda ids: backward(tsp_model(**tsp_core.shard_batch(
             {"input_ids": ids, "labels": ids}, mesh)).loss), data, a)))
     world = dist.get_world_size()
@@ -181,7 +188,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"Llama: {a.layers} layers, hidden {a.hidden}, heads {a.heads}/{a.kv_heads}, ffn "
               f"{a.ffn}, vocab {a.vocab}, {a.dtype}; batch {a.batch} x {a.seq} tokens; "
-              f"TSP degree {mesh.size}, data parallel {mesh.dp_size}")
+              f"TSP degree {mesh.size}, data parallel {mesh.dp_size} (FSDP2 over "
+              f"{mesh.fsdp_size})")
         base = runs[0][1][0]
         print(f"{'step':>4} {'HF 1 process':>13} " + " ".join(f"{n.split(',')[0]:>13}"
                                                              for n, _ in runs[1:]))
