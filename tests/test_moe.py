@@ -134,6 +134,12 @@ def test_training_parity_float64(pools, family, world, tsp):
     assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
 
 
+def test_load_balancing_loss_skips_tsp_padding(pools):
+    """14 tokens at tsp 2 are padded to 16 by shard_batch, which marks the two it added in the
+    attention_mask it returns: the aux loss counts only the real tokens, like one process."""
+    pools.of(2).run(train_parity, "mixtral", 2, seq=14, steps=1)
+
+
 @pytest.mark.parametrize("world,tsp", [(2, 2), (4, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_ring_schedule_training_parity_float64(pools, family, world, tsp):

@@ -218,7 +218,7 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
     Returns ``input_ids``, ``position_ids`` (global, or per document for packed rows),
     ``shift_labels`` (when ``labels`` is given: shifted before sharding, so no rank needs its
     neighbour's first token, and never across a document boundary), ``attention_mask`` (when
-    given), ``tsp_docs`` ([batch, documents]: each row's padded document lengths, which the
+    given, or when this function pads: 0 on its padding), ``tsp_docs`` ([batch, documents]: each row's padded document lengths, which the
     model's attention follows), ``tsp_rope_len`` ([batch]: each row's longest document; the
     maximum is ``max(position_ids) + 1`` of the unmodified model on the whole batch, which rotary
     embeddings whose frequencies depend on the length need) and ``tsp_fingerprint`` ([batch]: a
@@ -294,6 +294,8 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
         out["shift_labels"] = local(shifted, ignore_index)
     if "attention_mask" in batch:
         out["attention_mask"] = local(batch["attention_mask"], 0)
+    elif bool((source < 0).any()):  # tokens of this function's padding, marked as such for sums
+        out["attention_mask"] = local(torch.ones_like(ids), 0)  # over tokens (MoE's aux loss)
     width = max(len(row) for row in padded)
     out["tsp_docs"] = torch.tensor([row + [0] * (width - len(row)) for row in padded],
                                    dtype=torch.long, device=ids.device)
