@@ -159,6 +159,32 @@ def test_generation_and_full_logits(pools):
     pools.of(4).run(generate_and_full_logits_match_hf)
 
 
+def moe_gradients_match_one_process(schedule: str) -> None:
+    """Mixtral's experts folded onto the TSP axis, then FSDP2 over them: loss (with the
+    load-balancing term) and every gradient as one process."""
+    from . import test_moe
+
+    mesh = dist_pool.mesh(2, dp_shard=2)
+    ref = test_moe.build("mixtral")
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh, moe_schedule=schedule)
+    ids = _batches(ref.config.vocab_size, 1)[0][:, :14]
+    want = test_moe.reference_loss(ref, ids, ids)
+    want.backward()
+    mine = ids.chunk(mesh.dp_size)[dist.get_rank() // mesh.size]
+    loss = model(**tsp_core.shard_batch({"input_ids": mine, "labels": mine}, mesh)).loss
+    loss.backward()
+    assert abs(loss.item() - want.item()) <= 1e-10 * abs(want.item()), (loss.item(), want.item())
+    grads = hf_models.full_grads(model)
+    assert sorted(grads) == sorted(n for n, _ in ref.named_parameters())
+    for name, p in ref.named_parameters():
+        assert_close(grads[name], p.grad, 1e-8, f"{schedule}: {name}")
+
+
+@pytest.mark.parametrize("schedule", ["expert", "ring"])
+def test_moe(pools, schedule):
+    pools.of(4).run(moe_gradients_match_one_process, schedule)
+
+
 # ---------------------------------------------------------------- checkpoints across shapes
 
 def _training(tsp: int, shard: int | None, path: str, mode: str) -> tuple[float, dict]:
