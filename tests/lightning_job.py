@@ -116,10 +116,21 @@ def strategy_name(a) -> str:
         return a.strategy
     from lightning.pytorch.strategies import StrategyRegistry
 
-    name = f"tsp_size_{a.tsp_size}" + ("_no_metrics" if a.metrics_off else "")
+    name = (f"tsp_size_{a.tsp_size}" + ("_no_metrics" if a.metrics_off else "")
+            + ("_fsdp" if a.fsdp else "") + (f"_mp_{a.fsdp_mp}" if a.fsdp_mp else ""))
     StrategyRegistry.register(name, tsp_lightning.TSPStrategy, override=True, tsp_size=a.tsp_size,
-                              metrics=not a.metrics_off)
+                              metrics=not a.metrics_off, fsdp=a.fsdp, **fsdp_options(a))
     return name
+
+
+def fsdp_options(a) -> dict:
+    """``--fsdp-mp bf16``: FSDP2 computes with bf16 parameters, reduces gradients in float32."""
+    if not a.fsdp_mp:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"fsdp_mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)}
 
 
 def make_optimizer(params, a):
@@ -142,6 +153,7 @@ class LitLlama(L.LightningModule):
         self.logged: list[float] = []
         self.engine_norms: list[float] = []
         self.grads0: dict | None = None
+        self.grad_numel = 0
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         recorder = next((c for c in self.trainer.callbacks if isinstance(c, RecordSteps)), None)
@@ -168,6 +180,7 @@ class LitLlama(L.LightningModule):
         # before clipping; under DeepSpeed the gradients live in its buffers (norm only)
         if self.a.record_grads and self.grads0 is None:
             self.grads0 = full_grads(self.model)
+            self.grad_numel = grad_numel(self.model)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.logged.append(float(self.trainer.callback_metrics["train_loss"]))
@@ -191,6 +204,26 @@ class RecordSteps(L.Callback):
         self.counters.end()
         if self.monitor.last and (not self.rows or self.monitor.last is not self.rows[-1]):
             self.rows.append(self.monitor.last)
+
+
+def grad_numel(model) -> int:
+    """How many gradient elements this rank stores (local tensors)."""
+    from tsp_core.params import local
+
+    return sum(local(p.grad).numel() for p in model.parameters() if p.grad is not None)
+
+
+def storage(model) -> dict:
+    """How many parameter elements this rank stores (local tensors), how many the model has
+    (full shapes), and how many modules FSDP2 wraps."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tsp_core.params import local
+
+    params = list(model.parameters())
+    return dict(local_numel=sum(local(p).numel() for p in params),
+                full_numel=sum(p.numel() for p in params),
+                fsdp_modules=sum(isinstance(m, FSDPModule) for m in model.modules()))
 
 
 def full_weights(model) -> dict:
@@ -234,7 +267,8 @@ def run_trainer(a) -> dict:
     norms = module.engine_norms or list(NORMS)
     weights = full_weights(module.model)
     res = dict(losses=module.losses, logged=module.logged, norms=norms, weights=weights,
-               grads0=module.grads0, rank=trainer.global_rank)
+               grads0=module.grads0, rank=trainer.global_rank, grad_numel=module.grad_numel,
+               **storage(module.model))
     if a.metrics:
         res["metric_rows"], res["step_counts"] = recorder.rows, recorder.counters.steps
     if a.evaluate:
@@ -248,7 +282,8 @@ def run_trainer(a) -> dict:
 
 
 def run_fabric(a) -> dict:
-    strategy = tsp_lightning.TSPFabricStrategy(tsp_size=a.tsp_size) if a.tsp_size else a.strategy
+    strategy = (tsp_lightning.TSPFabricStrategy(tsp_size=a.tsp_size, fsdp=a.fsdp,
+                                                **fsdp_options(a)) if a.tsp_size else a.strategy)
     precision: dict = {"precision": a.precision}
     if a.precision == "64-true":  # Fabric refuses the flag with any ModelParallelStrategy
         from lightning.fabric.plugins import DoublePrecision
@@ -260,13 +295,13 @@ def run_fabric(a) -> dict:
     opt = fabric.setup_optimizers(make_optimizer(model.parameters(), a))
     # Fabric's injected sampler splits the data over data-parallel ranks, unshuffled
     loader = fabric.setup_dataloaders(DataLoader(Sequences(a.rows, a.pattern), batch_size=2))
-    losses, norms, grads0 = [], [], None
+    losses, norms, grads0, grads_stored = [], [], None, 0
     while len(losses) < a.steps:
         for batch in loader:
             loss = model(**batch).loss
             fabric.backward(loss)
             if a.record_grads and grads0 is None:
-                grads0 = full_grads(model.module)
+                grads0, grads_stored = full_grads(model.module), grad_numel(model.module)
             if a.clip is not None:
                 norms.append(float(fabric.clip_gradients(model, opt, max_norm=a.clip)))
             opt.step()
@@ -275,7 +310,8 @@ def run_fabric(a) -> dict:
             if len(losses) == a.steps:
                 break
     return dict(losses=losses, logged=losses, norms=norms, weights=full_weights(model.module),
-                grads0=grads0, rank=fabric.global_rank)
+                grads0=grads0, rank=fabric.global_rank, grad_numel=grads_stored,
+                **storage(model.module))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -304,6 +340,10 @@ def parser() -> argparse.ArgumentParser:
                     help="TSPMonitor into a CSVLogger (out/csv), validation each epoch, a "
                          "checkpoint at step 3; record each step's counters")
     ap.add_argument("--tsp-size", type=int, default=None)
+    ap.add_argument("--fsdp", action="store_true",
+                    help="TSPStrategy(fsdp=True): FSDP2 over the data-parallel dim too")
+    ap.add_argument("--fsdp-mp", choices=["bf16"], default=None,
+                    help="with --fsdp: FSDP2's MixedPrecisionPolicy (fsdp_options)")
     ap.add_argument("--bad-model", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--case", action="append", default=[],

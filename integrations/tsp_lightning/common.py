@@ -36,16 +36,18 @@ def check_precision(precision: str) -> None:
                          f"of {list(SUPPORTED_PRECISIONS)}")
 
 
-def parallelize_target(module: nn.Module, mesh: TSPMesh) -> nn.Module:
+def parallelize_target(module: nn.Module, mesh: TSPMesh, **fsdp: Any) -> nn.Module:
     """Convert the model the user means, unless it already is converted: ``module`` itself when
-    it is a supported transformers model, else its ``model`` attribute. Returns the TSP model."""
+    it is a supported transformers model, else its ``model`` attribute. Returns the TSP model.
+    ``fsdp``: FSDP2's options for :func:`tsp_core.parallelize` (``mp_policy``,
+    ``reshard_after_forward``), used when the mesh shards data parallel."""
     converted = [m for m in module.modules() if isinstance(m, TSPCausalLM)]
     if converted:
         return converted[0]
     for candidate in (module, getattr(module, "model", None)):
         if candidate is None or not hasattr(candidate, "config"):
             continue
-        return tsp_core.parallelize(candidate, mesh)
+        return tsp_core.parallelize(candidate, mesh, **fsdp)
     raise ValueError(f"the TSP strategy converts a Hugging Face causal LM: either the module itself "
                      f"or its `model` attribute (set in __init__ or configure_model); "
                      f"{type(module).__name__} has neither. Or convert it yourself in "
@@ -69,6 +71,39 @@ class TSPMeshMixin:
     _tsp_mesh: TSPMesh | None = None
     _tsp_auto: dict[str, Any] = {}
     tsp_choice: TSPChoice | None = None
+    _fsdp: bool = False
+    _fsdp_options: dict[str, Any] = {}
+
+    def _set_fsdp(self, fsdp: bool, mp_policy: Any, reshard_after_forward: bool) -> None:
+        """``fsdp=True``: FSDP2 (``fully_shard``) over the whole data-parallel dim, per decoder
+        layer and the root, with these two options of it (DESIGN 3.6)."""
+        if not fsdp and (mp_policy is not None or reshard_after_forward is not True):
+            raise ValueError(f"fsdp_mp_policy ({mp_policy!r}) and reshard_after_forward "
+                             f"({reshard_after_forward!r}) are FSDP2's options: pass fsdp=True "
+                             f"too, or leave them unset")
+        self._fsdp = bool(fsdp)
+        self._fsdp_options = {"mp_policy": mp_policy,
+                              "reshard_after_forward": reshard_after_forward}
+
+    def _parallelize_options(self) -> dict[str, Any]:
+        """FSDP2's options for ``tsp_core.parallelize``: only when the mesh shards (its checks
+        refuse an ``mp_policy`` without FSDP2)."""
+        return dict(self._fsdp_options) if self.tsp_mesh.fsdp_size > 1 else {}
+
+    def _check_fsdp(self, world: int) -> None:
+        """Before any process group exists, identically on every rank."""
+        if not self._fsdp or self._data_parallel_size > 1:
+            return
+        if self._fsdp_options.get("mp_policy") is not None:
+            raise ValueError(f"fsdp_mp_policy needs FSDP2 to shard over data parallel, but the "
+                             f"data-parallel size is 1 ({world} processes / tsp_size "
+                             f"{self.tsp_choice.size}): launch more processes or lower tsp_size, "
+                             f"or drop fsdp_mp_policy and train with precision='bf16-mixed'")
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"fsdp=True has nothing to shard: the data-parallel size is 1 ({world} "
+                       f"processes / tsp_size {self.tsp_choice.size}); each rank keeps its whole "
+                       f"1/{self.tsp_choice.size} TSP shard")
 
     def _set_auto_inputs(self, seq_len: int | None, memory_gb: float | None, model_config: Any) -> None:
         self._tsp_auto = {"seq_len": seq_len, "memory_gb": memory_gb, "model_config": model_config}
@@ -98,7 +133,10 @@ class TSPMeshMixin:
             self.num_processes, self._model_config(), self._tsp_auto.get("seq_len"),
             self._tsp_auto.get("memory_gb"))
         self._tensor_parallel_size = self.tsp_choice.size
+        self._check_fsdp(self.num_nodes * self.num_processes)
         log_choice(self.tsp_choice)
         setup_environment()
-        self._tsp_mesh = TSPMesh.from_device_mesh(self.device_mesh, "tensor_parallel",
-                                                  self._layout)
+        # fsdp: FSDP2 shards each rank's TSP shard over the whole data-parallel dim
+        self._tsp_mesh = TSPMesh.from_device_mesh(
+            self.device_mesh, "tensor_parallel", self._layout,
+            shard_dim="data_parallel" if self._fsdp else None)

@@ -25,7 +25,8 @@ from .common import TSPMeshMixin, parallelize_target
 
 
 class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
-    """Same arguments as :class:`tsp_lightning.TSPStrategy`. Fabric builds the mesh at
+    """Same arguments as :class:`tsp_lightning.TSPStrategy` (``fsdp=True`` too: build the
+    optimizer after ``fabric.setup_module``, over the sharded parameters). Fabric builds the mesh at
     ``fabric.launch()``, before it sees the model: ``tsp_size="auto"`` needs ``tsp_model_config``
     (a config, a dict or a path) or ``TSP_MODEL_CONFIG``."""
 
@@ -34,19 +35,23 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
                  save_distributed_checkpoint: bool = True, layout: str = "zigzag",
                  process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, tsp_seq_len: int | None = None,
-                 tsp_memory_gb: float | None = None, tsp_model_config: Any = None) -> None:
+                 tsp_memory_gb: float | None = None, tsp_model_config: Any = None,
+                 fsdp: bool = False, fsdp_mp_policy: Any = None,
+                 reshard_after_forward: bool = True) -> None:
         super().__init__(parallelize_fn=self._convert, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tsp_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._layout = layout
         self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
+        self._set_fsdp(fsdp, fsdp_mp_policy, reshard_after_forward)
 
     def setup_environment(self) -> None:
         self._setup_tsp_environment(self.precision.precision, super().setup_environment)
 
     def _convert(self, module: nn.Module, _device_mesh) -> nn.Module:
-        shard_full_batches(parallelize_target(module, self.tsp_mesh))
+        shard_full_batches(parallelize_target(module, self.tsp_mesh,
+                                              **self._parallelize_options()))
         return module
 
     # ------------------------------------------------------------------ checkpoints

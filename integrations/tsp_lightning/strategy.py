@@ -6,7 +6,8 @@ before the step sees it, so ``return self.model(**batch).loss`` works with or wi
 model's loss is the global mean (identical on every rank), so logged losses are true ones.
 Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) load at any
 TSP degree and data-parallel size (``tsp_lightning.checkpoint``); :meth:`export_hf` writes a
-consolidated Hugging Face checkpoint.
+consolidated Hugging Face checkpoint. ``fsdp=True``: the conversion also applies FSDP2 over the
+whole data-parallel dim (``tsp_core.fsdp``), before ``configure_optimizers`` runs.
 """
 
 from __future__ import annotations
@@ -33,15 +34,19 @@ __all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
 class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     """``TSPStrategy(tsp_size=None | "auto" | int, data_parallel_size="auto" | int,
     save_distributed_checkpoint=True, layout="zigzag", tsp_seq_len=None, tsp_memory_gb=None,
-    tsp_model_config=None, metrics=True)``. No TSP size means every process of a node; "auto" asks the planner
-    for the smallest degree inside a node that fits in memory (``tsp_core.plan.auto``: the
+    tsp_model_config=None, metrics=True, fsdp=False, fsdp_mp_policy=None,
+    reshard_after_forward=True)``. No TSP size means every process of a node; "auto" asks the
+    planner for the smallest degree inside a node that fits in memory (``tsp_core.plan.auto``: the
     sequence length from ``tsp_seq_len``, ``TSP_SEQ_LEN`` or the model's max_position_embeddings;
     the model's config from the LightningModule's ``model`` set in ``__init__``). Data parallel
     takes the rest. ``save_distributed_checkpoint``: True writes a reshardable sharded directory,
     False one file with full Hugging Face-shaped weights and optimizer state that any strategy
     loads (``tsp_lightning.checkpoint``). ``metrics``: log TSP's per-step figures (communication,
     waiting, tokens/s, peak memory) to the Trainer's loggers every ``log_every_n_steps``
-    (:class:`tsp_lightning.TSPMonitor`, added when the Trainer has a logger and no monitor)."""
+    (:class:`tsp_lightning.TSPMonitor`, added when the Trainer has a logger and no monitor).
+    ``fsdp=True``: FSDP2 also shards each rank's TSP shard over the whole data-parallel dim (per
+    decoder layer and the root; model state 1/(tsp x dp) per rank), with FSDP2's
+    ``fsdp_mp_policy`` (a ``MixedPrecisionPolicy``) and ``reshard_after_forward``."""
 
     strategy_name = "tsp"
 
@@ -51,12 +56,14 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
                  process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, tsp_seq_len: int | None = None,
                  tsp_memory_gb: float | None = None, tsp_model_config: Any = None,
-                 metrics: bool = True) -> None:
+                 metrics: bool = True, fsdp: bool = False, fsdp_mp_policy: Any = None,
+                 reshard_after_forward: bool = True) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tsp_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._layout, self._metrics = layout, metrics
         self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
+        self._set_fsdp(fsdp, fsdp_mp_policy, reshard_after_forward)
 
     @property
     def is_distributed(self) -> bool:
@@ -72,7 +79,8 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
         if self._metrics:
             add_monitor(trainer)
         self.accelerator.setup(trainer)
-        parallelize_target(self.lightning_module, self.tsp_mesh)
+        # before the optimizers: configure_optimizers sees the (FSDP2-)sharded parameters
+        parallelize_target(self.lightning_module, self.tsp_mesh, **self._parallelize_options())
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
