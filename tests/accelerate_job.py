@@ -14,6 +14,16 @@ clipping is DeepSpeed's, at the 1.0 Accelerate fills in, and the norm DeepSpeed'
 repeats must be identical (exit 1 otherwise). ``--case "NAME ARGS..."`` (repeatable): one more
 run in the same processes with its own accelerator, results in --out/NAME.
 
+FSDP2 (dp_shard x tsp): ``--fsdp-code`` builds ``TSPAccelerator(parallelism_config=
+ParallelismConfig(dp_shard_size=N, tp_size=D), fsdp_plugin=FullyShardedDataParallelPlugin(
+fsdp_version=2, mixed_precision_policy=MixedPrecisionPolicy(reduce_dtype=float64)))``; a launch
+with an FSDP2 ``accelerate config`` file (``accelerate launch --config_file``) takes it from the
+launcher's environment with the script unchanged. Under --case the launcher's FSDP and
+``parallelism_config`` variables reach only the cases marked ``--launch-fsdp`` (which do not see
+``TSP_SIZE``: the TSP degree is the config file's tp size); the others run as after a plain
+``--multi_gpu`` launch. With FSDP2 every rank also records the bytes of parameter
+storage it holds and how its FSDP2 units were configured (``fsdp`` in ``rank<R>.json``).
+
 Every rank writes its losses and norms per model (``rank<R>.json``); rank 0 the final full
 weights and (not under DeepSpeed, whose gradients live in its buffers) the first step's full
 gradients before clipping (``weights_kv<N>.pt``, ``grads0_kv<N>.pt``).
@@ -27,8 +37,8 @@ import os
 import shlex
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate import Accelerator, ParallelismConfig
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.utils.data import DataLoader
 from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 
@@ -62,9 +72,35 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--round-trip", action="store_true")
     ap.add_argument("--metrics", action="store_true",
                     help="log tsp_metrics() every 2 steps to a JSONLinesTracker (out/tracker.jsonl)")
+    ap.add_argument("--fsdp-code", type=int, default=0, metavar="DP_SHARD",
+                    help="FSDP2 over DP_SHARD data-parallel ranks, configured in code")
+    ap.add_argument("--launch-fsdp", action="store_true",
+                    help="(--case) this case sees the launcher's FSDP configuration")
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", action="append", default=[])
     return ap
+
+
+def storage_bytes(model) -> int:
+    """Bytes of parameter storage this rank holds, measured: every distinct storage once."""
+    from tsp_core.params import local
+
+    seen = {}
+    for p in model.parameters():
+        s = local(p).untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def fsdp_units(model) -> dict:
+    """How FSDP2 was applied: each decoder layer's reshard_after_forward and reduce dtype."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = [m for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
+    states = [m._get_fsdp_state() for m in layers]
+    return {"units": len(layers) + isinstance(model, FSDPModule),
+            "reshard": [s._fsdp_param_group.post_forward_mesh_info is not None for s in states],
+            "reduce_dtype": sorted({str(s._mp_policy.reduce_dtype) for s in states})}
 
 
 def train(a) -> Accelerator:
@@ -72,7 +108,17 @@ def train(a) -> Accelerator:
         accelerator = Accelerator(cpu=True)
     else:
         trackers = [JSONLinesTracker(os.path.join(a.out, "tracker.jsonl"))] if a.metrics else None
-        accelerator = TSPAccelerator(tsp_size=a.tsp_size, log_with=trackers)
+        fsdp = {}
+        if a.fsdp_code:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            fsdp = dict(parallelism_config=ParallelismConfig(dp_shard_size=a.fsdp_code,
+                                                             tp_size=a.tsp_size),
+                        fsdp_plugin=FullyShardedDataParallelPlugin(
+                            fsdp_version=2, mixed_precision_policy=MixedPrecisionPolicy(
+                                reduce_dtype=getattr(torch, a.dtype))))
+            a.tsp_size = None  # the ParallelismConfig's tp_size
+        accelerator = TSPAccelerator(tsp_size=a.tsp_size, log_with=trackers, **fsdp)
         if a.metrics:
             accelerator.init_trackers("job")
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -84,9 +130,15 @@ def train(a) -> Accelerator:
     # one prepare call per model: Accelerate's tp path maps optimizer parameters by parameter
     # name over everything in one call, so two models of the same names there would collide;
     # DeepSpeed wants the loader in the model's call (it reads the micro-batch size from it)
+    full_bytes = sum(p.numel() * p.element_size() for p in models[0].parameters())
     first = accelerator.prepare(models[0], optimizers[0], loader)
     pairs = [first[:2]] + [accelerator.prepare(m, o) for m, o in zip(models[1:], optimizers[1:])]
     models, optimizers, loader = [m for m, _ in pairs], [o for _, o in pairs], first[2]
+    fsdp_info = {}
+    if accelerator.is_fsdp2:
+        unwrapped = accelerator.unwrap_model(models[0])
+        fsdp_info = {"storage": storage_bytes(unwrapped), "full": full_bytes,
+                     **fsdp_units(unwrapped)}
     batches = list(loader)
     losses = {k: [] for k in kv_heads}
     norms = {k: [] for k in kv_heads}
@@ -133,7 +185,9 @@ def train(a) -> Accelerator:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "metric_rows": metric_rows,
-                   "step_counts": counters.steps}, f)
+                   "step_counts": counters.steps, "fsdp": fsdp_info,
+                   "tsp_reason": getattr(getattr(accelerator, "tsp_choice", None), "reason", "")},
+                  f)
     for k, model in zip(kv_heads, models):
         unwrapped = accelerator.unwrap_model(model)
         if a.plain:
@@ -150,6 +204,10 @@ def train(a) -> Accelerator:
     return accelerator
 
 
+FSDP_ENV = ("ACCELERATE_USE_FSDP", "FSDP_", "ACCELERATE_USE_PARALLELISM_CONFIG",
+            "PARALLELISM_CONFIG_")
+
+
 def main() -> None:
     ap = parser()
     a = ap.parse_args()
@@ -157,11 +215,22 @@ def main() -> None:
         return train(a).end_training()
     from accelerate.state import AcceleratorState
 
+    launched = {k: v for k, v in os.environ.items() if k.startswith(FSDP_ENV)}
+    tsp_env = os.environ.get("TSP_SIZE")
     accelerator = None
     for spec in a.case:
         name, *extra = shlex.split(spec)
         args = ap.parse_args([*extra, "--out", os.path.join(a.out, name)])
-        if accelerator is not None and args.tsp_size != accelerator.tsp_mesh.size:
+        for key in [k for k in os.environ if k.startswith(FSDP_ENV)]:
+            del os.environ[key]  # also what an earlier case's plugin set
+        if args.launch_fsdp:  # everything from the config file, the TSP degree too
+            os.environ.update(launched)
+            os.environ.pop("TSP_SIZE", None)
+        elif tsp_env is not None:
+            os.environ["TSP_SIZE"] = tsp_env
+        plain = not (args.launch_fsdp or args.fsdp_code or accelerator is None
+                     or accelerator.is_fsdp2)
+        if plain and args.tsp_size != accelerator.tsp_mesh.size:
             try:  # the process-wide state would keep the first TSP size: refused, not ignored
                 TSPAccelerator(tsp_size=args.tsp_size)
                 raise AssertionError(f"a second TSPAccelerator(tsp_size={args.tsp_size}) was "
@@ -169,8 +238,9 @@ def main() -> None:
             except ValueError as e:
                 assert "cannot change it" in str(e), e
         # an Accelerator keeps its parallelism config in a process-wide state: a new TSP size
-        # needs a new one (the process group stays; end_training would destroy it)
-        AcceleratorState._reset_state()
+        # needs a new one (the process group stays; end_training would destroy it). After FSDP2
+        # the partial state too: it keeps the FSDP distributed type, without the plugin
+        AcceleratorState._reset_state(accelerator is not None and accelerator.is_fsdp2)
         accelerator = train(args)
     accelerator.end_training()
 

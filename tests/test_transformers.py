@@ -1,7 +1,8 @@
 """Transformers: TSPTrainer on torchrun processes matches one process in float64 with
 ``max_grad_norm`` clipping active and plain SGD: the logged losses and grad_norm, the first
-step's gradients and the final weights, at tsp 2, dp 2 x tsp 2 and tsp 4 with 1 and 2 key/value
-heads (a tiny Llama saved with save_pretrained); packed batches; resuming from a checkpoint is
+step's gradients and the final weights, at tsp 2, dp 2 x tsp 2 (also with FSDP2 over dp_shard 2,
+each rank holding 1/4 of the model) and tsp 4 with 1 and 2 key/value heads (a tiny Llama saved
+with save_pretrained); packed batches; resuming from a checkpoint is
 exact; a Qwen2 checkpoint (with biases) loads shard-on-read into a TSP model with the plain
 model's logits."""
 
@@ -115,9 +116,13 @@ def test_tsp_trainer_matches_one_process(tmp_path, saved_mqa):
 
 
 def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama, saved_qwen3):
-    # one torchrun launch of 4 processes, four Trainer runs: dp 2 x tsp 2 (each data-parallel
-    # replica its own rows) with 1 key/value head, tsp 4 with 1 and with 2, and a Qwen3 (per-head
-    # q/k norms, head_dim 24, biases, a sliding layer) at tsp 4
+    # one torchrun launch of 4 processes, five Trainer runs: dp 2 x tsp 2 (each data-parallel
+    # replica its own rows) with 1 key/value head, tsp 4 with 1 and with 2, a Qwen3 (per-head
+    # q/k norms, head_dim 24, biases, a sliding layer) at tsp 4, and (last: Accelerate's state
+    # stays FSDP for the process) FSDP2 dp_shard 2 x tsp 2 from TSPTrainingArguments(fsdp=
+    # "full_shard", fsdp_config={"fsdp_version": 2}), evaluated before training too (the Trainer
+    # then prepares the model without its optimizer), with 2 accumulated micro-batches of 1 row
+    # per step (FSDP2's gradient sync off for the first: Accelerate's no_sync) for dp2's batches
     torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--out", str(tmp_path), "--case",
              # TSP's logged figures, with an evaluation after step 2 and a checkpoint after
              # step 3 that must not count
@@ -125,14 +130,33 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_lla
              f"--save_strategy steps --save_steps 3",
              f"tsp4_kv1 --tsp_size 4",
              f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama} --tsp_metrics false",
-             f"qwen3 --tsp_size 4 --model_path {saved_qwen3}", procs=4)
-    cases = {"dp2": reference(kv_heads=1, dp=2, rows=16), "tsp4_kv1": reference(kv_heads=1, dp=1),
+             f"qwen3 --tsp_size 4 --model_path {saved_qwen3}",
+             "fsdp --tsp_size 2 --rows 16 --fsdp full_shard --fsdp_config "
+             "'{\"fsdp_version\": 2}' --eval_first true --per_device_train_batch_size 1 "
+             "--gradient_accumulation_steps 2", procs=4)
+    dp2 = reference(kv_heads=1, dp=2, rows=16)
+    cases = {"dp2": dp2, "tsp4_kv1": reference(kv_heads=1, dp=1),
              "tsp4_kv2": reference(kv_heads=2, dp=1),
-             "qwen3": reference(kv_heads=None, dp=1, family="qwen3")}
+             "qwen3": reference(kv_heads=None, dp=1, family="qwen3"), "fsdp": dp2}
     for name, ref in cases.items():
         runs = full_run(tmp_path / name)
         assert len(runs) == 4, name
         assert_every_rank(runs, ref, name)
+    # FSDP2: each rank holds 1/(tsp x dp_shard) = 1/4 of the model (the norms, which TSP
+    # replicates and FSDP2 halves, add 0.4%), in TSP's units (each decoder layer and the root);
+    # eval_loss before and after training is one process's
+    data = torch.randint(0, 96, (16, 24), generator=torch.Generator().manual_seed(5))[:4]
+    with torch.no_grad():
+        loss0 = hf_models.reference_loss(hf_models.build("llama", torch.float64, kv_heads=1),
+                                         data, data).item()
+    for r, run in enumerate(full_run(tmp_path / "fsdp")):
+        fsdp = run["fsdp"]
+        floor = fsdp["full"] / 4
+        assert floor <= fsdp["storage"] <= 1.01 * floor, (r, fsdp)
+        assert fsdp["units"] == 3 and fsdp["reshard"] == [True, True], (r, fsdp)
+        for key, want in (("eval_loss0", loss0), ("eval_loss", dp2["eval_loss"])):
+            assert abs(run[key] - want) <= 1e-8 * want, (r, key, run[key], want)
+    assert all("fsdp" not in run for run in full_run(tmp_path / "dp2"))
     for r, run in enumerate(full_run(tmp_path / "dp2")):
         assert len(run["metric_rows"]) == 4, run["metric_rows"]
         metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 2, f"rank {r}")
@@ -220,3 +244,34 @@ def test_qwen2_loads_shard_on_read(pool, tmp_path, tsp):
     local = pool.run(shard_on_read, tsp, str(tmp_path / "qwen2"))
     total = sum(p.numel() for p in hf_models.build("qwen2", torch.float32).parameters())
     assert max(local) < total / tsp * 1.5, (local, total)
+
+
+def test_fsdp_options_tsp_cannot_honour_are_refused(monkeypatch, tmp_path):
+    # TSPTrainer refuses, naming the fix and the numbers, before any collective (on a fake
+    # 4-process world: TrainingArguments itself sets up the process group)
+    from accelerate.state import AcceleratorState
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from tsp_transformers import TSPTrainer, TSPTrainingArguments
+
+    for key, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "4"), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    cases = [("full_shard", {"fsdp_version": 1}, 2, "FSDP2 only, not fsdp_version=1"),
+             ("full_shard offload", {"fsdp_version": 2}, 2, "fsdp='offload'"),
+             ("full_shard", {"fsdp_version": 2, "cpu_ram_efficient_loading": True}, 2,
+              "cpu_ram_efficient_loading"),
+             ("full_shard", {"fsdp_version": 2, "activation_checkpointing": True}, 2,
+              "activation_checkpointing"),
+             ("full_shard", {"fsdp_version": 2}, 4,
+              r"tsp_size \(4\) x dp_replicate_size \(1\) takes all 4 processes \(dp_shard 1\)")]
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        for fsdp, config, tsp, words in cases:
+            args = TSPTrainingArguments(output_dir=str(tmp_path), tsp_size=tsp, fsdp=fsdp,
+                                        fsdp_config=config, use_cpu=True, report_to="none")
+            with pytest.raises(ValueError, match=words):
+                TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
+    finally:
+        dist.destroy_process_group()
+        AcceleratorState._reset_state(True)

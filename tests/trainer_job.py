@@ -5,7 +5,11 @@ weights (``weights.pt``) and, with clipping on, the full gradients of the first 
 clipping (``grads0.pt``).
 
 ``--case "NAME ARGS..."`` (repeatable, under torchrun): one more Trainer run in the same processes
-with ARGS added to the command line's, results in --out/NAME, output_dir/NAME."""
+with ARGS added to the command line's, results in --out/NAME, output_dir/NAME.
+
+``--eval_first true``: ``evaluate()`` before ``train()`` too (``eval_loss0``). Under FSDP2
+(``--fsdp full_shard --fsdp_config '{"fsdp_version": 2}'``) every rank also records the bytes of
+parameter storage it holds and how its FSDP2 units were configured (``fsdp``)."""
 
 from __future__ import annotations
 
@@ -28,9 +32,11 @@ import tsp_core
 from tsp_core.parallelize import TSPCausalLM
 
 try:  # run as a script from tests/, or imported by the test module
+    from accelerate_job import fsdp_units, storage_bytes
     from hf_models import full_grads
     from metrics_check import StepCounters
 except ImportError:
+    from .accelerate_job import fsdp_units, storage_bytes
     from .hf_models import full_grads
     from .metrics_check import StepCounters
 
@@ -44,6 +50,7 @@ class JobArgs:
     num_docs: int = field(default=16)
     rows: int = field(default=8)
     dtype: str = field(default="float32")
+    eval_first: bool = field(default=False)
     case: list[str] = field(default_factory=list)
 
 
@@ -110,19 +117,23 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
         data = [{"input_ids": r, "labels": r} for r in rows(model.config.vocab_size, job.rows)]
         collator = None
     log = LogRecorder()
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     trainer = TSPTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
                          callbacks=[log], data_collator=collator)
     first = record_first_gradients(trainer)
+    extra = {"eval_loss0": trainer.evaluate()["eval_loss"]} if job.eval_first else {}
     trainer.train(resume_from_checkpoint=job.resume or None)
     metrics = trainer.evaluate()
     model = trainer.model
+    if trainer.accelerator.is_fsdp2:
+        extra["fsdp"] = {"storage": storage_bytes(model), "full": full_bytes, **fsdp_units(model)}
     weights = (tsp_core.full_state_dict(model, rank0_only=True) if isinstance(model, TSPCausalLM)
                else {k: v.detach().clone() for k, v in model.state_dict().items()})
     rank = trainer.args.process_index
     os.makedirs(job.out, exist_ok=True)
     with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
         json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"],
-                   "metric_rows": log.metric_rows, "step_counts": log.counters.steps}, f)
+                   "metric_rows": log.metric_rows, "step_counts": log.counters.steps, **extra}, f)
     if rank == 0:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
         if first:
@@ -136,16 +147,22 @@ def main() -> None:
     if not job.case:
         return train(job, args)
     base = argv[:argv.index("--case")]  # --case takes the rest of the command line
+    fsdp = False
     for spec in job.case:
         from accelerate.state import AcceleratorState
 
         name, *extra = shlex.split(spec)
+        # an FSDP plugin leaves ACCELERATE_USE_FSDP=true behind, which would make the next
+        # case's Accelerator build one
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
         case, case_args = parser.parse_args_into_dataclasses(args=[*base, *extra])
         case.out = os.path.join(job.out, name)
         case_args.output_dir = os.path.join(args.output_dir, name)
         # the Trainer's Accelerator keeps its parallelism config in a process-wide state: a new
-        # TSP size needs a new one (the process group stays)
-        AcceleratorState._reset_state()
+        # TSP size needs a new one (the process group stays); after FSDP2 the partial state
+        # too (it keeps the FSDP distributed type, without the plugin)
+        AcceleratorState._reset_state(fsdp)
+        fsdp = case_args.fsdp_plugin_args is not None
         train(case, case_args)
 
 

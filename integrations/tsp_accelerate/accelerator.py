@@ -19,6 +19,15 @@
   ``step``, each rank's RNG state, registered objects, automatic checkpoint naming). Accelerate's
   ``optimizer.bin`` would come from rank 0 only and cannot hold sharded Adam state.
 
+FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)`` with ``ParallelismConfig(dp_shard_size=N,
+tp_size=D)``, or an ``accelerate config`` file with ``distributed_type: FSDP``, ``fsdp_version: 2``
+and ``parallelism_config_*`` keys): ``prepare()`` converts the model with ``tsp_core.parallelize``
+on Accelerate's mesh, TSP on "tp" and ``fully_shard`` per decoder layer and root on "dp_shard",
+with the plugin's ``mixed_precision_policy`` and ``reshard_after_forward``; Accelerate's own FSDP2
+preparation then finds an ``FSDPModule`` and only points the optimizer at its parameters (no
+second ``fully_shard``, upcast or broadcast from rank 0). Options TSP cannot honour are refused in
+the constructor (:func:`check_fsdp_plugin`), before any collective.
+
 DeepSpeed (``accelerate launch --use_deepspeed``; a ``DeepSpeedPlugin`` too, untested): Accelerate calls
 ``deepspeed.initialize`` itself, with no mpu; ``prepare()`` sends that call through
 ``tsp_deepspeed.initialize`` (``tsp_deepspeed.routed``), so ZeRO partitions over the data-parallel
@@ -26,11 +35,13 @@ axis, and ``save_state`` / ``load_state`` are Accelerate's own (``engine.save_ch
 every TSP rank's shards). On CPU the accelerator is created with a gloo process group instead of
 ``cpu=True``, which would switch DeepSpeed off.
 
-CPU compatibility shim (two lines, both tested by the 2-process CPU test): without CUDA the
-accelerator is created with ``cpu=True``, or Accelerate does not see the launcher's processes; and
+CPU compatibility shim (three parts, all tested by the 4-process CPU test): without CUDA the
+accelerator is created with ``cpu=True``, or Accelerate does not see the launcher's processes;
 :attr:`multi_device` also answers True for a multi-process CPU run (``DistributedType.MULTI_CPU``),
-which Accelerate counts as not "multi-device" and ``ParallelismConfig`` would then refuse.
-Accelerate takes its ``tp`` path, which does no DDP wrapping: what TSP needs on CPU as on GPU.
+which Accelerate counts as not "multi-device" and ``ParallelismConfig`` would then refuse
+(Accelerate takes its ``tp`` path, which does no DDP wrapping: what TSP needs on CPU as on GPU);
+and with an FSDP2 plugin the distributed type is made FSDP, as Accelerate makes it only for GPU-like
+devices (:meth:`_enable_fsdp_on_cpu`).
 On a CPU-only machine ``accelerate launch --cpu`` starts a single process (multi-CPU needs
 mpirun); ``accelerate launch --multi_gpu --num_processes 2`` starts torchrun workers, which run
 on CPU with gloo.
@@ -45,7 +56,9 @@ from typing import Any, Callable
 import torch
 from accelerate import Accelerator, ParallelismConfig
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, recursively_apply
+from accelerate.state import PartialState
+from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin,
+                              InitProcessGroupKwargs, recursively_apply)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -54,6 +67,7 @@ from tsp_core.logits import gather_data_parallel
 from tsp_core.mesh import TSPMesh, check_mesh_shape
 from tsp_core.metrics import StepMetrics
 from tsp_core.parallelize import TSPCausalLM, shard_full_batches
+from tsp_core.policies import find_policy
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
 
 
@@ -113,29 +127,162 @@ def _uses_deepspeed(kwargs: dict) -> bool:
         os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
+def _requested_fsdp_plugin(kwargs: dict) -> FullyShardedDataParallelPlugin | None:
+    """The FSDP plugin ``Accelerator.__init__`` would use: the argument, else the one it builds
+    from the launcher's environment (``accelerate launch`` with ``distributed_type: FSDP``)."""
+    plugin = kwargs.get("fsdp_plugin")
+    if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        plugin = FullyShardedDataParallelPlugin()
+    return plugin
+
+
+def _requested_parallelism_config(kwargs: dict) -> ParallelismConfig | None:
+    """The ``ParallelismConfig`` given, else the launcher's (``parallelism_config_*`` keys of an
+    ``accelerate config`` file, forwarded with FSDP2), as ``Accelerator.__init__`` builds it."""
+    given = kwargs.get("parallelism_config")
+    if given is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG",
+                                        "false").lower() == "true":
+        given = ParallelismConfig()  # reads PARALLELISM_CONFIG_* from the environment
+    return given
+
+
+def check_fsdp_version(version: int) -> None:
+    if version != 2:
+        raise ValueError(f"TSP composes with FSDP2 only, not fsdp_version={version} (FSDP1's "
+                         f"flat parameters cannot hold TSP's DTensor shards): set fsdp_version: "
+                         f"2 in the accelerate config, FullyShardedDataParallelPlugin("
+                         f"fsdp_version=2), or the Trainer's fsdp_config={{'fsdp_version': 2}}")
+
+
+def check_fsdp_plugin(plugin: FullyShardedDataParallelPlugin) -> None:
+    """Refuse, naming the fix, the FSDP options TSP cannot honour. TSP applies FSDP2 itself
+    (``tsp_core.parallelize``: each decoder layer and the root, over "dp_shard") and routes the
+    plugin's ``mixed_precision_policy`` and ``reshard_after_forward`` into it; Accelerate's own
+    ``fully_shard`` then finds the model sharded and leaves it alone, so options that only that
+    path applies would be silently dropped. Raises before any collective."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    check_fsdp_version(plugin.fsdp_version)
+    refused = []
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        refused.append("cpu_offload (fsdp_offload_params; the Trainer's fsdp='offload'): the TSP "
+                       "schedules broadcast each layer's shards from the accelerator; set it "
+                       "to false")
+    if plugin.activation_checkpointing:
+        refused.append("activation_checkpointing (fsdp_activation_checkpointing): Accelerate "
+                       "would wrap the decoder layers after TSP sharded them; set it to false "
+                       "and, for recompute, call model.gradient_checkpointing_enable("
+                       "gradient_checkpointing_kwargs={'use_reentrant': False}) before the "
+                       "model is converted (before prepare, or before creating the TSPTrainer)")
+    if plugin.ignored_modules is not None:
+        refused.append(f"ignored_modules ({plugin.ignored_modules!r}): TSP shards every "
+                       f"parameter; leave it unset")
+    if plugin.cpu_ram_efficient_loading:
+        refused.append("cpu_ram_efficient_loading (fsdp_cpu_ram_efficient_loading): "
+                       "transformers then loads the weights on rank 0 only, for Accelerate's "
+                       "own fully_shard to broadcast, which TSP replaces; set it to false (to "
+                       "read a large checkpoint without a full copy per rank, use "
+                       "tsp_transformers.load_pretrained, which reads each rank's slices)")
+    wrap = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if wrap is size_based_auto_wrap_policy and (plugin.min_num_params or 0) > 0:
+        refused.append(f"auto_wrap_policy SIZE_BASED_WRAP (min_num_params "
+                       f"{plugin.min_num_params}): TSP's FSDP2 units are each decoder layer and "
+                       f"the root; use TRANSFORMER_BASED_WRAP or NO_WRAP")
+    if refused:
+        raise ValueError("TSP with FSDP2 cannot honour " + "; ".join(refused))
+
+
+def _wrap_class_names(plugin: FullyShardedDataParallelPlugin) -> list[str] | None:
+    """The classes a TRANSFORMER_BASED_WRAP policy names (None: it names none)."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    wrap = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if wrap is not transformer_auto_wrap_policy:
+        return None
+    return list(plugin.transformer_cls_names_to_wrap or []) or None
+
+
+def _check_wrap_classes(names: list[str] | None, model: nn.Module) -> None:
+    """TRANSFORMER_BASED_WRAP may only name the decoder layer class: TSP's FSDP2 units are
+    each decoder layer and the root, whatever else is named."""
+    if not names:
+        return
+    policy = find_policy(model)
+    layers = {type(layer).__name__
+              for layer in getattr(getattr(model, policy.base_model), policy.layers)}
+    other = sorted(set(names) - layers)
+    if other:
+        raise ValueError(f"transformer_cls_names_to_wrap names {other}: TSP's FSDP2 units are "
+                         f"each decoder layer ({', '.join(sorted(layers))}) and the root; name "
+                         f"the decoder layer class or leave it unset")
+
+
+def _fsdp_sizes(world: int, tsp: int, config: ParallelismConfig | None) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) of an FSDP2 run: the config's, dp_shard filling the world when
+    unset; FSDP2 needs dp_shard > 1. Raises with the numbers, before any collective."""
+    replicate = config.dp_replicate_size if config is not None else 1
+    if world % (tsp * replicate):
+        raise ValueError(f"tsp_size ({tsp}) x dp_replicate_size ({replicate}) must divide the "
+                         f"world size ({world})")
+    shard = world // (tsp * replicate)
+    if config is not None and config.dp_shard_size > 1 and config.dp_shard_size != shard:
+        raise ValueError(f"dp_replicate_size ({replicate}) x dp_shard_size "
+                         f"({config.dp_shard_size}) x tsp_size ({tsp}) = "
+                         f"{replicate * config.dp_shard_size * tsp} does not match the world "
+                         f"size ({world}); dp_shard_size {shard} would")
+    if shard < 2:
+        raise ValueError(f"FSDP2 shards over data parallel, but tsp_size ({tsp}) x "
+                         f"dp_replicate_size ({replicate}) takes all {world} processes "
+                         f"(dp_shard {shard}): launch more processes, lower tsp_size, or run "
+                         f"without FSDP")
+    return replicate, shard
+
+
 class TSPAccelerator(Accelerator):
     """``Accelerator`` with TSP. Takes every ``Accelerator`` argument plus ``tsp_size`` (an int,
     ``"auto"`` or None), ``layout`` and, for ``"auto"``, ``tsp_model_config`` (the model's config,
     a dict or a path; or ``TSP_MODEL_CONFIG``: the accelerator exists before ``prepare`` sees the
     model), ``tsp_seq_len`` (or ``TSP_SEQ_LEN``; default the config's max_position_embeddings),
     ``tsp_memory_gb`` (or ``TSP_MEMORY_GB``; default detected) and ``tsp_batch`` (sequences per
-    micro-step, 1). ``parallelism_config`` may only set the tp size (other axes are not TSP)."""
+    micro-step, 1). ``parallelism_config`` may set the tp size (the TSP degree) and, with an FSDP2
+    plugin, ``dp_shard_size`` / ``dp_replicate_size``; cp and sp are not TSP."""
 
     def __init__(self, *args: Any, tsp_size: int | str | None = None, layout: str = "zigzag",
                  tsp_model_config: Any = None, tsp_seq_len: int | None = None,
                  tsp_memory_gb: float | None = None, tsp_batch: int = 1, **kwargs: Any) -> None:
-        given = kwargs.get("parallelism_config")
-        if given is not None and (given.cp_size > 1 or given.sp_size > 1 or given.dp_shard_size > 1):
-            raise ValueError(f"TSPAccelerator composes with data parallel only; got {given}")
+        deepspeed = _uses_deepspeed(kwargs)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        fsdp = None if deepspeed or world == 1 else _requested_fsdp_plugin(kwargs)
+        given = _requested_parallelism_config(kwargs)
+        if given is not None and (given.cp_size > 1 or given.sp_size > 1):
+            raise ValueError(f"TSPAccelerator composes with data parallel (and FSDP2) only; got "
+                             f"cp_size {given.cp_size}, sp_size {given.sp_size}")
+        if given is not None and given.dp_shard_size > 1 and fsdp is None and not deepspeed:
+            raise ValueError(f"dp_shard_size ({given.dp_shard_size}) shards data parallel with "
+                             f"FSDP2, and no FSDP plugin is given: pass fsdp_plugin="
+                             f"FullyShardedDataParallelPlugin(fsdp_version=2) (or launch with an "
+                             f"FSDP2 accelerate config), or leave dp_shard_size unset for plain "
+                             f"data parallel")
+        if fsdp is not None:
+            check_fsdp_plugin(fsdp)  # before any collective
         self.tsp_choice = _tsp_size(tsp_size, given, tsp_model_config, tsp_seq_len, tsp_memory_gb,
                                     tsp_batch)
         log_choice(self.tsp_choice)
         size = self.tsp_choice.size
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if given is not None and given.tp_size > 1 and given.tp_size != size:
+            raise ValueError(f"the ParallelismConfig's tp_size ({given.tp_size}) is the TSP "
+                             f"degree, and tsp_size is {size} ({self.tsp_choice.reason}): give "
+                             f"one of them, or the same value")
         dp = check_mesh_shape(world, size, None)  # raises with the numbers, before any collective
-        deepspeed = _uses_deepspeed(kwargs)
         if deepspeed:  # Accelerate's tp axis would prepare everything before DeepSpeed sees it
             kwargs.pop("parallelism_config", None)
+        elif fsdp is not None:
+            # FSDP2 over "dp_shard" (replicas of it on "dp_replicate": HSDP), TSP on "tp"
+            replicate, shard = _fsdp_sizes(world, size, given)
+            kwargs["parallelism_config"] = ParallelismConfig(
+                dp_replicate_size=replicate, dp_shard_size=shard, tp_size=size)
+            kwargs["fsdp_plugin"] = fsdp
         else:
             # data parallel goes on Accelerate's dp_shard axis: it refuses tp with dp_replicate
             # alone, and without an FSDP plugin nothing shards; it only splits batches over it
@@ -148,6 +295,16 @@ class TSPAccelerator(Accelerator):
             else:
                 kwargs.setdefault("cpu", True)  # shim: Accelerate needs cpu=True to see a CPU world
         super().__init__(*args, **kwargs)
+        if fsdp is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self._enable_fsdp_on_cpu(fsdp)
+        self._fsdp_wrap_names = None
+        if self.is_fsdp2:
+            # TSP applies FSDP2 itself, each decoder layer and the root: Accelerate's
+            # _prepare_fsdp2 would look the policy's classes up in the converted model, where
+            # fully_shard has renamed them (FSDPLlamaDecoderLayer), and fail; they are checked
+            # against the model in prepare instead
+            self._fsdp_wrap_names = _wrap_class_names(self.state.fsdp_plugin)
+            self.state.fsdp_plugin.auto_wrap_policy = None
         mesh = self.torch_device_mesh
         if self.distributed_type == DistributedType.DEEPSPEED:
             # Accelerate's DeepSpeed data loaders give every rank of a "tp" dim of this mesh the
@@ -162,7 +319,8 @@ class TSPAccelerator(Accelerator):
                              f"process): reuse the first accelerator, or call "
                              f"AcceleratorState._reset_state(True) before creating this one")
         if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
-            self.tsp_mesh = TSPMesh.from_device_mesh(mesh, "tp", layout)
+            shard_dim = "dp_shard" if self.is_fsdp2 else None
+            self.tsp_mesh = TSPMesh.from_device_mesh(mesh, "tp", layout, shard_dim=shard_dim)
         else:  # one process: Accelerate builds no mesh
             self.tsp_mesh = tsp_core.init_mesh(size, layout=layout)
         self._tsp_meter = StepMetrics(self.tsp_mesh)
@@ -174,6 +332,47 @@ class TSPAccelerator(Accelerator):
         return super().multi_device or (self.distributed_type == DistributedType.MULTI_CPU
                                         and self.num_processes > 1)
 
+    def _enable_fsdp_on_cpu(self, plugin: FullyShardedDataParallelPlugin) -> None:
+        """The CPU shim's third part: Accelerate switches to FSDP only for multi-GPU-like
+        distributed types, so a multi-process CPU run (gloo) stays MULTI_CPU and would drop the
+        plugin. Do what ``AcceleratorState`` does for a GPU run: keep the plugin, give it the
+        accelerator's mixed precision, and make the distributed type FSDP (process-wide, as
+        Accelerate does)."""
+        self.state.fsdp_plugin = plugin
+        if self.state.mixed_precision != "no":
+            plugin.set_mixed_precision(self.state.mixed_precision)
+        self.state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    def tsp_parallelize(self, model: nn.Module) -> nn.Module:
+        """Convert ``model`` to TSP on this accelerator's mesh, in place, as :meth:`prepare`
+        does (a converted model is returned as it is). With FSDP2, ``fully_shard`` then splits
+        each rank's TSP shards over "dp_shard" per decoder layer and the root, with the plugin's
+        ``mixed_precision_policy`` and ``reshard_after_forward``; with mixed precision the
+        parameters are first made float32, as Accelerate's FSDP2 path does. Build the optimizer
+        afterwards, or let :meth:`prepare` point it at the new parameters."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, TSPCausalLM):
+            if self.is_fsdp2 and not isinstance(model, FSDPModule):
+                raise ValueError(f"{type(model).__name__} was converted to TSP without FSDP2, and "
+                                 f"this accelerator shards with FSDP2 (Accelerate's own "
+                                 f"fully_shard would then wrap it a second way): pass the "
+                                 f"unconverted model to prepare()")
+            return model
+        options: dict[str, Any] = {}
+        if self.is_fsdp2:
+            plugin = self.state.fsdp_plugin
+            _check_wrap_classes(self._fsdp_wrap_names, model)
+            if self.mixed_precision != "no":  # fp32 master weights, as fsdp2_prepare_model
+                for p in model.parameters():
+                    if p.is_floating_point() and p.dtype != torch.float32:
+                        p.data = p.data.to(torch.float32)
+            options = dict(mp_policy=plugin.mixed_precision_policy,
+                           reshard_after_forward=plugin.reshard_after_forward)
+        tsp_core.parallelize(model, self.tsp_mesh, **options)
+        return model
+
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
         swaps: dict[int, nn.Parameter] = {}
         for obj in args:
@@ -181,9 +380,11 @@ class TSPAccelerator(Accelerator):
                 continue
             if not isinstance(obj, TSPCausalLM):
                 old = dict(obj.named_parameters())
-                tsp_core.parallelize(obj, self.tsp_mesh)
+                self.tsp_parallelize(obj)
                 new = dict(obj.named_parameters())
                 swaps.update({id(p): new[n] for n, p in old.items() if n in new})
+            else:
+                self.tsp_parallelize(obj)  # checks that it fits this accelerator
             shard_full_batches(obj)
             obj._tp_size = self.tsp_mesh.size  # what Accelerate's tp path checks
         for obj in args:
@@ -201,7 +402,52 @@ class TSPAccelerator(Accelerator):
 
             with tsp_deepspeed.routed():  # Accelerate's own deepspeed.initialize call, with the mpu
                 return super().prepare(*args, device_placement=device_placement)
+        if self.is_fsdp2 and any(isinstance(o, nn.Module) for o in args) and \
+                not any(isinstance(o, torch.optim.Optimizer) for o in args):
+            return self._prepare_without_optimizer(args, device_placement)
+        # FSDP2: Accelerate's fsdp2_prepare_model finds the model sharded (an FSDPModule) and
+        # returns it untouched: no second fully_shard, no upcast, no broadcast from rank 0
         return super().prepare(*args, device_placement=device_placement)
+
+    def _prepare_tp(self, *args: Any):
+        """Accelerate's tp preparation; with FSDP2 without its step that wraps non-DTensor
+        parameters as ``Replicate`` on "tp" (every TSP parameter is a DTensor on the whole mesh
+        already, so it would change nothing; in Accelerate 1.15 it imports transformers'
+        ``ReplicateParallel``, which transformers 5.24 no longer has: ImportError). What remains
+        is what it does for everything but the model: loaders, optimizers, then schedulers."""
+        if not self.is_fsdp2:
+            return super()._prepare_tp(*args)
+        from torch.distributed.tensor import DTensor
+
+        for obj in args:
+            if isinstance(obj, nn.Module):
+                plain = [n for n, p in obj.named_parameters() if not isinstance(p, DTensor)]
+                if plain:
+                    raise ValueError(f"parameters {plain[:3]} are not DTensors after the TSP "
+                                     f"conversion; FSDP2 over TSP needs every parameter sharded "
+                                     f"or replicated on the mesh")
+        result = [obj if isinstance(obj, nn.Module) else self._prepare_one(obj, first_pass=True)
+                  for obj in args]
+        return [obj if isinstance(obj, nn.Module) else self._prepare_one(obj) for obj in result]
+
+    def _prepare_without_optimizer(self, args: tuple, device_placement: list[bool] | None):
+        """FSDP2: Accelerate prepares a model only together with its optimizer (it points the
+        optimizer at the sharded parameters it creates). TSP has sharded the model already, so a
+        model alone (the Trainer's ``evaluate()`` before ``train()``) needs nothing more than to
+        be registered; everything else is prepared by Accelerate as usual."""
+        result = list(args)
+        for obj in args:
+            if isinstance(obj, nn.Module):
+                if not any(m is obj for m in self._models):
+                    self._models.append(obj)
+                obj._is_accelerate_prepared = True
+        rest = [i for i, o in enumerate(args) if not isinstance(o, nn.Module)]
+        if rest:
+            placement = None if device_placement is None else [device_placement[i] for i in rest]
+            done = super().prepare(*[args[i] for i in rest], device_placement=placement)
+            for i, obj in zip(rest, done if len(rest) > 1 else (done,)):
+                result[i] = obj
+        return tuple(result) if len(result) > 1 else result[0]
 
     def _count_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         # not while paused: torch.distributed.checkpoint's optimizer state dicts (save_state,

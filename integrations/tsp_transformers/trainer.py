@@ -3,10 +3,14 @@ one argument (``tsp_size``, also ``--tsp_size`` through ``HfArgumentParser``).
 
 The Trainer's model is converted before the Trainer sees it; its Accelerator is a
 :class:`tsp_accelerate.TSPAccelerator` (so every rank of a TSP group gets the same batches and no
-DDP wraps the model); batches are sharded by the model itself. Saving writes an ordinary Hugging
-Face checkpoint plus the optimizer as a ``tsp_core.save_checkpoint`` directory (Hugging Face
-names and shapes), so a run resumes at any TSP degree and data-parallel size; resuming and
-``load_best_model_at_end`` read the weights shard-on-read from ``model.safetensors``.
+DDP wraps the model); batches are sharded by the model itself. With ``fsdp=...`` and
+``fsdp_config={"fsdp_version": 2}`` the model is converted on the accelerator's mesh instead and
+FSDP2 shards every rank's TSP shards over the world_size / tsp_size data-parallel ranks
+(``TSPAccelerator``'s FSDP2 path; options TSP cannot honour are refused before any collective).
+Saving writes an ordinary Hugging Face checkpoint plus the optimizer as a
+``tsp_core.save_checkpoint`` directory (Hugging Face names and shapes), so a run resumes at any
+TSP degree and data-parallel size; resuming and ``load_best_model_at_end`` read the weights
+shard-on-read from ``model.safetensors``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from tsp_accelerate import TSPAccelerator
+from tsp_accelerate.accelerator import _fsdp_sizes, check_fsdp_plugin, check_fsdp_version
 
 import tsp_core
 from tsp_core.metrics import StepMetrics
@@ -92,12 +97,17 @@ class TSPTrainer(Trainer):
             self.tsp_choice = resolve_tsp_size(args, model)  # before any collective, every rank
             log_choice(self.tsp_choice)
         self._tsp = self.tsp_choice is not None and self.tsp_choice.size > 1
-        if self._tsp:
+        self._tsp_fsdp = self._tsp and getattr(args, "fsdp_plugin_args", None) is not None
+        if self._tsp_fsdp:
+            self._check_fsdp(args, model)  # before any collective, every rank
+        if self._tsp and not self._tsp_fsdp:
             _ = args.world_size  # initialises the process group from the launcher's environment
             mesh = tsp_core.init_mesh(self.tsp_choice.size)
             if not isinstance(model, TSPCausalLM):
                 tsp_core.parallelize(model, mesh)
             shard_full_batches(model)
+        # with FSDP2 the model is converted on the accelerator's mesh as soon as the Trainer has
+        # created it (create_accelerator_and_postprocess), before it looks at the model
         super().__init__(model, args, *rest, **kwargs)
         self._tsp_meter = None
         if self._tsp and getattr(self.args, "tsp_metrics", False):
@@ -107,6 +117,22 @@ class TSPTrainer(Trainer):
             # the TSP forward also names shift_labels; batches carry "labels" (shifted on the
             # full sequence when the model shards them)
             self.label_names = ["labels"]
+
+    def _check_fsdp(self, args: TSPTrainingArguments, model: Any) -> None:
+        """FSDP2 (``fsdp=...``, ``fsdp_config={"fsdp_version": 2}``) over the data-parallel
+        ranks: refuse what TSP cannot honour, with the numbers and the fix."""
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        if model is None or not hasattr(model, "config"):
+            raise ValueError("TSPTrainer with FSDP2 converts the model it is given: pass model=, "
+                             "not model_init=")
+        if args.parallelism_config is not None:
+            raise ValueError("TSPTrainer builds its own parallelism (data parallel x tsp_size); "
+                             "with FSDP2 it shards over all world_size / tsp_size data-parallel "
+                             "ranks: leave parallelism_config unset")
+        check_fsdp_version(args.fsdp_plugin_args.get("fsdp_version", 1))
+        check_fsdp_plugin(FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
+        _fsdp_sizes(int(os.environ.get("WORLD_SIZE", "1")), self.tsp_choice.size, None)
 
     def create_accelerator_and_postprocess(self) -> None:
         if not self._tsp:
@@ -122,9 +148,17 @@ class TSPTrainer(Trainer):
         original = hf_trainer.Accelerator  # the Trainer builds its accelerator from this name
         hf_trainer.Accelerator = _Accelerator
         try:
-            return super().create_accelerator_and_postprocess()
+            out = super().create_accelerator_and_postprocess()
         finally:
             hf_trainer.Accelerator = original
+        if self._tsp_fsdp:
+            # TSP, then FSDP2 over "dp_shard" per decoder layer and the root, with the fsdp
+            # config's reshard_after_forward and the mixed precision (bf16=/fp16=) the Trainer
+            # gave the plugin; Accelerate's own FSDP2 preparation then leaves the model alone
+            self.accelerator.tsp_parallelize(self.model)
+            shard_full_batches(self.model)
+            self.model._tp_size = tsp_size  # what the Trainer's get_tp_size reads
+        return out
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
