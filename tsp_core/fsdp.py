@@ -66,16 +66,16 @@ def apply_fsdp(model: nn.Module, mesh: TSPMesh, units: list[nn.Module], *,
     if mesh.shard_dim is None:
         raise ValueError("the mesh names no data-parallel dim to shard over (shard_dim); build it "
                          "with tsp_core.init_mesh(..., dp_shard=N)")
-    dm = mesh.device_mesh
-    # FSDP2 wants the very mesh object the parameters' DTensors hold; DTensor may have swapped in
-    # an equal mesh it had cached (a second init_mesh of the same shape in one process)
-    dm = next(p.device_mesh for p in model.parameters())
-    kwargs = dict(mesh=dm, dp_mesh_dims=DataParallelMeshDims(shard=mesh.shard_dim),
+    # FSDP2 wants the very mesh object the parameters' DTensors hold, which was not
+    # mesh.device_mesh but an equal one after a second init_mesh of that shape in one process
+    spmd = next(p.device_mesh for p in model.parameters())
+    kwargs = dict(mesh=spmd, dp_mesh_dims=DataParallelMeshDims(shard=mesh.shard_dim),
                   reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy())
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    dm = mesh.device_mesh
     replicas = [dm.get_group(n) for n in mesh.replicate_dims
                 if dm.size(dm.mesh_dim_names.index(n)) > 1]
     for module in [*units, model]:
