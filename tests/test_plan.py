@@ -234,3 +234,121 @@ def test_moe_memory_within_ten_percent_of_simulate():
     print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned {planned.peak / 2**30:.3f} GiB")
     assert planned.parts["parameters"] == r.breakdown["parameters"]
     assert abs(planned.peak - r.peak_bytes) / r.peak_bytes < 0.10, (planned.peak, r.peak_bytes)
+
+
+# ------------------------------------------------------------- FSDP2 on dp_shard (docs/memory.md)
+
+def test_llama_70b_preset_shape():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.simulate import model_config
+
+    s = model_shape("llama-70b", None)
+    assert (s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.intermediate_size,
+            s.vocab_size, s.is_moe) == (8192, 80, 64, 8, 28672, 32000, False)
+    config = model_config("llama-70b", layers=1)
+    assert (config.model_type, config.tie_word_embeddings, config.hidden_act) == \
+        ("llama", False, "silu")
+    with torch.device("meta"):  # one layer: the 80-layer model takes seconds even on meta
+        model = AutoModelForCausalLM.from_config(config)
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+    layer = (2 + 2 / 8) * 8192 ** 2 + 3 * 28672 * 8192 + 2 * 8192  # GQA, gated MLP, 2 norms
+    rest = 2 * 32000 * 8192 + 8192                                  # untied embedding, head, norm
+    assert sum(p.numel() for p in model.parameters()) == layer + rest
+    assert 80 * layer + rest == 68_976_648_192                      # Llama-2-70B's 68.98e9
+
+
+def test_fsdp_simulation_shards_model_state_by_dp_shard():
+    """The real fully_shard under the fake process group, rank 0 of a 2 x 4 world, against the
+    same model without FSDP2 (2 ranks), for TSP and tp-sp wrapped alike: parameters and AdamW's
+    moments fall to exactly 1/4 (its float32 step count stays one per tensor), the gradients
+    after backward too; the peak falls by 3/4 of that model state, plus FSDP2's own buffers,
+    which are at most its working set computed from the shapes (the root's and three layers'
+    shards unsharded: the running one, the prefetched one, the kept reduce-scatter input); the
+    planner is within 10% of each measurement."""
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.fsdp_sim import FSDP_WORKING_SET
+    from tsp_core.plan.simulate import SimulationRequest, simulate_many
+
+    reqs = [SimulationRequest(n, 2, 1, 1024, "tiny", recompute="full", dp_shard=s)
+            for n in ("tsp", "tp-sp") for s in (1, 4)]
+    tsp1, tsp4, sp1, sp4 = simulate_many(reqs, jobs=2, fresh=False)
+    # tiny: h 64, F 256, 2 layers, 4 heads (4 for K/V), vocab 512, bf16; rank 0's at D=2
+    h, F, V, L = 64, 256, 512, 2
+    u = (4 * h * h + 3 * F * h) // 2 * 2 + 2 * h * 2    # one layer's shards (its norms whole)
+    root = 2 * (V * h // 2) * 2 + h * 2                  # embedding, LM head, final norm
+    for one, four in ((tsp1, tsp4), (sp1, sp4)):
+        assert (one.gpus, four.gpus, four.dp_shard) == (2, 8, 4)
+        params, opt = one.breakdown["parameters"], one.breakdown["optimizer_states"]
+        steps = opt - 2 * params                         # 4 bytes per tensor, not sharded
+        assert params == L * u + root and steps % 4 == 0 and 0 < steps < 4 * 64
+        assert four.breakdown["parameters"] * 4 == params, four.layout
+        assert (four.breakdown["optimizer_states"] - steps) * 4 == 2 * params, four.layout
+        assert four.phases["end"]["gradients"] * 4 == params, four.layout
+        added = four.peak_bytes - (one.peak_bytes - 3 * params * 3 // 4)
+        fsdp = sum(four.breakdown.get(k, 0) for k in FSDP_WORKING_SET)
+        assert 0 <= added <= fsdp <= root + 3 * u, (four.layout, added, fsdp, root + 3 * u)
+        planned = estimate(model_shape("tiny", None), LayoutSpec(four.name, 2), 1024,
+                           dp_shard=4)
+        assert abs(planned.peak - four.peak_bytes) / four.peak_bytes < 0.10, four.layout
+    # TSP computes its loss inside the root's forward, where FSDP2 holds the root and one
+    # layer unsharded at least; tp-sp's loss runs after the root has been resharded
+    assert sum(tsp4.breakdown.get(k, 0) for k in FSDP_WORKING_SET) >= root + u
+
+
+def test_plan_dp_shard_sizes_follow_the_mesh_rule():
+    """`tsp plan --dp-shard`: a size is ranked at a degree exactly when tsp_core.init_mesh would
+    build that mesh (dp_shard divides GPUs / degree); otherwise refused naming the numbers."""
+    from tsp_core.mesh import check_dp_shard
+    from tsp_core.plan.command import model_shape
+
+    shape = model_shape("llama-70b", None)
+    cl = Cluster(device("h100"), 8, 8)   # 64 GPUs
+    ranked, refused = plan(shape, 131072, cl, dp_shards=(1, 4, 16))
+    got = {(c.layout, c.degree, c.dp_shard) for c in ranked}
+    for layout, degrees in (("tsp", (1, 2, 4, 8)), ("tp-sp", (2, 4, 8))):  # D=1: the plain model
+        for d in degrees:
+            for s in (4, 16):
+                try:
+                    check_dp_shard(64 // d, s)
+                    ok = True
+                except ValueError:
+                    ok = False
+                assert ((layout, d, s) in got) == ok, (layout, d, s)
+    assert not any(c.dp_shard > 1 and "cp" in c.layout for c in ranked)
+    assert any("dp_shard 16: D=8: dp_shard (16) must be a divisor of the data-parallel size (8)"
+               in r for r in refused), refused
+    for c in ranked:
+        assert c.fits == (c.memory_gib * 2 ** 30 <= 0.9 * 80e9)
+    with pytest.raises(ValueError, match=r"dp_shard \(3\) fits no degree on 64 GPUs"):
+        plan(shape, 131072, cl, dp_shards=(3,))
+    with pytest.raises(ValueError, match=r"positive integers.*\[0\]"):
+        plan(shape, 131072, cl, dp_shards=(0,))
+    # the planner's model state falls by dp_shard exactly, the same for TSP and tp-sp
+    for name in ("tsp", "tp-sp"):
+        one, four = (estimate(shape, LayoutSpec(name, 8), 131072, dp_shard=s) for s in (1, 4))
+        for k in ("parameters", "optimizer_states"):
+            assert four.parts[k] * 4 == pytest.approx(one.parts[k], rel=1e-12)
+        assert 0 < one.peak - four.peak < 0.75 * (one.parts["parameters"]
+                                                  + one.parts["optimizer_states"]
+                                                  + one.parts["gradients"])
+
+
+def test_dp_shard_bad_input_names_the_numbers(capsys):
+    from tsp_core import cli
+
+    for argv, message in (
+            (["simulate", "--model", "tiny", "--dp-shard", "0"],
+             "dp_shard (0) must be a positive integer"),
+            (["simulate", "--model", "tiny", "--degree", "4", "--layouts", "cp",
+              "--dp-shard", "2"], "dp_shard (2) > 1 is simulated for tsp, tp, tp-sp, not cp at "
+                                  "degree 4"),
+            (["plan", "--model", "tiny", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h100",
+              "--dp-shard", "3"], "dp_shard (3) fits no degree on 16 GPUs")):
+        assert cli.main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--model", "tiny", "--gpu", "h100", "--dp-shard", "0,4"])
+    assert "dp_shard sizes must be at least 1 (1: no FSDP2), got '0,4'" in capsys.readouterr().err

@@ -25,6 +25,7 @@ def _write_json(path: str, data) -> None:
 
 def simulate_main(args: argparse.Namespace) -> int:
     from .baselines import parse_layouts
+    from .plan.fsdp_sim import FSDP_LAYOUTS, FSDP_WORKING_SET, check_dp_shard
     from .plan.simulate import (
         SimulationRequest,
         model_config,
@@ -36,24 +37,37 @@ def simulate_main(args: argparse.Namespace) -> int:
         config = model_config(args.model, args.layers)
     except (ValueError, OSError) as e:
         raise SystemExit(str(e))
+    fsdp = any(dp > 1 for dp in args.dp_shard)
+    if args.layouts is None:  # with FSDP2, the layouts it is simulated for
+        args.layouts = ",".join(FSDP_LAYOUTS) if fsdp else "tsp,tp,tp-sp,cp,tp+cp,tp-sp+cp"
     requests = [SimulationRequest(s.name, s.tp, s.cp, seq, args.model, args.layers, args.batch,
-                                  args.recompute, args.optimizer, args.dtype)
+                                  args.recompute, args.optimizer, args.dtype, dp)
                 for degree in args.degree for seq in args.seq
-                for s in parse_layouts(args.layouts, degree)]
+                for s in parse_layouts(args.layouts, degree) for dp in args.dp_shard]
+    for r in requests:  # before any process starts
+        check_dp_shard(r.layout, r.tp * r.cp, r.dp_shard)
     print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"heads {config.num_attention_heads}/{config.num_key_value_heads}, intermediate "
           f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}; batch "
-          f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; rank 0 of each "
-          f"world under FakeTensorMode ({len(requests)} runs, {args.jobs} at a time)",
+          f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; "
+          + (f"FSDP2 dp_shard {','.join(map(str, args.dp_shard))}; " if fsdp else "")
+          + f"rank 0 of each world under FakeTensorMode ({len(requests)} runs, {args.jobs} at a "
+          f"time)",
           file=sys.stderr, flush=True)
     kinds = ["parameters", "gradients", "optimizer_states", "activations", "temporaries"]
-    head = (f"{'layout':<15} {'seq':>7} {'D':>3} {'peak GiB':>9} "
-            + " ".join(f"{k[:11]:>11}" for k in kinds))
+    # with FSDP2: the dp_shard size, the GPUs of one sharded group (D x dp_shard) and FSDP2's
+    # working set (unsharded parameters and gradients, all-gather / reduce-scatter buffers)
+    extra = " ".join(f"{k:>{w}}" for k, w in (("dp", 3), ("GPUs", 5))) + " " if fsdp else ""
+    head = (f"{'layout':<15} {'seq':>7} {'D':>3} {extra}{'peak GiB':>9} "
+            + " ".join(f"{k[:11]:>11}" for k in kinds) + (f" {'fsdp':>11}" if fsdp else ""))
     start = time.perf_counter()
 
     def row(r) -> str:
-        return (f"{r.layout:<15} {r.seq:>7} {r.degree:>3} {r.peak_gib:>9.2f} "
-                + " ".join(f"{r.breakdown.get(k, 0) / GIB:>11.2f}" for k in kinds))
+        more = f"{r.dp_shard:>3} {r.gpus:>5} " if fsdp else ""
+        fsdp_bytes = sum(r.breakdown.get(k, 0) for k in FSDP_WORKING_SET)
+        return (f"{r.layout:<15} {r.seq:>7} {r.degree:>3} {more}{r.peak_gib:>9.2f} "
+                + " ".join(f"{r.breakdown.get(k, 0) / GIB:>11.2f}" for k in kinds)
+                + (f" {fsdp_bytes / GIB:>11.2f}" if fsdp else ""))
 
     done = [0]
 
@@ -115,12 +129,18 @@ def parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="per-rank memory of each layout (fake tensors)")
     sim.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                     "gemma-3-12b, olmo-2-7b, llama-3.1-70b, mixtral-8x7b, qwen3-30b-a3b, small, "
-                     "tiny) or the path of a config.json (any supported family)")
+                     "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-70b, mixtral-8x7b, "
+                     "qwen3-30b-a3b, small, tiny) or the path of a config.json (any supported "
+                     "family)")
     sim.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     sim.add_argument("--seq", type=_ints, default=(131072,), help="sequence lengths")
     sim.add_argument("--degree", type=_ints, default=(8,), help="ranks per model replica")
-    sim.add_argument("--layouts", default="tsp,tp,tp-sp,cp,tp+cp,tp-sp+cp", help=layouts_help)
+    sim.add_argument("--layouts", default=None,
+                     help=f"{layouts_help} (default all; with --dp-shard > 1: tsp, tp, tp-sp)")
+    sim.add_argument("--dp-shard", type=_ints, default=(1,),
+                     help="FSDP2 shard sizes: the model state of each rank is sharded over N "
+                          "data-parallel ranks, world = degree x N (1: no FSDP2; > 1 for tsp, tp, "
+                          "tp-sp)")
     sim.add_argument("--batch", type=int, default=1)
     sim.add_argument("--recompute", default="full", choices=["none", "selective", "full"])
     sim.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])

@@ -20,10 +20,22 @@ def model_shape(name: str, layers: int | None) -> ModelShape:
     return ModelShape.from_config(model_config(name, layers))
 
 
+def _shards(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(
+            f"dp_shard sizes must be at least 1 (1: no FSDP2), got {text!r}")
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                   "gemma-3-12b, olmo-2-7b, llama-3.1-70b, mixtral-8x7b, qwen3-30b-a3b, small, "
-                   "tiny) or the path of a config.json")
+                   "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-70b, mixtral-8x7b, "
+                   "qwen3-30b-a3b, small, tiny) or the path of a config.json")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1, help="sequences per replica per micro-step")
@@ -37,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headroom", type=float, default=0.1, help="memory fraction kept free")
     p.add_argument("--global-batch-tokens", type=int, default=GLOBAL_BATCH_TOKENS,
                    help="tokens per optimizer step; replicas beyond it idle")
+    p.add_argument("--dp-shard", type=_shards, default=(1,),
+                   help="FSDP2 shard sizes to rank too (comma-separated; 1: no FSDP2): each "
+                        "rank's model state is sharded over N data-parallel ranks (tsp, tp, tp-sp)")
     p.add_argument("--top", type=int, default=20, help="rows printed")
     p.add_argument("--json", default=None, help="write the ranking to this file")
     p.set_defaults(func=main)
@@ -60,18 +75,23 @@ def main(args: argparse.Namespace) -> int:
     found = detect(over)
     cl = found.cluster
     ranked, refused = plan(shape, args.seq, cl, args.batch, headroom=args.headroom,
-                           global_batch_tokens=args.global_batch_tokens)
+                           global_batch_tokens=args.global_batch_tokens, dp_shards=args.dp_shard)
+    fsdp = any(s > 1 for s in args.dp_shard)
     print(f"cluster: {cl.nodes} x {cl.gpus_per_node} {cl.device.name} ({cl.device.memory_gb:.0f} GB, "
           f"intra {cl.intra_gbps or cl.device.intra_gbps:.0f} GB/s, inter {cl.inter_node_gbps:.0f} Gb/s "
           f"per GPU); sources: {found.sources}")
     print(f"model {args.model}: {shape.num_layers} layers, h {shape.hidden_size}; {args.seq} tokens x "
-          f"{args.batch}; full recompute, bf16 AdamW; global batch {args.global_batch_tokens} tokens")
-    print(f"{'#':>3} {'layout':<15} {'D':>3} {'GiB/GPU':>8} {'fits':>4} {'replicas':>8} "
+          f"{args.batch}; full recompute, bf16 AdamW; global batch {args.global_batch_tokens} tokens"
+          + (f"; FSDP2 dp_shard {','.join(map(str, args.dp_shard))}" if fsdp else ""))
+    dp_col = f" {'dp':>3}" if fsdp else ""
+    print(f"{'#':>3} {'layout':<15} {'D':>3}{dp_col} {'GiB/GPU':>8} {'fits':>4} {'replicas':>8} "
           f"{'tokens/s':>10} {'step s':>7} {'comm s':>7}  links")
     for i, c in enumerate(ranked[:args.top], 1):
         links = ", ".join(f"{k} {v}" for k, v in c.links.items() if v != "none")
         rep = f"{c.active_replicas}/{c.replicas}" if c.active_replicas < c.replicas else str(c.replicas)
-        print(f"{i:>3} {c.label:<15} {c.degree:>3} {c.memory_gib:>8.1f} {'yes' if c.fits else 'NO':>4} "
+        dp = f" {c.dp_shard:>3}" if fsdp else ""
+        fits = "yes" if c.fits else "NO"
+        print(f"{i:>3} {c.label:<15} {c.degree:>3}{dp} {c.memory_gib:>8.1f} {fits:>4} "
               f"{rep:>8} {c.tokens_per_s:>10.3g} {c.step_s:>7.2f} {c.exposed_comm_s:>7.2f}  {links}")
     for line in refused:
         print(f"cannot run: {line}")
@@ -85,18 +105,21 @@ def main(args: argparse.Namespace) -> int:
             "shorten the sequence or use larger GPUs" if smallest else
             "no layout can split this model: " + "; ".join(refused)))
     best = fitting[0]
-    print(f"choice: {best.label} at D={best.degree} x {best.replicas} replicas: fits "
+    over = f" (FSDP2 over {best.dp_shard})" if best.dp_shard > 1 else ""
+    print(f"choice: {best.label} at D={best.degree} x {best.replicas} replicas{over}: fits "
           f"({best.memory_gib:.1f} GiB), highest predicted tokens/s ({best.tokens_per_s:.3g}); "
           f"{best.exposed_comm_s:.2f} s of {best.step_s:.2f} s per step is exposed communication")
     ratios = {}
     tsp8 = next((c for c in ranked if c.layout == "tsp" and c.degree == cl.gpus_per_node), None)
+    dp = tsp8.dp_shard if tsp8 else 1  # compare at the same FSDP2 size
     for _key, match in (("tp+cp(T x S = 2 nodes, best split)", lambda c: c.layout == "tp+cp"
-                        and c.degree == 2 * cl.gpus_per_node),
+                        and c.degree == 2 * cl.gpus_per_node and c.dp_shard == dp),
                        (f"tp-sp on {cl.gpus_per_node}", lambda c: c.layout == "tp-sp"
-                        and c.degree == cl.gpus_per_node)):
+                        and c.degree == cl.gpus_per_node and c.dp_shard == dp)):
         other = max((c for c in ranked if match(c)), key=lambda c: c.tokens_per_s, default=None)
         if tsp8 and other:
-            ratios[f"tsp D={tsp8.degree} vs {other.label} on {other.degree}"] = \
+            fs = f" (both dp_shard {dp})" if dp > 1 else ""
+            ratios[f"tsp D={tsp8.degree} vs {other.label} on {other.degree}{fs}"] = \
                 tsp8.tokens_per_s / other.tokens_per_s
     for k, v in ratios.items():
         print(f"predicted {k}: {v:.2f}x (paper, matched TP+SP: {PAPER['tsp_vs_matched_tp_sp']})")

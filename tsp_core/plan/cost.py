@@ -7,6 +7,10 @@ a node rides NVLink / Infinity Fabric, one spanning nodes the NIC) and in overla
 broadcasts and ring hops are prefetched a round ahead (hidden up to the compute time), its K/V
 gathers are not; the baselines' collectives sit on the critical path. Data-parallel gradient sums
 overlap the backward. Full recompute replays each layer's forward and its collectives.
+
+FSDP2 over ``dp_shard`` ranks (DESIGN 3.6) shards each rank's model state further
+(:func:`tsp_core.plan.memory.estimate`) and adds its all-gathers and reduce-scatters on the
+data-parallel link (:func:`fsdp_seconds`); replicas then sum 1/dp_shard of the gradients.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..baselines.layouts import LAYOUTS, LayoutSpec, layout_specs
+from .fsdp_sim import FSDP_LAYOUTS  # FSDP2 over context parallel is neither simulated nor planned
 from .hardware import Cluster
-from .memory import estimate
+from .memory import _param_counts, estimate
 from .traffic import ModelShape, layer_forward_elements, moe_schedule_bytes
 
 LAYOUT_NAMES = ("tsp", "tp", "tp-sp", "cp", "tp+cp", "tp-sp+cp")
@@ -39,6 +44,7 @@ class Candidate:
     exposed_comm_s: float
     links: dict[str, str]
     peak_moment: str
+    dp_shard: int = 1   # FSDP2 shards each rank's model state over this many ranks (1: none)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -108,10 +114,46 @@ def tsp_layer_bytes(shape: ModelShape, d: int, tokens_per_rank: float, passes: i
             exposed + n * moe_exposed / L)
 
 
+def check_dp_shard(lay: LayoutSpec, dp_shard: int, gpus: int) -> str | None:
+    """Why ``lay`` cannot run with FSDP2 over ``dp_shard`` ranks on ``gpus`` GPUs, or None: the
+    rule of ``tsp_core.init_mesh`` (dp_shard divides the data-parallel size gpus / degree)."""
+    from ..mesh import check_dp_shard as mesh_rule
+
+    if dp_shard > 1 and lay.name not in FSDP_LAYOUTS:
+        return (f"dp_shard ({dp_shard}) > 1 is modelled for {', '.join(FSDP_LAYOUTS)} "
+                f"(FSDP2 over context parallel is not)")
+    if gpus % lay.degree:
+        return f"degree ({lay.degree}) must divide the GPUs ({gpus})"
+    try:
+        mesh_rule(gpus // lay.degree, dp_shard)
+    except ValueError as err:
+        return f"{err} (= {gpus} GPUs / degree {lay.degree})"
+    return None
+
+
+def fsdp_seconds(shape: ModelShape, lay: LayoutSpec, dp_shard: int, bw: float, lat: float,
+                 b: int = 2) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's FSDP2 traffic per step over ``dp_shard`` (S)
+    ranks on a link of ``bw`` bytes/s and ``lat`` s per ring step, ring accounting: every unit
+    (each layer, the root) is all-gathered in the forward and again in the backward (resharded
+    after forward; the recompute reuses the backward's), and every gradient is reduce-scattered
+    once: (S-1)/S of this rank's TSP / TP shards once in the forward, twice in the backward."""
+    if dp_shard <= 1:
+        return 0.0, 0.0
+    c = _param_counts(shape, lay)
+    total = (c["layers"] + c["embed"] + c["head"]) * b
+    S, L = dp_shard, shape.num_layers
+    f = (S - 1) / S
+    forward = f * total / bw + (L + 1) * (S - 1) * lat
+    backward = 2 * f * total / bw + 2 * (L + 1) * (S - 1) * lat
+    return forward, backward
+
+
 def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, batch: int = 1,
-             headroom: float = 0.1, global_batch_tokens: int = GLOBAL_BATCH_TOKENS) -> Candidate:
+             headroom: float = 0.1, global_batch_tokens: int = GLOBAL_BATCH_TOKENS,
+             dp_shard: int = 1) -> Candidate:
     dev, n = cluster.device, cluster.gpus_per_node
-    mem = estimate(shape, lay, seq, batch)
+    mem = estimate(shape, lay, seq, batch, dp_shard=dp_shard)
     fits = mem.peak <= dev.memory_bytes * (1 - headroom)
     d = lay.degree
     h, L, V = shape.hidden_size, shape.num_layers, shape.vocab_size
@@ -151,24 +193,36 @@ def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, bat
     replicas = cluster.gpus // d
     links["data-parallel"] = "inter-node" if cluster.gpus > max(n, d) else \
         ("intra-node" if replicas > 1 else "none")
-    if replicas > 1:  # ring all-reduce of this rank's gradients, hidden behind the backward
+    if dp_shard > 1:  # FSDP2's gathers hide behind the forward (1/4), the rest behind half the step
+        links["fsdp"] = _span(dp_shard, d, n)
+        fw, bw_s = fsdp_seconds(shape, lay, dp_shard, bw[links["fsdp"]], lat[links["fsdp"]])
+    else:
+        fw = bw_s = 0.0
+    hsdp = replicas // dp_shard  # groups of dp_shard ranks that replicate each other
+    if hsdp > 1:  # ring all-reduce of this rank's (reduce-scattered) gradients
         grads = mem.parts["parameters"]
-        dp = 2 * (replicas - 1) / replicas * grads / bw[links["data-parallel"]]
-        exposed += max(0.0, dp - compute / 2)
+        bw_s += 2 * (hsdp - 1) / hsdp * grads / bw[_span(hsdp, d * dp_shard, n)]
+    exposed += max(0.0, fw - compute / 4) + max(0.0, bw_s - compute / 2)
     step = compute + exposed
     sequences = max(1, global_batch_tokens // tok)
     active = min(replicas, sequences)
     return Candidate(lay.name, lay.label, d, t, c, mem.peak / 2 ** 30, fits, replicas, active,
-                     active * tok / step, step, compute, exposed, links, mem.moment)
+                     active * tok / step, step, compute, exposed, links, mem.moment, dp_shard)
 
 
 def plan(shape: ModelShape, seq: int, cluster: Cluster, batch: int = 1,
          degrees: list[int] | None = None, headroom: float = 0.1,
-         global_batch_tokens: int = GLOBAL_BATCH_TOKENS) -> tuple[list[Candidate], list[str]]:
-    """Every layout at every degree (divisors of the node size, and two nodes), best first: those
-    that fit before those that do not, then by predicted tokens/s. Returns the ranking and the
-    layouts that cannot run this model at all, with why."""
+         global_batch_tokens: int = GLOBAL_BATCH_TOKENS,
+         dp_shards: tuple[int, ...] = (1,)) -> tuple[list[Candidate], list[str]]:
+    """Every layout at every degree (divisors of the node size, and two nodes) and every FSDP2
+    size of ``dp_shards``, best first: those that fit before those that do not, then by
+    predicted tokens/s. Returns the ranking and the layouts that cannot run this model at all,
+    with why. A dp_shard that no degree can use is refused with the numbers."""
     n = cluster.gpus_per_node
+    bad = [s for s in dp_shards if not isinstance(s, int) or s < 1]
+    if bad or not dp_shards:
+        raise ValueError(f"dp_shard must be positive integers (1: no FSDP2), got "
+                         f"{list(dp_shards)}")
     if degrees is None:
         degrees = [d for d in range(1, n + 1) if n % d == 0] + ([2 * n] if cluster.gpus >= 2 * n else [])
     ranked, refused = [], []
@@ -179,7 +233,20 @@ def plan(shape: ModelShape, seq: int, cluster: Cluster, batch: int = 1,
         if why:
             refused.append(f"{lay.label} at {lay.degree}: {why}")
             continue
-        ranked.append(evaluate(shape, lay, seq, cluster, batch, headroom, global_batch_tokens))
+        for s in dp_shards:
+            if s > 1 and (lay.name not in FSDP_LAYOUTS or check_dp_shard(lay, s, cluster.gpus)):
+                continue  # reported once per dp_shard below
+            ranked.append(evaluate(shape, lay, seq, cluster, batch, headroom,
+                                   global_batch_tokens, s))
+    for s in (s for s in dict.fromkeys(dp_shards) if s > 1):
+        why = [f"D={d}: {check_dp_shard(LayoutSpec('tsp', d), s, cluster.gpus)}"
+               for d in degrees if cluster.gpus % d == 0
+               and check_dp_shard(LayoutSpec("tsp", d), s, cluster.gpus)]
+        if why:
+            refused.append(f"dp_shard {s}: " + "; ".join(why))
+        if not any(c.dp_shard == s for c in ranked):
+            raise ValueError(f"dp_shard ({s}) fits no degree on {cluster.gpus} GPUs: "
+                             + "; ".join(why or ["every layout is refused"]))
     ranked.sort(key=lambda c: (not c.fits, -c.tokens_per_s))
     return ranked, refused
 

@@ -16,6 +16,10 @@ adds the working set of what runs then: one layer's recomputed activations and i
 temporaries, counted tensor by tensor below (``docs/planning.md`` lists them). The tensor counts
 are read from the code paths, not fitted; where they miss, ``docs/planning.md`` says by how much.
 
+FSDP2 over ``dp_shard`` ranks (DESIGN 3.6; :func:`fsdp_terms`): parameters, optimizer states and
+the gradients FSDP2 has reduce-scattered are 1/dp_shard of the above; FSDP2's own buffers are added
+at each moment as ``tsp simulate --dp-shard`` measures them under the real ``fully_shard``.
+
 Sparse mixture-of-experts layers (Mixtral, Qwen3-MoE) under uniform routing: each rank holds
 1/D (1/T) of the experts and the whole router; the MLP's working set is that of TSP's schedule (a)
 (:func:`moe_working_set`) or of the baselines' tensor-parallel experts
@@ -197,9 +201,39 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
     return {"attention": attn, "mlp": mlp, "loss": loss, "norm": norm}
 
 
+def fsdp_terms(c: dict[str, float], lay: LayoutSpec, b: int = 2) -> dict[str, float]:
+    """FSDP2's working set at the planner's moments, in bytes, for the wrapping ``tsp_core.fsdp``
+    uses (each decoder layer, then the root: embedding, final norm, LM head, all with
+    ``reshard_after_forward=True``), read from torch's ``_fully_shard`` and checked against
+    ``tsp simulate --dp-shard`` (docs/memory.md, "FSDP2"). ``u``: one decoder layer's shard
+    unsharded over dp_shard; ``root``: the root's (this rank's TSP / TP shard of the embedding,
+    final norm and LM head).
+
+    In the backward the root is gathered again at its pre-backward and stays whole until its
+    post-backward at the end (its gradients too: the LM head's is reduce-scattered last). The
+    layer running holds its unsharded parameters, the next layer's all-gather output (prefetched
+    one layer ahead) and the reduce-scatter input of the layer after it (kept until the next
+    reduce-scatter): ``edge`` = root + 2u at the last layer (nothing reduce-scattered yet) and at
+    the first (nothing left to prefetch), ``middle`` = root + 3u at the one before the last.
+    ``loss``: TSP computes its loss inside the root's forward, where the root is whole and the
+    last layer's all-gather output is still held (FSDP2 frees it at the root's post-forward):
+    root + u; the baselines' loss runs after the root's forward has resharded it: nothing.
+
+    A layer's unsharded gradient is the same whole-layer gradient counted without FSDP2. (An
+    unset ``reshard_after_forward`` would keep the root whole from forward to backward instead:
+    torch 2.13 reshards the root only when the argument is given.)"""
+    u = c["layer"] * b
+    root = (c["embed"] + c["head"]) * b
+    return {"loss": root + u if lay.name == "tsp" else 0.0, "edge": root + 2 * u,
+            "middle": root + 3 * u}
+
+
 def estimate(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int = 1, b: int = 2,
-             optimizer_moments: int = 2) -> MemoryEstimate:
-    """Peak bytes of one rank for one training step (full recompute, AdamW)."""
+             optimizer_moments: int = 2, dp_shard: int = 1) -> MemoryEstimate:
+    """Peak bytes of one rank for one training step (full recompute, AdamW), with FSDP2 over
+    ``dp_shard`` ranks when it is above 1 (:func:`fsdp_terms`)."""
+    if dp_shard < 1:
+        raise ValueError(f"dp_shard ({dp_shard}) must be at least 1")
     c = _param_counts(shape, lay)
     L = shape.num_layers
     params = (c["layers"] + c["embed"] + c["head"]) * b
@@ -221,7 +255,20 @@ def estimate(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int = 1, b: in
         moments["A: last layer norm backward"] = (L * ckpt + ws["norm"], g_head + g_mlp)
         moments["B: first layer norm backward"] = (ckpt + ws["norm"],
                                                    params - c["embed"] * b - c["attention"] * b)
-    name, (act, grads) = max(moments.items(), key=lambda kv: sum(kv[1]))
-    return MemoryEstimate(params + opt + act + grads, name,
-                          {"parameters": params, "gradients": grads, "optimizer_states": opt,
-                           "activations": act})
+    parts = {"parameters": params, "optimizer_states": opt}
+    extra = {k: 0.0 for k in moments}     # FSDP2's working set at each moment
+    if dp_shard > 1:
+        f = fsdp_terms(c, lay, b)
+        parts = {k: v / dp_shard for k, v in parts.items()}
+        rest = params - c["embed"] * b - g_layer - g_head  # layers 2..L: reduce-scattered by B
+        for k, (act, grads) in list(moments.items()):
+            if k.startswith("B"):
+                moments[k] = (act, grads - rest + rest / dp_shard)
+            extra[k] = f["loss" if k == "A: loss" else "edge"]
+            if k.startswith("A: last layer") and L > 1:  # the layer before: one checkpoint
+                k2 = k.replace("last layer", "layer L-1")  # less, the last one reduce-scattered
+                moments[k2] = (act - ckpt, grads + g_layer / dp_shard)
+                extra[k2] = f["middle"]
+    name, (act, grads) = max(moments.items(), key=lambda kv: sum(kv[1]) + extra[kv[0]])
+    return MemoryEstimate(sum(parts.values()) + act + grads + extra[name], name,
+                          parts | {"gradients": grads, "activations": act, "fsdp": extra[name]})

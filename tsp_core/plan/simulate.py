@@ -13,6 +13,11 @@ The optimizer step's own transients are not simulated (a fake tensor has no valu
 count). Every layout runs the same flash-piece attention kernels and the same recompute wrapper, so
 the comparison is like for like.
 
+With ``dp_shard`` N > 1 the world is ``degree x N`` ranks and FSDP2 shards the model state over
+N of them (DESIGN 3.6): the real ``fully_shard`` runs, measured by ``FSDPMemTracker``, which adds
+FSDP2's own buffers to the split (unsharded parameters and gradients, all-gather and
+reduce-scatter buffers; :mod:`tsp_core.plan.fsdp_sim`).
+
 Each record owns the default process group of its process; :func:`simulate_many` runs records in
 fresh worker processes, ``jobs`` at a time.
 """
@@ -56,6 +61,10 @@ MODELS = {
                       vocab_size=100352),
     "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
+    # Llama-2-70B (untied, RMSNorm, GQA with 8 key/value heads)
+    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                      tie_word_embeddings=False),
     # sparse mixture-of-experts (tsp_core.moe, docs/moe.md): every layer's MLP is the experts
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -90,6 +99,7 @@ class SimulationRequest:
     recompute: str = "none"
     optimizer: str = "adamw"
     dtype: str = "bfloat16"
+    dp_shard: int = 1    # FSDP2 ranks each rank's model state is sharded over (1: no FSDP2)
 
 
 @dataclass
@@ -113,10 +123,16 @@ class MemoryRecord:
     # backward; "{attention,mlp}_{forward,backward}": what that module added, by category, from
     # its start to its own peak (the decoder layer where that is largest); "end": after backward
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    dp_shard: int = 1
 
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
+
+    @property
+    def gpus(self) -> int:
+        """Ranks of the simulated world: ``degree x dp_shard``."""
+        return self.degree * self.dp_shard
 
 
 def model_config(name: str, layers: int | None = None, seq: int = 4096):
@@ -235,19 +251,23 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
 
     from ..baselines import build
     from ..baselines.layouts import LayoutSpec, build_mesh
+    from . import fsdp_sim
 
     if req.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {req.optimizer!r} is not one of {OPTIMIZERS}")
     ckpt = recompute_kwargs(req.recompute)
     spec = LayoutSpec(req.layout, req.tp, req.cp)
+    fsdp_sim.check_dp_shard(spec.name, spec.degree, req.dp_shard)
+    fsdp = req.dp_shard > 1
     config = model_config(req.model, req.layers, req.seq)
     dtype = getattr(torch, req.dtype)
     start = time.perf_counter()
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=spec.degree, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=spec.degree * req.dp_shard,
+                            store=FakeStore())
     try:
-        mesh = build_mesh(spec)
+        mesh = fsdp_sim.build_mesh(spec, req.dp_shard) if fsdp else build_mesh(spec)
         mode = FakeTensorMode()
         with mode, _private_sharding_propagation():
             default = torch.get_default_dtype()
@@ -256,7 +276,10 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
                 model = AutoModelForCausalLM.from_config(config)
             finally:
                 torch.set_default_dtype(default)
-            pm = build(model, spec, mesh)
+            pm = build(model, spec, mesh)  # TSP: parallelize applies FSDP2 on a dp_shard mesh
+        if fsdp and spec.name != "tsp":
+            fsdp_sim.shard_baseline(pm)
+        with mode, _private_sharding_propagation():
             if ckpt is not None:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
             model.train()
@@ -268,19 +291,24 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
             if req.optimizer == "adamw":
                 optimizer = torch.optim.AdamW(model.parameters())
                 _adamw_states(optimizer)
-            tracker = MemTracker()
-            tracker.track_external(*([model] + ([optimizer] if optimizer else [])))
+            if fsdp:
+                tracker, split = fsdp_sim.tracker(model, optimizer), fsdp_sim.categories
+            else:
+                tracker, split = MemTracker(), _categories
+                tracker.track_external(*([model] + ([optimizer] if optimizer else [])))
             with tracker:
                 pm.step_local(local)
-                end = _categories(tracker.get_tracker_snapshot())
+                end = split(tracker.get_tracker_snapshot())
             peak = tracker.get_tracker_snapshot("peak")
-            phases = _phases(tracker, model, pm.layers) | {"end": end}
+            # FSDPMemTracker keeps snapshots of the FSDP2 units only: no per-module phases
+            phases = {"end": end} if fsdp else _phases(tracker, model, pm.layers) | {"end": end}
     finally:
         dist.destroy_process_group()
     (total,) = (int(s["Total"]) for s in peak.values())
     return MemoryRecord(spec.label, spec.name, spec.tp, spec.cp, spec.degree, req.seq, req.batch,
                         req.model, config.num_hidden_layers, req.recompute, req.optimizer,
-                        req.dtype, total, _categories(peak), time.perf_counter() - start, phases)
+                        req.dtype, total, split(peak), time.perf_counter() - start, phases,
+                        req.dp_shard)
 
 
 def _run_one(req: SimulationRequest) -> MemoryRecord:
@@ -311,4 +339,4 @@ def simulate_many(requests: list[SimulationRequest], jobs: int = 2,
 
 
 def record_dict(rec: MemoryRecord) -> dict:
-    return asdict(rec) | {"peak_gib": rec.peak_gib}
+    return asdict(rec) | {"peak_gib": rec.peak_gib, "gpus": rec.gpus}
