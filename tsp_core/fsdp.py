@@ -8,9 +8,10 @@ the mesh's ``shard_dim`` ("dp_shard"), so parameters, gradients and optimizer st
 TSP schedules the whole 1/D shard, all-gathered per decoder layer, inside forward and backward.
 
 Gradients: the TSP loss is the global mean, so data-parallel gradients must be *summed*, not
-averaged: FSDP2's divide factor is set to 1 (with sum-only reductions, so the op is a plain SUM). Replica dims (HSDP) are summed by an all-reduce hook
-on the reduce-scattered gradient. FSDP2's all-gathers, reduce-scatters and that all-reduce go
-through :mod:`tsp_core.comm`, so they are counted like every other collective.
+averaged: FSDP2's divide factor is set to 1, with sum-only reductions (a plain SUM). Replica dims
+(HSDP) are summed by an all-reduce hook on the reduce-scattered gradient. FSDP2's all-gathers,
+reduce-scatters and that all-reduce go through :mod:`tsp_core.comm`, so they are counted like
+every other collective.
 """
 
 from __future__ import annotations

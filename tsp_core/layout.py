@@ -218,12 +218,12 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
     Returns ``input_ids``, ``position_ids`` (global, or per document for packed rows),
     ``shift_labels`` (when ``labels`` is given: shifted before sharding, so no rank needs its
     neighbour's first token, and never across a document boundary), ``attention_mask`` (when
-    given, or when this function pads: 0 on its padding), ``tsp_docs`` ([batch, documents]: each row's padded document lengths, which the
-    model's attention follows), ``tsp_rope_len`` ([batch]: each row's longest document; the
-    maximum is ``max(position_ids) + 1`` of the unmodified model on the whole batch, which rotary
-    embeddings whose frequencies depend on the length need) and ``tsp_fingerprint`` ([batch]: a
-    hash of each full row; the model compares the batch's over the TSP group, so ranks given
-    different batches raise).
+    given, or when this function pads: 0 on its padding), ``tsp_docs`` ([batch, documents]: each
+    row's padded document lengths, which the model's attention follows), ``tsp_rope_len``
+    ([batch]: each row's longest document; the maximum is ``max(position_ids) + 1`` of the
+    unmodified model on the whole batch, which rotary embeddings whose frequencies depend on the
+    length need) and ``tsp_fingerprint`` ([batch]: a hash of each full row; the model compares
+    the batch's over the TSP group, so ranks given different batches raise).
 
     Each document is padded at its end to a multiple of 2*D (zigzag) or D (contiguous) and cut into
     chunks dealt out like a whole sequence, which keeps causal work balanced for any mix of

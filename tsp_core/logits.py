@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .layout import _BATCH_KEYS, document_lengths, row_segments, shard_batch
 from .fsdp import root_unsharded
+from .layout import _BATCH_KEYS, document_lengths, row_segments, shard_batch
 from .mesh import TSPMesh
 from .params import schedule_inputs
 from .parallelize import get_mesh

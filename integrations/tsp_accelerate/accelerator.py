@@ -218,7 +218,7 @@ def _check_wrap_classes(names: list[str] | None, model: nn.Module) -> None:
                          f"the decoder layer class or leave it unset")
 
 
-def _fsdp_sizes(world: int, tsp: int, config: ParallelismConfig | None) -> tuple[int, int]:
+def fsdp_sizes(world: int, tsp: int, config: ParallelismConfig | None) -> tuple[int, int]:
     """(dp_replicate, dp_shard) of an FSDP2 run: the config's, dp_shard filling the world when
     unset; FSDP2 needs dp_shard > 1. Raises with the numbers, before any collective."""
     replicate = config.dp_replicate_size if config is not None else 1
@@ -279,7 +279,7 @@ class TSPAccelerator(Accelerator):
             kwargs.pop("parallelism_config", None)
         elif fsdp is not None:
             # FSDP2 over "dp_shard" (replicas of it on "dp_replicate": HSDP), TSP on "tp"
-            replicate, shard = _fsdp_sizes(world, size, given)
+            replicate, shard = fsdp_sizes(world, size, given)
             kwargs["parallelism_config"] = ParallelismConfig(
                 dp_replicate_size=replicate, dp_shard_size=shard, tp_size=size)
             kwargs["fsdp_plugin"] = fsdp

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from tsp_accelerate import TSPAccelerator
-from tsp_accelerate.accelerator import _fsdp_sizes, check_fsdp_plugin, check_fsdp_version
+from tsp_accelerate.accelerator import check_fsdp_plugin, check_fsdp_version, fsdp_sizes
 
 import tsp_core
 from tsp_core.metrics import StepMetrics
@@ -132,7 +132,7 @@ class TSPTrainer(Trainer):
                              "ranks: leave parallelism_config unset")
         check_fsdp_version(args.fsdp_plugin_args.get("fsdp_version", 1))
         check_fsdp_plugin(FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
-        _fsdp_sizes(int(os.environ.get("WORLD_SIZE", "1")), self.tsp_choice.size, None)
+        fsdp_sizes(int(os.environ.get("WORLD_SIZE", "1")), self.tsp_choice.size, None)
 
     def create_accelerator_and_postprocess(self) -> None:
         if not self._tsp:
