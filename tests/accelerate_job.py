@@ -45,10 +45,10 @@ from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 import tsp_core
 
 try:  # run as a script from tests/, or imported by the test module
-    from hf_models import build, full_grads
+    from hf_models import build, full_grads, storage_bytes
     from metrics_check import StepCounters
 except ImportError:
-    from .hf_models import build, full_grads
+    from .hf_models import build, full_grads, storage_bytes
     from .metrics_check import StepCounters
 
 
@@ -79,17 +79,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", action="append", default=[])
     return ap
-
-
-def storage_bytes(model) -> int:
-    """Bytes of parameter storage this rank holds, measured: every distinct storage once."""
-    from tsp_core.params import local
-
-    seen = {}
-    for p in model.parameters():
-        s = local(p).untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def fsdp_units(model) -> dict:

@@ -194,6 +194,18 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def storage_bytes(model) -> int:
+    """Bytes of parameter storage this rank holds, measured: every distinct storage once (FSDP2's
+    shards are views into per-layer buffers)."""
+    from tsp_core.params import local
+
+    seen = {}
+    for p in model.parameters():
+        s = local(p).untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def sgd_reference(model, batches: list[torch.Tensor], lr: float, clip: float | None,
                   optimizer=torch.optim.SGD) -> dict:
     """The unmodified model on one process, one global batch per step: loss

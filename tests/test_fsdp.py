@@ -31,15 +31,6 @@ def _batches(vocab: int, steps: int = STEPS) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (ROWS, SEQ), generator=gen) for _ in range(steps)]
 
 
-def _storage_bytes(model) -> int:
-    """Bytes of parameter storage this rank holds, measured: every distinct storage once."""
-    seen = {}
-    for p in model.parameters():
-        s = local(p).untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def _step(model, mesh, ids: torch.Tensor, opt) -> tuple[float, float, dict | None]:
     """One training step on this data-parallel rank's rows: loss, norm before clipping."""
     dp_rank = dist.get_rank() // mesh.size
@@ -70,7 +61,7 @@ def adamw_matches_one_process(replicas: int, shard: int, tsp: int, recompute: st
     # FSDP2 holds 1/(D * dp_shard) of the model per rank, up to the padding of uneven splits
     full_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     floor = full_bytes / (tsp * shard)
-    held = _storage_bytes(model)
+    held = hf_models.storage_bytes(model)
     assert floor <= held <= 1.03 * floor, (held, floor)
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -32,12 +32,12 @@ import tsp_core
 from tsp_core.parallelize import TSPCausalLM
 
 try:  # run as a script from tests/, or imported by the test module
-    from accelerate_job import fsdp_units, storage_bytes
-    from hf_models import full_grads
+    from accelerate_job import fsdp_units
+    from hf_models import full_grads, storage_bytes
     from metrics_check import StepCounters
 except ImportError:
-    from .accelerate_job import fsdp_units, storage_bytes
-    from .hf_models import full_grads
+    from .accelerate_job import fsdp_units
+    from .hf_models import full_grads, storage_bytes
     from .metrics_check import StepCounters
 
 
