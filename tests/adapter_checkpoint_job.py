@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import tsp_core
-from tsp_core.params import ShardedModule
-from tsp_core.parallelize import TSPCausalLM
+from tsp_core.distributed.params import ShardedModule
+from tsp_core.models.parallelize import TSPCausalLM
 
 FAMILY = "llama-tied"  # vocabulary 101, padded to 102 at tsp 2: the local layout is not the full one
 # float64 models; Lightning's "32-true" leaves the module's dtype as it is (its ModelParallelStrategy
@@ -113,6 +113,7 @@ def train(model, opt, steps, loss_at, backward, sched=None, after=None) -> dict:
 
 def lightning_runs(a, results: dict) -> None:
     import lightning as L
+
     import tsp_lightning
 
     class Lit(L.LightningModule):
@@ -196,6 +197,7 @@ def lightning_runs(a, results: dict) -> None:
 
 def fabric_run(a, results: dict) -> None:
     import lightning as L
+
     from tsp_lightning import TSPFabricStrategy
 
     path, onefile = os.path.join(a.ckpt, "fabric"), os.path.join(a.ckpt, "fabric-onefile.ckpt")
@@ -241,9 +243,9 @@ def fabric_run(a, results: dict) -> None:
 # ------------------------------------------------------------------------------ Accelerate
 
 def accelerate_run(a, results: dict) -> None:
-    from tsp_accelerate import TSPAccelerator
-
     from accelerate import DataLoaderConfiguration
+
+    from tsp_accelerate import TSPAccelerator
 
     tsp = tsp_degree()
     # split_batches: the loader's batch is the global batch (2 rows), split over the data-parallel
@@ -302,6 +304,7 @@ def accelerate_run(a, results: dict) -> None:
 def trainer_best(a, results: dict) -> None:
     """``load_best_model_at_end`` with a metric that makes step 2 of 4 the best."""
     from transformers import TrainerCallback
+
     from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
     class Pick(TrainerCallback):
@@ -361,7 +364,10 @@ def trainer_resume(a, results: dict) -> None:
 def local_save_state(self, output_dir: str, **kwargs) -> str:
     """TSPAccelerator.save_state as it was: DCP of the local (padded) model and optimizer state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     state = {}
     for i, (model, optims) in enumerate(self._checkpoint_pairs()):
@@ -407,7 +413,7 @@ def break_on_purpose(kind: str) -> None:
     (the Lightning strategies save and load through their base class again, TSPAccelerator as it
     did before: DCP of the padded local DTensors), ``best-model`` (TSPTrainer loads the best
     checkpoint with the Trainer's own ``load_state_dict``)."""
-    import tsp_core.resharding as resharding
+    import tsp_core.state.resharding as resharding
 
     if kind == "drop-optimizer":
         real = resharding.load_checkpoint
@@ -418,6 +424,7 @@ def break_on_purpose(kind: str) -> None:
     elif kind == "local-layout":
         from lightning.fabric.strategies import ModelParallelStrategy as FabricMP
         from lightning.pytorch.strategies import ModelParallelStrategy
+
         from tsp_accelerate import TSPAccelerator
         from tsp_lightning import TSPFabricStrategy, TSPStrategy
 
@@ -429,6 +436,7 @@ def break_on_purpose(kind: str) -> None:
         TSPAccelerator.save_state, TSPAccelerator.load_state = local_save_state, local_load_state
     elif kind == "best-model":
         from transformers import Trainer
+
         from tsp_transformers import TSPTrainer
 
         TSPTrainer._load_best_model = Trainer._load_best_model

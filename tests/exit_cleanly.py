@@ -1,7 +1,7 @@
 """Run a script (``python tests/exit_cleanly.py SCRIPT ARGS...``) inside ``tsp_core.run_cleanly``:
 the script's exit code (1 with its traceback if it raised) through ``tsp_core.shutdown``, which
 tears the process groups down and skips interpreter finalisation, where gloo can abort a finished
-job (INTEGRATION_NOTES, docs/cluster.md "Ending a run").
+job (docs/cluster.md "Ending a run").
 
 For job scripts that end without ``tsp_core.shutdown`` of their own. A failure while ending
 (barrier or destroy raising, a peer gone) still exits non-zero with a traceback, and with
@@ -14,7 +14,7 @@ import os
 import runpy
 import sys
 
-from tsp_core.shutdown import run_cleanly, shutdown
+from tsp_core.distributed.shutdown import run_cleanly, shutdown
 
 finish = shutdown  # the name tests/lightning_job.py imports
 

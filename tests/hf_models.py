@@ -45,7 +45,7 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, use_sliding_window=True,
                                              sliding_window=9, max_window_layers=1, **common))
     elif family == "qwen3":        # per-head q/k norms, head_dim 24 (not 64/4), biases, a
-        from transformers import Qwen3Config, Qwen3ForCausalLM   # sliding layer
+        from transformers import Qwen3Config, Qwen3ForCausalLM  # sliding layer
 
         model = Qwen3ForCausalLM(Qwen3Config(vocab_size=96, head_dim=24, attention_bias=True,
                                              use_sliding_window=True, sliding_window=9,
@@ -55,7 +55,7 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
 
         model = GemmaForCausalLM(GemmaConfig(vocab_size=96, head_dim=24, **common))
     elif family == "gemma2":       # sandwich norms, query_pre_attn_scalar, alternating sliding
-        from transformers import Gemma2Config, Gemma2ForCausalLM   # layers, soft-capping
+        from transformers import Gemma2Config, Gemma2ForCausalLM  # layers, soft-capping
 
         # soft-caps small for the scores and logits of this size: initializer_range 0.2 (not
         # 0.02) gives attention scores of about 2 (up to ~13) and logits of about 1.3 (up to
@@ -68,7 +68,7 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         # the same attention with the softmax in the model's dtype when that is wider
         use_exact_eager(model)
     elif family == "gemma3":       # Gemma 2's layout plus per-head q/k norms and local/global
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig   # rotary bases
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # rotary bases
 
         model = Gemma3ForCausalLM(Gemma3TextConfig(
             vocab_size=96, head_dim=24, query_pre_attn_scalar=20, sliding_window=9,
@@ -80,11 +80,11 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
             vocab_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
             attention_multiplier=0.3, logits_scaling=4.0, **common))
     elif family == "olmo2":        # q/k norms over all heads, norms after attention and MLP,
-        from transformers import Olmo2Config, Olmo2ForCausalLM   # biases
+        from transformers import Olmo2Config, Olmo2ForCausalLM  # biases
 
         model = Olmo2ForCausalLM(Olmo2Config(vocab_size=96, attention_bias=True, **common))
     elif family == "phi3":         # fused qkv_proj and gate_up_proj, sliding window, partial
-        from transformers import Phi3Config, Phi3ForCausalLM   # rotary (Phi-4-mini), padding row
+        from transformers import Phi3Config, Phi3ForCausalLM  # rotary (Phi-4-mini), padding row
 
         model = Phi3ForCausalLM(Phi3Config(vocab_size=96, sliding_window=7,
                                            partial_rotary_factor=0.5, pad_token_id=0,
@@ -145,10 +145,10 @@ def float64_gemma_norms(model) -> None:
     """Gemma's RMSNorms compute in float32 even in a float64 model (``x.float()``,
     ``weight.float()``): their weight gradients are sums rounded to float32, which caps agreement
     with any other summation order at ~1e-7. The reference's norms compute in the model's dtype
-    when it is wider, as tsp_core.norm.gemma_rms_norm does (the same ops for float32 and below)."""
+    when it is wider, as tsp_core.layers.norm.gemma_rms_norm does (the same ops for float32 and below)."""
     import types
 
-    from tsp_core.norm import gemma_rms_norm
+    from tsp_core.layers.norm import gemma_rms_norm
 
     def forward(self, x):
         return gemma_rms_norm(x, self.weight, self.eps)
@@ -174,7 +174,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     the gathered shards (every rank of the TSP group must call it; KV-head and vocabulary
     padding dropped and fused tensors such as Phi-3's ``qkv_proj`` assembled, as in
     ``tsp_core.full_state_dict``)."""
-    from tsp_core.params import ShardedModule, local
+    from tsp_core.distributed.params import ShardedModule, local
 
     out: dict[str, torch.Tensor] = {}
     owned, seen = set(), set()
@@ -197,7 +197,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 def storage_bytes(model) -> int:
     """Bytes of parameter storage this rank holds, measured: every distinct storage once (FSDP2's
     shards are views into per-layer buffers)."""
-    from tsp_core.params import local
+    from tsp_core.distributed.params import local
 
     seen = {}
     for p in model.parameters():

@@ -19,12 +19,12 @@ import shlex
 
 import lightning as L
 import torch
-import tsp_lightning  # registers strategy="tsp"
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import DataCollatorWithFlattening
 
 import tsp_core
-from tsp_core.parallelize import TSPCausalLM
+import tsp_lightning  # registers strategy="tsp"
+from tsp_core.models.parallelize import TSPCausalLM
 
 try:  # run as a script from tests/, or imported by the test module
     from hf_models import build, full_grads
@@ -208,7 +208,7 @@ class RecordSteps(L.Callback):
 
 def grad_numel(model) -> int:
     """How many gradient elements this rank stores (local tensors)."""
-    from tsp_core.params import local
+    from tsp_core.distributed.params import local
 
     return sum(local(p.grad).numel() for p in model.parameters() if p.grad is not None)
 
@@ -218,7 +218,7 @@ def storage(model) -> dict:
     (full shapes), and how many modules FSDP2 wraps."""
     from torch.distributed.fsdp import FSDPModule
 
-    from tsp_core.params import local
+    from tsp_core.distributed.params import local
 
     params = list(model.parameters())
     return dict(local_numel=sum(local(p).numel() for p in params),

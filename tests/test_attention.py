@@ -1,4 +1,4 @@
-"""TSPAttention against a single-process reference in float64 (DESIGN 7), on a 4-process pool:
+"""TSPAttention against a single-process reference in float64 (docs/design.md "How correctness is proven"), on a 4-process pool:
 tsp 1, 2 and 4 run as meshes (4 x 1), (2 x 2) and (1 x 4)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tsp_core import TSPAttention, comm
-from tsp_core.layout import pad_to_multiple, position_ids, shard_sequence
+from tsp_core.sequence.layout import pad_to_multiple, position_ids, shard_sequence
 
 from . import dist_pool, reference
 from .reference import assert_close
@@ -125,7 +125,7 @@ def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
     """The order in which one layer's forward and backward issue their collectives, compute
     attention and wait for dK/dV: "bcast", "gather" (a K/V all-gather started), "attend",
     "attend_bwd", "rs_done" (a dK/dV reduce-scatter waited for), "backward" between the passes."""
-    from tsp_core import flash
+    from tsp_core.layers import flash
 
     mesh = dist_pool.mesh(tsp)
     layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, dtype=torch.float64)
@@ -165,7 +165,7 @@ def test_collectives_overlap_the_rounds(pool, tsp, nq, nkv):
     """While round r attends, the K/V all-gather of round r+1 and the owner broadcast of round
     r+2 are already issued; in the backward the next key/value head's K/V gather is issued before
     the round's attention backward, and a head's dK/dV reduce-scatter is waited for only after
-    the next round's attention backward (DESIGN 3.1, "Overlap")."""
+    the next round's attention backward (docs/design.md "Attention")."""
     D, R = tsp, max(1, tsp // nkv)
     for events in pool.run(overlap_events, tsp, nq, nkv):
         cut = events.index("backward")

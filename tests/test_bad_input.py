@@ -14,7 +14,7 @@ import torch
 
 import tsp_core
 from tsp_core import comm
-from tsp_core.parallelize import shard_full_batches
+from tsp_core.models.parallelize import shard_full_batches
 
 from . import dist_pool, hf_models, launch
 

@@ -1,6 +1,6 @@
 """The baseline layouts (tp, tp-sp, cp, tp+cp, tp-sp+cp) on the same Hugging Face models as TSP:
 loss and every gradient against the unmodified model on one process (float64), and the bytes of
-one decoder layer's forward exactly equal to the DESIGN 5 formula, for TSP too. Mixtral (sparse
+one decoder layer's forward exactly equal to the formula of docs/design.md "Communication per layer", for TSP too. Mixtral (sparse
 mixture of experts, tsp_core.baselines.moe) likewise, its loss with the load-balancing loss, and
 its memory simulation under fake tensors."""
 

@@ -1,5 +1,5 @@
 """``tsp bench``: a real 2-process run of every layout (gloo), end to end through the console
-entry point: table, JSON and PNG, and measured bytes per layer equal to the DESIGN 5 formula."""
+entry point: table, JSON and PNG, and measured bytes per layer equal to the formula of docs/design.md "Communication per layer"."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_bench_runs_every_layout(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(
-        [sys.executable, "-m", "tsp_core.cli", "bench", "--layouts", "tsp,tp,tp-sp,cp,tp+cp",
+        [sys.executable, "-m", "tsp_core.tools.cli", "bench", "--layouts", "tsp,tp,tp-sp,cp,tp+cp",
          "--degree", "2", "--seq", "128,256", "--model", "tiny", "--steps", "1",
          "--json", str(out_json), "--plot", str(out_png)],
         capture_output=True, text=True, timeout=600, env=env)
@@ -37,7 +37,7 @@ def test_bench_runs_every_layout(tmp_path):
 
 
 def test_bench_refuses_no_warmup_before_any_process_starts():
-    from tsp_core.bench import BenchConfig
+    from tsp_core.tools.bench import BenchConfig
 
     with pytest.raises(ValueError, match=r"warmup \(0\) and steps \(4\) must be at least 1"):
         BenchConfig(warmup=0)

@@ -14,7 +14,7 @@ def test_bench_generate_mode(tmp_path):
     out_json = tmp_path / "gen.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(
-        [sys.executable, "-m", "tsp_core.cli", "bench", "--mode", "generate", "--degree", "2",
+        [sys.executable, "-m", "tsp_core.tools.cli", "bench", "--mode", "generate", "--degree", "2",
          "--seq", "64", "--new-tokens", "4", "--steps", "1", "--json", str(out_json)],
         capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]

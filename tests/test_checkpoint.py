@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tsp_core.layout import shard_sequence
-from tsp_core.params import local
+from tsp_core.distributed.params import local
+from tsp_core.sequence.layout import shard_sequence
 
 from . import dist_pool, hf_models
 from .reference import assert_close
@@ -213,7 +213,7 @@ def phi3_fused_tensors(tsp: int, root: str) -> None:
     with pytest.raises(ValueError, match=r"gate_up_proj\.weight has shape \(254, 64\), "
                                          r"expected \(256, 64\)"):
         tsp_core.load_full_state_dict(other, bad)
-    from tsp_core.resharding import full_optimizer_state_dict
+    from tsp_core.state.resharding import full_optimizer_state_dict
 
     with pytest.raises(NotImplementedError, match=r"keeps each fused Hugging Face tensor "
                                                   r"\(gate_up_proj\.weight, qkv_proj\.weight\) "

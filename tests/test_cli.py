@@ -57,7 +57,7 @@ def test_simulate(tmp_path):
 
 
 def test_bench(tmp_path):
-    # 2 real processes: the bytes one TSP layer sends in forward are DESIGN 5's
+    # 2 real processes: the bytes one TSP layer sends in forward are the formula's of docs/design.md "Communication per layer"
     # (D-1)/D * (W_att + W_mlp + 2 B S h / g) elements (g = heads per kv head), float32
     out = tmp_path / "bench.json"
     seq = 64

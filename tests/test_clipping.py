@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import tsp_core
-from tsp_core.params import local
+from tsp_core.distributed.params import local
 
 from . import dist_pool, hf_models
 

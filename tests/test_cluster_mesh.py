@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tsp_core.mesh import init_mesh
+from tsp_core.distributed.mesh import init_mesh
 
 WORLD, PER_NODE = 16, 8
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tsp_core import comm
-from tsp_core.layout import shard_sequence
+from tsp_core.sequence.layout import shard_sequence
 
 from . import dist_pool
 

@@ -1,4 +1,4 @@
-"""Generation on a TSP model (tsp_core.decode, tsp_core.generation) against the unmodified Hugging
+"""Generation on a TSP model (tsp_core.inference.decode, tsp_core.inference.generation) against the unmodified Hugging
 Face model in one process: greedy tokens identical to HF ``generate`` and every step's logits
 equal to HF's float64 logits to 1e-8 (left-padded batches of prompts of 7, 33 and 100 tokens;
 Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Granite, OLMo 2 and Phi-3, each family's features
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import tsp_core
 from tsp_core import comm
-from tsp_core.decode import decode_step, prefill
+from tsp_core.inference.decode import decode_step, prefill
 
 from . import dist_pool, hf_models
 from .reference import assert_close

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tsp_core import TSPAttention, TSPGatedMLP, TSPMesh, comm, init_mesh
-from tsp_core.mesh import check_mesh_shape
+from tsp_core.distributed.mesh import check_mesh_shape
 
 from . import dist_pool
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import tsp_core
-from tsp_core.layout import shard_batch, shift_labels
+from tsp_core.sequence.layout import shard_batch, shift_labels
 
 from . import dist_pool, hf_models, launch
 from .reference import assert_close
@@ -139,8 +139,8 @@ def logits_memory(tsp: int, batch: int, seq: int, hidden_size: int, vocab: int) 
     hidden states and the weights (which exist before)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from tsp_core import logits as L
-    from tsp_core.vocab import TSPLMHead
+    from tsp_core.inference import logits as L
+    from tsp_core.layers.vocab import TSPLMHead
 
     mesh = dist_pool.mesh(tsp)
     head = TSPLMHead(mesh, vocab, hidden_size, dtype=torch.float32)

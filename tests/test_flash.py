@@ -10,9 +10,9 @@ import itertools
 import pytest
 import torch
 
-from tsp_core import flash
-from tsp_core.flash import attention_backward, attention_forward, plan_pieces
-from tsp_core.layout import local_segments, row_segments
+from tsp_core.distributed.chunks import local_segments, row_segments
+from tsp_core.layers import flash
+from tsp_core.layers.flash import attention_backward, attention_forward, plan_pieces
 
 from .reference import assert_close
 

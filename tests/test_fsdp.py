@@ -1,4 +1,4 @@
-"""TSP x FSDP2 (tsp_core.fsdp): FSDP2 shards each rank's TSP shard over "dp_shard" (HSDP with
+"""TSP x FSDP2 (tsp_core.distributed.fsdp): FSDP2 shards each rank's TSP shard over "dp_shard" (HSDP with
 replicas), and training, clipping, checkpoints and generation give the one-process numbers.
 
 References are the unmodified Hugging Face model on one process, in float64. The model has a
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tsp_core.mesh import check_dp_shard
-from tsp_core.params import local
+from tsp_core.distributed.mesh import check_dp_shard
+from tsp_core.distributed.params import local
 
 from . import dist_pool, hf_models
 from .reference import assert_close
@@ -182,7 +182,7 @@ def _training(tsp: int, shard: int | None, path: str, mode: str) -> tuple[float,
     """Step 1 then save (``mode`` "save": save_checkpoint to ``path``, and the one-file full state
     dicts to ``path``.pt), or load ("dcp" or "one-file") then step 2: step 2's loss and the final
     weights."""
-    from tsp_core.resharding import full_optimizer_state_dict, load_full_optimizer_state_dict
+    from tsp_core.state.resharding import full_optimizer_state_dict, load_full_optimizer_state_dict
 
     mesh = dist_pool.mesh(tsp, dp_shard=shard)
     ref = hf_models.build(FAMILY, torch.float64, kv_heads=KV)

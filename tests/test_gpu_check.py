@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from tsp_core import flash
-from tsp_core.gpu_check import flash_part, runner
+from tsp_core.layers import flash
+from tsp_core.tools.gpu_check import flash_part, runner
 
 FLASH_CASES = ["mask.causal", "mask.full", "mask.anticausal", "zigzag.D2", "zigzag.D4",
                "zigzag.D8", "window", "packed", "packed.window", "gqa", "mqa"]
@@ -28,7 +28,7 @@ LAYER_CHECKS = ["c.time", "c.tflops", "c.memory.attention_forward", "c.memory.at
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check") / "x.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "tsp_core.gpu_check", "--device", "cpu",
+    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.gpu_check", "--device", "cpu",
                           "--json", str(out)], capture_output=True, text=True, timeout=300,
                          env=env)
     return run, out

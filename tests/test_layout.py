@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tsp_core.layout import (
+from tsp_core.distributed.chunks import local_segments
+from tsp_core.sequence.layout import (
     IGNORE_INDEX,
-    local_segments,
     pad_to_multiple,
     position_ids,
     shard_batch,

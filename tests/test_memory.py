@@ -1,4 +1,4 @@
-"""DESIGN 4 proven by measurement: the 7B shape (1 of its layers) simulated for rank 0 under
+"""The memory rules (docs/design.md "Memory rules") proven by measurement: the 7B shape (1 of its layers) simulated for rank 0 under
 FakeTensorMode with the fake process group and MemTracker (``tsp simulate``), one training step
 with AdamW state. Every component of the measurement is held to a floor computed here from the
 shapes and the schedule, never read from the code under test:
@@ -39,7 +39,7 @@ SLACK_PER_TOKEN = 64
 def simulate(tmp_path, *args: str) -> list[dict]:
     # each simulation owns the default process group (fake backend) of a fresh process
     out = tmp_path / "sim.json"
-    subprocess.run([sys.executable, "-m", "tsp_core.cli", "simulate", "--json", str(out), *args],
+    subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--json", str(out), *args],
                    check=True, capture_output=True, text=True, timeout=600)
     return json.loads(out.read_text())
 
@@ -48,7 +48,7 @@ def simulate(tmp_path, *args: str) -> list[dict]:
 
 def floors(D: int) -> dict[str, tuple[int, int]]:
     """(floor, allowance) in bytes per measured quantity of one bf16 training step at degree D.
-    The floor is what DESIGN 4's schedule cannot do without; the allowance is the named working
+    The floor is what the schedule cannot do without (docs/design.md "Memory rules"); the allowance is the named working
     set of local tensors the implementation adds on top (kernel inputs and outputs, gradients of
     one head group). The measurement must lie in [floor, floor + allowance + slack]."""
     assert NKV % D == 0 and NQ % D == 0 and F % D == 0
@@ -67,7 +67,7 @@ def floors(D: int) -> dict[str, tuple[int, int]]:
     # an RMSNorm computed in float32 (HF's numerics) keeps its float32 input, the normalised
     # input rounded to bf16, its output (the next op's saved input) and 1/rms
     norm = T * H * (fp32 + bf16 + bf16) + T * fp32
-    # TSP attention keeps local Q, K, V of all heads, the output and the LSE (DESIGN 4)
+    # TSP attention keeps local Q, K, V of all heads, the output and the LSE (docs/design.md "Memory rules")
     attention = T * (NQ + 2 * NKV + NQ) * HEAD * bf16 + T * NQ * fp32
     kept = (LAYERS * (2 * norm + attention) + norm  # the final norm
             + 2 * T * HEAD * bf16                   # RoPE cos, sin of own positions
@@ -142,13 +142,14 @@ _KEPT: list = []  # what a broken variant keeps alive until the step ends
 
 @contextlib.contextmanager
 def breaking_the_rule(variant: str | None) -> Iterator[None]:
-    """Run TSP attention with a DESIGN 4 bug made on purpose: ``"keep_kv"`` keeps every head
+    """Run TSP attention with a bug against docs/design.md "Memory rules" made on purpose: ``"keep_kv"`` keeps every head
     group's gathered K/V until the step ends (what plain autograd over the rounds would save);
     ``"keep_shard"`` keeps one remote attention weight shard per pass of each layer (the round
     after this rank's own) until the step ends. ``None`` changes nothing."""
-    from tsp_core import attention, comm
+    from tsp_core import comm
+    from tsp_core.layers.attention import rounds
 
-    gather, start = comm.start_all_gather_sequence, attention._Rounds._start
+    gather, start = comm.start_all_gather_sequence, rounds._Rounds._start
 
     def gather_kept(*args, **kwargs):
         pending = gather(*args, **kwargs)
@@ -171,13 +172,13 @@ def breaking_the_rule(variant: str | None) -> Iterator[None]:
     if variant == "keep_kv":
         comm.start_all_gather_sequence = gather_kept
     elif variant == "keep_shard":
-        attention._Rounds._start = start_kept
+        rounds._Rounds._start = start_kept
     elif variant is not None:
         raise ValueError(variant)
     try:
         yield
     finally:
-        comm.start_all_gather_sequence, attention._Rounds._start = gather, start
+        comm.start_all_gather_sequence, rounds._Rounds._start = gather, start
         _KEPT.clear()
 
 
@@ -239,7 +240,7 @@ def test_every_layout_keeps_its_share_of_the_model(tmp_path):
 @pytest.mark.parametrize("bad,message", [(["--layouts", "tp+cp", "--degree", "3"], "3 has none"),
                                          (["--model", "13b"], "unknown model")])
 def test_simulate_rejects_bad_requests(tmp_path, bad, message):
-    out = subprocess.run([sys.executable, "-m", "tsp_core.cli", "simulate", "--seq", "64", *bad],
+    out = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--seq", "64", *bad],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
 
@@ -253,7 +254,7 @@ WORKING_SETS = (("attention_forward", "activations"), ("attention_backward", "te
 
 
 def scaling_violations(runs: dict[tuple[int, int], dict]) -> list[str]:
-    """DESIGN 4 without per-family floors, from one layer at (S, D=4), (S, D=8) and (2S, D=8):
+    """The memory rules without per-family floors, from one layer at (S, D=4), (S, D=8) and (2S, D=8):
     what the forward keeps for backward is local activations only, a linear function of this
     rank's token count S/D (so (S, 4) and (2S, 8) keep the same, twice (S, 8)): a kept weight
     shard (a 1/D term) or a kept K/V of the whole sequence (an S term) breaks it. What each
@@ -308,7 +309,7 @@ def test_the_rule_holds_in_every_family_and_its_breaks_show():
 
 def test_the_rule_holds_for_moe_blocks():
     """One block of Mixtral-8x7B (8 experts, top 2) and of Qwen3-30B-A3B (128 experts, top 8,
-    per-head q/k norms) under TSP's expert-parallel schedule (tsp_core.moe, uniform routing
+    per-head q/k norms) under TSP's expert-parallel schedule (tsp_core.layers.moe, uniform routing
     under fake tensors). What the forward keeps is linear in this rank's tokens; the MoE
     block's working sets and the parameters shrink at least as 1/D, up to what expert
     parallelism keeps constant: the replicated router, and the expert running backward (its
@@ -353,7 +354,7 @@ def test_moe_leaves_nothing_after_the_step_under_recompute():
     no activation of an MoE block is alive, as for the dense blocks, under TSP and the tensor-
     parallel baseline: the recompute in backward must not keep its router logits (and with them
     its graph, the routed rows and the expert activations; 42 GiB at Mixtral's 32 layers and
-    128K before tsp_core.moe.recomputing)."""
+    128K before tsp_core.layers.moe.recomputing)."""
     with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
         recs = list(pool.map(simulate_recompute, ["tsp", "tp"], ["mixtral-8x7b"] * 2, [2, 2],
                              [4096, 4096]))

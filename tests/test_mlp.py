@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from tsp_core import TSPGatedMLP, comm
-from tsp_core.layout import shard_sequence
+from tsp_core.sequence.layout import shard_sequence
 
 from . import dist_pool, reference
 from .reference import assert_close

@@ -1,4 +1,4 @@
-"""Mixture-of-experts under TSP (tsp_core.moe, docs/moe.md): tiny Mixtral (4 experts, top 2) and
+"""Mixture-of-experts under TSP (tsp_core.layers.moe, docs/moe.md): tiny Mixtral (4 experts, top 2) and
 Qwen3-MoE (8 experts, top 2, normalised top-k, q/k norms, one dense layer) against the unmodified
 Hugging Face model on one process in float64: loss including the load-balancing loss over the
 global batch, every weight after AdamW steps, at tsp 1, 2, 4 and dp 2 x tsp 2; greedy generation;
@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 import tsp_core
 from tsp_core import comm
-from tsp_core.moe import TSPMoE
+from tsp_core.layers.moe import TSPMoE
 
 from . import dist_pool
-from .test_decode import left_padded
 from .reference import assert_close
+from .test_decode import left_padded
 
 AUX_COEF = 0.3  # large enough that a wrong load-balancing loss moves the loss and the router
 
@@ -153,8 +153,7 @@ def test_schedule_chosen_by_the_bytes_formula():
     below the crossover T* the expert schedule, above it the ring (Qwen3-30B-A3B's shape at
     D = 8: 4 T k h b (D-1)/D plus the counts against 3 E F h b (3D-2)/D plus the same router
     all-reduce, T* = 28964.6 tokens per rank)."""
-    from tsp_core.moe import MoESpec, choose_schedule
-    from tsp_core.plan.traffic import moe_bytes
+    from tsp_core.layers.moe import MoESpec, choose_schedule, moe_bytes
 
     spec = MoESpec(2048, 768, 128, 8, 8)
     E, k, F_, h, D, b = 128, 8, 768, 2048, 8, 2
@@ -367,7 +366,7 @@ def routed_layer(tsp: int, case: str, schedule: str = "expert"):
     """A TSPMoE whose routing is set by construction, on this rank's tokens x [rows, seq/D, h],
     and the experts [N, k] every token must pick. The router reads expert e's logit from
     feature e (uniform) or experts 0..k-1 from feature 0, positive on every token (skewed)."""
-    from tsp_core.moe import TSPMoE
+    from tsp_core.layers.moe import TSPMoE
 
     c = TRAFFIC
     mesh = dist_pool.mesh(tsp)
@@ -416,7 +415,7 @@ def expected_log(tsp: int, counts: list[list[int]], rank: int):
 
 
 def layer_traffic(tsp: int, case: str) -> dict:
-    from tsp_core.moe import route
+    from tsp_core.layers.moe import route
 
     mesh, moe, x, chosen = routed_layer(tsp, case)
     x.requires_grad_(True)
@@ -496,8 +495,8 @@ def test_ring_layer_collectives_exact(pools, case):
 def refusals() -> list[str]:
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from tsp_core.moe import TSPMoE
-    from tsp_core.params import ShardedModule
+    from tsp_core.distributed.params import ShardedModule
+    from tsp_core.layers.moe import TSPMoE
 
     mesh = dist_pool.mesh(4)
     common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,

@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tsp_core
-from tsp_core.flash import plan_pieces
-from tsp_core.layout import row_segments, shard_batch
+from tsp_core.distributed.chunks import row_segments
+from tsp_core.layers.flash import plan_pieces
+from tsp_core.sequence.layout import shard_batch
 
 from . import dist_pool, hf_models
 from .reference import assert_close

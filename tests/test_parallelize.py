@@ -121,12 +121,7 @@ def bad_models() -> list[str]:
     ]
     # what a family uses and TSP does not implement is refused by its config field and value
     # (Gemma 2's soft-capping, once refused here, is implemented: test_training_parity_float64)
-    from transformers import (
-        Gemma2Config,
-        Gemma2ForCausalLM,
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-    )
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     small = dict(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                  num_attention_heads=4, num_key_value_heads=4, head_dim=16)
@@ -143,7 +138,7 @@ def bad_models() -> list[str]:
                   r"Gemma2ForCausalLM: the attention soft-cap \(0\.0\) must be positive"))
     # a mixture-of-experts model under a policy that describes no experts is refused by the
     # field that makes it one, not run as a dense model
-    from tsp_core.policies.mistral import POLICY as MISTRAL
+    from tsp_core.models.policies.mistral import POLICY as MISTRAL
 
     cases.append((MixtralForCausalLM(MixtralConfig(num_local_experts=4, **small)),
                   r"MixtralForCausalLM is a mixture-of-experts model \(config\.num_local_experts"
@@ -160,7 +155,7 @@ def bad_models() -> list[str]:
     # shapes
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    from tsp_core.policies import DecoderPolicy
+    from tsp_core.models.policies import DecoderPolicy
 
     olmo = Olmo2ForCausalLM(Olmo2Config(vocab_size=32, hidden_size=64, intermediate_size=64,
                                         num_hidden_layers=1, num_attention_heads=4,

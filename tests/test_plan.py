@@ -93,7 +93,7 @@ def test_impossible_requests_name_the_binding_constraint():
 def test_tsp_plan_cli_json(tmp_path):
     out = tmp_path / "plan.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "tsp_core.cli", "plan", "--model", "7b", "--seq", "131072",
+    subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "plan", "--model", "7b", "--seq", "131072",
                     "--gpus", "1024", "--gpus-per-node", "8", "--gpu", "mi300x", "--json", str(out)],
                    check=True, env=env, capture_output=True, text=True)
     data = json.loads(out.read_text())
@@ -211,7 +211,7 @@ def test_moe_plan_ranks_tsp_with_expert_traffic_and_memory(tmp_path):
         2 * (32 * layer + 2 * 4000 * 4096 + 4096)
     out = tmp_path / "plan.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "tsp_core.cli", "plan", "--model", "mixtral-8x7b",
+    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "plan", "--model", "mixtral-8x7b",
                           "--seq", "131072", "--gpus", "64", "--gpus-per-node", "8", "--gpu",
                           "h100", "--json", str(out)], check=True, env=env, capture_output=True,
                          text=True)
@@ -301,7 +301,7 @@ def test_fsdp_simulation_shards_model_state_by_dp_shard():
 def test_plan_dp_shard_sizes_follow_the_mesh_rule():
     """`tsp plan --dp-shard`: a size is ranked at a degree exactly when tsp_core.init_mesh would
     build that mesh (dp_shard divides GPUs / degree); otherwise refused naming the numbers."""
-    from tsp_core.mesh import check_dp_shard
+    from tsp_core.distributed.mesh import check_dp_shard
     from tsp_core.plan.command import model_shape
 
     shape = model_shape("llama-70b", None)
@@ -337,7 +337,7 @@ def test_plan_dp_shard_sizes_follow_the_mesh_rule():
 
 
 def test_dp_shard_bad_input_names_the_numbers(capsys):
-    from tsp_core import cli
+    from tsp_core.tools import cli
 
     for argv, message in (
             (["simulate", "--model", "tiny", "--dp-shard", "0"],

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import tsp_core
-from tsp_core.policies import DecoderPolicy
+from tsp_core.models.policies import DecoderPolicy
 
 from . import dist_pool, hf_models
 from .reference import assert_close

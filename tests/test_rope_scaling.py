@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tsp_core import comm, rope
+from tsp_core import comm
+from tsp_core.layers import rope
 
 from . import dist_pool, hf_models
 from .reference import assert_close

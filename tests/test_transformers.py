@@ -212,10 +212,10 @@ def pool():
 
 def shard_on_read(tsp: int, path: str) -> int:
     from transformers import AutoModelForCausalLM
-    from tsp_transformers import load_pretrained
 
     from tsp_core import shard_batch
-    from tsp_core.layout import shard_sequence
+    from tsp_core.sequence.layout import shard_sequence
+    from tsp_transformers import load_pretrained
 
     mesh = dist_pool.mesh(tsp)
     if dist.get_rank() == 0:
@@ -251,6 +251,7 @@ def test_fsdp_options_tsp_cannot_honour_are_refused(monkeypatch, tmp_path):
     # 4-process world: TrainingArguments itself sets up the process group)
     from accelerate.state import AcceleratorState
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
     for key, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "4"), ("RANK", "0"),

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tsp_core import comm
-from tsp_core.layout import shard_sequence
-from tsp_core.vocab import TSPEmbedding, TSPLMHead
+from tsp_core.layers.vocab import TSPEmbedding, TSPLMHead
+from tsp_core.sequence.layout import shard_sequence
 
 from . import dist_pool
 from .reference import assert_close
@@ -111,7 +111,7 @@ def test_bad_ids_fail_on_every_rank(pool):
 def loss_peak(tsp: int, chunk_elements: int) -> tuple[int, int]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from tsp_core import vocab
+    from tsp_core.layers import vocab
 
     mesh = dist_pool.mesh(tsp)
     tokens, V, h = 1024, 4096, 16

@@ -26,10 +26,10 @@ from transformers import (
     HfArgumentParser,
     TrainerCallback,
 )
-from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
 import tsp_core
-from tsp_core.parallelize import TSPCausalLM
+from tsp_core.models.parallelize import TSPCausalLM
+from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
 try:  # run as a script from tests/, or imported by the test module
     from accelerate_job import fsdp_units

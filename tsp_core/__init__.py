@@ -1,19 +1,20 @@
 """Folded tensor-and-sequence parallelism (TSP) for PyTorch: every rank of a TSP group holds 1/D
 of each weight matrix and 1/D of the tokens."""
 
-from . import comm, guard, layout, metrics
-from .attention import TSPAttention
-from .checkpoint import full_state_dict, load_full_state_dict, save_pretrained
-from .generation import generate
-from .layout import position_ids, shard_batch, shard_sequence, unshard_sequence
-from .logits import FullLogits, full_logits
-from .mesh import TSPMesh, init_mesh
-from .mlp import TSPGatedMLP
-from .norm import TSPRMSNorm
-from .parallelize import get_mesh, parallelize
-from .resharding import latest_checkpoint, load_checkpoint, save_checkpoint
-from .shutdown import run_cleanly, shutdown
-from .vocab import TSPEmbedding, TSPLMHead
+from .distributed import comm, guard, metrics
+from .distributed.mesh import TSPMesh, get_mesh, init_mesh
+from .distributed.shutdown import run_cleanly, shutdown
+from .inference.generation import generate
+from .inference.logits import FullLogits, full_logits
+from .layers.attention import TSPAttention
+from .layers.mlp import TSPGatedMLP
+from .layers.norm import TSPRMSNorm
+from .layers.vocab import TSPEmbedding, TSPLMHead
+from .models.parallelize import parallelize
+from .sequence import layout
+from .sequence.layout import position_ids, shard_batch, shard_sequence, unshard_sequence
+from .state.checkpoint import full_state_dict, load_full_state_dict, save_pretrained
+from .state.resharding import latest_checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = ["FullLogits", "TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh",
            "TSPRMSNorm", "comm", "full_logits", "full_state_dict", "generate", "get_mesh", "guard",

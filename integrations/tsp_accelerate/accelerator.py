@@ -1,5 +1,5 @@
 """``TSPAccelerator``: Accelerate with a TSP group on the tensor-parallel axis of its
-``ParallelismConfig`` (the hook Accelerate has: INTEGRATION_NOTES).
+``ParallelismConfig`` (the hook Accelerate has; docs/accelerate.md).
 
 - TSP degree: ``TSPAccelerator(tsp_size=D)``; otherwise ``TSP_SIZE`` from the environment, which
   ``accelerate launch`` passes to its workers (Accelerate 1.15 rejects unknown config-file keys
@@ -57,17 +57,21 @@ import torch
 from accelerate import Accelerator, ParallelismConfig
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import PartialState
-from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin,
-                              InitProcessGroupKwargs, recursively_apply)
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+    recursively_apply,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import tsp_core
-from tsp_core.logits import gather_data_parallel
-from tsp_core.mesh import TSPMesh, check_mesh_shape
-from tsp_core.metrics import StepMetrics
-from tsp_core.parallelize import TSPCausalLM, shard_full_batches
-from tsp_core.policies import find_policy
+from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape
+from tsp_core.distributed.metrics import StepMetrics
+from tsp_core.inference.logits import gather_data_parallel
+from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
+from tsp_core.models.policies import find_policy
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
 
 

@@ -1,4 +1,4 @@
-"""``initialize``: ``deepspeed.initialize`` with TSP (facts from INTEGRATION_NOTES).
+"""``initialize``: ``deepspeed.initialize`` with TSP (docs/deepspeed.md).
 
 - The model is converted with ``tsp_core.parallelize``; its DTensor parameters become plain
   local tensors, which DeepSpeed's flat buffers take. Shards are marked
@@ -31,10 +31,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tsp_core
-from tsp_core.data_parallel import remove_gradient_sync
-from tsp_core.mesh import TSPMesh
-from tsp_core.parallelize import TSPCausalLM, get_mesh
-from tsp_core.params import ShardedModule
+from tsp_core.distributed.data_parallel import remove_gradient_sync
+from tsp_core.distributed.mesh import TSPMesh, get_mesh
+from tsp_core.distributed.params import ShardedModule
+from tsp_core.models.parallelize import TSPCausalLM
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
 
 

@@ -9,7 +9,7 @@ degree and data-parallel size.
   pickles its ``meta.pt``.
 - ``save_distributed_checkpoint=False``: one file in Lightning's ordinary single-file format with
   the full, Hugging Face-shaped weights and optimizer state, assembled on rank 0
-  (:func:`tsp_core.full_state_dict`, :func:`tsp_core.resharding.full_optimizer_state_dict`), so
+  (:func:`tsp_core.full_state_dict`, :func:`tsp_core.state.resharding.full_optimizer_state_dict`), so
   any strategy, a plain single-device one too, resumes from it.
 
 Either loads into the TSP strategies at any degree; the older local-layout folders (Lightning's
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tsp_core
-from tsp_core.resharding import (
+from tsp_core.state.resharding import (
     MARKER,
     full_optimizer_state_dict,
     load_full_optimizer_state_dict,

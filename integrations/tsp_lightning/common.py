@@ -7,8 +7,8 @@ from typing import Any, Mapping
 from torch import nn
 
 import tsp_core
-from tsp_core.mesh import TSPMesh, check_mesh_shape
-from tsp_core.parallelize import TSPCausalLM
+from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape
+from tsp_core.models.parallelize import TSPCausalLM
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
@@ -76,7 +76,7 @@ class TSPMeshMixin:
 
     def _set_fsdp(self, fsdp: bool, mp_policy: Any, reshard_after_forward: bool) -> None:
         """``fsdp=True``: FSDP2 (``fully_shard``) over the whole data-parallel dim, per decoder
-        layer and the root, with these two options of it (DESIGN 3.6)."""
+        layer and the root, with these two options of it (docs/design.md "FSDP2 on the data-parallel axis")."""
         if not fsdp and (mp_policy is not None or reshard_after_forward is not True):
             raise ValueError(f"fsdp_mp_policy ({mp_policy!r}) and reshard_after_forward "
                              f"({reshard_after_forward!r}) are FSDP2's options: pass fsdp=True "

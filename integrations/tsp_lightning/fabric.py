@@ -17,8 +17,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 import tsp_core
-from tsp_core.params import ShardedModule
-from tsp_core.parallelize import shard_full_batches
+from tsp_core.distributed.params import ShardedModule
+from tsp_core.models.parallelize import shard_full_batches
 
 from . import checkpoint as ckpt
 from .common import TSPMeshMixin, parallelize_target

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from tsp_core.metrics import StepMetrics
+from tsp_core.distributed.metrics import StepMetrics
 
 
 class TSPMonitor(Callback):

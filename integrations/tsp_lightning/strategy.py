@@ -7,7 +7,7 @@ model's loss is the global mean (identical on every rank), so logged losses are 
 Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) load at any
 TSP degree and data-parallel size (``tsp_lightning.checkpoint``); :meth:`export_hf` writes a
 consolidated Hugging Face checkpoint. ``fsdp=True``: the conversion also applies FSDP2 over the
-whole data-parallel dim (``tsp_core.fsdp``), before ``configure_optimizers`` runs.
+whole data-parallel dim (``tsp_core.distributed.fsdp``), before ``configure_optimizers`` runs.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tsp_core
-from tsp_core.mesh import TSPMesh
+from tsp_core.distributed.mesh import TSPMesh
 
 
 def load_pretrained(path: str | os.PathLike, tsp_size: int | None = None, *,

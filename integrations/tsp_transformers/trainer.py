@@ -27,14 +27,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from tsp_accelerate import TSPAccelerator
-from tsp_accelerate.accelerator import check_fsdp_plugin, check_fsdp_version, fsdp_sizes
 
 import tsp_core
-from tsp_core.metrics import StepMetrics
-from tsp_core.parallelize import TSPCausalLM, get_mesh, shard_full_batches
+from tsp_accelerate import TSPAccelerator
+from tsp_accelerate.accelerator import check_fsdp_plugin, check_fsdp_version, fsdp_sizes
+from tsp_core.distributed.mesh import get_mesh
+from tsp_core.distributed.metrics import StepMetrics
+from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
-from tsp_core.resharding import MARKER as RESHARDABLE_MARKER
+from tsp_core.state.resharding import MARKER as RESHARDABLE_MARKER
 
 OPTIMIZER_DIR = "optimizer_dcp"
 SCHEDULER_NAME = "scheduler.pt"

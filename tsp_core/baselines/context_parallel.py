@@ -3,7 +3,7 @@ mesh dim, K/V all-gathered per layer.
 
 It is installed as a Hugging Face attention implementation, so the model's own projections, RoPE
 (at global positions) and residuals run unchanged; only the core attention sees the whole
-sequence. The core is the same flash-piece kernel as TSP's (DESIGN 3.1 step 4) and, like TSP, the
+sequence. The core is the same flash-piece kernel as TSP's (docs/design.md "Attention") and, like TSP, the
 backward keeps only the local K/V and gathers the rest again: the strongest form of the layout,
 measured with the same kernels.
 """
@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, flash
-from ..layout import row_segments
+from ..distributed import comm
+from ..distributed.chunks import row_segments
+from ..layers import flash
 
 ATTN_IMPLEMENTATION = "tsp_context_parallel"
 

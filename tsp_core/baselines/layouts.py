@@ -19,15 +19,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from .. import comm
-from ..data_parallel import install_gradient_sync
-from ..layout import IGNORE_INDEX, shard_batch
-from ..mesh import TSPMesh, init_mesh, init_process_group_from_env
-from ..parallelize import parallelize
-from ..policies import find_policy
-from ..rope import length_dependent_types
+from ..distributed import comm
+from ..distributed.data_parallel import install_gradient_sync
+from ..distributed.mesh import TSPMesh, init_mesh, init_process_group_from_env
+from ..layers.moe import load_balancing_loss
+from ..layers.rope import length_dependent_types
+from ..models.parallelize import parallelize
+from ..models.policies import find_policy
+from ..sequence.layout import IGNORE_INDEX, shard_batch
 from . import context_parallel
-from ..moe import load_balancing_loss
 from .moe import TensorParallelMoE, check_moe
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
@@ -216,7 +216,7 @@ class ParallelModel:
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         if self.spec.name == "tsp":
-            from ..checkpoint import _sharded_modules
+            from ..state.checkpoint import _sharded_modules
 
             return {prefix + n: g for prefix, m in _sharded_modules(self.model)
                     for n, g in m.full_tensors(grads=True).items()}

@@ -36,7 +36,7 @@ Backward: the same as the dense MLP's plus the all-reduce of the routing weights
 
 The load-balancing loss is not Hugging Face's (which never sees these router logits): each block
 keeps ``router_logits`` (every token its rank routed, identical on the tensor-parallel ranks) and
-:func:`tsp_core.moe.load_balancing_loss` computes it over the global batch as one process does.
+:func:`tsp_core.layers.moe.load_balancing_loss` computes it over the global batch as one process does.
 
 Under ``FakeTensorMode`` (``tsp simulate``), where routing has no values, the eager expert loop
 runs on the token counts of uniform routing (every expert gets N k / E of the N k routed copies);
@@ -44,7 +44,6 @@ Hugging Face's ``grouped_mm`` needs no values (fixed shapes) and runs as it is.
 """
 
 from __future__ import annotations
-
 
 import types
 
@@ -56,9 +55,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .. import comm
-from ..moe import MoESpec, recomputing, route
-from ..policies import DecoderPolicy, ExpertsPolicy
+from ..distributed import comm
+from ..layers.moe import MoESpec, recomputing, route
+from ..models.policies import DecoderPolicy, ExpertsPolicy
 
 GATE_UP = _StridedShard(1, split_factor=2)  # gate rows and up rows, each split 1/T
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..policies import DecoderPolicy
+from ..models.policies import DecoderPolicy
 from .moe import apply_moe, check_moe
 
 

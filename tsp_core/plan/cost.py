@@ -2,13 +2,13 @@
 
 step time = compute (FLOPs / (peak x efficiency)) + communication the schedule cannot hide.
 Compute per rank is the same for every layout at one degree (each splits the work evenly); the
-layouts differ in bytes moved (DESIGN 5, :mod:`traffic`), in which links carry them (a group inside
+layouts differ in bytes moved (docs/design.md "Communication per layer", :mod:`traffic`), in which links carry them (a group inside
 a node rides NVLink / Infinity Fabric, one spanning nodes the NIC) and in overlap: TSP's weight
 broadcasts and ring hops are prefetched a round ahead (hidden up to the compute time), its K/V
 gathers are not; the baselines' collectives sit on the critical path. Data-parallel gradient sums
 overlap the backward. Full recompute replays each layer's forward and its collectives.
 
-FSDP2 over ``dp_shard`` ranks (DESIGN 3.6) shards each rank's model state further
+FSDP2 over ``dp_shard`` ranks (docs/design.md "FSDP2 on the data-parallel axis") shards each rank's model state further
 (:func:`tsp_core.plan.memory.estimate`) and adds its all-gathers and reduce-scatters on the
 data-parallel link (:func:`fsdp_seconds`); replicas then sum 1/dp_shard of the gradients.
 """
@@ -117,7 +117,7 @@ def tsp_layer_bytes(shape: ModelShape, d: int, tokens_per_rank: float, passes: i
 def check_dp_shard(lay: LayoutSpec, dp_shard: int, gpus: int) -> str | None:
     """Why ``lay`` cannot run with FSDP2 over ``dp_shard`` ranks on ``gpus`` GPUs, or None: the
     rule of ``tsp_core.init_mesh`` (dp_shard divides the data-parallel size gpus / degree)."""
-    from ..mesh import check_dp_shard as mesh_rule
+    from ..distributed.mesh import check_dp_shard as mesh_rule
 
     if dp_shard > 1 and lay.name not in FSDP_LAYOUTS:
         return (f"dp_shard ({dp_shard}) > 1 is modelled for {', '.join(FSDP_LAYOUTS)} "

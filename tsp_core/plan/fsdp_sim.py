@@ -1,13 +1,13 @@
 """FSDP2 (``fully_shard``) in ``tsp simulate``: one rank of a ``degree x dp_shard`` world runs the
 real ``fully_shard`` under the fake process group and ``FakeTensorMode``, measured by
 ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``), which tells FSDP2's own
-buffers apart from the sharded model state (DESIGN 3.6, docs/memory.md "FSDP2").
+buffers apart from the sharded model state (docs/design.md "FSDP2 on the data-parallel axis", docs/memory.md "FSDP2").
 
 Every layout is wrapped the same way, so the comparison stays like for like: ``fully_shard`` on
 each decoder layer, then on the root (embedding, final norm, LM head), over the "dp_shard" dim,
 ``reshard_after_forward=True``, no ``MixedPrecisionPolicy`` (parameters, gradients and AdamW
 moments all in the run's ``--dtype``, as without FSDP2). TSP gets it from
-:func:`tsp_core.parallelize` (:mod:`tsp_core.fsdp`) on ``init_mesh(D, dp_shard=N)``'s
+:func:`tsp_core.parallelize` (:mod:`tsp_core.distributed.fsdp`) on ``init_mesh(D, dp_shard=N)``'s
 ("dp_replicate", "dp_shard", "tsp") mesh; the tensor-parallel baselines from plain
 ``fully_shard`` on a ("dp_shard", "cp", "tp") mesh, their DTensor shards on "tp" (FSDP2's
 2-D path, as torchtitan composes TP and FSDP2). Context-parallel layouts are not wrapped:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..baselines.layouts import LayoutSpec, ParallelModel
-    from ..mesh import TSPMesh
+    from ..distributed.mesh import TSPMesh
 
 # the layouts the simulation wraps in FSDP2 (see the module docstring for the others)
 FSDP_LAYOUTS = ("tsp", "tp", "tp-sp")
@@ -55,7 +55,7 @@ def build_mesh(spec: "LayoutSpec", dp_shard: int) -> "TSPMesh":
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..mesh import TSPMesh, init_mesh
+    from ..distributed.mesh import TSPMesh, init_mesh
 
     world = dist.get_world_size()
     if world != spec.degree * dp_shard:
@@ -70,13 +70,13 @@ def build_mesh(spec: "LayoutSpec", dp_shard: int) -> "TSPMesh":
 
 def shard_baseline(pm: "ParallelModel") -> None:
     """``fully_shard`` a tensor-parallel baseline (built on :func:`build_mesh`'s mesh) the way
-    :func:`tsp_core.fsdp.apply_fsdp` wraps TSP: each decoder layer, then the root. FSDP2 sums the
+    :func:`tsp_core.distributed.fsdp.apply_fsdp` wraps TSP: each decoder layer, then the root. FSDP2 sums the
     data-parallel gradients itself, so the baseline's own data-parallel hooks go. Call it outside
     ``FakeTensorMode``: FSDP2 builds its 2-D mesh from the real rank map (under the fake mode
     that raises), and the fake parameters carry their mode with them."""
     from torch.distributed.fsdp import fully_shard
 
-    from ..data_parallel import remove_gradient_sync
+    from ..distributed.data_parallel import remove_gradient_sync
 
     dm = pm.mesh.device_mesh
     remove_gradient_sync(pm.model)

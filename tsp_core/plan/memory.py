@@ -16,7 +16,7 @@ adds the working set of what runs then: one layer's recomputed activations and i
 temporaries, counted tensor by tensor below (``docs/planning.md`` lists them). The tensor counts
 are read from the code paths, not fitted; where they miss, ``docs/planning.md`` says by how much.
 
-FSDP2 over ``dp_shard`` ranks (DESIGN 3.6; :func:`fsdp_terms`): parameters, optimizer states and
+FSDP2 over ``dp_shard`` ranks (docs/design.md "FSDP2 on the data-parallel axis"; :func:`fsdp_terms`): parameters, optimizer states and
 the gradients FSDP2 has reduce-scattered are 1/dp_shard of the above; FSDP2's own buffers are added
 at each moment as ``tsp simulate --dp-shard`` measures them under the real ``fully_shard``.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..baselines.layouts import LayoutSpec
-from ..vocab import LOSS_CHUNK_ELEMENTS as CHUNK_ELEMENTS
+from ..layers.vocab import LOSS_CHUNK_ELEMENTS as CHUNK_ELEMENTS
 from .traffic import ModelShape
 
 
@@ -64,7 +64,7 @@ def moe_working_set(shape: ModelShape, rows: float, channels: float, experts: fl
     on one rank that runs ``experts`` (n) experts of ``channels`` (F) intermediate channels each
     on ``rows`` (R) routed copies of ``tokens`` (T, default R / k) tokens (uniform routing: TSP's
     (a) receives k T rows for its E/D whole experts). Read from
-    :func:`tsp_core.moe.dispatch_combine` (each [R, h] buffer dropped once the next exists; the
+    :func:`tsp_core.layers.moe.dispatch_combine` (each [R, h] buffer dropped once the next exists; the
     experts run on ``unbind`` views, so each expert's weight gradient is its own [2F, h] and
     [h, F] until one ``stack`` per weight after the last expert) and autograd's saved tensors.
     What the forward keeps for backward, common to the first two moments: the rows sorted by
@@ -202,7 +202,7 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
 
 
 def fsdp_terms(c: dict[str, float], lay: LayoutSpec, b: int = 2) -> dict[str, float]:
-    """FSDP2's working set at the planner's moments, in bytes, for the wrapping ``tsp_core.fsdp``
+    """FSDP2's working set at the planner's moments, in bytes, for the wrapping ``tsp_core.distributed.fsdp``
     uses (each decoder layer, then the root: embedding, final norm, LM head, all with
     ``reshard_after_forward=True``), read from torch's ``_fully_shard`` and checked against
     ``tsp simulate --dp-shard`` (docs/memory.md, "FSDP2"). ``u``: one decoder layer's shard

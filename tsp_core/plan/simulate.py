@@ -1,12 +1,12 @@
-"""Per-rank memory of a whole model under any layout, measured on one CPU (DESIGN 4): the real model
+"""Per-rank memory of a whole model under any layout, measured on one CPU (docs/design.md "Memory rules"): the real model
 code of rank 0 of a ``degree``-rank world runs one training step under ``FakeTensorMode`` with the
 ``fake`` process-group backend, and ``MemTracker`` records every tensor it allocates.
 
 The peak is split into parameters, gradients, optimizer states (AdamW's two moments, allocated
 the way ``torch.optim.AdamW`` allocates them), activations (saved for backward) and temporaries.
-``phases`` adds the same split at the moments that DESIGN 4's rules are about: what the forward
+``phases`` adds the same split at the moments that the memory rules (docs/design.md "Memory rules") are about: what the forward
 leaves for backward, and what each decoder layer's attention and MLP add while they run (a sparse
-layer's MLP phase is its mixture-of-experts block, ``tsp_core.moe.TSPMoE`` or the baselines'
+layer's MLP phase is its mixture-of-experts block, ``tsp_core.layers.moe.TSPMoE`` or the baselines'
 ``TensorParallelMoE``, found where the family's policy keeps the MLP; under fake tensors its
 routing is uniform).
 The optimizer step's own transients are not simulated (a fake tensor has no value for AdamW's step
@@ -14,7 +14,7 @@ count). Every layout runs the same flash-piece attention kernels and the same re
 the comparison is like for like.
 
 With ``dp_shard`` N > 1 the world is ``degree x N`` ranks and FSDP2 shards the model state over
-N of them (DESIGN 3.6): the real ``fully_shard`` runs, measured by ``FSDPMemTracker``, which adds
+N of them (docs/design.md "FSDP2 on the data-parallel axis"): the real ``fully_shard`` runs, measured by ``FSDPMemTracker``, which adds
 FSDP2's own buffers to the split (unsharded parameters and gradients, all-gather and
 reduce-scatter buffers; :mod:`tsp_core.plan.fsdp_sim`).
 
@@ -65,7 +65,7 @@ MODELS = {
     "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                       num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
                       tie_word_embeddings=False),
-    # sparse mixture-of-experts (tsp_core.moe, docs/moe.md): every layer's MLP is the experts
+    # sparse mixture-of-experts (tsp_core.layers.moe, docs/moe.md): every layer's MLP is the experts
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
@@ -223,7 +223,7 @@ def _phases(tracker, model: torch.nn.Module, layers) -> dict[str, dict[str, int]
     """See :attr:`MemoryRecord.phases`."""
     from torch.distributed._tools.mem_tracker import _ModState
 
-    from ..policies import find_policy
+    from ..models.policies import find_policy
 
     stats = tracker.memory_tracking
     out = {"kept": _categories(stats[model].snapshots[_ModState.POST_FW][-1])}
@@ -271,7 +271,7 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
         mode = FakeTensorMode()
         with mode, _private_sharding_propagation():
             default = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)  # INTEGRATION_NOTES: .to(dtype) fails under fake mode
+            torch.set_default_dtype(dtype)  # .to(dtype) fails under fake mode
             try:
                 model = AutoModelForCausalLM.from_config(config)
             finally:

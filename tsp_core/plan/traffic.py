@@ -1,4 +1,4 @@
-"""Bytes each rank sends per decoder layer in the forward pass, by layout (DESIGN 5), in the same
+"""Bytes each rank sends per decoder layer in the forward pass, by layout (docs/design.md "Communication per layer"), in the same
 ring accounting as :mod:`tsp_core.comm` (so measured and predicted numbers are comparable).
 
 With h = hidden size, g = query heads per key/value head (h over the K/V width when head_dim is
@@ -27,6 +27,8 @@ replicated router and runs its 1/T slice of every expert, so routing adds nothin
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..layers.moe import MoEScheduleBytes, moe_bytes
 
 
 @dataclass(frozen=True)
@@ -128,12 +130,12 @@ class ModelShape:
 
 def _moe_fields(config) -> dict:
     """The MoE fields of :class:`ModelShape` from a config, by the family's TSP policy
-    (:class:`tsp_core.policies.ExpertsPolicy`: which config fields hold the expert count, top-k
+    (:class:`tsp_core.models.policies.ExpertsPolicy`: which config fields hold the expert count, top-k
     and per-expert size); {} for dense families. Which layers are sparse follows Hugging Face's
     Qwen3-MoE rule (``mlp_only_layers``, ``decoder_sparse_step``); Mixtral's are all sparse."""
     from types import SimpleNamespace
 
-    from ..policies import find_policy
+    from ..models.policies import find_policy
 
     try:
         policy = find_policy(SimpleNamespace(config=config))
@@ -151,31 +153,6 @@ def _moe_fields(config) -> dict:
                 expert_intermediate_size=spec.intermediate_size,
                 moe_layers=None if sparse == L else sparse,
                 routing_fp32=not m.weights_in_logits_dtype)
-
-
-@dataclass(frozen=True)
-class MoEScheduleBytes:
-    """Bytes one rank sends in one MoE layer under the two TSP schedules of ``docs/moe.md``."""
-
-    a_forward: float   # (a) expert parallel: dispatch + combine (+ the counts)
-    a_backward: float  # their gradients + the router's gradient all-reduce
-    b_forward: float   # (b) the ring: every rank's slice of every expert travels D-1 hops
-    b_backward: float  # the slices again (D-1 hops) + the gradient accumulators (D hops) + router
-    crossover: float   # tokens per rank at which (a) and (b) move the same bytes
-    forward_passes: int = 1
-
-    @property
-    def a(self) -> float:
-        return self.forward_passes * self.a_forward + self.a_backward
-
-    @property
-    def b(self) -> float:
-        return self.forward_passes * self.b_forward + self.b_backward
-
-    @property
-    def choice(self) -> str:
-        """"a" or "b": the schedule that moves fewer bytes (ties: "a", the default)."""
-        return "a" if self.a <= self.b else "b"
 
 
 def moe_schedule_bytes(shape: ModelShape, tokens_per_rank: float, d: int, b: int = 2,
@@ -199,24 +176,6 @@ def moe_schedule_bytes(shape: ModelShape, tokens_per_rank: float, d: int, b: int
         raise ValueError("moe_schedule_bytes: the model has no experts (num_experts = 0)")
     return moe_bytes(shape.num_experts, shape.top_k, shape.expert_intermediate_size,
                      shape.hidden_size, tokens_per_rank, d, b, forward_passes)
-
-
-def moe_bytes(E: int, k: int, Fe: int, h: int, tokens_per_rank: float, d: int, b: int = 2,
-              forward_passes: int = 1) -> MoEScheduleBytes:
-    """:func:`moe_schedule_bytes` of E experts of Fe channels, top k, hidden h (what
-    :func:`tsp_core.moe.choose_schedule` decides with)."""
-    f = (d - 1) / d
-    per_token = f * 2 * k * h * b                   # one all-to-all pair per token, one pass
-    router = f * 2 * E * h * b
-    a_fw, a_bw = per_token * tokens_per_rank + f * 8 * E, per_token * tokens_per_rank + router
-    ring = 3 * E * Fe * h * b
-    b_fw, b_bw = f * ring, (f + 1) * ring + router
-    if f == 0:
-        crossover = float("inf")
-    else:  # forward_passes * (a_fw - b_fw) + a_bw - b_bw = 0, linear in T
-        crossover = (forward_passes * (b_fw - f * 8 * E) + b_bw - router) / \
-            ((forward_passes + 1) * per_token)
-    return MoEScheduleBytes(a_fw, a_bw, b_fw, b_bw, crossover, forward_passes)
 
 
 def moe_crossover_tokens(shape: ModelShape, d: int, forward_passes: int = 1) -> float:

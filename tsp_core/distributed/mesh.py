@@ -1,0 +1,209 @@
+"""The TSP device mesh: which ranks share weights and tokens, and who their ring neighbours are.
+
+A TSP group is the innermost dim of a named ``DeviceMesh`` so that it spans consecutive ranks (one
+node). Every other dim is data parallel: it replicates the TSP group, or, for the dim named
+``shard_dim`` (``dp_shard``), holds FSDP2 shards of each rank's TSP shard (docs/design.md "FSDP2 on the data-parallel axis"). Code always
+names the dim it uses instead of assuming a 1-D mesh.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+
+
+@dataclass(frozen=True)
+class TSPMesh:
+    """A device mesh plus the name of its TSP dim, the token layout used on that dim and, when
+    FSDP2 shards model state over data parallel too, the name of the data-parallel dim it shards
+    over (``shard_dim``; every other non-TSP dim then holds replicas: HSDP)."""
+
+    device_mesh: DeviceMesh
+    dim: str = "tsp"
+    layout: Layout = "zigzag"
+    shard_dim: str | None = None
+
+    def __post_init__(self) -> None:
+        names = self.device_mesh.mesh_dim_names or ()
+        if self.dim not in names:
+            raise ValueError(f"mesh has no dim named {self.dim!r} (its dims are {names}); "
+                             f"pass the name of the dim that holds the TSP group")
+        if self.shard_dim is not None and (self.shard_dim not in names
+                                           or self.shard_dim == self.dim):
+            raise ValueError(f"shard_dim {self.shard_dim!r} must name a data-parallel dim of the "
+                             f"mesh (its dims are {names}; {self.dim!r} holds the TSP group)")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {LAYOUTS}")
+
+    @classmethod
+    def from_device_mesh(cls, mesh: DeviceMesh, dim: str, layout: Layout = "zigzag",
+                         shard_dim: str | None = None) -> "TSPMesh":
+        """Wrap a mesh a framework already built (Accelerate calls its dim "tp", Lightning
+        "tensor_parallel"; Accelerate's FSDP2 dim is "dp_shard")."""
+        return cls(mesh, dim, layout, shard_dim)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.device_mesh.get_group(self.dim)
+
+    @property
+    def size(self) -> int:
+        return self.device_mesh.size(self._dim_index)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside its TSP group (0..size-1)."""
+        return self.device_mesh.get_local_rank(self.dim)
+
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    @property
+    def other_dims(self) -> tuple[str, ...]:
+        """Dims that replicate the TSP group (data parallel and friends)."""
+        return tuple(n for n in self.device_mesh.mesh_dim_names if n != self.dim)
+
+    @property
+    def all_groups(self) -> list[dist.ProcessGroup]:
+        """One group per mesh dim, TSP first: reducing over each in turn reduces over the mesh."""
+        return [self.group] + [self.device_mesh.get_group(n) for n in self.other_dims]
+
+    @property
+    def dp_size(self) -> int:
+        """Number of TSP-group replicas (product of every non-TSP dim)."""
+        return self.device_mesh.size() // self.size
+
+    @property
+    def fsdp_size(self) -> int:
+        """How many ranks FSDP2 shards each TSP shard over (1: no FSDP2)."""
+        if self.shard_dim is None:
+            return 1
+        return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(self.shard_dim))
+
+    @property
+    def replicate_dims(self) -> tuple[str, ...]:
+        """Data-parallel dims that hold whole replicas (every non-TSP dim but ``shard_dim``)."""
+        return tuple(n for n in self.other_dims if n != self.shard_dim)
+
+    @property
+    def _dim_index(self) -> int:
+        return self.device_mesh.mesh_dim_names.index(self.dim)
+
+    def next_rank(self) -> int:
+        """Group rank of the ring successor."""
+        return (self.rank + 1) % self.size
+
+    def prev_rank(self) -> int:
+        """Group rank of the ring predecessor."""
+        return (self.rank - 1) % self.size
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group_from_env() -> None:
+    """Initialise the default process group from the launcher's environment (torchrun sets RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Without a launcher this is a one-process world."""
+    if dist.is_initialized():
+        return
+    backend = _default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart != "0":
+        # A restarted torchrun job reuses the agent's store, which still holds the previous
+        # attempt's addresses: gloo read them and failed with "Connection refused" about half the
+        # time. Keys of this attempt get their own prefix.
+        store = dist.PrefixStore(f"/tsp/attempt_{restart}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+            int(os.environ["WORLD_SIZE"]), is_master=False))
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    elif "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def check_mesh_shape(world_size: int, tsp_size: int, dp_size: int | None) -> int:
+    """Return dp_size after checking ``dp_size * tsp_size == world_size``; raises with the numbers."""
+    if tsp_size < 1:
+        raise ValueError(f"tsp_size ({tsp_size}) must be at least 1")
+    if world_size % tsp_size:
+        raise ValueError(f"tsp_size ({tsp_size}) must divide the world size ({world_size}); "
+                         f"launch a multiple of {tsp_size} processes or pick another tsp_size")
+    if dp_size is None:
+        return world_size // tsp_size
+    if dp_size * tsp_size != world_size:
+        raise ValueError(f"dp_size ({dp_size}) * tsp_size ({tsp_size}) = {dp_size * tsp_size} "
+                         f"does not match the world size ({world_size}); leave dp_size unset to "
+                         f"use {world_size // tsp_size}")
+    return dp_size
+
+
+def warn_if_spanning_nodes(tsp_size: int, local_world_size: int | None = None) -> bool:
+    """Ranks are numbered node by node and TSP is the innermost dim, so a TSP group stays inside a
+    node exactly when its size divides the node's process count (``LOCAL_WORLD_SIZE``). Otherwise
+    the group's weight and K/V traffic rides the network: allowed, but warned. True if it spans."""
+    if local_world_size is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        local_world_size = int(local) if local and local.isdigit() else None
+    if not local_world_size or local_world_size % tsp_size == 0:
+        return False
+    import warnings
+
+    warnings.warn(f"tsp_size ({tsp_size}) does not divide the {local_world_size} processes of a node "
+                  f"(LOCAL_WORLD_SIZE): TSP groups span nodes and their weight and K/V traffic rides "
+                  f"the network; a divisor of {local_world_size} keeps each group inside a node",
+                  stacklevel=3)
+    return True
+
+
+def check_dp_shard(dp_size: int, dp_shard: int) -> int:
+    """Return ``dp_replicate = dp_size / dp_shard`` after checking that it divides."""
+    if dp_shard < 1 or dp_size % dp_shard:
+        raise ValueError(f"dp_shard ({dp_shard}) must be a divisor of the data-parallel size "
+                         f"({dp_size}): dp_replicate = dp_size / dp_shard replicas of dp_shard "
+                         f"FSDP2 shards each")
+    return dp_size // dp_shard
+
+
+def init_mesh(tsp_size: int, dp_size: int | None = None, *, dp_shard: int | None = None,
+              layout: Layout = "zigzag") -> TSPMesh:
+    """Build the mesh over all processes, TSP innermost, initialising the default process group
+    first when needed (gloo on CPU, NCCL on CUDA). Without ``dp_shard`` it is ("dp", "tsp"), data
+    parallel replicating each TSP group. With ``dp_shard`` it is ("dp_replicate", "dp_shard",
+    "tsp"): the ``dp_size`` data-parallel ranks split into ``dp_size / dp_shard`` replicas of
+    ``dp_shard`` ranks each, and :func:`tsp_core.parallelize` applies FSDP2 over "dp_shard" when
+    it is larger than 1 (HSDP when there are replicas too)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    init_process_group_from_env()
+    dp_size = check_mesh_shape(dist.get_world_size(), tsp_size, dp_size)
+    replicas = None if dp_shard is None else check_dp_shard(dp_size, dp_shard)
+    warn_if_spanning_nodes(tsp_size)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if replicas is None:
+        mesh = init_device_mesh(device_type, (dp_size, tsp_size), mesh_dim_names=("dp", "tsp"))
+        return TSPMesh(mesh, "tsp", layout)
+    mesh = init_device_mesh(device_type, (replicas, dp_shard, tsp_size),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tsp"))
+    return TSPMesh(mesh, "tsp", layout, "dp_shard")
+
+
+def get_mesh(model: torch.nn.Module) -> TSPMesh:
+    """The mesh ``model`` was parallelized with (shard batches with it)."""
+    mesh = getattr(model, "_tsp_mesh", None)
+    if mesh is None:
+        raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize")
+    return mesh

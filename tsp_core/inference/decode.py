@@ -1,0 +1,431 @@
+"""Inference on a TSP model (docs/design.md "Decode"): prefill with the TSP forward, then tensor-parallel decode
+over a sequence-sharded KV cache.
+
+Prefill runs the TSP schedule on the prompt. Each attention round computes this rank's own tokens'
+K/V for one head group, so after the rounds a rank holds its own tokens' K/V of *every* head: the
+cache is split by tokens, 1/D of it per rank, and nothing in it came from another rank.
+
+Decode needs no weight to move: a TSP rank already holds what tensor parallelism would give it
+(a head group, a slice of the MLP's channels, a slice of the vocabulary). Per new token and layer:
+
+1. every rank projects its heads' q, k, v; one all-gather gives every rank all heads' q, k, v;
+2. the rank whose turn it is appends the new token's K/V (all heads) to its cache, so the caches
+   stay balanced (the rank with the fewest slots takes the next token);
+3. every rank attends all query heads to its own cache slots (split-KV, flash-decoding) and an
+   all-to-all sends each head group's partial output and log-sum-exp to the head's owner, which
+   merges them;
+4. the owner applies its rows of o_proj and an all-reduce sums the head groups; the MLP is split
+   by channels (gate/up columns, down rows) with one all-reduce; norms are replicated.
+
+The embedding (rows of the vocabulary: a masked lookup and an all-reduce) and the LM head (this
+rank's vocabulary logits, all-gathered) are the model's own vocabulary shards.
+
+Prefill and every decode step run the model's own Hugging Face forward (embedding scale, norms,
+residuals, per-layer rotary embeddings: whatever the family does), with the TSP modules told what
+to do instead (``ShardedModule.tsp_decode``), so a family needs no decode code of its own.
+
+Prompts of different lengths arrive left-padded (Hugging Face's convention). Prefill drops the
+padding, places each prompt at positions 0..n-1 and pads the batch on the *right* to a multiple of
+2D: causal attention keeps those pad tokens invisible, and the cache drops them (a slot whose
+position is not below its row's prompt length is marked empty), so padding never shows in results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import comm
+from ..distributed.mesh import TSPMesh
+from ..distributed.params import local
+from ..layers import rope
+from ..layers.attention import TSPAttention
+from ..layers.mlp import TSPGatedMLP, _act
+from ..layers.moe import TSPMoE
+from ..layers.norm import NORMS
+from ..layers.vocab import TSPEmbedding, TSPLMHead
+from ..sequence import layout
+
+
+@dataclass
+class ShardedKVCache:
+    """This rank's part of the KV cache: K/V of every head for the tokens this rank holds.
+
+    ``keys[l]``/``values[l]``: [B, num_kv_heads, capacity, head_dim] of layer l; ``positions``
+    [B, capacity]: each slot's global position in its row, -1 for an empty slot (padding, or
+    capacity not used yet); ``length``: slots used; ``counts``: slots used on every rank of the
+    group (every rank knows them, so all agree whose turn the next token is)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    length: int
+    counts: list[int]
+    rank: int
+    lengths: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    def nbytes(self) -> int:
+        """Bytes this rank holds for K and V (allocated, every layer)."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def next_owner(self) -> int:
+        """The rank that stores the next token: the one with the fewest slots (lowest on ties)."""
+        return min(range(len(self.counts)), key=lambda r: (self.counts[r], r))
+
+    def reserve(self, steps: int) -> None:
+        """Allocate room for the slots this rank will receive in the next ``steps`` tokens, once,
+        instead of growing every token."""
+        counts = list(self.counts)
+        mine = 0
+        for _ in range(steps):
+            owner = min(range(len(counts)), key=lambda r: (counts[r], r))
+            counts[owner] += 1
+            mine += owner == self.rank
+        self._grow(self.length + mine)
+
+    def _grow(self, capacity: int) -> None:
+        have = self.positions.shape[1]
+        if capacity <= have:
+            return
+        extra = capacity - have
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], dim=2)
+
+        self.keys = [pad(k) for k in self.keys]
+        self.values = [pad(v) for v in self.values]
+        self.positions = torch.cat([self.positions, self.positions.new_full(
+            (self.positions.shape[0], extra), -1)], dim=1)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attn: TSPAttention
+    mlp: TSPGatedMLP | TSPMoE
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """The TSP modules of a parallelized model and the Hugging Face base model around them, whose
+    own forward (norms, residuals, scalings, rotary embeddings: whatever the family does) runs
+    prefill and every decode step."""
+
+    mesh: TSPMesh
+    base: nn.Module
+    embed: TSPEmbedding
+    layers: list[_Layer]
+    head: TSPLMHead
+    ropes: list[nn.Module]   # rotaries whose frequencies depend on the length
+    vocab_size: int
+
+
+def _parts(model: nn.Module) -> _Parts:
+    policy, mesh = getattr(model, "_tsp_policy", None), getattr(model, "_tsp_mesh", None)
+    if policy is None or mesh is None:
+        raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize; "
+                         f"generation needs a TSP model")
+    base = getattr(model, policy.base_model)
+    layers = [_Layer(getattr(b, policy.attention), getattr(b, policy.mlp))
+              for b in getattr(base, policy.layers)]
+    return _Parts(mesh, base, getattr(base, policy.embed), layers, getattr(model, policy.lm_head),
+                  getattr(model, "_tsp_ropes", []), model.config.vocab_size)
+
+
+@contextlib.contextmanager
+def _mode(modules: list[nn.Module], state: Any):
+    """Run the model's forward with ``state`` telling these TSP modules what to do instead."""
+    for m in modules:
+        m.tsp_decode = state
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.tsp_decode = None
+
+
+class _Prefill:
+    """Prefill: the attention runs its TSP schedule and hands its own tokens' K/V to ``sink``."""
+
+    decoding = False
+
+    def __init__(self, sink) -> None:
+        self.sink = sink
+
+
+class _Decode:
+    """One decode step: the embedding, attention and MLP take their tensor-parallel paths."""
+
+    decoding = True
+    sink = None
+
+    def __init__(self, parts: _Parts, cache: ShardedKVCache, slot: int | None,
+                 positions: torch.Tensor) -> None:
+        self.parts, self.cache, self.slot, self.positions = parts, cache, slot, positions
+        self.index = {id(layer.attn): i for i, layer in enumerate(parts.layers)}
+        self.used = cache.positions[:, :cache.length]
+        self.valid = self.used >= 0
+
+    def embed(self, module: TSPEmbedding, ids: torch.Tensor) -> torch.Tensor:
+        return _embed_rows(self.parts, ids)
+
+    def mlp(self, module: TSPGatedMLP | TSPMoE, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(module, TSPMoE):
+            return module.decode_step(x)
+        return _mlp_step(self.parts, module, x)
+
+    def attention(self, module: TSPAttention, x: torch.Tensor,
+                  position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, 1, h] -> [B, 1, h]"""
+        window = module.spec.sliding_window
+        visible = self.valid if window is None else \
+            self.valid & (self.used > self.positions[:, None] - window)
+        cos, sin = position_embeddings
+        y = _attention_step(self.parts, self.index[id(module)], module, x[:, 0], cos, sin,
+                            self.cache, self.slot, visible)
+        return y.unsqueeze(1)
+
+
+# ------------------------------------------------------------- vocabulary shards, replicated rows
+
+def _embed_rows(parts: _Parts, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding of token ids identical on every rank: a masked lookup in this rank's rows and one
+    all-reduce (Megatron's vocabulary-parallel embedding)."""
+    table = local(parts.embed.weight)
+    per, start = table.shape[0], parts.mesh.rank * table.shape[0]
+    inside = (ids >= start) & (ids < start + per)
+    rows = F.embedding((ids - start).clamp(0, per - 1), table) * inside.unsqueeze(-1).to(table.dtype)
+    comm.all_reduce(rows, parts.mesh.group)
+    return rows
+
+
+def _logits(parts: _Parts, hidden: torch.Tensor) -> torch.Tensor:
+    """[B, h] -> [B, V] on every rank: this rank's vocabulary rows, all-gathered."""
+    hidden = parts.head.scale_input(hidden)
+    w = local(parts.head.weight)
+    mine = parts.head.cap(hidden @ w.t())                            # [B, per]
+    d = parts.mesh.size
+    out = mine.new_empty(d, *mine.shape)
+    comm.all_gather(out, mine.contiguous(), parts.mesh.group)
+    return out.permute(1, 0, 2).reshape(mine.shape[0], -1)[:, :parts.vocab_size]
+
+
+# ------------------------------------------------------------------------------- prefill
+
+def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  vocab_size: int) -> torch.Tensor:
+    """Each row's prompt length; raises, naming rows and the fix, for inputs prefill can't take.
+    Runs before any collective."""
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        raise ValueError(f"input_ids must be a [batch, seq] integer tensor, got "
+                         f"{tuple(input_ids.shape)} {input_ids.dtype}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids has no tokens: give every row at least one prompt token")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}")
+    mask = attention_mask.bool()
+    holes = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1).nonzero().flatten().tolist()
+    if holes:
+        raise ValueError(f"attention_mask rows {holes} have a 0 after a 1 (right padding or "
+                         f"holes); generation takes left-padded prompts "
+                         f"(tokenizer.padding_side = 'left')")
+    lengths = mask.sum(1)
+    empty = (lengths == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"rows {empty} of attention_mask are all 0: every prompt needs a token")
+    real = input_ids[mask]
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab_size):
+        raise ValueError(f"prompt token ids from {int(real.min())} to {int(real.max())} are "
+                         f"outside the vocabulary [0, {vocab_size})")
+    return lengths
+
+
+def _packed_right(input_ids: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Left-padded rows -> each prompt at 0..n-1, right-padded with token 0 to ``total``."""
+    B, S = input_ids.shape
+    out = input_ids.new_zeros(B, total)
+    for b, n in enumerate(lengths.tolist()):
+        out[b, :n] = input_ids[b, S - n:]
+    return out
+
+
+@torch.no_grad()
+def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, ShardedKVCache]:
+    """Run the TSP forward on left-padded prompts [B, S] (identical on every rank of the group);
+    return the next-token logits [B, V] (identical on every rank) and this rank's KV cache."""
+    parts = _parts(model)
+    mesh = parts.mesh
+    D, me = mesh.size, mesh.rank
+    lengths = check_prompts(input_ids, attention_mask, parts.vocab_size)
+    longest = int(lengths.max())
+    total = layout.padded_length(longest, D, mesh.layout)
+    full = _packed_right(input_ids, lengths, total)
+    ids = layout.shard_sequence(full, me, D, 1, mesh.layout)          # [B, T/D]
+    pos1 = layout.position_ids(total, me, D, mesh.layout, device=ids.device)
+    pos = pos1.unsqueeze(0).expand(ids.shape[0], -1)
+    keep = pos1 < longest                          # slots that hold a token of some row
+    cache_pos = torch.where(pos[:, keep] < lengths.to(ids.device)[:, None], pos[:, keep], -1)
+    counts = [int((layout.position_ids(total, r, D, mesh.layout) < longest).sum())
+              for r in range(D)]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+
+    def sink(kv_all: torch.Tensor) -> None:
+        g, _, B, n, L, d = kv_all.shape          # every key/value head once, in order
+        kv = kv_all.permute(1, 2, 0, 3, 4, 5).reshape(2, B, g * n, L, d)[:, :, :, keep]
+        keys.append(kv[0].clone())
+        values.append(kv[1].clone())
+
+    # the model's own forward (the TSP schedules inside); a length-dependent rope sees what HF's
+    # generate gives it: positions cumsum(mask) - 1, so max + 1 = the longest prompt
+    with _mode([layer.attn for layer in parts.layers], _Prefill(sink)), \
+            rope.global_length(parts.ropes, longest):
+        x = parts.base(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    # the final hidden state of each row's last prompt token, from whichever rank holds it
+    last = (pos == (lengths.to(pos.device) - 1)[:, None]).to(x.dtype)      # [B, T/D]
+    hidden = torch.einsum("bl,blh->bh", last, x).contiguous()
+    comm.all_reduce(hidden, mesh.group)
+    logits = _logits(parts, hidden)
+    cache = ShardedKVCache(keys, values, cache_pos.contiguous(), int(keep.sum()), counts, me,
+                           lengths.to(ids.device))
+    return logits, cache
+
+
+# -------------------------------------------------------------------------------- decode
+
+def _attend_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                  scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV attention of every query head [B, nq, d] to this rank's slots k, v
+    [B, nkv, L, d] where ``visible`` [B, L]; returns the partial output [B, nq, d] and its
+    log-sum-exp [B, nq] (-inf and 0 where nothing here is visible), in float32 or float64.
+    ``softcap``: scores ``tanh(s / softcap) * softcap`` before the mask (Gemma 2)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, nq, d = q.shape
+    nkv = k.shape[1]
+    qg = q.view(B, nkv, nq // nkv, d).to(acc)
+    s = torch.einsum("bhgd,bhld->bhgl", qg, k.to(acc)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                  # [B, nkv, g]
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    out = torch.einsum("bhgl,bhld->bhgd", p, v.to(acc))
+    return out.reshape(B, nq, d), lse.reshape(B, nq)
+
+
+def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, cache: ShardedKVCache, slot: int | None,
+                    visible: torch.Tensor) -> torch.Tensor:
+    group, D = parts.mesh.group, parts.mesh.size
+    spec = attn.spec
+    nq, d = spec.local_heads, spec.head_dim
+    B = x.shape[0]
+    w = {n: local(p) for n, p in attn.named_parameters()}
+
+    def proj(name: str) -> torch.Tensor:                              # [B, this rank's rows]
+        return F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
+
+    mine = torch.cat([proj("q"), proj("k"), proj("v")], dim=1)
+    kv_rows = w["k_proj.weight"].shape[0]  # this rank's key/value heads, or its slice of them
+    every = mine.new_empty(D, *mine.shape)
+    comm.all_gather(every, mine.contiguous(), group)                  # every rank's q, k, v rows
+    q_all, k_all, v_all = every.split([nq * d, kv_rows, kv_rows], dim=2)
+
+    def heads(t: torch.Tensor, n: int) -> torch.Tensor:              # rank order -> [B, n, 1, d]
+        return t.permute(1, 0, 2).reshape(B, -1)[:, :n * d].reshape(B, n, 1, d)
+
+    q_all = heads(q_all, D * nq)
+    k_all = heads(k_all, spec.num_kv_heads)
+    if spec.qk_norm_eps is not None:         # per head (Qwen3, Gemma 3) or over all (OLMo 2)
+        norm = NORMS[spec.qk_norm_kind]
+
+        def normed(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if not spec.qk_norm_all_heads:
+                return norm(t, weight, spec.qk_norm_eps)
+            return norm(t.reshape(B, -1), weight, spec.qk_norm_eps).view(t.shape)
+
+        q_all, k_all = normed(q_all, w["q_norm.weight"]), normed(k_all, w["k_norm.weight"])
+    q_all = rope.apply(q_all, cos, sin)[:, :, 0]                      # [B, nq_total, d]
+    k_all = rope.apply(k_all, cos, sin)[:, :, 0]
+    v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
+    if slot is not None:                                              # this rank's turn
+        cache.keys[i][:, :, slot] = k_all
+        cache.values[i][:, :, slot] = v_all
+    L = cache.length
+    out, lse = _attend_local(q_all, cache.keys[i][:, :, :L], cache.values[i][:, :, :L],
+                             visible, spec.softmax_scale, spec.softcap)
+    # head group r's partial results go to rank r, which merges them by log-sum-exp
+    send = torch.cat([out, lse.unsqueeze(-1)], dim=-1).view(B, D, nq, d + 1).transpose(0, 1)
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group)
+    parts_lse, parts_out = recv[..., d], recv[..., :d]               # [D, B, nq], [D, B, nq, d]
+    total = torch.logsumexp(parts_lse, dim=0)
+    merged = (torch.exp(parts_lse - total).unsqueeze(-1) * parts_out).sum(0)
+    y = merged.to(x.dtype).reshape(B, nq * d) @ w["o_proj.weight"].t()
+    comm.all_reduce(y, group)
+    if "o_proj.bias" in w:
+        y = y + w["o_proj.bias"]
+    return y
+
+
+def _mlp_step(parts: _Parts, mlp: TSPGatedMLP, x: torch.Tensor) -> torch.Tensor:
+    w = {n: local(p) for n, p in mlp.named_parameters()}
+    g = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
+    u = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
+    y = (_act(g, mlp.spec.activation) * u) @ w["down_proj.weight"].t()
+    comm.all_reduce(y, parts.mesh.group)
+    if "down_proj.bias" in w:
+        y = y + w["down_proj.bias"]
+    return y
+
+
+@torch.no_grad()
+def decode_step(model: nn.Module, cache: ShardedKVCache, tokens: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+    """Feed one token per row (``tokens`` [B] at global ``positions`` [B], identical on every
+    rank); return the next-token logits [B, V] (identical on every rank). No weight moves."""
+    parts = _parts(model)
+    owner = cache.next_owner()
+    cache.counts[owner] += 1
+    slot = None
+    if owner == cache.rank:
+        slot = cache.length
+        if slot >= cache.positions.shape[1]:  # not reserved: grow by a quarter, not per token
+            cache._grow(slot + max(16, slot // 4))
+        cache.positions[:, slot] = positions
+        cache.length += 1
+    modules = [parts.embed] + [m for layer in parts.layers for m in (layer.attn, layer.mlp)]
+    # the model's own forward on one token per row; a length-dependent rope gets max(pos) + 1,
+    # as in HF's generate (every rank shares the positions)
+    with _mode(modules, _Decode(parts, cache, slot, positions)), \
+            rope.global_length(parts.ropes, int(positions.max()) + 1):
+        x = parts.base(input_ids=tokens[:, None], position_ids=positions[:, None],
+                       use_cache=False).last_hidden_state
+    return _logits(parts, x[:, 0])
+
+
+def cache_bytes_of(cache: Any) -> int:
+    """K/V bytes a cache holds on this rank: a :class:`ShardedKVCache`, or a Hugging Face
+    ``DynamicCache`` (local shards of DTensors)."""
+    if isinstance(cache, ShardedKVCache):
+        return cache.nbytes()
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is None:
+                continue
+            t = t.to_local() if hasattr(t, "to_local") else t
+            total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["ShardedKVCache", "cache_bytes_of", "check_prompts", "decode_step", "prefill"]

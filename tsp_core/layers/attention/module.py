@@ -1,0 +1,165 @@
+"""The TSP attention ``nn.Module``: the shards this rank owns, the checks on its inputs, and the
+choice of schedule (one head group per round, or the phased schedule when q/k norms span every
+head of a token)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ...distributed import comm
+from ...distributed.mesh import TSPMesh
+from ...distributed.params import (
+    REPLICATED,
+    ShardedModule,
+    ShardSpec,
+    chunk_spec,
+    even_spec,
+    init_full,
+    local_replicated,
+    schedule_inputs,
+)
+from .. import rope
+from .per_group import PerGroupAttentionFn
+from .phased import PhasedAttentionFn
+from .rounds import AttentionSpec
+
+
+def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> None:
+    """Raise, naming the numbers, when the heads cannot be split over ``tsp_size`` ranks."""
+    if num_heads % tsp_size:
+        raise ValueError(f"tsp_size ({tsp_size}) must divide num_attention_heads ({num_heads})")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide "
+                         f"num_attention_heads ({num_heads})")
+    if num_kv_heads % tsp_size and tsp_size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tsp_size ({tsp_size}): one "
+                         f"must divide the other, so that each rank's query heads share whole "
+                         f"key/value heads; pick tsp_size from the divisors or multiples of "
+                         f"{num_kv_heads}")
+    if hidden_size < 1 or head_dim < 1:
+        raise ValueError(f"hidden_size ({hidden_size}) and head_dim ({head_dim}) must be positive")
+
+
+
+class TSPAttention(ShardedModule):
+    """Multi-head / grouped-query attention with TSP: rank p owns query heads
+    [p*nq/D, (p+1)*nq/D), the key/value heads they use (with fewer key/value heads than ranks, an
+    even 1/D slice of the key/value rows instead, so no weight is stored twice), and the matching
+    columns of o_proj. Parameters carry Hugging Face names and shapes: ``q_proj.weight``
+    [nq*d, h], ``k_proj.weight``, ``v_proj.weight`` [nkv*d, h], ``o_proj.weight`` [h, nq*d],
+    optional biases, and with ``qk_norm_eps`` the per-head RMSNorm weights ``q_norm.weight``,
+    ``k_norm.weight`` [d] (replicated; applied to every query/key head before RoPE, Qwen3), or
+    with ``qk_norm_all_heads`` norms over all heads of a token, [nq*d] and [nkv*d] (OLMo 2; the
+    phased schedule of :mod:`tsp_core.layers.attention.phased`).
+
+    ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
+    positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
+    cos/sin passes ``position_embeddings=(cos, sin)`` instead.
+    """
+
+    def __init__(self, mesh: TSPMesh, hidden_size: int, num_heads: int,
+                 num_kv_heads: int | None = None, head_dim: int | None = None, *,
+                 qkv_bias: bool = False, o_bias: bool = False, rope_theta: float = 10000.0,
+                 causal: bool = True, sliding_window: int | None = None,
+                 scale: float | None = None, qk_norm_eps: float | None = None,
+                 qk_norm_kind: str = "llama", softcap: float | None = None,
+                 qk_norm_all_heads: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"num_attention_heads ({num_heads}) must divide hidden_size "
+                                 f"({hidden_size}) unless head_dim is given")
+            head_dim = hidden_size // num_heads
+        check_attention_shape(mesh.size, hidden_size, num_heads, num_kv_heads, head_dim)
+        self.mesh = mesh
+        self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
+                                  mesh.layout, causal, sliding_window, scale, qk_norm_eps,
+                                  qk_norm_kind, softcap=softcap,
+                                  qk_norm_all_heads=qk_norm_all_heads)
+        self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
+                             persistent=False)
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        self.full_shapes = {"q_proj.weight": (q, hidden_size), "k_proj.weight": (kv, hidden_size),
+                            "v_proj.weight": (kv, hidden_size), "o_proj.weight": (hidden_size, q)}
+        if qkv_bias:
+            self.full_shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+        if o_bias:
+            self.full_shapes["o_proj.bias"] = (hidden_size,)
+        if qk_norm_eps is not None:
+            widths = (q, kv) if qk_norm_all_heads else (head_dim, head_dim)
+            self.full_shapes.update({n: (w,) for n, w in zip(self.NORMS, widths)})
+        ones = self.NORMS if qk_norm_kind != "gemma" else ()  # gemma's: an offset from one
+        full = init_full(self.full_shapes, init_seed, dtype, device, ones=ones)
+        for n in self.NORMS if qk_norm_kind == "gemma" and qk_norm_eps is not None else ():
+            full[n].zero_()
+        self._create(full)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"hidden_size={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
+                f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={s.sliding_window}")
+
+    NORMS = ("q_norm.weight", "k_norm.weight")
+
+    def shard_spec(self, name: str, rank: int) -> ShardSpec:
+        s = self.spec
+        if name == "o_proj.bias" or name in self.NORMS:
+            return REPLICATED
+        if name.startswith(("k_proj", "v_proj")) and s.kv_replicas > 1:
+            return chunk_spec(s.num_kv_heads * s.head_dim, rank, s.tsp_size)  # see _Shards
+        dim = 1 if name == "o_proj.weight" else 0
+        return even_spec(self.full_shapes[name][dim], rank, s.tsp_size, dim)
+
+    def _weight_names(self) -> list[str]:
+        names = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
+        return names + (["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+                        if "q_proj.bias" in self.full_shapes else [])
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                docs: Sequence[Sequence[int]] | None = None,
+                kv_sink: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """``docs``: for packed rows, each row's document lengths (as ``shard_batch`` pads them:
+        multiples of 2D); attention then stays inside each document. ``kv_sink`` (prefill for
+        :mod:`tsp_core.inference.decode`) is called once with ``kv_all`` [G, 2, B, local_kv_heads, S/D,
+        head_dim], G = D / kv_replicas key/value head groups in order: the K/V (RoPE applied) of
+        this rank's own tokens for every key/value head, all computed here, none received from
+        another rank."""
+        s = self.spec
+        if x.dim() != 3 or x.shape[-1] != s.hidden_size:
+            raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
+                             f"[batch, local_seq, hidden_size={s.hidden_size}]")
+        if x.shape[1] % (2 if s.layout == "zigzag" else 1):
+            raise ValueError(f"local sequence length ({x.shape[1]}) must be even under the zigzag "
+                             f"layout (2 chunks per rank); shard with tsp_core.shard_batch")
+        if docs is not None:
+            docs = tuple(tuple(int(n) for n in row) for row in docs)
+            if len(docs) != x.shape[0] or any(sum(row) != x.shape[1] * s.tsp_size for row in docs):
+                raise ValueError(f"docs {docs} do not describe {x.shape[0]} rows of "
+                                 f"{x.shape[1] * s.tsp_size} tokens; pass shard_batch's tsp_docs")
+        if position_embeddings is None:
+            if position_ids is None:
+                raise ValueError("pass the global position_ids of the local tokens (from "
+                                 "tsp_core.shard_batch) or position_embeddings=(cos, sin)")
+            if position_ids.dim() == 1:
+                position_ids = position_ids.unsqueeze(0).expand(x.shape[0], -1)
+            if tuple(position_ids.shape) != tuple(x.shape[:2]):
+                raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match "
+                                 f"the input's [batch, local_seq] = {tuple(x.shape[:2])}")
+            position_embeddings = rope.cos_sin(position_ids, self.inv_freq, 1.0, x.dtype)
+        norms = list(self.NORMS) if s.qk_norm_eps is not None else []
+        x, weights, context = schedule_inputs(self, self._weight_names() + norms, x)
+        if norms:  # replicated: every rank normalises its own tokens, gradients summed
+            weights[-2:] = [comm.sum_grad(w, self.mesh.group) for w in weights[-2:]]
+        cos, sin = (t.to(x.dtype) for t in position_embeddings)
+        fn = PhasedAttentionFn if s.qk_norm_all_heads else PerGroupAttentionFn
+        with context:
+            y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
+        if "o_proj.bias" in self.full_shapes:
+            y = y + local_replicated(self.o_proj.bias, self.mesh)
+        return y

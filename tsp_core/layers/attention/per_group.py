@@ -1,0 +1,150 @@
+"""The default TSP attention schedule (docs/design.md, "Attention"): broadcast each rank's head
+group in turn, gather that group's K/V, attend with the local queries, accumulate the output
+projection locally.
+
+The schedule is one ``torch.autograd.Function`` so that the backward keeps only this rank's own
+weight shard and the local Q/K/V/output/LSE of its own tokens (docs/design.md, "Memory rules"):
+weights and K/V that came from other ranks are fetched again in the backward instead of being
+saved.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import rope
+from .rounds import (
+    AttentionSpec,
+    _attend,
+    _attend_backward,
+    _flat,
+    _head_norm,
+    _head_norm_backward,
+    _heads,
+    _KVGathers,
+    _OwnerReduces,
+    _Rounds,
+    _row_groups,
+    _Shards,
+    _split_norms,
+)
+
+
+class PerGroupAttentionFn(torch.autograd.Function):
+    """Round r uses rank r's query heads; with nkv < D, rounds r of one key/value head
+    (``kv_replicas`` consecutive rounds) share that head's K/V: it is computed, gathered (and in
+    the backward, its gradient reduce-scattered) once per head, not once per round.
+
+    Overlap (docs/design.md "Attention"): while round r attends, the K/V all-gather of round r+1 and the owner
+    broadcast of round r+2 are in flight; in the backward, the K/V of the next key/value head
+    are gathered and the dK/dV of the previous one reduce-scattered while round r computes."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
+        B, L, _ = x.shape
+        nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
+        D, R = spec.tsp_size, spec.kv_replicas
+        groups = _row_groups(docs, L * D, dist.get_rank(group), spec)
+        proj, (qn, kn) = _split_norms(weights, spec)
+        shards = _Shards(proj, spec, group)
+        q_all = x.new_empty(D, B, nq, L, d)
+        kv_all = x.new_empty(D // R, 2, B, nkv, L, d)
+        out_all = x.new_empty(D, B, nq, L, d)
+        lse_all = x.new_empty(D, B, nq, L, dtype=torch.float64 if x.dtype == torch.float64
+                              else torch.float32)
+        y = x.new_zeros(x.shape)  # contiguous, whatever x's strides
+        kvs = _KVGathers(kv_all, groups, spec, group)
+
+        def project(r: int, buf: torch.Tensor) -> torch.Tensor:
+            """Round r's queries and, in the first round of its key/value head, that head's K/V,
+            whose gather starts at once; returns the round's output projection."""
+            wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
+            q_all[r] = rope.apply(_head_norm(_heads(F.linear(x, wq, bq), nq), qn, spec), cos, sin)
+            if r % R == 0:
+                j = r // R
+                kv_all[j, 0] = rope.apply(_head_norm(_heads(F.linear(x, wk, bk), nkv), kn, spec),
+                                          cos, sin)
+                kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
+                kvs.start(j)
+            return wo
+
+        def attend(r: int, wo: torch.Tensor) -> None:
+            _attend(r, q_all, out_all, lse_all, kvs)
+            y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
+
+        previous = None
+        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+            wo = project(r, buf)  # receiving buf started round r+1's broadcast
+            if previous is not None:
+                attend(*previous)
+            previous = (r, wo)
+        attend(*previous)
+        if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
+            kv_sink(kv_all)
+        ctx.spec, ctx.group, ctx.groups = spec, group, groups
+        ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, group, groups = ctx.spec, ctx.group, ctx.groups
+        x, cos, sin, q_all, kv_all, out_all, lse_all, *weights = ctx.saved_tensors
+        B, L, h = x.shape
+        nq, nkv, R = spec.local_heads, spec.local_kv_heads, spec.kv_replicas
+        proj, (qn, kn) = _split_norms(weights, spec)
+        norm_grads = [None, None]  # q_norm, k_norm: summed over the rounds
+        shards = _Shards(proj, spec, group)
+        kv_grads = shards.kv_grad_buffers() if shards.sliced else []
+        dy = dy.contiguous()
+        x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
+        dx = x.new_zeros(x.shape)
+        dx2 = dx.view(B * L, h)
+        reduces = _OwnerReduces(group)
+        kvs = _KVGathers(kv_all, groups, spec, group)
+        dkv_sum: dict[int, torch.Tensor] = {}
+
+        def finish(r: int, grads: list, dkv: Callable[[], torch.Tensor] | None, wk: torch.Tensor,
+                   wv: torch.Tensor, bk: torch.Tensor | None) -> None:
+            """Round r's tail, one round late so that its dK/dV reduce-scatter overlapped the
+            next round: the key/value projection's backward, then the round's weight gradients
+            on their way to the owner."""
+            if dkv is not None:
+                dkv = dkv()
+                dk = rope.apply_backward(dkv[0], cos, sin)
+                if kn is not None:
+                    dk, g = _head_norm_backward(_heads(F.linear(x, wk, bk), nkv), kn, spec, dk)
+                    norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
+                shards.add_kv_grads(r // R, _flat(dk).reshape(B * L, -1),
+                                    _flat(dkv[1]).reshape(B * L, -1), x2, wk, wv, dx2, grads,
+                                    kv_grads)
+            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads)))
+
+        kvs.start(0)
+        previous = None
+        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+            wq, wk, wv, wo, bq, bk, _ = shards.unpack(r, buf)
+            if r % R == R - 1:
+                kvs.start(r // R + 1)  # the next head's K/V arrive while this round computes
+            o = out_all[r]
+            do = _heads(F.linear(dy, wo.t()), nq).contiguous()
+            dq, dkv = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
+            dq = rope.apply_backward(dq, cos, sin)
+            if qn is not None:
+                dq, g = _head_norm_backward(_heads(F.linear(x, wq, bq), nq), qn, spec, dq)
+                norm_grads[0] = g if norm_grads[0] is None else norm_grads[0] + g
+            dq = _flat(dq).reshape(B * L, -1)
+            dx2.addmm_(dq, wq)
+            grads = [dq.t() @ x2, None, None, dy2.t() @ _flat(o).reshape(B * L, -1),
+                     dq.sum(0) if shards.bias else None, None, None]
+            if previous is not None:
+                finish(*previous)
+            previous = (r, grads, dkv, wk, wv, bk)
+        finish(*previous)
+        grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
+        if qn is not None:
+            grads = [*grads, *norm_grads]
+        return (dx, None, None, None, None, None, None, *grads)

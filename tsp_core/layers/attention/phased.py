@@ -1,0 +1,177 @@
+"""TSP attention for q/k norms over all heads of a token (OLMo 2): the rounds of
+:mod:`tsp_core.layers.attention` in three phases, so that every head group's query and key of a token
+exist before any of them is normalised.
+
+The default schedule computes, attends and projects one head group per round; a norm whose
+statistic spans every head cannot run there, since round r knows only group r. Here the same
+broadcasts are split: (1) rounds of the q/k/v projection shards compute this rank's tokens' raw
+projections of every group; the whole-width norms and RoPE then run locally, exactly as the
+unmodified model runs them; (2) attention of every group, which moves no weight (K/V gathered
+per key/value head as before); (3) rounds of the output projection shards. The backward mirrors
+it: the output projection's rounds give dO of every group, attention backward gives dQ, dK, dV,
+the norms' backward runs locally over all heads (its cross-head term is why it must wait for
+every group), and the input projections' rounds give dX and the weight gradients.
+
+Each weight is broadcast once per pass, as in the default schedule (the same bytes); what it
+costs is overlap (attention no longer hides the next round's broadcast) and local buffers the
+size of this rank's Q (raw projections, dO and dQ of every group: own tokens only, never another
+rank's weight or K/V: docs/design.md "Memory rules")."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import rope
+from ..norm import NORMS
+from .rounds import (
+    AttentionSpec,
+    _attend,
+    _attend_backward,
+    _flat,
+    _KVGathers,
+    _OwnerReduces,
+    _Rounds,
+    _row_groups,
+    _Shards,
+    _split_norms,
+)
+
+
+def _lse_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def normed_heads(raw: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch.Tensor,
+                 sin: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """raw [G, B, L, heads*d]: G head groups' projections, in head order, of the same tokens ->
+    [G, B, heads, L, d] normalised over all G*heads heads of each token, RoPE applied."""
+    G, B, L, _ = raw.shape
+    flat = raw.permute(1, 2, 0, 3).reshape(B, L, -1)           # [B, L, all heads * d]: HF's q
+    normed = NORMS[spec.qk_norm_kind](flat, weight, spec.qk_norm_eps)
+    heads_first = normed.view(B, L, G, heads, -1).permute(2, 0, 3, 1, 4)
+    return rope.apply(heads_first, cos, sin).contiguous()
+
+
+class PhasedAttentionFn(torch.autograd.Function):
+    """Same arguments as :class:`tsp_core.layers.attention.per_group.PerGroupAttentionFn`; requires the q/k norm
+    weights (the last two of ``weights``) to span all heads."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
+        B, L, _ = x.shape
+        nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
+        D, R = spec.tsp_size, spec.kv_replicas
+        groups = _row_groups(docs, L * D, dist.get_rank(group), spec)
+        proj, (qn, kn) = _split_norms(weights, spec)
+        shards = _Shards(proj, spec, group, split_out=True)
+        q_raw = x.new_empty(D, B, L, nq * d)            # phase 1: every group's raw projections
+        kv_raw = x.new_empty(D // R, 2, B, L, nkv * d)
+        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+            wq, wk, wv, _, bq, bk, bv = shards.unpack(r, buf)
+            q_raw[r] = F.linear(x, wq, bq)
+            if r % R == 0:
+                kv_raw[r // R, 0] = F.linear(x, wk, bk)
+                kv_raw[r // R, 1] = F.linear(x, wv, bv)
+        q_all, kv_all = _normed(q_raw, kv_raw, qn, kn, cos, sin, spec)
+        out_all = x.new_empty(D, B, nq, L, d)              # phase 2: attention, no weights move
+        lse_all = x.new_empty(D, B, nq, L, dtype=_lse_dtype(x))
+        kvs = _KVGathers(kv_all, groups, spec, group)
+        kvs.start(0)
+        for r in range(D):
+            if r % R == R - 1:
+                kvs.start(r // R + 1)  # the next head's K/V arrive while this round attends
+            _attend(r, q_all, out_all, lse_all, kvs)
+        if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
+            kv_sink(kv_all)
+        del q_all, kv_all
+        y = x.new_zeros(x.shape)                           # phase 3: the output projection
+        for r, buf in _Rounds(shards.out_pack.pack([proj[3]]), group):
+            (wo,) = shards.out_pack.unpack(buf)
+            y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
+        ctx.spec, ctx.group, ctx.groups = spec, group, groups
+        ctx.save_for_backward(x, cos, sin, q_raw, kv_raw, out_all, lse_all, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, group, groups = ctx.spec, ctx.group, ctx.groups
+        x, cos, sin, q_raw, kv_raw, out_all, lse_all, *weights = ctx.saved_tensors
+        B, L, h = x.shape
+        nq, R, D = spec.local_heads, spec.kv_replicas, spec.tsp_size
+        proj, (qn, kn) = _split_norms(weights, spec)
+        shards = _Shards(proj, spec, group, split_out=True)
+        dy = dy.contiguous()
+        x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
+        reduces = _OwnerReduces(group)
+        do_all = torch.empty_like(out_all)                # output projection's rounds: dO, dWo
+        for r, buf in _Rounds(shards.out_pack.pack([proj[3]]), group):
+            (wo,) = shards.out_pack.unpack(buf)
+            do_all[r] = F.linear(dy, wo.t()).view(B, L, nq, -1).transpose(1, 2)
+            reduces.send(r, dy2.t() @ _flat(out_all[r]).reshape(B * L, -1))
+        go = reduces.finish()
+        with torch.enable_grad():                          # the norms and RoPE, recomputed
+            leaves = [t.detach().requires_grad_() for t in (q_raw, kv_raw[:, 0], qn, kn)]
+            q_all = normed_heads(leaves[0], leaves[2], nq, cos, sin, spec)
+            k_all = normed_heads(leaves[1], leaves[3], spec.local_kv_heads, cos, sin, spec)
+        q_fixed = q_all.detach()
+        kv_all = torch.stack([k_all.detach(), _v_heads(kv_raw, spec)], 1)
+        dq_all, dkv_all = torch.empty_like(q_fixed), torch.empty_like(kv_all)
+        kvs = _KVGathers(kv_all, groups, spec, group)
+        dkv_sum: dict[int, torch.Tensor] = {}
+        kvs.start(0)
+        previous = None  # the last head's dK/dV, reduce-scattered while the next round computes
+        for r in range(D):                                 # attention, no weights move
+            if r % R == R - 1:
+                kvs.start(r // R + 1)
+            dq_all[r], dkv = _attend_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs,
+                                              dkv_sum)
+            if previous is not None:
+                dkv_all[previous[0]] = previous[1]()
+                previous = None
+            if dkv is not None:
+                previous = (r // R, dkv)
+        dkv_all[previous[0]] = previous[1]()
+        del do_all, kv_all, kvs
+        dq_raw, dk_raw, gqn, gkn = torch.autograd.grad((q_all, k_all), leaves,
+                                                        (dq_all, dkv_all[:, 0]))
+        dv_raw = _flat_groups(dkv_all[:, 1])
+        del dq_all, dkv_all, q_all, k_all, q_fixed
+        kv_grads = shards.kv_grad_buffers() if shards.sliced else []
+        dx = x.new_zeros(x.shape)
+        dx2 = dx.view(B * L, h)
+        reduces = _OwnerReduces(group)
+        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):  # input projections
+            wq, wk, wv, _, _, _, _ = shards.unpack(r, buf)
+            j = r // R
+            dq = dq_raw[r].reshape(B * L, -1)
+            dx2.addmm_(dq, wq)
+            grads = [dq.t() @ x2, None, None, None, dq.sum(0) if shards.bias else None, None, None]
+            if r % R == R - 1:
+                shards.add_kv_grads(j, dk_raw[j].reshape(B * L, -1), dv_raw[j].reshape(B * L, -1),
+                                    x2, wk, wv, dx2, grads, kv_grads)
+            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads)))
+        grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads, go)
+        return (dx, None, None, None, None, None, None, *grads, gqn, gkn)
+
+
+def _normed(q_raw: torch.Tensor, kv_raw: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec):
+    """Raw projections -> (q_all [D, B, nq, L, d], kv_all [G, 2, B, nkv, L, d]), normalised and
+    rotated."""
+    q_all = normed_heads(q_raw, qn, spec.local_heads, cos, sin, spec)
+    k_all = normed_heads(kv_raw[:, 0], kn, spec.local_kv_heads, cos, sin, spec)
+    return q_all, torch.stack([k_all, _v_heads(kv_raw, spec)], 1)
+
+
+def _v_heads(kv_raw: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """[G, 2, B, L, nkv*d] -> the values [G, B, nkv, L, d]."""
+    G, _, B, L, _ = kv_raw.shape
+    return kv_raw[:, 1].view(G, B, L, spec.local_kv_heads, -1).transpose(2, 3)
+
+
+def _flat_groups(t: torch.Tensor) -> torch.Tensor:
+    """[G, B, n, L, d] -> [G, B, L, n*d]"""
+    G, B, n, L, d = t.shape
+    return t.transpose(2, 3).reshape(G, B, L, n * d)

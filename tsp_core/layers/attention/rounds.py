@@ -1,0 +1,358 @@
+"""The round machinery both TSP attention schedules share (docs/design.md, "Attention"): the
+layer's :class:`AttentionSpec`, each owner's packed weight shard broadcast round by round, the
+owner reduces of round gradients, the K/V all-gathers per key/value head group, and one round's
+flash attention forward and backward over the gathered K/V of this rank's rows.
+
+Nothing here keeps a tensor from another rank beyond its round: the schedules' autograd
+functions decide what is saved (docs/design.md, "Memory rules").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...distributed import comm
+from ...distributed.chunks import row_segments
+from ...distributed.flat_pack import FlatPack
+from .. import flash
+from ..norm import NORMS
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static shape and pattern of one TSP attention layer."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tsp_size: int
+    layout: str = "zigzag"
+    causal: bool = True
+    sliding_window: int | None = None
+    scale: float | None = None
+    qk_norm_eps: float | None = None   # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_kind: str = "llama"        # its numerics (tsp_core.layers.norm.NORMS)
+    softcap: float | None = None       # scores tanh(s / softcap) * softcap (Gemma 2; flash.py)
+    # the q/k norms span all heads of a token (OLMo 2), not each head: phased.py
+    qk_norm_all_heads: bool = False
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.tsp_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tsp_size)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold a copy of the same key/value head (MQA-like: nkv < D)."""
+        return max(1, self.tsp_size // self.num_kv_heads)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim ** -0.5
+
+
+def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, L, n*d] -> [B, n, L, d]"""
+    B, L, _ = t.shape
+    return t.view(B, L, n, -1).transpose(1, 2)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[B, n, L, d] -> [B, L, n*d]"""
+    B, n, L, d = t.shape
+    return t.transpose(1, 2).reshape(B, L, n * d)
+
+
+class _Rounds:
+    """Owner-broadcast of every rank's packed shard in turn, one round prefetched ahead."""
+
+    def __init__(self, own: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.own, self.group = own, group
+        self.size, self.me = dist.get_world_size(group), dist.get_rank(group)
+        self._pending = self._start(0)
+
+    def _start(self, r: int):
+        buf = self.own if r == self.me else torch.empty_like(self.own)
+        return buf, comm.broadcast(buf, r, self.group, async_op=True)
+
+    def __iter__(self):
+        for r in range(self.size):
+            buf, handle = self._pending
+            handle.wait()
+            if r + 1 < self.size:
+                self._pending = self._start(r + 1)
+            yield r, buf
+
+
+class _OwnerReduces:
+    """Each round's weight gradients summed onto the round's owner, at most one foreign reduce in
+    flight; :meth:`finish` waits for all and returns this rank's own sum."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.me = group, dist.get_rank(group)
+        self.mine: tuple | None = None
+        self.others: list[tuple] = []
+
+    def send(self, owner: int, buf: torch.Tensor) -> None:
+        pending = (buf, comm.reduce(buf, owner, self.group, async_op=True))
+        if owner == self.me:
+            self.mine = pending
+            return
+        self.others.append(pending)
+        if len(self.others) > 1:
+            self.others.pop(0)[1].wait()
+
+    def finish(self) -> torch.Tensor:
+        for _, handle in self.others:
+            handle.wait()
+        self.mine[1].wait()
+        return self.mine[0]
+
+
+@dataclass(frozen=True)
+class _RowGroup:
+    """Rows of the batch that share one token layout (packed rows may differ)."""
+
+    rows: slice | list[int]
+    docs: tuple[int, ...] | None
+    pieces: list
+
+
+def _row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
+                spec: AttentionSpec) -> list[_RowGroup]:
+    def pieces(d: tuple[int, ...] | None):
+        segs = row_segments(d or (seq,), rank, spec.tsp_size, spec.layout)
+        return flash.plan_pieces(segs, seq, spec.causal, spec.sliding_window)
+
+    if docs is None:
+        return [_RowGroup(slice(None), None, pieces(None))]
+    by_docs: dict[tuple[int, ...], list[int]] = {}
+    for b, d in enumerate(docs):
+        by_docs.setdefault(tuple(d), []).append(b)
+    if len(by_docs) == 1:
+        (d,) = by_docs
+        return [_RowGroup(slice(None), d, pieces(d))]
+    return [_RowGroup(rows, d, pieces(d)) for d, rows in by_docs.items()]
+
+
+class _Shards:
+    """This rank's attention weights, split into what each round broadcasts and where the round's
+    key/value projection comes from.
+
+    With at least as many key/value heads as ranks, a round's packed shard holds all four
+    projections of that rank's heads. With fewer (nkv < D, MQA/GQA), each rank stores an even
+    slice of the key/value rows instead of a copy of a whole head, so every weight exists once
+    (gradient norms, checkpoints and optimizer state count it once); the slices are all-gathered
+    once per pass, the rounds broadcast only the query and output projections, and the weight
+    gradients of the slices are reduce-scattered back at the end."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], spec: AttentionSpec,
+                 group: dist.ProcessGroup, split_out: bool = False) -> None:
+        wq, wk, wv, wo, *b = weights
+        self.spec, self.group, self.bias = spec, group, bool(b)
+        self.sliced = spec.kv_replicas > 1
+        self.round = [wq, wo, *b[:1]] if self.sliced else list(weights)
+        # split_out: the output projection goes round by round on its own (phased.py)
+        self.split_out = split_out
+        if split_out:
+            self.round = [w for w in self.round if w is not wo]
+            self.out_pack = FlatPack([wo.shape])
+        self.round_pack = FlatPack([w.shape for w in self.round])
+        self.kv_rows = spec.num_kv_heads * spec.head_dim
+        self.kv_full: list[torch.Tensor] = []
+        if self.sliced:
+            kv = [wk, wv, *b[1:]]
+            self.kv_pack = FlatPack([w.shape for w in kv])
+            D = spec.tsp_size
+            buf = wq.new_empty(D, self.kv_pack.numel)
+            comm.all_gather(buf, self.kv_pack.pack(kv), group)
+            self.kv_full = [t[:self.kv_rows] for t in self._rank_rows(buf)]
+
+    def _rank_rows(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """[D, packed slices] in rank order -> each tensor's padded full rows [D * per, ...]."""
+        D = self.spec.tsp_size
+        return [part.reshape(D * s[0], *s[1:])
+                for part, s in zip(buf.split(self.kv_pack.sizes, dim=1), self.kv_pack.shapes)]
+
+    def unpack(self, r: int, buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Round ``r``'s (wq, wk, wv, wo, bq, bk, bv); absent biases (and wo when split out)
+        are None."""
+        parts = self.round_pack.unpack(buf)
+        if self.split_out:
+            parts.insert(1 if self.sliced else 3, None)
+        if not self.sliced:
+            wq, wk, wv, wo, *b = parts
+            return (wq, wk, wv, wo, *(b or [None] * 3))
+        wq, wo, *bq = parts
+        d = self.spec.head_dim
+        rows = slice(r // self.spec.kv_replicas * d, (r // self.spec.kv_replicas + 1) * d)
+        kv = [t[rows] for t in self.kv_full] + [None] * (4 - len(self.kv_full))
+        return (wq, kv[0], kv[1], wo, *(bq or [None]), kv[2], kv[3])
+
+    def round_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Of round weight gradients (wq, wk, wv, wo, bq, bk, bv), those the round's owner
+        receives (in ``round_pack`` order)."""
+        gq, gk, gv, go, bq, bk, bv = grads
+        out = [] if self.split_out else [go]
+        if self.sliced:
+            return [gq, *out] + ([bq] if self.bias else [])
+        return [gq, gk, gv, *out] + ([bq, bk, bv] if self.bias else [])
+
+    def add_kv_grads(self, j: int, dk: torch.Tensor, dv: torch.Tensor, x2: torch.Tensor,
+                     wk: torch.Tensor, wv: torch.Tensor, dx2: torch.Tensor,
+                     grads: list[torch.Tensor | None], kv_grads: list[torch.Tensor]) -> None:
+        """The last round of key/value head j: dX += dK Wk + dV Wv, and the key/value weight (and
+        bias) gradients of this rank's tokens into ``grads`` (flat [B*L, rows] inputs); with
+        slices, also into head j's rows of the ``kv_grads`` accumulators."""
+        dx2.addmm_(dk, wk).addmm_(dv, wv)
+        grads[1:3] = [dk.t() @ x2, dv.t() @ x2]
+        if self.bias:
+            grads[5:7] = [dk.sum(0), dv.sum(0)]
+        if self.sliced:  # this rank's tokens' share of head j's gradient
+            rows = slice(j * self.spec.head_dim, (j + 1) * self.spec.head_dim)
+            for acc, g in zip(kv_grads, grads[1:3] + grads[5:7]):
+                acc[rows] += g
+
+    def own_grads(self, own: list[torch.Tensor], kv_grads: list[torch.Tensor],
+                  go: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """This rank's weight gradients in weight order (wq, wk, wv, wo, biases), from its summed
+        round gradients ``own`` (``round_pack`` order), the key/value slices' accumulators and,
+        when the output projection is split out, its gradient ``go``."""
+        own = list(own)
+        if self.split_out:
+            own.insert(1 if self.sliced else 3, go)
+        if not self.sliced:
+            return own
+        gk, gv, *gb = self.scatter_kv_grads(kv_grads)
+        gq, go, *gbq = own
+        return [gq, gk, gv, go] + ([gbq[0], gb[0], gb[1]] if self.bias else [])
+
+    def kv_grad_buffers(self) -> list[torch.Tensor]:
+        """Zeroed padded full-row accumulators for the key/value weight gradients (sliced)."""
+        D = self.spec.tsp_size
+        return [t.new_zeros(D * s[0], *s[1:]) for t, s in zip(self.kv_full, self.kv_pack.shapes)]
+
+    def scatter_kv_grads(self, full: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sum every rank's key/value gradient rows and keep this rank's slice."""
+        D = self.spec.tsp_size
+        send = torch.cat([t.reshape(D, -1) for t in full], dim=1)
+        out = send.new_empty(self.kv_pack.numel)
+        comm.reduce_scatter(out, send, self.group)
+        return self.kv_pack.unpack(out)
+
+
+def _split_norms(weights: Sequence[torch.Tensor], spec: AttentionSpec):
+    """(projection weights, (q_norm weight, k_norm weight) or (None, None))."""
+    if spec.qk_norm_eps is None:
+        return list(weights), (None, None)
+    return list(weights[:-2]), tuple(weights[-2:])
+
+
+def _head_norm(t: torch.Tensor, weight: torch.Tensor | None, spec: AttentionSpec) -> torch.Tensor:
+    return t if weight is None else NORMS[spec.qk_norm_kind](t, weight, spec.qk_norm_eps)
+
+
+def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec,
+                        grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the per-head norm w.r.t. its input ``pre`` (recomputed, not saved: docs/design.md "Memory rules")
+    and its weight, by autograd over the forward's own ops."""
+    with torch.enable_grad():
+        pre = pre.detach().requires_grad_()
+        weight = weight.detach().requires_grad_()
+        return torch.autograd.grad(_head_norm(pre, weight, spec), (pre, weight), grad)
+
+
+class _KVGathers:
+    """The whole-sequence K/V of each key/value head j (one tensor per row group), gathered from
+    every rank's own tokens. ``start(j)`` issues head j's all-gathers without waiting, so that
+    they run while the previous head's attention computes (on CUDA the NCCL stream does the
+    transfer); ``get(j)`` waits and puts the tokens in order; ``drop(j)`` after the head's last
+    round frees them. At most two heads' K/V exist at once: one in use, one arriving."""
+
+    def __init__(self, kv_all: torch.Tensor, groups: list[_RowGroup], spec: AttentionSpec,
+                 group: dist.ProcessGroup) -> None:
+        self.kv_all, self.groups, self.spec, self.group = kv_all, groups, spec, group
+        self._pending: dict[int, list[comm.PendingSequence]] = {}
+        self._ready: dict[int, list[torch.Tensor]] = {}
+
+    def start(self, j: int) -> None:
+        if j >= len(self.kv_all) or j in self._pending or j in self._ready:
+            return
+        self._pending[j] = [comm.start_all_gather_sequence(self.kv_all[j][:, g.rows], self.group,
+                                                           3, self.spec.layout, g.docs)
+                            for g in self.groups]
+
+    def get(self, j: int) -> list[torch.Tensor]:
+        if j not in self._ready:
+            self.start(j)  # not started ahead: gather now
+            self._ready[j] = [p.wait() for p in self._pending.pop(j)]
+        return self._ready[j]
+
+    def drop(self, j: int) -> None:
+        self._ready.pop(j, None)
+
+
+def _attend(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.Tensor,
+            kvs: _KVGathers) -> None:
+    """Round ``r``'s attention: the local queries of head group r against the whole sequence's
+    K/V of its key/value head j (from ``kvs``, dropped after j's last round); writes
+    ``out_all[r]`` and ``lse_all[r]``."""
+    spec = kvs.spec
+    R = spec.kv_replicas
+    j = r // R
+    for g, kv in zip(kvs.groups, kvs.get(j)):
+        o, lse = flash.attention_forward(q_all[r][g.rows], kv[0], kv[1], g.pieces,
+                                         spec.softmax_scale, softcap=spec.softcap)
+        out_all[r][g.rows], lse_all[r][g.rows] = o, lse
+    if r % R == R - 1:
+        kvs.drop(j)
+
+
+def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: torch.Tensor,
+                     lse_all: torch.Tensor, kvs: _KVGathers, dkv_sum: dict[int, torch.Tensor]
+                     ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
+    """Backward of :func:`_attend` for round ``r`` given its output gradient ``do``: dQ of the
+    round (before RoPE's backward) and, in the last round of key/value head j, a function that
+    returns dK/dV of this rank's own tokens (summed in float32 over j's rounds and pieces, cast
+    once, and reduce-scattered over every rank's queries: the reduce-scatter is started here and
+    runs while the caller goes on with the next round), else None."""
+    spec, group = kvs.spec, kvs.group
+    R = spec.kv_replicas
+    j, first, last = r // R, r % R == 0, r % R == R - 1
+    dq_parts = []
+    for i, (g, kv) in enumerate(zip(kvs.groups, kvs.get(j))):
+        dq_g, dkv_sum[i] = flash.attention_backward(
+            do[g.rows], q_all[r][g.rows], kv, out_all[r][g.rows], lse_all[r][g.rows], g.pieces,
+            spec.softmax_scale, softcap=spec.softcap, dkv=None if first else dkv_sum[i])
+        dq_parts.append((g.rows, dq_g))
+    dq = _by_rows(dq_parts, q_all[r])
+    if not last:
+        return dq, None
+    kvs.drop(j)  # the full-sequence K/V and dK/dV of one head never coexist with the next's dK/dV
+    like = kvs.kv_all[j]
+    scatters = [(g.rows, comm.start_reduce_scatter_sequence(dkv_sum.pop(i).to(like.dtype), group,
+                                                            3, spec.layout, g.docs))
+                for i, g in enumerate(kvs.groups)]
+    return dq, lambda: _by_rows([(rows, p.wait()) for rows, p in scatters], like)
+
+
+def _by_rows(parts: list[tuple[slice | list[int], torch.Tensor]], like: torch.Tensor
+             ) -> torch.Tensor:
+    """Reassemble per-row-group results along the batch dim (dim 0, or 1 for stacked K/V)."""
+    if len(parts) == 1:  # one layout for the whole batch: no reassembly
+        return parts[0][1]
+    out = torch.empty_like(like)
+    for rows, t in parts:
+        if like.dim() == 5:  # [2, B, heads, L, d]
+            out[:, rows] = t
+        else:
+            out[rows] = t
+    return out

@@ -1,0 +1,373 @@
+"""Block-wise flash attention of local queries against a full-sequence K/V, never materialising a
+score or mask tensor larger than the kernel's own tiles.
+
+Each local query segment (a zigzag chunk) is cut into tiles; a tile sees a few key ranges, each
+either fully visible, causal on a square diagonal block, or "anticausal" (the lower edge of a
+sliding window: key u visible to query v iff u >= v), which is causal once queries and keys are
+both reversed. Pieces are merged by log-sum-exp in float32; the backward calls the kernel's
+backward per piece with the *merged* output and LSE, as ring attention does, and sums the pieces'
+gradients in float32. The piece logic is the same on every device; only the kernel differs
+(:func:`kernel_for`: CPU flash, CUDA FlashAttention-2 for bf16/fp16, the memory-efficient kernel
+for float32, with K/V heads expanded per piece where a kernel has no native GQA). With
+soft-capped scores (``softcap``, Gemma 2) each piece runs a tiled pure-torch kernel instead (no
+native flash kernel soft-caps), with the same conventions and the same merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+import torch
+
+Mask = Literal["full", "causal", "anticausal"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Local query rows ``[q0, q1)`` against global keys ``[k0, k1)`` under ``mask``; causal and
+    anticausal pieces are square, so no kernel's alignment convention for rectangles matters."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: Mask
+
+
+def plan_pieces(segments: Sequence[tuple[int, ...]], seq_len: int, causal: bool,
+                window: int | None) -> list[Piece]:
+    """Pieces covering exactly the (query, key) pairs the attention pattern allows.
+
+    ``segments`` are the global ``[start, end)`` ranges of the local queries in local order,
+    optionally with the start of their document as a third element (packed rows: keys before it
+    are never visible). ``window`` is HF's sliding window: query i sees keys j with
+    i - window < j <= i.
+    """
+    if not causal:
+        if window is not None:
+            raise ValueError("a sliding window needs causal attention")
+        if any(len(s) > 2 and s[2] for s in segments):
+            raise ValueError("packed documents need causal attention")
+        n = sum(s[1] - s[0] for s in segments)
+        return [Piece(0, n, 0, seq_len, "full")]
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window ({window}) must be at least 1")
+    pieces: list[Piece] = []
+    row = 0
+    for seg in segments:
+        start, end = seg[0], seg[1]
+        first = seg[2] if len(seg) > 2 else 0  # the first key of the document
+        tile = end - start if window is None else max(1, min(end - start, window - 1))
+        for a in range(start, end, tile):
+            t = min(tile, end - a)
+            q0, q1 = row + a - start, row + a - start + t
+            pieces.append(Piece(q0, q1, a, a + t, "causal"))
+            if window is None:
+                if a > first:
+                    pieces.append(Piece(q0, q1, first, a, "full"))
+                continue
+            if window == 1:                 # each query sees only itself
+                continue
+            band0 = a - window + 1          # lower edge: t x t block, key u visible iff u >= v
+            cut = max(0, first - band0)     # keys before the document do not exist: the first
+            if cut < t:                     # `cut` queries then see every remaining band key
+                if cut:
+                    pieces.append(Piece(q0, q0 + cut, first, band0 + t, "full"))
+                pieces.append(Piece(q0 + cut, q1, band0 + cut, band0 + t, "anticausal"))
+            if a > max(first, band0 + t):
+                pieces.append(Piece(q0, q1, max(first, band0 + t), a, "full"))
+        row += end - start
+    return pieces
+
+
+# ------------------------------------------------------------------------------- kernels
+
+@dataclass(frozen=True)
+class Kernel:
+    """One attention kernel with the conventions the piece logic relies on: ``fwd(q, k, v, causal,
+    scale)`` returns the output and its natural-log LSE [B, Hq, Lq] in float32 (float64 for float64
+    input); ``bwd(do, q, k, v, out, lse, causal, scale)`` returns dq, dk, dv from a (merged)
+    output and LSE. Without ``native_gqa`` the kernel needs as many K/V heads as query heads:
+    the piece's K/V are expanded (one piece's keys, never the sequence's) and dK/dV folded back."""
+
+    name: str
+    fwd: Callable
+    bwd: Callable
+    native_gqa: bool
+
+
+def _cpu_fwd(q, k, v, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _cuda_flash_fwd(q, k, v, causal: bool, scale: float):
+    """FlashAttention-2 (bf16/fp16): K/V with fewer heads than Q are used in place (GQA)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _cuda_flash_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
+    # no dropout: the random-state tensors are placeholders; no varlen: no cumulative lengths
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        scale=scale)
+    return dq, dk, dv
+
+
+def _cuda_efficient_fwd(q, k, v, causal: bool, scale: float):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., : q.shape[2]]
+
+
+def _cuda_efficient_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's padded layout
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        do, q, k, v, None, out, lse.contiguous(), seed, seed, 0.0, [True, True, True, False],
+        causal, scale=scale)
+    return dq, dk, dv
+
+
+KERNELS = {
+    "cpu": Kernel("cpu", _cpu_fwd, _cpu_bwd, native_gqa=True),
+    "flash": Kernel("flash", _cuda_flash_fwd, _cuda_flash_bwd, native_gqa=True),
+    "efficient": Kernel("efficient", _cuda_efficient_fwd, _cuda_efficient_bwd, native_gqa=False),
+}
+MATH = "math"  # the tiled pure-torch kernel below: soft-capped scores, float64 off the CPU
+
+
+def kernel_for(q: torch.Tensor, softcap: float | None = None) -> str:
+    """The kernel that runs a piece of ``q``'s dtype, device and head size: the CPU flash kernel
+    on CPU; on CUDA FlashAttention-2 for bf16/fp16 with a head size it takes (a multiple of 8, at
+    most 256), the memory-efficient kernel for float32 and other head sizes; the tiled math
+    kernel for soft-capped scores (no native kernel caps) and for float64 off the CPU."""
+    if softcap is not None:
+        return MATH
+    if q.device.type == "cpu":
+        return "cpu"
+    low = q.dtype in (torch.float16, torch.bfloat16)
+    if low and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        return "flash"
+    return "efficient" if low or q.dtype == torch.float32 else MATH
+
+
+def _expanded(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """K/V with one head per query head if the kernel needs it (this piece's keys only)."""
+    g = q.shape[1] // k.shape[1]
+    if kernel.native_gqa or g == 1:
+        return k, v, g
+    return k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), g
+
+
+def _kernel_fwd(kernel: Kernel, q, k, v, causal: bool, scale: float):
+    k, v, _ = _expanded(kernel, q, k, v)
+    return kernel.fwd(q, k, v, causal, scale)
+
+
+def _kernel_bwd(kernel: Kernel, do, q, k, v, out, lse, causal: bool, scale: float):
+    ke, ve, g = _expanded(kernel, q, k, v)
+    dq, dk, dv = kernel.bwd(do, q, ke, ve, out, lse, causal, scale)
+    if ke is not k:  # fold the expanded heads' gradients back onto their shared K/V head
+        dk, dv = (t.unflatten(1, (k.shape[1], g)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------- tiled math kernel
+
+# Soft-capped scores (Gemma 2: s = tanh(q.k * scale / cap) * cap before the mask and softmax)
+# have no native flash kernel: each piece is then computed by the tiled pure-torch kernel below,
+# at most MATH_TILE queries x MATH_TILE keys (every head of the batch) at a time, merged by
+# log-sum-exp, so no score tensor larger than a tile exists (docs/design.md "Memory rules"). Float64 pieces off the
+# CPU (no native kernel takes float64 there) run it too, uncapped.
+MATH_TILE = 512
+
+
+def _tiles(n: int, tile: int) -> list[tuple[int, int]]:
+    return [(a, min(a + tile, n)) for a in range(0, n, tile)]
+
+
+def _math_visible(mask: Mask, a: int, a1: int, b: int, b1: int, device
+                  ) -> torch.Tensor | None | bool:
+    """Query tile [a, a1) against key tile [b, b1) of one piece (causal and anticausal pieces are
+    square, tiled the same way on both axes): False if nothing is visible, None if everything is,
+    else the [tq, tk] visibility (causal: key u visible to query v iff u <= v; anticausal: u >= v).
+    Every row of a tile that is not skipped sees at least one key (its diagonal)."""
+    if mask == "full":
+        return None
+    if (mask == "causal" and b >= a1) or (mask == "anticausal" and b1 <= a):
+        return False
+    if (mask == "causal" and b1 <= a + 1) or (mask == "anticausal" and b >= a1 - 1):
+        return None
+    rows = torch.arange(a, a1, device=device)[:, None]
+    cols = torch.arange(b, b1, device=device)[None]
+    return cols <= rows if mask == "causal" else cols >= rows
+
+
+def _math_scores(qt, kt, scale: float, softcap: float | None, visible):
+    """The masked scores of one tile and, when capped, tanh(q k^T * scale / cap) (the tile's
+    [B, Hkv, g, tq, tk] tanh, for the backward; else None), in the order of Hugging Face's eager
+    attention: times the scale, over the cap, tanh, times the cap."""
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return t, s
+
+
+def _math_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None):
+    """(out, lse) of one piece by the tiled math kernel, the conventions of the native kernels:
+    q [B, Hq, Lq, d], k, v [B, Hkv, Lk, d] (Hkv divides Hq); out in q's dtype, lse [B, Hq, Lq]
+    natural-log, float32 (float64 for float64 input)."""
+    B, Hq, Lq, d = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.reshape(B, Hkv, g, Lq, d)
+    out = torch.zeros(B, Hkv, g, Lq, d, dtype=acc, device=q.device)
+    lse = torch.full((B, Hkv, g, Lq), float("-inf"), dtype=acc, device=q.device)
+    tile = MATH_TILE
+    for a, a1 in _tiles(Lq, tile):
+        qt = qg[:, :, :, a:a1].to(acc)
+        o_acc, l_acc = out[:, :, :, a:a1], lse[:, :, :, a:a1]
+        for b, b1 in _tiles(Lk, tile):
+            visible = _math_visible(mask, a, a1, b, b1, q.device)
+            if visible is False:
+                continue
+            _, s = _math_scores(qt, k[:, :, None, b:b1].to(acc), scale, softcap, visible)
+            l_t = torch.logsumexp(s, -1)
+            o_t = torch.matmul(torch.exp(s - l_t.unsqueeze(-1)), v[:, :, None, b:b1].to(acc))
+            del s
+            l_new = torch.logaddexp(l_acc, l_t)
+            o_acc.mul_(torch.exp(l_acc - l_new).unsqueeze(-1))
+            o_acc.add_(o_t * torch.exp(l_t - l_new).unsqueeze(-1))
+            l_acc.copy_(l_new)
+    return out.view(B, Hq, Lq, d).to(q.dtype), lse.view(B, Hq, Lq)
+
+
+def _math_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None):
+    """dq, dk, dv of one piece from the *merged* output and LSE of its rows, tile by tile:
+    P = exp(s - lse), dP = dO V^T, dS = P (dP - rowsum(dO O)), times the cap's derivative
+    1 - tanh^2 when capped, then dQ = dS K scale, dK = dS^T Q scale, dV = P^T dO."""
+    B, Hq, Lq, d = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg, dog = q.reshape(B, Hkv, g, Lq, d), do.reshape(B, Hkv, g, Lq, d)
+    lseg = lse.reshape(B, Hkv, g, Lq).to(acc)
+    delta = (do.to(acc) * out.to(acc)).sum(-1).view(B, Hkv, g, Lq)
+    dq = torch.zeros(B, Hkv, g, Lq, d, dtype=acc, device=q.device)
+    dk = torch.zeros(B, Hkv, Lk, d, dtype=acc, device=q.device)
+    dv = torch.zeros(B, Hkv, Lk, d, dtype=acc, device=q.device)
+    tile = MATH_TILE
+    for a, a1 in _tiles(Lq, tile):
+        qt, dot = qg[:, :, :, a:a1].to(acc), dog[:, :, :, a:a1].to(acc)
+        for b, b1 in _tiles(Lk, tile):
+            visible = _math_visible(mask, a, a1, b, b1, q.device)
+            if visible is False:
+                continue
+            kt, vt = k[:, :, None, b:b1].to(acc), v[:, :, None, b:b1].to(acc)
+            t, s = _math_scores(qt, kt, scale, softcap, visible)
+            p = torch.exp(s - lseg[:, :, :, a:a1].unsqueeze(-1))
+            del s
+            dv[:, :, b:b1] += torch.matmul(p.transpose(-1, -2), dot).sum(2)
+            ds = p * (torch.matmul(dot, vt.transpose(-1, -2)) - delta[:, :, :, a:a1].unsqueeze(-1))
+            del p
+            if t is not None:
+                ds.mul_(1 - t * t)
+                del t
+            ds.mul_(scale)
+            dq[:, :, :, a:a1] += torch.matmul(ds, kt)
+            dk[:, :, b:b1] += torch.matmul(ds.transpose(-1, -2), qt).sum(2)
+    return dq.view(B, Hq, Lq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _piece_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None = None):
+    name = kernel_for(q, softcap)
+    if name == MATH:  # scores in float32/float64 even under autocast, as a flash kernel's
+        with torch.autocast(q.device.type, enabled=False):
+            return _math_fwd(q, k, v, mask, scale, softcap)
+    kernel = KERNELS[name]
+    if mask == "anticausal":
+        out, lse = _kernel_fwd(kernel, q.flip(2), k.flip(2), v.flip(2), True, scale)
+        return out.flip(2), lse.flip(2)
+    return _kernel_fwd(kernel, q, k, v, mask == "causal", scale)
+
+
+def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None = None):
+    name = kernel_for(q, softcap)
+    if name == MATH:
+        with torch.autocast(q.device.type, enabled=False):
+            return _math_bwd(do, q, k, v, out, lse, mask, scale, softcap)
+    kernel = KERNELS[name]
+    if mask == "anticausal":
+        grads = _kernel_bwd(kernel, do.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2),
+                            lse.flip(2), True, scale)
+        return tuple(g.flip(2) for g in grads)
+    return _kernel_bwd(kernel, do, q, k, v, out, lse, mask == "causal", scale)
+
+
+# -------------------------------------------------------------------- forward / backward
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece],
+                      scale: float, *, softcap: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, L, d] local queries; k, v [B, Hkv, S, d] full sequence (Hkv divides Hq).
+    Returns the attention output [B, Hq, L, d] and its log-sum-exp [B, Hq, L]. ``softcap``:
+    scores become ``tanh(s / softcap) * softcap`` before the mask and softmax (Gemma 2's
+    attention logit soft-capping; the tiled math kernel instead of the native one)."""
+    B, H, L, d = q.shape
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(B, H, L, d, dtype=acc_dtype, device=q.device)
+    lse = torch.full((B, H, L), float("-inf"), dtype=acc_dtype, device=q.device)
+    for p in pieces:
+        o_p, l_p = _piece_fwd(q[:, :, p.q0:p.q1], k[:, :, p.k0:p.k1], v[:, :, p.k0:p.k1],
+                              p.mask, scale, softcap)
+        o_acc, l_acc = out[:, :, p.q0:p.q1], lse[:, :, p.q0:p.q1]
+        l_new = torch.logaddexp(l_acc, l_p.to(acc_dtype))
+        o_acc.mul_(torch.exp(l_acc - l_new).unsqueeze(-1))
+        o_acc.add_(o_p.to(acc_dtype) * torch.exp(l_p.to(acc_dtype) - l_new).unsqueeze(-1))
+        l_acc.copy_(l_new)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, pieces: list[Piece],
+                       scale: float, *, softcap: float | None = None,
+                       dkv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`attention_forward` (with the same ``softcap``) w.r.t. q (local) and
+    the packed full-sequence ``kv`` [2, B, Hkv, S, d]. Every piece's gradients are summed in
+    float32 (float64 for float64 input) whatever the input dtype, as the forward merges its
+    outputs: dQ comes back in q's dtype, dK/dV as that float32 accumulator, packed like ``kv``
+    (added into ``dkv`` when given: a key/value head shared by several rounds), for the caller to
+    cast once before its reduce-scatter."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = q.new_zeros(q.shape, dtype=acc)
+    if dkv is None:
+        dkv = kv.new_zeros(kv.shape, dtype=acc)
+    elif dkv.dtype != acc or dkv.shape != kv.shape:
+        raise ValueError(f"dkv accumulator {dkv.dtype} {tuple(dkv.shape)} does not match "
+                         f"{acc} {tuple(kv.shape)}")
+    for p in pieces:
+        rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+        g_q, g_k, g_v = _piece_bwd(do[:, :, rows].contiguous(), q[:, :, rows], kv[0, :, :, keys],
+                                   kv[1, :, :, keys], out[:, :, rows].contiguous(),
+                                   lse[:, :, rows].contiguous(), p.mask, scale, softcap)
+        dq[:, :, rows] += g_q
+        dkv[0, :, :, keys] += g_k
+        dkv[1, :, :, keys] += g_v
+    return dq.to(q.dtype), dkv

@@ -1,0 +1,140 @@
+"""Rotary position embedding at global positions, in the Hugging Face convention
+(``rotate_half``, ``emb = cat(freqs, freqs)``), so that HF weights give HF numbers; and the global
+sequence length for Hugging Face rotary embeddings whose frequencies depend on it (dynamic NTK,
+longrope)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+def default_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [B, L, head_dim] for ``position_ids`` [B, L], computed in float32."""
+    freqs = position_ids[..., None].float() * inv_freq.float().to(position_ids.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, L, d] with cos, sin [B, L, r]: the first r <= d channels of each head
+    (r < d: partial rotary, ``partial_rotary_factor``; the rest pass unchanged, as in HF)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+
+def apply_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Gradient through :func:`apply` (the rotation's transpose)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r == g.shape[-1]:
+        return g * cos - rotate_half(g * sin)
+    rot, rest = g[..., :r], g[..., r:]
+    return torch.cat([rot * cos - rotate_half(rot * sin), rest], dim=-1)
+
+
+# ------------------------------------------------ rope whose frequencies depend on the length
+
+def length_dependent_types(rotary: nn.Module) -> list[str]:
+    """The rope types of a Hugging Face rotary embedding whose frequencies depend on the sequence
+    length (transformers' ``dynamic_rope_update``: any type containing "dynamic", and
+    "longrope"); ``rope_type`` is a dict for models with one rope per layer type."""
+    rope_type = getattr(rotary, "rope_type", None)
+    types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return [t for t in types if isinstance(t, str) and ("dynamic" in t or t == "longrope")]
+
+
+def _hf_update_code() -> Any:
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    return dynamic_rope_update(lambda self, x, position_ids: None).__code__
+
+
+class GlobalLengthRotary:
+    """Mixed in before a Hugging Face rotary embedding class whose frequencies depend on the
+    sequence length. Hugging Face recomputes them from ``max(position_ids) + 1`` in the forward;
+    under TSP each rank holds other positions (zigzag, documents padded to 2D), so that maximum
+    differs between ranks. Here the frequencies come from ``tsp_rope_len``, the length the
+    unmodified model sees on the whole batch (identical on every rank, set by the TSP forward and
+    by generation through :func:`global_length`): Hugging Face's own update runs on a one-token
+    probe at position ``tsp_rope_len - 1`` (the same state changes as the one-process forward,
+    dynamic NTK's growth and reset included), then the undecorated forward rotates the local
+    positions."""
+
+    tsp_rope_len: int | None = None
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
+        n = self.tsp_rope_len
+        if n is None:
+            raise ValueError(f"{type(self).__name__} ({', '.join(length_dependent_types(self))} "
+                             f"rope) computes its frequencies from the sequence length, which a "
+                             f"TSP rank does not see: call it under tsp_core.layers.rope.global_length, "
+                             f"or feed the model batches from tsp_core.shard_batch (tsp_rope_len)")
+        kw = {} if layer_type is None else {"layer_type": layer_type}
+        update_then_forward = super().forward  # type: ignore[misc]
+        probe = torch.full((1, 1), n - 1, dtype=position_ids.dtype, device=position_ids.device)
+        update_then_forward(x[:1, :1], probe, **kw)
+        return update_then_forward.__wrapped__(self, x, position_ids, **kw)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def length_dependent_rotaries(model: nn.Module) -> list[nn.Module]:
+    """The rotary embeddings of ``model`` whose frequencies depend on the sequence length. Raises
+    if one of them does not update through transformers' ``dynamic_rope_update`` (TSP could not
+    give it the global length)."""
+    found, hf_code = [], None
+    for name, m in model.named_modules():
+        types = length_dependent_types(m)
+        if not types or isinstance(m, GlobalLengthRotary):
+            continue
+        hf_code = hf_code or _hf_update_code()
+        forward = type(m).forward
+        if getattr(forward, "__code__", None) is not hf_code or not hasattr(forward, "__wrapped__"):
+            raise NotImplementedError(
+                f"{name} ({type(m).__name__}) uses rope_type {types}, whose frequencies depend on "
+                f"the sequence length, but its forward is not transformers' dynamic_rope_update; "
+                f"TSP cannot give it the global length (each rank would use its own)")
+        found.append(m)
+    return found
+
+
+def use_global_length(rotaries: list[nn.Module]) -> None:
+    """Swap each rotary's class for one whose forward takes the global length (in place)."""
+    for m in rotaries:
+        cls = type(m)
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"TSP{cls.__name__}", (GlobalLengthRotary, cls), {})
+        m.__class__ = _CLASSES[cls]
+
+
+@contextmanager
+def global_length(rotaries: Sequence[nn.Module], seq_len: int | None) -> Iterator[None]:
+    """Let length-dependent rotaries (from :func:`use_global_length`) compute their frequencies
+    from ``seq_len`` (the unmodified model's ``max(position_ids) + 1`` on the whole batch)."""
+    saved = [m.tsp_rope_len for m in rotaries]
+    for m in rotaries:
+        m.tsp_rope_len = seq_len
+    try:
+        yield
+    finally:
+        for m, s in zip(rotaries, saved):
+            m.tsp_rope_len = s

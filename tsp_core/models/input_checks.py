@@ -1,0 +1,235 @@
+"""Checks of a TSP model's inputs that every rank of the TSP group agrees on before the first
+schedule collective, so that bad input raises on every rank instead of hanging some of them.
+
+Each rank checks its own tokens (shapes, label range, position ids against the layout, finite
+``inputs_embeds``, the global length a length-dependent rope needs) and the whole mesh
+all-gathers one small int64 vector per rank (the TSP group alone when the mesh is not the whole
+world), so that bad input in one TSP group stops the other data-parallel replicas too instead of
+leaving them waiting: batch rows, local length, a checksum of the document lengths, the
+problems found, the number of non-finite values, the length the rope sees (``tsp_rope_len``) and
+the fingerprint of the full batch (``shard_batch``'s ``tsp_fingerprint``: tokens, labels, mask,
+positions). Ranks of one TSP group given different batches (a data loader that splits over the
+world instead of over data parallel) are caught by shape or by content. Cost: one all-gather of 7
+integers per rank per forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..distributed import comm
+from ..distributed.chunks import rank_chunks, row_segments
+from ..layers.rope import length_dependent_types
+from ..sequence.layout import IGNORE_INDEX, batch_fingerprint
+
+LABELS_RANGE, LABELS_SHAPE, POSITIONS_NEGATIVE, POSITIONS_LAYOUT, NONFINITE, SHAPE, ROPE_LEN = (
+    1, 2, 4, 8, 16, 32, 64)
+FIELDS = ("rows", "local_len", "docs_checksum", "problems", "nonfinite", "rope_len", "fingerprint")
+_CAUSES = ("usual causes: a DistributedSampler over the whole world instead of the data-parallel "
+           "ranks (use DistributedSampler(dataset, num_replicas=mesh.dp_size, "
+           "rank=torch.distributed.get_rank() // mesh.size), as the adapters do; TSP groups are "
+           "consecutive ranks); a custom loader that splits data by global rank; random "
+           "augmentation, masking or packing without a seed shared by the TSP group")
+_FIX = {
+    LABELS_RANGE: "shift_labels outside [0, {vocab}) and not -100 (ignored): labels must be "
+                  "token ids of this model's vocabulary",
+    LABELS_SHAPE: "shift_labels whose shape differs from the input's [batch, local_seq]: build "
+                  "labels for the same tokens (tsp_core.shard_batch does)",
+    POSITIONS_NEGATIVE: "negative position_ids: positions count from 0",
+    POSITIONS_LAYOUT: "position_ids that are not the global positions of this rank's tokens in the "
+                      "mesh's layout (or per document, for packed rows): pass the full batch "
+                      "through tsp_core.shard_batch instead of building local positions yourself",
+    NONFINITE: "NaN or inf in inputs_embeds: check the data and whatever produced the embeddings",
+    SHAPE: "inputs of the wrong shape",
+    ROPE_LEN: "no tsp_rope_len, which this model's rotary embedding ({rope} rope: frequencies "
+              "that depend on the sequence length) needs to rotate every rank like the whole "
+              "sequence: pass the full batch through tsp_core.shard_batch, which gives it",
+}
+
+
+def _agreement_table(mine: torch.Tensor, mesh: Any) -> tuple[list[list[int]], list[int]]:
+    """One all-gather of every rank's row over the whole mesh (over the TSP group alone when the
+    mesh is not the whole world): this TSP group's rows in group order, and the global ranks of
+    the other TSP groups whose rows do not agree (bad input there raises there; here too, or the
+    other replicas would wait for it in their next data-parallel collective)."""
+    import torch.distributed as dist
+
+    mine = mine.contiguous()
+    n, dm = mine.numel(), mesh.device_mesh
+    if dist.get_world_size() != dm.size() or dm.size() == mesh.size:
+        everyone = mine.new_empty(mesh.size * n)
+        comm.all_gather(everyone, mine, mesh.group)
+        return everyone.view(mesh.size, n).tolist(), []
+    everyone = mine.new_empty(dist.get_world_size() * n)
+    comm.all_gather(everyone, mine, dist.group.WORLD)
+    rows = everyone.view(-1, n).tolist()
+    groups = dm.mesh.movedim(dm.mesh_dim_names.index(mesh.dim), -1).reshape(-1, mesh.size)
+    table, others = [], []
+    for ranks in groups.tolist():
+        part = [rows[r] for r in ranks]
+        if dist.get_rank() in ranks:
+            table = part
+        elif not _agrees(part):
+            others += ranks
+    return table, others
+
+
+def _agrees(table: list[list[int]]) -> bool:
+    """No rank of one TSP group found a problem, and their batches agree."""
+    return (not any(r[3] for r in table) and len({(r[0], r[1]) for r in table if r[0] >= 0}) <= 1
+            and len({(r[2], r[5], r[6]) for r in table}) <= 1)
+
+
+def _groups(table: list[list[int]], column: int, mesh: Any) -> str:
+    """'TSP rank(s) [0, 2] (global [0, 2]): 0x..., TSP rank(s) [1, 3] (global [1, 3]): 0x...':
+    the ranks grouped by one column of the agreement table, largest group first."""
+    import torch.distributed as dist
+
+    by: dict[int, list[int]] = {}
+    for r, row in enumerate(table):
+        by.setdefault(row[column], []).append(r)
+    glob = dist.get_process_group_ranks(mesh.group)
+    def fmt(v: int) -> str:
+        return str(v) if column != 6 else f"{v:#x}" if v >= 0 else "none"
+
+    return ", ".join(f"TSP rank(s) {rs} (global {[glob[r] for r in rs]}): {fmt(v)}"
+                     for v, rs in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[1])))
+
+
+def _expected_positions(docs: tuple[int, ...], rank: int, size: int, layout: str,
+                        device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(a - start, b - start, device=device)
+                      for a, b, start in row_segments(docs, rank, size, layout)])
+
+
+def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
+                       inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor,
+                       shift_labels: torch.Tensor | None,
+                       docs: tuple[tuple[int, ...], ...] | None,
+                       rope_len: torch.Tensor | int | None = None,
+                       fingerprint: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` on every rank of the TSP group if any rank's input is bad or the
+    ranks' batches differ. ``docs``: each row's document lengths (from ``tsp_docs``);
+    ``rope_len``, ``fingerprint``: ``shard_batch``'s ``tsp_rope_len`` and ``tsp_fingerprint``
+    (per row)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(position_ids):  # a memory simulation (tsp simulate): there are no values to check
+        return
+    mesh = model._tsp_mesh
+    size, rank, layout = mesh.size, mesh.rank, mesh.layout
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    problems, details = 0, []
+    x = input_ids if input_ids is not None else inputs_embeds
+    want_dims = 2 if input_ids is not None else 3
+    if x is None or x.dim() != want_dims or (inputs_embeds is not None and x.shape[-1] != hidden):
+        problems |= SHAPE
+        details.append(f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape "
+                       f"{None if x is None else tuple(x.shape)}: expected [batch, local_seq]"
+                       f"{'' if input_ids is not None else f', hidden_size={hidden}'}")
+        rows, seq = -1, -1
+    else:
+        rows, seq = x.shape[0], x.shape[1]
+    nonfinite = 0
+    if inputs_embeds is not None and inputs_embeds.is_floating_point():
+        nonfinite = int((~torch.isfinite(inputs_embeds)).sum())
+        if nonfinite:
+            problems |= NONFINITE
+            details.append(f"{nonfinite} NaN/inf values in inputs_embeds")
+    if shift_labels is not None and rows >= 0:
+        if tuple(shift_labels.shape) != (rows, seq):
+            problems |= LABELS_SHAPE
+            details.append(f"shift_labels of shape {tuple(shift_labels.shape)}, input "
+                           f"{(rows, seq)}")
+        else:
+            bad = ((shift_labels < 0) & (shift_labels != IGNORE_INDEX)) | (shift_labels >= vocab)
+            if bad.any():
+                problems |= LABELS_RANGE
+                vals = shift_labels[bad]
+                details.append(f"{int(bad.sum())} shift_labels outside [0, {vocab}) (from "
+                               f"{int(vals.min())} to {int(vals.max())})")
+    if rows >= 0:
+        pos = position_ids if position_ids.dim() == 2 else position_ids.reshape(1, -1)
+        if pos.shape[-1] != seq or pos.shape[0] not in (1, rows):
+            problems |= POSITIONS_LAYOUT
+            details.append(f"position_ids of shape {tuple(position_ids.shape)} for input "
+                           f"{(rows, seq)}")
+        elif bool((pos < 0).any()):
+            problems |= POSITIONS_NEGATIVE
+            details.append(f"position_ids from {int(pos.min())}")
+        elif seq % len(rank_chunks(rank, size, layout)) == 0:
+            row_docs = docs or ((seq * size,),) * pos.shape[0]
+            cache: dict[tuple[int, ...], torch.Tensor | None] = {}
+            for r in range(pos.shape[0]):
+                d = row_docs[r] if r < len(row_docs) else row_docs[-1]
+                if d not in cache:
+                    try:
+                        cache[d] = _expected_positions(d, rank, size, layout, pos.device)
+                    except ValueError:  # document lengths that do not split: reported below
+                        cache[d] = None
+                want = cache[d]
+                if want is None:
+                    problems |= SHAPE
+                    details.append(f"tsp_docs row {r} {list(d)} does not split over {size} ranks")
+                    break
+                if want.shape != pos[r].shape or not torch.equal(pos[r], want):
+                    problems |= POSITIONS_LAYOUT
+                    details.append(f"position_ids of row {r} start {pos[r, :6].tolist()}, expected "
+                                   f"{want[:6].tolist()} ({layout} layout, tsp_size={size})")
+                    break
+        else:
+            problems |= SHAPE
+            details.append(f"local sequence length {seq} does not split into this layout's "
+                           f"chunks ({layout}, tsp_size={size})")
+    ropes = [t for m in getattr(model, "_tsp_ropes", []) for t in length_dependent_types(m)]
+    if ropes and rope_len is None:
+        problems |= ROPE_LEN
+        details.append("no tsp_rope_len in the batch")
+    # Python's hash of a tuple of ints is the same in every process (only str/bytes are salted)
+    checksum = hash(docs) & 0x7FFFFFFF if docs is not None else 0
+    mine = torch.tensor([rows, seq, checksum, problems, nonfinite, -1, -1], dtype=torch.int64,
+                        device=position_ids.device)
+    if rope_len is not None:
+        mine[5] = torch.as_tensor(rope_len).max()
+    if fingerprint is not None:
+        mine[6] = batch_fingerprint(fingerprint.reshape(-1).to(mine.device))
+    table, others = _agreement_table(mine, mesh)
+    if others and _agrees(table):  # another group raises with the details: no rank waits for it
+        raise ValueError(f"bad input in another TSP group (global ranks {others}), which raises "
+                         f"with the details; this rank stops too so that no rank is left waiting "
+                         f"in a collective")
+    if _agrees(table):
+        return
+    shapes = {(r[0], r[1]) for r in table if r[0] >= 0}
+    agreed = {(r[2], r[5], r[6]) for r in table}
+    step = getattr(model, "tsp_step", None)
+    where = f"step {step}" if step is not None else \
+        f"forward call {getattr(model, '_tsp_forward_calls', 0)} (set model.tsp_step for steps)"
+    lines = []
+    for bit, text in _FIX.items():
+        culprits = [r for r, row in enumerate(table) if row[3] & bit]
+        if culprits:
+            extra = (f" ({sum(table[r][4] for r in culprits)} values)" if bit == NONFINITE else "")
+            lines.append(f"TSP rank(s) {culprits}: "
+                         f"{text.format(vocab=vocab, rope='/'.join(sorted(set(ropes))))}{extra}")
+    if len(shapes) > 1:
+        seen = ", ".join(f"rank {r}: {row[0]} rows x {row[1]} local tokens" for r, row in
+                         enumerate(table))
+        lines.append(f"ranks of one TSP group have different batches ({seen}); every rank of a TSP "
+                     f"group must get the same full batch and keeps its own tokens of it; "
+                     f"{_CAUSES}")
+    elif len({r[6] for r in table}) > 1:
+        lines.append(f"ranks of one TSP group were given different batches: "
+                     f"{_groups(table, 6, mesh)} (fingerprints of the full batch: tokens, labels, "
+                     f"mask, positions; none: not from tsp_core.shard_batch); every rank of a TSP "
+                     f"group must get the same full batch and keeps its own tokens of it; "
+                     f"{_CAUSES}")
+    elif len(agreed) > 1:
+        lines.append(f"ranks of one TSP group have different tsp_docs / tsp_rope_len (document "
+                     f"lengths {_groups(table, 2, mesh)}; sequence lengths "
+                     f"{_groups(table, 5, mesh)}): build every rank's batch with "
+                     f"tsp_core.shard_batch from the same full batch")
+    raise ValueError(f"bad input at {where}: " + "; ".join(lines)
+                     + (f". This rank (TSP rank {rank}): " + "; ".join(details) if details else ""))

@@ -1,0 +1,490 @@
+"""Turn a Hugging Face decoder-only causal LM into a TSP model, in place.
+
+Attention and MLP become :class:`TSPAttention` / :class:`TSPGatedMLP` holding this rank's slice of
+the model's own weights, the embedding and LM head are vocabulary-sharded, norms are replicated;
+every parameter is a DTensor with its Hugging Face name and (full) shape. The model's forward then
+takes the output of :func:`tsp_core.shard_batch` and returns a ``CausalLMOutputWithPast`` whose
+loss is the global mean, identical on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import comm
+from ..distributed.data_parallel import install_gradient_sync
+from ..distributed.fsdp import apply_fsdp
+from ..distributed.mesh import TSPMesh, get_mesh
+from ..inference.generation import hf_generate
+from ..layers import rope
+from ..layers.attention import TSPAttention, check_attention_shape
+from ..layers.mlp import TSPGatedMLP
+from ..layers.moe import (
+    SCHEDULES,
+    MoESpec,
+    TSPMoE,
+    check_moe_shape,
+    choose_schedule,
+    load_balancing_loss,
+)
+from ..layers.norm import TSPRMSNorm
+from ..layers.vocab import TSPEmbedding, TSPLMHead
+from ..sequence.layout import IGNORE_INDEX, shard_batch
+from ..state.checkpoint import save_pretrained
+from .input_checks import check_model_inputs
+from .policies import DecoderPolicy, find_policy
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_tanh": "gelu_tanh"}
+ATTN_IMPLEMENTATION = "tsp"
+
+
+class HFTSPAttention(TSPAttention):
+    """:class:`TSPAttention` with the call signature of a Hugging Face attention module."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                cache=None, **kwargs: Any):
+        if cache is not None:
+            raise NotImplementedError("TSP attention's forward takes no KV cache; generate with "
+                                      "model.generate(...) or tsp_core.generate (tsp_core.inference.decode "
+                                      "keeps its own sequence-sharded cache)")
+        state = self.tsp_decode  # tsp_core.inference.decode: a decode step, or prefill's K/V sink
+        if state is not None and state.decoding:
+            return state.attention(self, hidden_states, position_embeddings), None
+        out = super().forward(hidden_states, position_embeddings=position_embeddings,
+                              docs=kwargs.get("tsp_docs"),
+                              kv_sink=None if state is None else state.sink)
+        return out, None
+
+
+class TSPCausalLM:
+    """Mixed in before the model's own class by :func:`parallelize`: the forward of a TSP
+    causal LM (vocabulary-parallel loss, global mean over the whole mesh)."""
+
+    _tsp_mesh: TSPMesh
+    _tsp_policy: DecoderPolicy
+    tsp_step: int | None = None  # set by a training loop: input errors then name the step
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                use_cache: bool | None = None, cache: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None,
+                tsp_docs: torch.Tensor | None = None,
+                tsp_rope_len: torch.Tensor | int | None = None,
+                tsp_fingerprint: torch.Tensor | None = None, **kwargs: Any):
+        """Takes this rank's part of a batch from :func:`tsp_core.shard_batch`. With
+        ``shift_labels`` the loss is the mean over every non-ignored token of the global batch
+        (or the global sum divided by ``num_items_in_batch``); without, ``logits`` holds the
+        local tokens' logits. ``attention_mask`` may only mark right padding, which causal
+        attention already keeps away from real tokens (``shard_batch`` checks it). ``tsp_docs``
+        (from ``shard_batch``) gives each row's document lengths, so that attention of packed
+        rows stays inside each document; ``tsp_rope_len`` each row's longest document, whose
+        maximum is the length the unmodified model's rotary embedding sees on the whole batch
+        (required when its frequencies depend on the length: dynamic NTK, longrope);
+        ``tsp_fingerprint`` a hash of each full row, compared over the group so that ranks fed
+        different batches raise."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if labels is not None:
+            raise ValueError("a TSP model takes shift_labels, shifted on the full sequence before "
+                             "sharding: pass the batch through tsp_core.shard_batch")
+        if use_cache or cache is not None or kwargs.get("past_key_values") is not None:
+            raise NotImplementedError("a TSP model's forward takes no KV cache (use_cache, "
+                                      "past_key_values); generate with model.generate(...) or "
+                                      "tsp_core.generate, which keep a sequence-sharded cache")
+        if position_ids is None:
+            raise ValueError("a TSP model needs the global position_ids of the local tokens: "
+                             "pass the batch through tsp_core.shard_batch")
+        policy, mesh = self._tsp_policy, self._tsp_mesh
+        if tsp_docs is not None:  # one host transfer per step, not per layer
+            kwargs["tsp_docs"] = tuple(tuple(n for n in row if n) for row in tsp_docs.tolist())
+        self._tsp_forward_calls = getattr(self, "_tsp_forward_calls", 0) + 1
+        ropes = getattr(self, "_tsp_ropes", [])
+        rope_len = (int(torch.as_tensor(tsp_rope_len).max())
+                    if ropes and tsp_rope_len is not None else None)
+        # bad input raises on every rank of the group, before any schedule collective
+        check_model_inputs(self, input_ids, inputs_embeds, position_ids, shift_labels,
+                           kwargs.get("tsp_docs"), tsp_rope_len, tsp_fingerprint)
+        router = kwargs.pop("output_router_logits", None)
+        with rope.global_length(ropes, rope_len):
+            out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
+                                                   inputs_embeds=inputs_embeds, use_cache=False,
+                                                   **kwargs)
+        aux = self._tsp_aux_loss(router, attention_mask)
+        head: TSPLMHead = getattr(self, policy.lm_head)
+        hidden = head.scale_input(out.last_hidden_state)
+        if shift_labels is None:
+            if aux is not None:
+                from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+                return MoeCausalLMOutputWithPast(logits=head(hidden), aux_loss=aux)
+            return CausalLMOutputWithPast(logits=head(hidden))
+        loss_sum = head.loss_sum(hidden, shift_labels)
+        if num_items_in_batch is None:
+            count = (shift_labels != IGNORE_INDEX).sum().to(loss_sum.dtype)
+            for group in mesh.all_groups:
+                comm.all_reduce(count, group)
+        else:
+            count = torch.as_tensor(num_items_in_batch, dtype=loss_sum.dtype)
+        loss = comm.sum_over(loss_sum, mesh.all_groups) / count
+        if aux is not None:  # Hugging Face adds it when there are labels
+            loss = loss + self.config.router_aux_loss_coef * aux
+        scale = getattr(self, "_tsp_grad_scale", 1)
+        if scale != 1:  # an engine that averages data-parallel gradients (DeepSpeed): same value,
+            loss = loss * scale - loss.detach() * (scale - 1)  # gradient times the dp size
+        if aux is not None:
+            from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux)
+        return CausalLMOutputWithPast(loss=loss)
+
+    def _tsp_aux_loss(self, output_router_logits: bool | None,
+                      attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The MoE load-balancing loss of the forward that just ran, over the global batch
+        (:func:`tsp_core.layers.moe.load_balancing_loss`), when ``output_router_logits`` (else the
+        config's) asks for it, as Hugging Face computes it; None for a dense model. The layers'
+        router logits are released either way."""
+        layers = [m for m in self.modules() if isinstance(m, TSPMoE)]
+        if not layers:
+            return None
+        wanted = (output_router_logits if output_router_logits is not None
+                  else getattr(self.config, "output_router_logits", False))
+        try:
+            if not wanted:
+                return None
+            if any(m.router_logits is None for m in layers):
+                raise ValueError("an MoE layer has no router logits: it did not run forward")
+            s = layers[0].spec
+            return load_balancing_loss([m.router_logits for m in layers], s.num_experts,
+                                       s.top_k, self._tsp_mesh.all_groups, attention_mask)
+        finally:
+            for m in layers:
+                m.router_logits = None
+
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None,
+                 **kwargs: Any):
+        """Hugging Face's ``generate`` on the TSP model: greedy or sampled decoding over the
+        sequence-sharded KV cache (:func:`tsp_core.generate`), the same tokens on every rank.
+        Arguments TSP does not implement (beams, logits processors, streamers, ...) raise a
+        ``ValueError`` naming them."""
+        return hf_generate(self, inputs, generation_config, **kwargs)
+
+    def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> None:
+        """An ordinary Hugging Face checkpoint (full shapes); every rank must call it."""
+        save_pretrained(self, save_directory)
+
+
+_TSP_CLASSES: dict[type, type] = {}
+
+
+def _tsp_class(cls: type) -> type:
+    if cls not in _TSP_CLASSES:
+        _TSP_CLASSES[cls] = type(f"TSP{cls.__name__}", (TSPCausalLM, cls),
+                                 {"_tsp_base_class": cls})
+    return _TSP_CLASSES[cls]
+
+
+def _register_attention_implementation() -> None:
+    """Register "tsp" with transformers so that the model builds no attention mask (the TSP
+    modules compute the causal pattern themselves)."""
+    from transformers import AttentionInterface
+
+    def never_called(*args: Any, **kwargs: Any):
+        raise RuntimeError("TSP attention runs inside the replaced attention modules")
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, never_called)
+
+
+def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule: str) -> None:
+    """Every check that can fail, before anything is changed or communicated."""
+    if isinstance(model, TSPCausalLM):
+        raise ValueError("this model is already parallelized with TSP")
+    c = model.config
+    nq = c.num_attention_heads
+    nkv = getattr(c, "num_key_value_heads", None) or nq
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
+    check_attention_shape(mesh.size, c.hidden_size, nq, nkv, head_dim)
+    layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
+    sparse = [policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers]
+    if any(sparse):
+        spec = _moe_spec(c, policy, mesh)
+        check_moe_shape(mesh.size, spec.num_experts, spec.top_k, moe_schedule)
+        if moe_schedule == "ring" and spec.intermediate_size % mesh.size:
+            raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
+                             f"({spec.intermediate_size}) under the ring schedule")
+    if not all(sparse) and c.intermediate_size % mesh.size:
+        raise ValueError(f"tsp_size ({mesh.size}) must divide intermediate_size "
+                         f"({c.intermediate_size})")
+    refused = [f"config.{name}={getattr(c, name)!r} ({what})" for name, what in policy.unsupported
+               if getattr(c, name, None)]
+    if refused:
+        raise ValueError(f"{type(model).__name__}: {'; '.join(refused)} not implemented by TSP; "
+                         f"set {'them' if len(refused) > 1 else 'it'} to None/False to run it "
+                         f"without (a different model), or train it without TSP")
+    for what, hook in (("attention", policy.attn_softcap), ("logits", policy.logits_softcap)):
+        cap = _softcap(hook, c)
+        if cap is not None and not cap > 0:
+            raise ValueError(f"{type(model).__name__}: the {what} soft-cap ({cap}) must be "
+                             f"positive, or None for no soft-capping")
+    act = _activation(c)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported by TSPGatedMLP; "
+                         f"supported: {sorted(ACTIVATIONS)}")
+    if getattr(c, "attention_dropout", 0.0):
+        raise ValueError(f"attention_dropout ({c.attention_dropout}) is not supported by TSP "
+                         f"attention; set it to 0.0")
+    params = list(model.parameters())
+    if any(p.is_meta for p in params) and not all(p.is_meta for p in params):
+        raise ValueError("some parameters are on the meta device and some are not; build the "
+                         "model either fully materialised or with every parameter on meta")
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ValueError(f"buffers {meta_buffers[:3]} are on the meta device; build the model with "
+                         f"parameters on meta but buffers materialised (e.g. accelerate's "
+                         f"init_empty_weights(include_buffers=False)), as "
+                         f"tsp_transformers.load_pretrained does")
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; cast it "
+                         f"to one dtype first")
+    base = getattr(model, policy.base_model)
+    for name in (policy.embed, policy.layers, policy.final_norm):
+        if not hasattr(base, name):
+            raise ValueError(f"{type(model).__name__}.{policy.base_model} has no {name!r}; the "
+                             f"policy {policy.name!r} does not describe this model")
+    _check_head_norms(model, policy, nq * head_dim if policy.qk_norm_all_heads else head_dim,
+                      nkv * head_dim if policy.qk_norm_all_heads else head_dim)
+    _check_fused(model, policy, {"q_proj": nq * head_dim, "k_proj": nkv * head_dim,
+                                 "v_proj": nkv * head_dim, "gate_proj": c.intermediate_size,
+                                 "up_proj": c.intermediate_size})
+    rope.length_dependent_rotaries(model)  # raises for one TSP cannot give the global length
+
+
+def _linear(module: nn.Module, name: str, fused: dict[str, tuple[str, ...]]) -> nn.Module:
+    """The Hugging Face Linear holding projection ``name``: itself, or the fused one it is part
+    of (Phi-3's ``qkv_proj`` holds q_proj's rows)."""
+    for fused_name, parts in fused.items():
+        if name in parts:
+            return getattr(module, fused_name)
+    return getattr(module, name)
+
+
+def _check_fused(model: nn.Module, policy: DecoderPolicy, rows: dict[str, int]) -> None:
+    """Every fused projection the policy names exists with the rows of its parts."""
+    base = getattr(model, policy.base_model)
+    for role, name, parts in policy.fused:
+        for i, layer in enumerate(getattr(base, policy.layers)):
+            module = getattr(layer, getattr(policy, role))
+            linear = getattr(module, name, None)
+            want = sum(rows[p] for p in parts)
+            got = None if linear is None else tuple(linear.weight.shape)
+            if got is None or got[0] != want:
+                raise ValueError(f"layer {i}: {getattr(policy, role)}.{name} has weight shape "
+                                 f"{got}; the policy {policy.name!r} fuses {parts} there "
+                                 f"({want} rows)")
+
+
+def _check_moe_policy(model: nn.Module, policy: DecoderPolicy) -> None:
+    """A mixture-of-experts model needs a policy that describes its experts (Mixtral and
+    Qwen3-MoE have one): refused by the config field that makes a model one, so that a dense
+    policy matched by class or model_type never runs it as a dense model."""
+    c = getattr(model, "config", None)
+    for name in ("num_local_experts", "num_experts"):  # Mixtral; Qwen2/3-MoE, OLMoE, ...
+        if getattr(c, name, None) and policy.moe is None:
+            raise ValueError(f"{type(model).__name__} is a mixture-of-experts model "
+                             f"(config.{name}={getattr(c, name)}) and the policy {policy.name!r} "
+                             f"describes no experts; TSP runs the MoE of Mixtral and Qwen3-MoE "
+                             f"(docs/moe.md): train it without TSP, or describe its experts with "
+                             f"DecoderPolicy(moe=ExpertsPolicy(...))")
+
+
+def _moe_spec(c: Any, policy: DecoderPolicy, mesh: TSPMesh) -> MoESpec:
+    """The shape and routing of the family's sparse MLPs, from the config."""
+    return policy.moe.spec(c, mesh.size, ACTIVATIONS.get(_activation(c), "silu"))
+
+
+def _activation(config: Any) -> str:
+    """The MLP's activation name (Gemma 2/3 call the field hidden_activation)."""
+    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+
+
+def _eps(norm: nn.Module) -> float:
+    """An RMSNorm's epsilon (Llama's ``variance_epsilon``, Gemma's ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
+def _softcap(hook: Any, config: Any) -> float | None:
+    """A policy's soft-cap of ``config`` (None: the family has none, or it is off)."""
+    cap = None if hook is None else hook(config)
+    return None if cap is None else float(cap)
+
+
+def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
+    """The epsilon of the attention's per-head q/k norms (None: the family has none)."""
+    if policy.head_norms is None:
+        return None
+    return _eps(getattr(attn, policy.head_norms[0]))
+
+
+def _check_head_norms(model: nn.Module, policy: DecoderPolicy, q_width: int, k_width: int) -> None:
+    """The q/k norms are what the policy says: per head (weights of head_dim) or over all heads of
+    a token (``qk_norm_all_heads``: nq*head_dim, nkv*head_dim), with the same eps."""
+    if policy.head_norms is None:
+        return
+    for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
+        attn = getattr(layer, policy.attention)
+        norms = [getattr(attn, n, None) for n in policy.head_norms]
+        if any(n is None for n in norms):
+            raise ValueError(f"layer {i}: the policy {policy.name!r} names q/k norms "
+                             f"{policy.head_norms} that the attention does not have")
+        shapes = [tuple(n.weight.shape) for n in norms]
+        if shapes != [(q_width,), (k_width,)]:
+            what = ("over all heads of a token" if policy.qk_norm_all_heads else "per head")
+            raise ValueError(f"layer {i}: q/k norm weights of shapes {shapes}, but the policy "
+                             f"{policy.name!r} describes norms {what}: [({q_width},), "
+                             f"({k_width},)]; set DecoderPolicy.qk_norm_all_heads to match")
+        if _eps(norms[0]) != _eps(norms[1]):
+            raise ValueError(f"layer {i}: q_norm eps ({_eps(norms[0])}) and k_norm eps "
+                             f"({_eps(norms[1])}) differ")
+
+
+def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None,
+                moe_schedule: str = "auto", moe_tokens_per_rank: int | None = None,
+                mp_policy: Any = None, reshard_after_forward: bool = True) -> nn.Module:
+    """Convert ``model`` in place to TSP on ``mesh`` and return it. A model whose parameters are
+    all on the meta device gets uninitialised shards (fill them with load_full_state_dict).
+
+    When the mesh shards data parallel too (``init_mesh(..., dp_shard=N)``, N > 1), FSDP2's
+    ``fully_shard`` then splits each rank's TSP shards over "dp_shard", per decoder layer and the
+    root (:mod:`tsp_core.distributed.fsdp`): ``mp_policy`` is its ``MixedPrecisionPolicy`` (e.g. bf16
+    parameters, float32 gradient reduction) and ``reshard_after_forward`` its option of that
+    name. Build the optimizer after this call.
+
+    Mixture-of-experts layers (:mod:`tsp_core.layers.moe`) run ``moe_schedule`` "expert" (whole experts
+    per rank, routed tokens move) or "ring" (every expert's channels split, weights move);
+    "auto" picks per layer the one that moves fewer bytes for ``moe_tokens_per_rank`` (batch x
+    sequence / tsp_size of the run), "expert" when that is not given."""
+    if mp_policy is not None and mesh.fsdp_size == 1:
+        raise ValueError("mp_policy is FSDP2's and needs a mesh that shards data parallel "
+                         f"(dp_shard > 1; this mesh's is {mesh.fsdp_size}); without FSDP2 train "
+                         "in mixed precision with autocast (Lightning's bf16-mixed)")
+    if moe_schedule not in ("auto", *SCHEDULES):
+        raise ValueError(f"moe_schedule {moe_schedule!r} is not one of "
+                         f"{('auto', *SCHEDULES)}")
+    policy = policy or find_policy(model)
+    _check_moe_policy(model, policy)
+    if policy.moe is not None and moe_schedule == "auto":
+        moe_schedule = choose_schedule(_moe_spec(model.config, policy, mesh), moe_tokens_per_rank)
+    _check(model, mesh, policy, moe_schedule)
+    c = model.config
+    p0 = next(model.parameters())
+    empty = p0.is_meta  # weights come later, from load_full_state_dict
+    if not empty:
+        device = p0.device
+    elif mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    opts = dict(dtype=p0.dtype, device=device)
+    nq = c.num_attention_heads
+    nkv = getattr(c, "num_key_value_heads", None) or nq
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
+
+    def replace(parent: nn.Module, name: str, new: nn.Module, old: nn.Module | None = None) -> None:
+        role = ("attention" if isinstance(new, TSPAttention) else
+                "mlp" if isinstance(new, TSPGatedMLP) else None)
+        if role is not None and policy.fused_in(role):  # Hugging Face's fused projections
+            new.fuse(policy.fused_in(role))
+        if not empty:
+            new.load_full((old or getattr(parent, name)).state_dict())
+        setattr(parent, name, new)
+
+    base = getattr(model, policy.base_model)
+    old_embed = getattr(base, policy.embed)
+    old_head = getattr(model, policy.lm_head)
+    tied = old_head.weight is old_embed.weight
+    embed = TSPEmbedding(mesh, c.vocab_size, c.hidden_size, old_embed.padding_idx,
+                         init_seed=None, **opts)
+    if getattr(old_embed, "embed_scale", None) is not None:  # HF's scaled word embedding (Gemma)
+        embed.scale_by(old_embed.embed_scale)
+    replace(base, policy.embed, embed)
+    for layer in getattr(base, policy.layers):
+        attn = getattr(layer, policy.attention)
+        replace(layer, policy.attention, HFTSPAttention(
+            mesh, c.hidden_size, nq, nkv, head_dim,
+            qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
+            o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
+            scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn),
+            qk_norm_kind=policy.norm, softcap=_softcap(policy.attn_softcap, c),
+            qk_norm_all_heads=policy.qk_norm_all_heads, init_seed=None, **opts))
+        mlp = getattr(layer, policy.mlp)
+        if policy.sparse_mlp(mlp):
+            spec = _moe_spec(c, policy, mesh)
+            replace(layer, policy.mlp, TSPMoE(
+                mesh, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k,
+                activation=spec.activation, norm_topk=spec.norm_topk,
+                weights_in_logits_dtype=spec.weights_in_logits_dtype, schedule=moe_schedule,
+                init_seed=None, **opts))
+        else:
+            replace(layer, policy.mlp, TSPGatedMLP(
+                mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
+                bias=_linear(mlp, "gate_proj", policy.fused_in("mlp")).bias is not None,
+                init_seed=None, **opts))
+        for norm in policy.layer_norms:
+            old = getattr(layer, norm)
+            replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))
+    old = getattr(base, policy.final_norm)
+    replace(base, policy.final_norm,
+            TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))
+    if tied:
+        setattr(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size, tied_to=embed))
+    else:
+        replace(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size,
+                                                 init_seed=None, **opts), old_head)
+    if policy.logits_divisor is not None:
+        getattr(model, policy.lm_head).logits_divisor = float(policy.logits_divisor(c))
+    getattr(model, policy.lm_head).logits_softcap = _softcap(policy.logits_softcap, c)
+
+    model.__class__ = _tsp_class(type(model))
+    model._tsp_mesh, model._tsp_policy = mesh, policy
+    # rotaries whose frequencies depend on the length take the global one (tsp_rope_len)
+    model._tsp_ropes = rope.length_dependent_rotaries(model)
+    rope.use_global_length(model._tsp_ropes)
+    _register_attention_implementation()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if mesh.fsdp_size > 1:  # FSDP2 sums data-parallel gradients itself
+        apply_fsdp(model, mesh, list(getattr(base, policy.layers)), mp_policy=mp_policy,
+                   reshard_after_forward=reshard_after_forward)
+    else:
+        install_gradient_sync(model, mesh)
+    return model
+
+
+def shard_full_batches(model: nn.Module) -> nn.Module:
+    """Let ``model(**batch)`` take the full-sequence batch (``input_ids`` and optionally
+    ``labels``, ``attention_mask``, ``position_ids``/``cu_seqlens`` of packed rows, as keywords)
+    and shard it itself; batches from ``shard_batch`` (they carry ``tsp_docs``) pass unchanged.
+    For loops the user does not write (Fabric, Accelerate, the Trainer), where no hook sees the
+    batch first. Idempotent."""
+    if getattr(model, "_tsp_shards_inputs", False):
+        return model
+    mesh = get_mesh(model)
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if args or "input_ids" not in kwargs or "tsp_docs" in kwargs:
+            return None  # not a keyword batch, or already sharded (every sharded batch has tsp_docs)
+        batch = {k: kwargs.pop(k) for k in ("input_ids", "labels", "attention_mask",
+                                            "position_ids", "cu_seqlens") if k in kwargs}
+        return args, {**kwargs, **shard_batch(batch, mesh)}
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model._tsp_shards_inputs = True
+    return model

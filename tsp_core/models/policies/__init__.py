@@ -1,0 +1,19 @@
+"""Policies: where a Hugging Face decoder-only causal LM keeps each TSP role, one small file per
+family. A policy is found by the model's class name or ``config.model_type``; register your own
+with :func:`register_policy`."""
+
+from . import (  # noqa: F401  (each registers its family)
+    gemma,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
+from .base import DecoderPolicy, ExpertsPolicy, find_policy, register_policy, supported
+
+__all__ = ["DecoderPolicy", "ExpertsPolicy", "find_policy", "register_policy", "supported"]

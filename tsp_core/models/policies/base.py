@@ -1,0 +1,130 @@
+"""What a policy is and the registry of them: :class:`DecoderPolicy` (where a family keeps each
+TSP role), :class:`ExpertsPolicy` (its sparse blocks), :func:`register_policy`, :func:`find_policy`."""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+
+def _no_window(config: Any, attention: nn.Module) -> int | None:
+    return None
+
+
+def _always(config: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class ExpertsPolicy:
+    """Where a family keeps its sparse mixture-of-experts blocks and how they route
+    (:mod:`tsp_core.layers.moe`): the block's router and experts module names (Hugging Face's
+    ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``), the config fields of the
+    expert count, the experts per token and the per-expert intermediate size, whether the top-k
+    weights are renormalised (``norm_topk(config)``) and cast back to the logits' dtype, and the
+    names of the Hub's per-expert checkpoint layout (read and written by tsp_core.state.checkpoint). A layer
+    whose MLP has no ``experts`` module is a dense one (Qwen3-MoE's ``mlp_only_layers``)."""
+
+    num_experts: str
+    intermediate_size: str = "intermediate_size"
+    top_k: str = "num_experts_per_tok"
+    router: str = "gate"
+    experts: str = "experts"
+    norm_topk: Callable[[Any], bool] = field(default=_always)
+    weights_in_logits_dtype: bool = False
+    # the Hub's checkpoint layout (transformers' conversion mapping): one tensor per expert and
+    # projection, ``<mlp>.experts.<e>.<gate|up|down>.weight``, the block under ``hub_module``
+    hub_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    hub_module: str | None = None   # the block's name in the checkpoint, if not the model's
+
+    def spec(self, config: Any, size: int, activation: str = "silu"):
+        """The :class:`tsp_core.layers.moe.MoESpec` of the family's sparse MLPs over ``size`` ranks."""
+        from ...layers.moe import MoESpec
+
+        return MoESpec(config.hidden_size, getattr(config, self.intermediate_size),
+                       getattr(config, self.num_experts), getattr(config, self.top_k), size,
+                       activation, self.norm_topk(config), self.weights_in_logits_dtype)
+
+
+@dataclass(frozen=True)
+class DecoderPolicy:
+    """Module names of one decoder-only family (defaults: the Llama layout shared by Mistral and
+    Qwen2), how to read a layer's sliding window, and the hooks the TSP modules call: per-head
+    q/k norms (``head_norms``: the attention's module names, each an RMSNorm over head_dim), the
+    norms' numerics (``norm``), a divisor of the logits (``logits_divisor(config)``), soft-caps
+    (``tanh(x / cap) * cap``, None: off) of the attention scores (``attn_softcap(config)``) and of
+    the logits after the divisor (``logits_softcap(config)``), and the config fields to refuse
+    (``unsupported``). The rest of a family (embedding scale, sandwich
+    norms, residual multipliers, per-layer rotary embeddings, the softmax scale) is the Hugging
+    Face model's own code around the TSP modules, in training and in generation; the attention's
+    ``scaling`` is read from the module, a scaled word embedding's ``embed_scale`` too."""
+
+    name: str
+    model_types: tuple[str, ...]
+    class_names: tuple[str, ...] = ()
+    base_model: str = "model"
+    embed: str = "embed_tokens"
+    layers: str = "layers"
+    final_norm: str = "norm"
+    lm_head: str = "lm_head"
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    sliding_window: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
+    head_norms: tuple[str, str] | None = None  # the attention's per-head q/k RMSNorms (Qwen3)
+    qk_norm_all_heads: bool = False            # ... over all heads of a token instead (OLMo 2)
+    norm: str = "llama"                        # every RMSNorm's numerics (tsp_core.layers.norm.NORMS)
+    logits_divisor: Callable[[Any], float] | None = None  # logits / this (Granite)
+    attn_softcap: Callable[[Any], float | None] | None = None    # scores soft-capped (Gemma 2)
+    logits_softcap: Callable[[Any], float | None] | None = None  # logits soft-capped (Gemma 2)
+    # config fields TSP does not implement: (name, what it is); a truthy value is refused
+    unsupported: tuple[tuple[str, str], ...] = ()
+    # projections the Hugging Face model fuses into one Linear (Phi-3): (role, fused module,
+    # parts in row order), role "attention" or "mlp"; the TSP module keeps the parts and names
+    # them by the fused tensor in every full state dict and checkpoint (ShardedModule.fuse)
+    fused: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    # generation: Hugging Face's generate drops the KV cache and runs the whole sequence again
+    # when it first reaches this many tokens + 1 (Phi-3: original_max_position_embeddings, where
+    # longrope switches factors); tsp_core.generate does the same
+    recompute_cache_at: Callable[[Any], int | None] | None = None
+    # sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE): None for dense families
+    moe: ExpertsPolicy | None = None
+
+    def sparse_mlp(self, mlp: nn.Module) -> bool:
+        """Whether a layer's MLP is the family's sparse mixture-of-experts block (a layer without
+        ``experts`` is a dense one: Qwen3-MoE's ``mlp_only_layers``)."""
+        return self.moe is not None and hasattr(mlp, self.moe.experts)
+
+    def fused_in(self, role: str) -> dict[str, tuple[str, ...]]:
+        """The fused projections of ``role`` ("attention" or "mlp"): fused name -> parts."""
+        return {name: parts for r, name, parts in self.fused if r == role}
+
+
+_POLICIES: dict[str, DecoderPolicy] = {}
+
+
+def register_policy(policy: DecoderPolicy) -> DecoderPolicy:
+    """Make ``policy`` available to :func:`tsp_core.parallelize` (idempotent by name)."""
+    _POLICIES[policy.name] = policy
+    return policy
+
+
+def supported() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def find_policy(model: nn.Module) -> DecoderPolicy:
+    """The policy for ``model``: by class name (including base classes), then model_type."""
+    names = {c.__name__ for c in type(model).__mro__}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for policy in _POLICIES.values():
+        if names & set(policy.class_names) or model_type in policy.model_types:
+            return policy
+    raise ValueError(
+        f"no TSP policy for {type(model).__name__} (model_type={model_type!r}); supported: "
+        f"{supported()}. Describe its module names with tsp_core.models.DecoderPolicy(...) and pass "
+        f"it as parallelize(model, mesh, policy=...) or register it with "
+        f"tsp_core.models.register_policy(...)")

@@ -1,0 +1,21 @@
+"""Phi-3 (Phi3ForCausalLM; Phi-3.5 and Phi-4-mini use it too): Llama's layout with two fused
+projections, ``self_attn.qkv_proj`` (rows: every query head, then every key head, then every value
+head) and ``mlp.gate_up_proj`` (rows: gate, then up; HF's ``chunk(2)`` takes gate first). The TSP
+modules keep the parts (q/k/v, gate/up), sharded so that a rank owns whole heads and the matching
+gate and up channels, and name them by the fused tensors in every full state dict and checkpoint.
+Every layer uses ``config.sliding_window`` (None disables it); longrope and partial rotary are the
+model's own rotary embedding. Generation recomputes the KV cache where HF's Phi-3 ``generate``
+does: once, when the sequence first passes ``original_max_position_embeddings``."""
+
+from .base import DecoderPolicy, register_policy
+
+
+def _window(config, attention):
+    return getattr(config, "sliding_window", None)
+
+
+POLICY = register_policy(DecoderPolicy(
+    name="phi3", model_types=("phi3",), class_names=("Phi3ForCausalLM",), sliding_window=_window,
+    fused=(("attention", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+           ("mlp", "gate_up_proj", ("gate_proj", "up_proj"))),
+    recompute_cache_at=lambda config: getattr(config, "original_max_position_embeddings", None)))

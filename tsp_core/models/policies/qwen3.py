@@ -1,0 +1,14 @@
+"""Qwen3 (Qwen3ForCausalLM): Qwen2's layout without q/k/v biases (``attention_bias`` sets all four)
+and with an RMSNorm over head_dim on every query and key head before RoPE (``q_norm``,
+``k_norm``); explicit ``head_dim``; sliding layers from ``config.layer_types``."""
+
+from .base import DecoderPolicy, register_policy
+
+
+def _window(config, attention):
+    return getattr(attention, "sliding_window", None)
+
+
+POLICY = register_policy(DecoderPolicy(name="qwen3", model_types=("qwen3",),
+                                       class_names=("Qwen3ForCausalLM",), sliding_window=_window,
+                                       head_norms=("q_norm", "k_norm")))

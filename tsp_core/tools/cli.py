@@ -1,0 +1,182 @@
+"""The ``tsp`` command: ``tsp simulate`` (per-rank memory of every layout under fake tensors) and
+``tsp bench`` (real multi-process runs of every layout) and ``tsp plan`` (the cost model's ranking)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+GIB = 1024 ** 3
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    from ..baselines import parse_layouts
+    from ..plan.fsdp_sim import FSDP_LAYOUTS, FSDP_WORKING_SET, check_dp_shard
+    from ..plan.simulate import SimulationRequest, model_config, record_dict, simulate_many
+
+    try:
+        config = model_config(args.model, args.layers)
+    except (ValueError, OSError) as e:
+        raise SystemExit(str(e))
+    fsdp = any(dp > 1 for dp in args.dp_shard)
+    if args.layouts is None:  # with FSDP2, the layouts it is simulated for
+        args.layouts = ",".join(FSDP_LAYOUTS) if fsdp else "tsp,tp,tp-sp,cp,tp+cp,tp-sp+cp"
+    requests = [SimulationRequest(s.name, s.tp, s.cp, seq, args.model, args.layers, args.batch,
+                                  args.recompute, args.optimizer, args.dtype, dp)
+                for degree in args.degree for seq in args.seq
+                for s in parse_layouts(args.layouts, degree) for dp in args.dp_shard]
+    for r in requests:  # before any process starts
+        check_dp_shard(r.layout, r.tp * r.cp, r.dp_shard)
+    print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"heads {config.num_attention_heads}/{config.num_key_value_heads}, intermediate "
+          f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}; batch "
+          f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; "
+          + (f"FSDP2 dp_shard {','.join(map(str, args.dp_shard))}; " if fsdp else "")
+          + f"rank 0 of each world under FakeTensorMode ({len(requests)} runs, {args.jobs} at a "
+          f"time)",
+          file=sys.stderr, flush=True)
+    kinds = ["parameters", "gradients", "optimizer_states", "activations", "temporaries"]
+    # with FSDP2: the dp_shard size, the GPUs of one sharded group (D x dp_shard) and FSDP2's
+    # working set (unsharded parameters and gradients, all-gather / reduce-scatter buffers)
+    extra = " ".join(f"{k:>{w}}" for k, w in (("dp", 3), ("GPUs", 5))) + " " if fsdp else ""
+    head = (f"{'layout':<15} {'seq':>7} {'D':>3} {extra}{'peak GiB':>9} "
+            + " ".join(f"{k[:11]:>11}" for k in kinds) + (f" {'fsdp':>11}" if fsdp else ""))
+    start = time.perf_counter()
+
+    def row(r) -> str:
+        more = f"{r.dp_shard:>3} {r.gpus:>5} " if fsdp else ""
+        fsdp_bytes = sum(r.breakdown.get(k, 0) for k in FSDP_WORKING_SET)
+        return (f"{r.layout:<15} {r.seq:>7} {r.degree:>3} {more}{r.peak_gib:>9.2f} "
+                + " ".join(f"{r.breakdown.get(k, 0) / GIB:>11.2f}" for k in kinds)
+                + (f" {fsdp_bytes / GIB:>11.2f}" if fsdp else ""))
+
+    done = [0]
+
+    def progress(r) -> None:
+        done[0] += 1
+        print(f"[{done[0]}/{len(requests)} {time.perf_counter() - start:.0f}s] {row(r)} "
+              f"({r.seconds:.0f}s)", file=sys.stderr, flush=True)
+
+    records = simulate_many(requests, args.jobs, progress)
+    print(head)
+    for r in records:
+        print(row(r))
+    if args.json:
+        _write_json(args.json, [record_dict(r) for r in records])
+    return 0
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    if args.mode == "generate":
+        return bench_generate_main(args)
+    from . import bench
+
+    layouts = args.layouts or "tsp,tp,tp-sp,cp,tp+cp"
+    cfg = bench.BenchConfig(layouts, args.degree, args.seq, args.model, args.batch,
+                            args.steps, args.warmup, args.dtype)
+    print(f"bench: {cfg}", file=sys.stderr, flush=True)
+    print(bench.HEADER, file=sys.stderr, flush=True)
+    records = bench.run(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bench.table(records))
+    if args.json:
+        _write_json(args.json, bench.to_json(records, cfg))
+    if args.plot:
+        bench.plot(records, args.plot)
+    return 0
+
+
+def bench_generate_main(args: argparse.Namespace) -> int:
+    from . import bench_generate as bg
+
+    if args.plot:
+        raise ValueError("--plot is for --mode train")
+    cfg = bg.GenerateBenchConfig(args.layouts or "tsp,tp,single", args.degree, args.seq,
+                                 args.new_tokens, args.model, args.batch, args.steps, args.dtype)
+    print(f"bench generate: {cfg}", file=sys.stderr, flush=True)
+    print(bg.HEADER, file=sys.stderr, flush=True)
+    records = bg.run(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bg.table(records))
+    if args.json:
+        _write_json(args.json, bg.to_json(records, cfg))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from ..baselines import LAYOUTS
+
+    ap = argparse.ArgumentParser(prog="tsp", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    layouts_help = f"comma-separated, from {', '.join(LAYOUTS)}"
+
+    sim = sub.add_parser("simulate", help="per-rank memory of each layout (fake tensors)")
+    sim.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
+                     "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-70b, mixtral-8x7b, "
+                     "qwen3-30b-a3b, small, tiny) or the path of a config.json (any supported "
+                     "family)")
+    sim.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    sim.add_argument("--seq", type=_ints, default=(131072,), help="sequence lengths")
+    sim.add_argument("--degree", type=_ints, default=(8,), help="ranks per model replica")
+    sim.add_argument("--layouts", default=None,
+                     help=f"{layouts_help} (default all; with --dp-shard > 1: tsp, tp, tp-sp)")
+    sim.add_argument("--dp-shard", type=_ints, default=(1,),
+                     help="FSDP2 shard sizes: the model state of each rank is sharded over N "
+                          "data-parallel ranks, world = degree x N (1: no FSDP2; > 1 for tsp, tp, "
+                          "tp-sp)")
+    sim.add_argument("--batch", type=int, default=1)
+    sim.add_argument("--recompute", default="full", choices=["none", "selective", "full"])
+    sim.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])
+    sim.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    sim.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
+    sim.add_argument("--json", default=None, help="write the records to this file")
+    sim.set_defaults(func=simulate_main)
+
+    b = sub.add_parser("bench", help="real multi-process runs of each layout")
+    b.add_argument("--mode", default="train", choices=["train", "generate"],
+                   help="train: training steps; generate: prefill + greedy decode (--seq is the "
+                        "prompt length, --steps the timed repeats)")
+    b.add_argument("--layouts", default=None,
+                   help=f"{layouts_help} (default tsp,tp,tp-sp,cp,tp+cp); with --mode generate "
+                        f"from tsp, tp, single (default all three)")
+    b.add_argument("--new-tokens", type=int, default=32, help="--mode generate: tokens per prompt")
+    b.add_argument("--degree", type=int, default=2, help="processes (ranks per replica)")
+    b.add_argument("--seq", type=_ints, default=(2048,), help="sequence lengths")
+    b.add_argument("--model", default="tiny", help="tiny | small (Llama family)")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--steps", type=int, default=4, help="timed steps after warm-up")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    b.add_argument("--json", default=None, help="write the records to this file")
+    b.add_argument("--plot", default=None, help="write a PNG of memory and tokens/s vs seq")
+    b.set_defaults(func=bench_main)
+
+    from ..plan.command import add_arguments as plan_arguments
+
+    plan_arguments(sub.add_parser("plan", help="rank layouts and degrees for a cluster (cost model)"))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad requests: one line, no traceback
+        print(f"tsp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
