@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import dist_pool
+from tests.support import dist_pool
 
 
 class Pools:

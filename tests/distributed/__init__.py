@@ -1,0 +1,1 @@
+"""Tests of tsp_core.distributed."""

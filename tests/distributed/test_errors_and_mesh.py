@@ -1,0 +1,102 @@
+"""Bad input fails on every rank before any collective, with a message naming the numbers; the
+mesh puts TSP groups on consecutive ranks and wraps framework-made meshes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.support import dist_pool
+from tsp_core import TSPAttention, TSPGatedMLP, TSPMesh, comm, init_mesh
+from tsp_core.distributed.mesh import check_mesh_shape
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = dist_pool.DistPool(4)
+    yield p
+    p.close()
+
+
+def _expect(fn, pattern: str) -> str:
+    with comm.track() as stats:
+        with pytest.raises(ValueError, match=pattern) as info:
+            fn()
+    assert not stats.calls, f"collectives issued before the error: {dict(stats.calls)}"
+    return str(info.value)
+
+
+def bad_inputs() -> list[str]:
+    m = dist_pool.mesh(4)
+    f64 = torch.float64
+    msgs = [
+        _expect(lambda: TSPAttention(m, 48, 6, 6, 8),
+                r"tsp_size \(4\) must divide num_attention_heads \(6\)"),
+        _expect(lambda: TSPAttention(m, 64, 8, 3, 8),
+                r"num_key_value_heads \(3\) must divide num_attention_heads \(8\)"),
+        _expect(lambda: TSPAttention(m, 96, 12, 6, 8),
+                r"num_key_value_heads \(6\) and tsp_size \(4\): one must divide the other"),
+        _expect(lambda: TSPGatedMLP(m, 16, 30),
+                r"tsp_size \(4\) must divide intermediate_size \(30\)"),
+    ]
+    attn = TSPAttention(m, 32, 4, 2, 8, dtype=f64)
+    mlp = TSPGatedMLP(m, 32, 64, dtype=f64)
+    pos = torch.arange(4)
+    wrong = {k: torch.zeros(shape[0], 33) for k, shape in attn.full_shapes.items()}
+    msgs.append(_expect(lambda: attn.load_full(wrong),
+                        r"q_proj.weight has shape \(32, 33\), expected \(32, 32\) "
+                        r"\(hidden_size=32, heads=4/2"))
+    msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 31, dtype=f64), pos),
+                        r"input of shape \(1, 4, 31\) does not match the layer: expected "
+                        r"\[batch, local_seq, hidden_size=32\]"))
+    msgs.append(_expect(lambda: mlp(torch.zeros(1, 4, 31, dtype=f64)), r"hidden_size=32"))
+    msgs.append(_expect(lambda: attn(torch.zeros(1, 3, 32, dtype=f64), torch.arange(3)),
+                        r"local sequence length \(3\) must be even"))
+    msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=f64), torch.arange(5)),
+                        r"position_ids of shape \(1, 5\) do not match"))
+    msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=torch.float32), pos),
+                        r"input dtype \(torch.float32\) differs from q_proj.weight \(torch.float64\)"))
+    with torch.no_grad():  # one shard of another dtype
+        attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.to(torch.float32))  # noqa
+    msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=f64), pos),
+                        r"differs from o_proj.weight \(torch.float32\)"))
+    dist.barrier()
+    return msgs
+
+
+def test_bad_input_fails_everywhere_before_any_collective(pool):
+    per_rank = pool.run(bad_inputs)
+    assert all(msgs == per_rank[0] for msgs in per_rank)
+
+
+def test_mesh_shape_errors():
+    with pytest.raises(ValueError, match=r"tsp_size \(3\) must divide the world size \(4\)"):
+        check_mesh_shape(4, 3, None)
+    with pytest.raises(ValueError, match=r"dp_size \(3\) \* tsp_size \(2\) = 6 does not match "
+                                         r"the world size \(4\)"):
+        check_mesh_shape(4, 2, 3)
+    assert check_mesh_shape(8, 4, None) == 2
+
+
+def mesh_facts() -> dict:
+    with pytest.raises(ValueError, match=r"tsp_size \(3\) must divide the world size \(4\)"):
+        init_mesh(3)
+    m = init_mesh(2)
+    ranks = dist.get_process_group_ranks(m.group)
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    wrapped = TSPMesh.from_device_mesh(tp, "tp")
+    with pytest.raises(ValueError, match=r"mesh has no dim named 'tensor_parallel'"):
+        TSPMesh.from_device_mesh(tp, "tensor_parallel")
+    return dict(ranks=ranks, rank=m.rank, size=m.size, dp=m.dp_size, next=m.next_rank(),
+                prev=m.prev_rank(), wrapped=(wrapped.size, wrapped.rank, wrapped.other_dims))
+
+
+def test_mesh_groups_are_consecutive(pool):
+    facts = pool.run(mesh_facts)
+    for r, f in enumerate(facts):
+        assert f["ranks"] == [r - r % 2, r - r % 2 + 1]
+        assert (f["rank"], f["size"], f["dp"]) == (r % 2, 2, 2)
+        assert (f["next"], f["prev"]) == ((r + 1) % 2, (r + 1) % 2)
+        assert f["wrapped"] == (2, r % 2, ("dp_shard",))

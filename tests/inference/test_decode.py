@@ -1,0 +1,261 @@
+"""Generation on a TSP model (tsp_core.inference.decode, tsp_core.inference.generation) against the
+unmodified Hugging Face model in one process: greedy tokens identical to HF ``generate`` and every
+step's logits equal to HF's float64 logits to 1e-8 (left-padded batches of prompts of 7, 33 and 100
+tokens; Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Granite, OLMo 2 and Phi-3, each family's features
+switched on (tests/support/hf_models.py); world sizes 2 and 4); sampling draws the same
+tokens as HF with the same random state; every rank's KV cache, measured by MemTracker, is 1/D of
+HF's cache measured the same way; decode
+issues only the small per-layer activation collectives, no weight collective."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tsp_core
+from tests.support import dist_pool, hf_models
+from tests.support.reference import assert_close
+from tsp_core import comm
+from tsp_core.inference.decode import decode_step, prefill
+
+
+def left_padded(vocab: int, lengths: list[int], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of random prompts of the given lengths, left-padded with token 0 (mask 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    S = max(lengths)
+    ids = torch.zeros(len(lengths), S, dtype=torch.long)
+    mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, S - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[b, S - n:] = 1
+    return ids, mask
+
+
+def reference_logits(ref, seqs: torch.Tensor, mask: torch.Tensor, prompt: int) -> torch.Tensor:
+    """HF's float64 logits of every generation step [steps, B, V], teacher-forced on the generated
+    sequences (one forward; generate itself returns float32 logits)."""
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], seqs.shape[1] - prompt)], dim=1)
+    pos = (full_mask.cumsum(1) - 1).clamp(min=0)
+    logits = ref(input_ids=seqs, attention_mask=full_mask, position_ids=pos).logits
+    return logits[:, prompt - 1:-1].transpose(0, 1)
+
+
+def greedy_parity(family: str, tsp: int, lengths: list[int], new: int) -> list[list[int]]:
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build(family, torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids, mask = left_padded(ref.config.vocab_size, lengths)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    got, steps = tsp_core.generate(model, ids, new, attention_mask=mask, return_logits=True)
+    assert torch.equal(got, want), f"{family} D={tsp}: tokens differ\n{got}\n{want}"
+    ref_logits = reference_logits(ref, want, mask, ids.shape[1])
+    assert len(steps) == want.shape[1] - ids.shape[1]
+    for t, step in enumerate(steps):
+        assert_close(step, ref_logits[t], 1e-8, f"{family} D={tsp} step {t} logits")
+    if family == "llama":  # the Hugging Face API on the parallelized model gives the same
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=new), want)
+    return got.tolist()
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_greedy_matches_hf(pools, tsp):
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite",
+                   "olmo2", "phi3"):
+        outs = pools.of(tsp).run(greedy_parity, family, tsp, [7, 33, 100], 32)
+        assert all(o == outs[0] for o in outs), f"{family}: ranks generated different tokens"
+
+
+def held_bytes(make) -> tuple[int, int]:
+    """Bytes held by the object ``make()`` returns, two ways, never by the object's own count:
+    MemTracker's bytes alive with it minus those alive once it is dropped (cyclic garbage
+    collected before both readings), and the bytes of the distinct tensor storages reachable from
+    it (a view into a larger buffer counts the whole buffer)."""
+    import gc
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        obj = make()
+        gc.collect()  # garbage from building it (reference cycles) is not the object's
+        with_it = sum(s["Total"] for s in tracker.get_tracker_snapshot().values())
+        storages, seen, todo = {}, set(), [obj]
+        while todo:
+            o = todo.pop()
+            if id(o) in seen or isinstance(o, (torch.nn.Module, type)):
+                continue
+            seen.add(id(o))
+            if isinstance(o, torch.Tensor):
+                storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+            else:
+                todo += gc.get_referents(o)
+        del obj, todo, o
+        gc.collect()
+        without = sum(s["Total"] for s in tracker.get_tracker_snapshot().values())
+    return with_it - without, sum(storages.values())
+
+
+def kv_cache_bytes(tsp: int) -> dict:
+    """Bytes this rank's cache holds after a 1,000-token prefill (measured by MemTracker, beside
+    HF's whole cache measured the same way); then decoding keeps the ranks' slot counts within
+    one of each other. A 7-token prompt at D=4 (shorter than 2D: padded to 8, the pad slot
+    dropped) still generates HF's tokens."""
+    from transformers import DynamicCache
+
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build("llama", torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids, _ = left_padded(ref.config.vocab_size, [1000])
+
+    def hf_cache() -> DynamicCache:
+        cache = DynamicCache(config=ref.config)
+        with torch.no_grad():
+            ref(input_ids=ids, past_key_values=cache, use_cache=True)
+        return cache
+
+    full, mine = held_bytes(hf_cache), held_bytes(lambda: prefill(model, ids)[1])
+    _, cache = prefill(model, ids)
+    tok = torch.tensor([5])
+    for step in range(2 * tsp + 1):
+        decode_step(model, cache, tok, cache.lengths + step)
+        assert max(cache.counts) - min(cache.counts) <= 1, cache.counts
+    assert cache.counts[mesh.rank] == cache.length and sum(cache.counts) == 1000 + 2 * tsp + 1
+    short, _ = left_padded(ref.config.vocab_size, [7], seed=5)
+    assert torch.equal(model.generate(short, max_new_tokens=12),
+                       ref.generate(short, max_new_tokens=12, do_sample=False))
+    return {"rank_bytes": mine[1], "rank_tracked": mine[0], "hf_bytes": full[1],
+            "hf_tracked": full[0]}
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_kv_cache_is_one_dth_per_rank(pools, tsp):
+    out = pools.of(tsp).run(kv_cache_bytes, tsp)
+    c = hf_models.build("llama", torch.float64).config
+    # float64 K and V of every layer and key/value head: HF's 1000 tokens, each rank's 1000 / D
+    # (1000 splits evenly) plus its slot table (an int64 position per slot, a length per row)
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 8
+    # MemTracker may also see a few hundred bytes that gloo releases between its two readings
+    # (seen twice in full-suite runs: 960 and 1152 bytes on rank 1, never reachable from the
+    # cache): it is held to the exact figure within 2 KiB, the storages reachable from the cache
+    # exactly; a cache of views into buffers twice their size is off by ~500 KiB in both
+    for rank, o in enumerate(out):  # every rank
+        want = 1000 // tsp * (kv + 8) + 8
+        assert o["hf_bytes"] == 1000 * kv and 0 <= o["hf_tracked"] - 1000 * kv < 2048, (rank, o)
+        assert o["rank_bytes"] == want and 0 <= o["rank_tracked"] - want < 2048, (rank, o)
+
+
+def decode_collectives(tsp: int) -> list:
+    """Per decoded token exactly: an all-reduce of the embedded rows, per layer an all-gather of
+    the new token's q/k/v, an all-to-all of the partial attention (output + LSE), two all-reduces
+    of [B, hidden]; then an all-gather of the vocabulary logits. No broadcast or ring pass (no
+    weight moves), and the bytes are those of [B, ...] activations."""
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build("qwen2", torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    c = ref.config
+    B, h, d = 2, c.hidden_size, c.hidden_size // c.num_attention_heads
+    nq = c.num_attention_heads // tsp
+    # key/value rows per rank: its heads, or (fewer heads than ranks) its 1/D slice of them
+    kv_rows = -(-c.num_key_value_heads * d // tsp)
+    ids, mask = left_padded(c.vocab_size, [9, 20])
+    with comm.track() as pre:
+        _, cache = prefill(model, ids, mask)
+    assert pre.calls["broadcast"] == tsp * c.num_hidden_layers  # prefill is the TSP forward
+    frac = (tsp - 1) / tsp
+    per_layer = [("all_gather", tsp * B * (nq * d + 2 * kv_rows) * 8 * frac),
+                 ("all_to_all", B * c.num_attention_heads * (d + 1) * 8 * frac),
+                 ("all_reduce", 2 * B * h * 8 * frac), ("all_reduce", 2 * B * h * 8 * frac)]
+    vocab = -(-c.vocab_size // tsp) * tsp
+    want = ([("all_reduce", 2 * B * h * 8 * frac)] + per_layer * c.num_hidden_layers
+            + [("all_gather", B * vocab * 8 * frac)])
+    weight_bytes = sum(p.to_local().numel() * 8 for p in model.model.layers[0].parameters())
+    tok = torch.tensor([4, 7])
+    for step in range(3):
+        with comm.track() as s:
+            decode_step(model, cache, tok, cache.lengths + step)
+        assert s.log == want, f"step {step}: {s.log}\nexpected {want}"
+        assert s.total_bytes < weight_bytes / 4
+    return s.log
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_decode_moves_no_weights(pools, tsp):
+    pools.of(tsp).run(decode_collectives, tsp)
+
+
+def sampling_and_stops(tsp: int) -> list:
+    """Sampling (temperature, top-k, top-p) draws HF's tokens from the same random state: with a
+    seed, and through model.generate from the global generator even when the ranks' global states
+    differ (rank 0's is used). EOS stops rows like HF (finished rows padded), stop tokens too."""
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build("mistral", torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids, mask = left_padded(ref.config.vocab_size, [5, 12])
+    opts = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(11)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, **opts)
+    got = tsp_core.generate(model, ids, 16, attention_mask=mask, seed=11, **opts)
+    assert torch.equal(got, want), (got, want)
+    greedy = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert not torch.equal(want, greedy)  # sampling did sample
+    torch.manual_seed(100 + mesh.rank)  # different global random state on every rank
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=16, **opts)
+    torch.manual_seed(100)
+    assert torch.equal(got, ref.generate(ids, attention_mask=mask, max_new_tokens=16, **opts))
+    # stop tokens: the greedy token of row 0 at step 3 ends row 0 there (padded with pad id 1
+    # afterwards); generation stops once every row has produced one of them
+    S = ids.shape[1]
+    stops = [int(greedy[0, S + 3]), int(greedy[1, S + 5])]
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                        eos_token_id=stops, pad_token_id=1)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=stops,
+                         pad_token_id=1)
+    assert torch.equal(got, want) and want.shape[1] < S + 16 and int(want[0, -1]) == 1, (got, want)
+    assert torch.equal(tsp_core.generate(model, ids, 16, attention_mask=mask, eos_token_id=stops,
+                                         pad_token_id=1), want)
+    return got.tolist()
+
+
+def test_sampling_and_stop_tokens(pools):
+    outs = pools.of(2).run(sampling_and_stops, 2)
+    assert outs[0] == outs[1]
+
+
+def bad_calls(tsp: int) -> None:
+    """Unsupported arguments raise, naming them, before any collective; bad prompts after one
+    all-gather of a few integers (so a rank whose input alone is bad cannot leave the others
+    waiting), before any schedule collective; ranks called with different arguments raise on
+    every rank instead of hanging."""
+    mesh = dist_pool.mesh(tsp)
+    model = tsp_core.parallelize(hf_models.build("llama", torch.float64), mesh)
+    ids, mask = left_padded(96, [4, 9])
+    cases = [
+        (dict(num_beams=2), "num_beams=2"),
+        (dict(streamer=object()), "streamer"),
+        (dict(repetition_penalty=1.3), "repetition_penalty"),
+        (dict(attention_mask=mask.flip(1)), "right padding"),
+        (dict(use_cache=False), "use_cache=False"),
+    ]
+    for kwargs, needle in cases:
+        kwargs = {"attention_mask": mask, **kwargs}
+        with comm.track() as s:
+            with pytest.raises(ValueError, match=needle):
+                model.generate(ids, max_new_tokens=4, **kwargs)
+        allowed = {"all_gather": 1} if needle == "right padding" else {}
+        assert dict(s.calls) == allowed, f"{needle}: collectives before the error: {dict(s.calls)}"
+    bad = mask.flip(1) if mesh.rank == 1 else mask          # only rank 1's prompts are bad
+    with pytest.raises(ValueError, match="right padding" if mesh.rank == 1 else r"rank\(s\) \[1\]"):
+        tsp_core.generate(model, ids, 4, attention_mask=bad)
+    with pytest.raises(ValueError, match=r"different \['max_new_tokens'\]"):
+        tsp_core.generate(model, ids, 4 + mesh.rank, attention_mask=mask)
+    with pytest.raises(ValueError, match="parallelized with tsp_core.parallelize"):
+        tsp_core.generate(hf_models.build("llama", torch.float64), ids, 4)
+    dist.barrier()
+
+
+def test_errors_raise_on_every_rank(pools):
+    pools.of(2).run(bad_calls, 2)

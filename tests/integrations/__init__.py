@@ -1,0 +1,1 @@
+"""Tests of the adapters: Lightning, Accelerate, Transformers, DeepSpeed."""

@@ -1,0 +1,262 @@
+"""Accelerate: the example script with TSPAccelerator on 2 processes started by
+``accelerate launch`` matches the unchanged script (plain Accelerator) on one process; inside the
+script, save_state / load_state must round-trip exactly (it exits non-zero otherwise). A script
+clipping with ``accelerator.clip_grad_norm_`` (tests/jobs/accelerate_job.py) matches one process in
+float64 with clipping active and plain SGD (norms, first gradients, losses, weights) at
+dp 2 x tsp 2 (TSP_SIZE from the launch environment), tsp 4 with 1 and 2 key/value heads, and
+FSDP2 dp_shard 2 x tsp 2 from an accelerate config file and from code (each rank holding 1/4 of
+the model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.support import launch
+from tests.support.reference import assert_close
+
+SCRIPT = os.path.join(launch.ROOT, "examples", "accelerate_llama.py")
+
+
+def run(cmd: list[str], **extra_env: str) -> str:
+    """``cmd`` must end cleanly on every rank (``--num_processes``, else one)."""
+    ranks = int(cmd[cmd.index("--num_processes") + 1]) if "--num_processes" in cmd else 1
+    return launch.run(cmd, ranks, **extra_env).stdout
+
+
+def load(out: str):
+    with open(os.path.join(out, "losses.json")) as f:
+        return json.load(f), torch.load(os.path.join(out, "weights.pt"))
+
+
+def test_accelerate_launch_matches_one_process(tmp_path):
+    plain, tsp = tmp_path / "plain", tmp_path / "tsp"
+    plain.mkdir()
+    tsp.mkdir()
+    run([sys.executable, launch.EXIT_CLEANLY, SCRIPT, "--plain", "--out", str(plain)])
+    accelerate = os.path.join(launch.BIN, "accelerate")
+    stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", launch.EXIT_CLEANLY,
+                  SCRIPT, "--out", str(tsp)])
+    assert "processes 2, TSP degree 2" in stdout, stdout
+    (ref_losses, ref_weights), (losses, weights) = load(str(plain)), load(str(tsp))
+    assert len(losses) == len(ref_losses) == 6
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+    # Weights after 6 AdamW steps at lr 1e-3: the plain model's loss is HF's float32
+    # cross-entropy, TSP's the fused online log-sum-exp; their ~1e-7 rounding differences in the
+    # gradients are divided by sqrt(v) per element, so elements with tiny gradients move by up to
+    # ~2e-5 differently (measured; the same happens in float64, where HF still takes the loss in
+    # float32). 1e-4 is 1.7% of the largest possible movement (6 x lr).
+    assert sorted(weights) == sorted(ref_weights)
+    for name, t in ref_weights.items():
+        assert_close(weights[name], t, 1e-4, name)
+
+
+JOB = os.path.join(launch.JOBS, "accelerate_job.py")
+
+
+def job_run(out: str, kv_heads: int) -> list[dict]:
+    """Every rank's losses and norms for one model; rank 0's with the weights and gradients."""
+    import glob
+
+    runs = []
+    for fn in sorted(glob.glob(os.path.join(out, "rank*.json"))):
+        with open(fn) as f:
+            res = json.load(f)
+        runs.append({key: res[key][str(kv_heads)] for key in ("losses", "norms")})
+    runs[0]["weights"] = torch.load(os.path.join(out, f"weights_kv{kv_heads}.pt"))
+    grads = os.path.join(out, f"grads0_kv{kv_heads}.pt")
+    if os.path.exists(grads):
+        runs[0]["grads0"] = torch.load(grads)
+    return runs
+
+
+def reference(kv_heads: int, rows_per_step: int, dtype=torch.float64, clip: float = 0.5,
+              steps: int = 4, family: str = "llama") -> dict:
+    """One process on the global batch of each step: the data-parallel replicas' batches of
+    accelerate_job's sequential loader, consecutive rows."""
+    from tests.jobs.accelerate_job import rows
+    from tests.support import hf_models
+
+    data = rows(16)
+    batches = [data[rows_per_step * k: rows_per_step * (k + 1)] for k in range(steps)]
+    return hf_models.sgd_reference(hf_models.build(family, dtype, kv_heads=kv_heads), batches,
+                                   lr=0.5, clip=clip)
+
+
+FSDP2_YAML = os.path.join(launch.ROOT, "tests", "fixtures", "accelerate_fsdp2.yaml")
+
+
+def test_data_parallel_and_tsp4_match_one_process(tmp_path):
+    # 4 processes started by accelerate launch with an FSDP2 accelerate config file
+    # (dp_shard 2 x tp 2, reshard_after_forward false), five runs: TSP_SIZE=2 from the launching
+    # environment (dp 2 x tsp 2: gradients summed over the data-parallel dim), 1 key/value head;
+    # then tsp_size=4 with one model of 1 and one of 2 key/value heads, and Granite (these three
+    # do not see the launcher's FSDP variables: plain data parallel, as after --multi_gpu); then
+    # FSDP2 dp_shard 2 x tsp 2 from that config file with the script unchanged (and a
+    # save_state/load_state round trip), and from code (ParallelismConfig + plugin). float64,
+    # SGD at lr 0.5, clipping at 0.5 (norms 1.3-2.3: it acts at every step), so the weights
+    # check the gradients' directions and the norms their sizes; the first gradients are
+    # compared too.
+    from tests.support import hf_models
+
+    sgd = "--dtype float64 --optimizer sgd --lr 0.5 --clip 0.5"
+    accelerate = os.path.join(launch.BIN, "accelerate")
+    stdout = run([accelerate, "launch", "--config_file", FSDP2_YAML, "--num_processes", "4",
+                  launch.EXIT_CLEANLY, JOB, "--out", str(tmp_path),
+                  "--case", f"dp2 {sgd} --kv-heads 1 --metrics --round-trip",
+                  "--case", f"tsp4 {sgd} --tsp-size 4 --kv-heads 1,2",
+                  "--case", f"granite {sgd} --tsp-size 4 --kv-heads 2 --family granite "
+                  f"--clip 0.2",
+                  "--case", f"fsdp_yaml {sgd} --kv-heads 1 --launch-fsdp --round-trip",
+                  "--case", f"fsdp_code {sgd} --kv-heads 1 --tsp-size 2 --fsdp-code 2"],
+                 TSP_SIZE="2")
+    assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 2" in stdout, stdout
+    assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 4" in stdout, stdout
+    assert "processes 4, distributed DistributedType.FSDP, TSP degree 2" in stdout, stdout
+    dp2 = reference(1, rows_per_step=4)
+    cases = [("dp2", 1, dp2), ("tsp4", 1, reference(1, rows_per_step=2)),
+             # Granite: embedding, residual, attention and logits multipliers (its gradient norms
+             # are 0.41-0.43: clipped at 0.2)
+             ("granite", 2, reference(2, rows_per_step=2, family="granite", clip=0.2)),
+             ("tsp4", 2, reference(2, rows_per_step=2)),
+             # FSDP2 over dp_shard 2: the same global batches as dp2
+             ("fsdp_yaml", 1, dp2), ("fsdp_code", 1, dp2)]
+    for name, kv, ref in cases:
+        assert min(ref["norms"]) > (0.2 if name == "granite" else 0.5), ref["norms"]  # clips
+        runs = job_run(str(tmp_path / name), kv)
+        assert len(runs) == 4 and "grads0" in runs[0], name
+        for r, rank_run in enumerate(runs):
+            hf_models.assert_matches_reference(rank_run, ref, 1e-8, 1e-9,
+                                               what=f"{name}, {kv} kv heads, rank {r}: ")
+    assert_logged_metrics(str(tmp_path / "dp2"))
+    # FSDP2 sharded (each rank holds 1/(tsp x dp_shard) = 1/4 of the model, up to the norms,
+    # which TSP replicates and FSDP2 halves: +0.4%), with TSP's units (each decoder layer and
+    # the root; Accelerate's own fully_shard would have added the embedding and the head) and
+    # the options of each route: the config file's reshard_after_forward false, the plugin's
+    # float64 reduce dtype (default None)
+    for name, reshard, reduce in (("fsdp_yaml", False, "None"),
+                                  ("fsdp_code", True, "torch.float64")):
+        for r, fn in enumerate(sorted((tmp_path / name).glob("rank*.json"))):
+            with open(fn) as f:
+                fsdp = json.load(f)["fsdp"]
+            floor = fsdp["full"] / 4
+            assert floor <= fsdp["storage"] <= 1.01 * floor, (name, r, fsdp)
+            assert fsdp["units"] == 3 and fsdp["reshard"] == [reshard] * 2, (name, r, fsdp)
+            assert fsdp["reduce_dtype"] == [reduce], (name, r, fsdp)
+    with open(tmp_path / "fsdp_yaml" / "rank0.json") as f:  # the degree too (no TSP_SIZE there)
+        assert json.load(f)["tsp_reason"] == "tp_size=2 of the ParallelismConfig"
+    for r, fn in enumerate(sorted((tmp_path / "dp2").glob("rank*.json"))):  # and dp2 is not
+        with open(fn) as f:
+            assert json.load(f)["fsdp"] == {}, r
+
+
+def assert_logged_metrics(out: str) -> None:
+    """tsp_metrics() every 2 optimizer steps (save_state and load_state between steps 2-3 and
+    4-5 must not count), against each step's own counters on every rank; rank 0's are what the
+    tracker received."""
+    import glob
+
+    from tests.support import metrics_check
+
+    runs = []
+    for fn in sorted(glob.glob(os.path.join(out, "rank*.json"))):
+        with open(fn) as f:
+            runs.append(json.load(f))
+    for r, run in enumerate(runs):
+        assert len(run["step_counts"]) == 6 and len(run["metric_rows"]) == 3, (r, run)
+        metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 2, f"rank {r}")
+    with open(os.path.join(out, "tracker.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert [row.pop("step") for row in logged] == [2, 4, 6], logged
+    assert logged == runs[0]["metric_rows"], (logged, runs[0]["metric_rows"])
+
+
+def test_packed_batches(tmp_path):
+    # the first step's batch packs documents 0 and 1 of the example into one row; its loss is the
+    # unmodified model's on each document alone
+    import runpy
+
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    accelerate = os.path.join(launch.BIN, "accelerate")
+    stdout = run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", launch.EXIT_CLEANLY,
+                  SCRIPT, "--packed", "--out", str(tmp_path)])
+    assert "processes 2, TSP degree 2" in stdout, stdout
+    with open(os.path.join(tmp_path, "losses.json")) as f:
+        first = json.load(f)[0]
+    docs = runpy.run_path(SCRIPT)["documents"](32)[:2]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=64))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for d in docs:
+            t = torch.tensor(d["input_ids"])[None]
+            total += F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:],
+                                     reduction="sum").item()
+            count += t.shape[1] - 1
+    assert abs(first - total / count) <= 1e-5 * total / count, (first, total / count)
+
+
+FSDP_REFUSALS = [
+    # (plugin options or None, TSPAccelerator keyword arguments, words the error must name)
+    (dict(fsdp_version=1), {}, "FSDP2 only, not fsdp_version=1"),
+    (dict(cpu_offload=True), {}, "cpu_offload"),
+    (dict(activation_checkpointing=True), {}, "activation_checkpointing"),
+    (dict(cpu_ram_efficient_loading=True), {}, "cpu_ram_efficient_loading"),
+    (dict(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=1000), {}, "SIZE_BASED_WRAP"),
+    (dict(ignored_modules="lm_head"), {}, "ignored_modules"),
+    # the numbers: no data-parallel rank left to shard over; a dp_shard_size that does not fit
+    ({}, dict(tsp_size=4), r"tsp_size \(4\) x dp_replicate_size \(1\) takes all 4 processes"),
+    ({}, dict(tsp_size=None, parallelism_config=("dp_shard_size", 4, "tp_size", 2)),
+     r"dp_shard_size \(4\) x tsp_size \(2\) = 8 does not match the world size \(4\)"),
+    ({}, dict(tsp_size=2, parallelism_config=("tp_size", 4)),
+     r"tp_size \(4\) is the TSP degree, and tsp_size is 2"),
+    # dp_shard without an FSDP plugin: Accelerate would shard nothing
+    (None, dict(tsp_size=None, parallelism_config=("dp_shard_size", 2, "tp_size", 2)),
+     r"dp_shard_size \(2\) shards data parallel with FSDP2, and no FSDP plugin is given"),
+]
+
+
+@pytest.mark.parametrize("options, kwargs, words", FSDP_REFUSALS)
+def test_fsdp_options_tsp_cannot_honour_are_refused(monkeypatch, options, kwargs, words):
+    # what TSP cannot honour raises with the fix, in the constructor, before any collective
+    # (no process group exists afterwards), on a 4-process world
+    import torch.distributed as dist
+    from accelerate import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from tsp_accelerate import TSPAccelerator
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "False")  # a plugin may set it
+    for key in ("TSP_SIZE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
+    kwargs = {"tsp_size": 2, **kwargs}
+    if "parallelism_config" in kwargs:
+        pairs = kwargs["parallelism_config"]
+        kwargs["parallelism_config"] = ParallelismConfig(**dict(zip(pairs[::2], pairs[1::2])))
+    if options is not None:
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(**{"fsdp_version": 2, **options})
+    with pytest.raises(ValueError, match=words):
+        TSPAccelerator(**kwargs)
+    assert not dist.is_initialized()
+
+
+def test_wrap_policy_may_only_name_the_decoder_layer():
+    from tests.support import hf_models
+    from tsp_accelerate.accelerator import _check_wrap_classes
+
+    model = hf_models.build("llama", torch.float32)
+    _check_wrap_classes(["LlamaDecoderLayer"], model)
+    with pytest.raises(ValueError, match=r"names \['LlamaMLP'\]: TSP's FSDP2 units are each "
+                                         r"decoder layer \(LlamaDecoderLayer\) and the root"):
+        _check_wrap_classes(["LlamaDecoderLayer", "LlamaMLP"], model)

@@ -1,0 +1,393 @@
+"""Lightning: Trainer(strategy="tsp") and Fabric(strategy="tsp") match one process in float64 with
+gradient clipping active and plain SGD (norms, first-step gradients, losses, final weights), at
+tsp 2 (processes started by Lightning), dp 2 x tsp 2 (also with fsdp=True: FSDP2 over the
+data-parallel dim, each rank storing a quarter of the model) and tsp 4 with 1 and 2 key/value
+heads (torchrun), with TSP's logged figures equal to comm's counters; bf16 trains like float32
+within bf16's precision; resume is exact; bad configurations fail fast everywhere."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.jobs.lightning_job import SEQ, VOCAB, Sequences, global_batches
+from tests.support import hf_models, launch, metrics_check
+from tests.support.reference import assert_close
+
+JOB = os.path.join(launch.JOBS, "lightning_job.py")
+
+# float64 SGD with clipping: the update is lr x clip x g/|g| (norms 1.3-2.3 here, clip 0.5, so
+# clipping acts at every step): the weights check the gradient's direction and the recorded norm
+# its size, the first step's gradients are compared directly
+SGD = ("--precision", "64-true", "--optimizer", "sgd", "--lr", "0.5", "--clip", "0.5",
+       "--record-grads")
+
+
+def run_job(out: str, *args: str, expect_ok: bool = True,
+            torchrun: int = 0) -> subprocess.CompletedProcess:
+    """The job with Lightning starting its processes, or under ``torchrun`` processes."""
+    launcher = launch.torchrun(torchrun) if torchrun else [sys.executable]
+    ranks = torchrun or (int(args[args.index("--devices") + 1]) if "--devices" in args else 1)
+    return launch.run([*launcher, JOB, "--out", out, *args], ranks, expect_clean=expect_ok,
+                      timeout=400)
+
+
+def ranks(out: str) -> list[dict]:
+    """Every rank's scalar records."""
+    files = sorted(glob.glob(os.path.join(out, "rank*.json")))
+    assert files, f"no rank*.json in {out}"
+    res = []
+    for fn in files:
+        with open(fn) as f:
+            res.append(json.load(f))
+    return res
+
+
+def result(out: str) -> tuple[dict, dict]:
+    """Rank 0's records and the final full weights."""
+    return ranks(out)[0], torch.load(os.path.join(out, "weights.pt"))
+
+
+def full_run(out: str) -> list[dict]:
+    """Every rank's records, rank 0's also with the weights and first-step gradients."""
+    runs = ranks(out)
+    runs[0]["weights"] = torch.load(os.path.join(out, "weights.pt"))
+    if os.path.exists(os.path.join(out, "grads0.pt")):
+        runs[0]["grads0"] = torch.load(os.path.join(out, "grads0.pt"))
+    return runs
+
+
+def assert_same(run: tuple[dict, dict], ref: tuple[dict, dict], tol: float = 1e-5) -> None:
+    (res, weights), (ref_res, ref_weights) = run, ref
+    assert len(res["losses"]) == len(ref_res["losses"])
+    for step, (a, b) in enumerate(zip(res["losses"], ref_res["losses"])):
+        assert abs(a - b) <= tol * abs(b), f"step {step}: loss {a} vs {b}"
+    assert sorted(weights) == sorted(ref_weights)
+    for name, t in ref_weights.items():
+        assert_close(weights[name], t, tol, name)
+
+
+def reference(kv_heads: int, rows: int, dp: int, shuffle: bool, dtype=torch.float64,
+              steps: int = 4, lr: float = 0.5, clip: float | None = 0.5,
+              pattern: bool = False, family: str = "llama") -> dict:
+    """One process on the global batches the distributed run's samplers give."""
+    batches = global_batches(Sequences(rows, pattern).ids, dp, steps, shuffle)
+    model = hf_models.build(family, dtype, kv_heads=kv_heads)
+    ref = hf_models.sgd_reference(model, batches, lr, clip)
+    ref["model"] = model
+    return ref
+
+
+def assert_every_rank(runs: list[dict], ref: dict, what: str, tol: float = 1e-8,
+                      norm_tol: float = 1e-9, loss_tol: float | None = None,
+                      grads: bool = True) -> None:
+    """Losses and norms on every rank, gradients and weights (rank 0 gathers them)."""
+    assert min(ref["norms"]) > 0.5, f"clipping at 0.5 must act: {ref['norms']}"
+    loss_tol = tol if loss_tol is None else loss_tol
+    for r, run in enumerate(runs):
+        losses, logged = run.pop("losses"), run.pop("logged")
+        hf_models.assert_matches_reference(run, ref, tol, norm_tol, what=f"{what} rank {r}: ")
+        # the (logged) train loss is the true (global) loss, not a rank's share
+        for a, b in zip(losses + logged, ref["losses"] * 2):
+            assert abs(a - b) <= loss_tol * abs(b), (what, r, losses, logged, ref["losses"])
+        assert len(losses) == len(logged) == len(ref["losses"]), (what, losses, logged)
+    assert "weights" in runs[0] and ("grads0" in runs[0] or not grads), what
+
+
+def mean_batch_loss(model, ids: torch.Tensor) -> float:
+    """What validate/test log: the mean over batches of 2 rows of each batch's loss."""
+    with torch.no_grad():
+        losses = [hf_models.reference_loss(model, b, b).item() for b in ids.split(2)]
+    return sum(losses) / len(losses)
+
+
+def test_trainer_matches_one_process(tmp_path):
+    # tsp 2 with 1 key/value head (each rank holds half of its rows), processes started by
+    # Lightning; then validate / test / predict, and export_hf
+    run_job(str(tmp_path), "--devices", "2", "--kv-heads", "1", *SGD, "--evaluate",
+            "--export", str(tmp_path / "hf"))
+    runs = full_run(str(tmp_path))
+    assert len(runs) == 2
+    ref = reference(kv_heads=1, rows=4, dp=1, shuffle=True)
+    assert_every_rank(runs, ref, "tsp 2, 1 kv head")
+    # validate and test see sharded batches too; predict returns the local tokens' logits
+    want = mean_batch_loss(ref["model"], Sequences(4).ids)
+    for run in runs:
+        for key in ("val", "test"):
+            assert abs(run[key] - want) <= 1e-8 * want, (key, run[key], want)
+        assert run["predict_shapes"] == [[2, SEQ // 2, VOCAB]] * 2
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float64)
+    for name, t in exported.state_dict().items():
+        assert_close(t, ref["weights"][name], 1e-8, f"exported {name}")
+
+
+def test_data_parallel_and_tsp4_match_one_process(tmp_path):
+    # one torchrun launch of 4 processes, ten runs: the Trainer at dp 2 x tsp 2 (8 rows, the
+    # injected sampler gives each data-parallel replica its own, shuffled) and at tsp 4 with 1
+    # and 2 key/value heads; Fabric at dp 2 x tsp 2 (fabric.clip_gradients); the Trainer on a
+    # Gemma 3 at tsp 4; the Trainer and Fabric at dp 2 x tsp 2 with fsdp=True (FSDP2 over the
+    # data-parallel dim), also under bf16-true, bf16-mixed and with FSDP2's bf16
+    # MixedPrecisionPolicy
+    common = ("--devices", "4", *SGD)
+    dp2 = ("--tsp-size", "2", "--kv-heads", "1", "--rows", "8")
+    fsdp = ("--devices", "4", "--optimizer", "sgd", "--lr", "0.5", "--clip", "0.5",
+            "--record-grads", *dp2, "--fsdp")
+    run_job(str(tmp_path), "--case",
+            " ".join(["trainer_dp2", *common, *dp2, "--metrics"]),
+            "--case", " ".join(["trainer_tsp4_kv1", *common, "--tsp-size", "4", "--kv-heads", "1"]),
+            "--case", " ".join(["trainer_tsp4_kv2", *common, "--tsp-size", "4", "--kv-heads", "2",
+                                "--metrics-off"]),
+            "--case", " ".join(["fabric_dp2", "--mode", "fabric", *common, *dp2]),
+            "--case", " ".join(["trainer_gemma3", *common, "--tsp-size", "4", "--family",
+                               "gemma3"]),
+            "--case", " ".join(["trainer_fsdp", *common, *dp2, "--fsdp"]),
+            "--case", " ".join(["fabric_fsdp", "--mode", "fabric", *common, *dp2, "--fsdp"]),
+            "--case", " ".join(["trainer_fsdp_bf16_true", *fsdp, "--precision", "bf16-true"]),
+            "--case", " ".join(["trainer_fsdp_bf16_mixed", *fsdp, "--precision", "bf16-mixed"]),
+            "--case", " ".join(["trainer_fsdp_mp_bf16", *fsdp, "--precision", "32-true",
+                                "--fsdp-mp", "bf16"]), torchrun=4)
+    dp2_ref = reference(1, rows=8, dp=2, shuffle=True)
+    fabric_ref = reference(1, rows=8, dp=2, shuffle=False)
+    cases = {"trainer_dp2": dp2_ref,
+             "trainer_tsp4_kv1": reference(1, rows=4, dp=1, shuffle=True),
+             "trainer_tsp4_kv2": reference(2, rows=4, dp=1, shuffle=True),
+             "fabric_dp2": fabric_ref,
+             # Gemma 3: sandwich and 1 + w norms, q/k norms, a scaled embedding, tied weights
+             "trainer_gemma3": reference(2, rows=4, dp=1, shuffle=True, family="gemma3"),
+             "trainer_fsdp": dp2_ref, "fabric_fsdp": fabric_ref}
+    storage = {}
+    for name, ref in cases.items():
+        runs = full_run(str(tmp_path / name))
+        assert len(runs) == 4, name
+        storage[name] = [{k: r[k] for k in ("local_numel", "grad_numel", "full_numel",
+                                            "fsdp_modules")} for r in runs]
+        # Fabric under DoublePrecision hands the forward's output back in the default dtype
+        # (float32), for any model: its losses are float32 roundings of the float64 loss
+        assert_every_rank(runs, ref, name, loss_tol=1e-7 if name.startswith("fabric") else None)
+    # dp 2 x tsp 2 stores half of the model per rank (TSP's 1/2), with fsdp=True a quarter
+    # (1/(tsp x dp)): FSDP2 wraps the 2 decoder layers and the root, parameters and gradients
+    for name, share, wrapped in (("trainer_dp2", 2, 0), ("fabric_dp2", 2, 0),
+                                 ("trainer_fsdp", 4, 3), ("fabric_fsdp", 4, 3)):
+        assert_storage(storage[name], share, wrapped, name)
+    assert_fsdp_bf16(tmp_path)
+    assert_logged_metrics(str(tmp_path / "trainer_dp2"), dp=2)
+    # metrics=False: the logger gets the losses and nothing of TSP's
+    with open(tmp_path / "trainer_tsp4_kv2" / "csv" / "version_0" / "metrics.csv") as f:
+        header = f.readline()
+    assert "train_loss" in header and "tsp/" not in header, header
+
+
+def assert_storage(runs: list[dict], share: int, wrapped: int, what: str) -> None:
+    """Every rank stores 1/``share`` of the model's parameter elements, and as many gradient
+    elements (within 1% of the model: the norm weights, 0.4% of it, are held by every rank of a
+    TSP group), and ``wrapped`` modules are FSDP2 modules."""
+    for r, run in enumerate(runs):
+        full, stored = run["full_numel"], run["local_numel"]
+        assert abs(stored * share - full) <= 0.01 * full, \
+            f"{what} rank {r}: stores {stored} of {full} parameter elements, not 1/{share}"
+        assert run["grad_numel"] == stored, (what, r, run)
+        assert run["fsdp_modules"] == wrapped, (what, r, run)
+
+
+def assert_fsdp_bf16(tmp_path) -> None:
+    """fsdp=True under bf16-true (Lightning converts the module after FSDP2 wrapped it), under
+    bf16-mixed (autocast) and with FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=float32) at 32-true, against
+    float32 on one process, 4 clipped SGD steps: within bf16's precision, by the bounds of
+    test_bf16_precisions_train (G = 9 u; bf16-true's weights also rounded into bf16 at the start
+    and after each step: sqrt(5) u < 3 u of |w|). Measured: gradients 1.8 u (bf16-true), 1.5 u
+    (bf16-mixed), 1.7 u (policy); weights 1.3e-3, 2.1e-4 and 2.3e-4 of |w|."""
+    u = 2.0 ** -8
+    G = 9 * u
+    ref = reference(1, rows=8, dp=2, shuffle=True, dtype=torch.float32)
+    init = hf_models.build("llama", torch.float32, kv_heads=1).state_dict()
+    names = sorted(ref["grads0"])
+    moved = relative_error(ref["weights"], init, names)
+    for name, dtype, extra in (("trainer_fsdp_bf16_true", torch.bfloat16, 3 * u),
+                               ("trainer_fsdp_bf16_mixed", torch.float32, 0.0),
+                               ("trainer_fsdp_mp_bf16", torch.float32, 0.0)):
+        runs = full_run(str(tmp_path / name))
+        run = runs[0]
+        assert_storage(runs, 4, 3, name)
+        # bf16-true stores bf16 weights; bf16-mixed and the policy keep float32 ones and compute
+        # in bf16 (so their gradients are off float32's by about u, not float32's 1e-7)
+        assert {w.dtype for w in run["weights"].values()} == {dtype}, name
+        grads = relative_error(run["grads0"], ref["grads0"], names)
+        assert 0.1 * u <= grads <= G, f"{name}: first gradients {grads / u:.2f} u from float32's"
+        weights = relative_error(run["weights"], ref["weights"], names)
+        assert weights <= 2 * G * moved + extra, (name, weights, moved)
+        for key in ("norms", "losses"):
+            for step, (a, b) in enumerate(zip(run[key], ref[key])):
+                assert abs(a - b) <= 2 * G * b, f"{name} step {step}: {key} {a} vs float32 {b}"
+        assert all(r["losses"] == run["losses"] and r["norms"] == run["norms"] for r in runs)
+        print(f"{name}: gradients {grads / u:.2f} u, weights {weights:.2e} of |w|")
+
+
+def assert_logged_metrics(out: str, dp: int) -> None:
+    """TSPMonitor's rows (every 2 steps, with validation after step 2 and a checkpoint after step
+    3 in the windows) against each step's own counters, on every rank; rank 0's are the rows the
+    CSVLogger wrote."""
+    import csv
+
+    runs = ranks(out)
+    for r, run in enumerate(runs):
+        assert len(run["metric_rows"]) == 2, (r, run["metric_rows"])
+        metrics_check.assert_windows(run["metric_rows"], run["step_counts"], dp, f"rank {r}")
+    with open(os.path.join(out, "csv", "version_0", "metrics.csv")) as f:
+        written = [{k: float(v) for k, v in row.items() if k.startswith("tsp/") and v}
+                   for row in csv.DictReader(f)]
+    written = [row for row in written if row]
+    assert written == runs[0]["metric_rows"], (written, runs[0]["metric_rows"])
+
+
+def relative_error(a: dict, b: dict, names) -> float:
+    """||a - b|| / ||b|| over the named tensors together (float64)."""
+    num = sum(((a[n].double() - b[n].double()) ** 2).sum() for n in names)
+    den = sum((b[n].double() ** 2).sum() for n in names)
+    return float((num / den).sqrt())
+
+
+def test_bf16_precisions_train(tmp_path):
+    # bf16-mixed and bf16-true at tsp 2 (one torchrun launch), against float32 on one process:
+    # 8 SGD steps clipped at 0.5 (lr 0.5: each step moves the weights by 0.25; unclipped SGD on
+    # this model is erratic, gradient norms jump to 15) on rows of a repeated pattern, which a
+    # model can learn
+    common = ("--devices", "2", "--tsp-size", "2", "--optimizer", "sgd", "--lr", "0.5",
+              "--clip", "0.5", "--steps", "8", "--pattern", "--record-grads")
+    run_job(str(tmp_path), "--case", " ".join(["mixed", *common, "--precision", "bf16-mixed"]),
+            "--case", " ".join(["true", *common, "--precision", "bf16-true"]), torchrun=2)
+    ref = reference(kv_heads=2, rows=4, dp=1, shuffle=True, dtype=torch.float32, steps=8,
+                    pattern=True)
+    init = hf_models.build("llama", torch.float32).state_dict()
+    names = sorted(ref["grads0"])
+    # Tolerances from bf16's unit roundoff u = 2^-8 (8 significant bits: round-to-nearest is
+    # off by at most u relative). bf16-mixed rounds each matmul's inputs and output (accumulating
+    # in float32); a gradient passes about k = 20 such roundings through 2 layers forward and
+    # back (embedding; per layer norm, q/k/v, attention, o, norm, gate/up, down; norm, head; the
+    # same backward). Independent rounding errors add in quadrature: sqrt(k) u = 4.5 u relative
+    # (norm-wise, all gradients together), twice that for margin: G = 9 u = 3.5%. A gradient of
+    # the wrong scale or from the wrong data is off by 10% to 100%. Measured: 1.0 u (mixed), 1.3 u
+    # (true: weights and gradients also stored in bf16).
+    u = 2.0 ** -8
+    G = 9 * u
+    # The training is real: the loss falls from ln V (4.56) by more than a third.
+    assert ref["losses"][-1] < ref["losses"][0] * 2 / 3, ref["losses"]
+    moved = relative_error(ref["weights"], init, names)  # float32's movement, relative to |w|
+    for precision in ("mixed", "true"):
+        runs = full_run(str(tmp_path / precision))
+        run = runs[0]
+        assert run["losses"][-1] < run["losses"][0] * 2 / 3, (precision, run["losses"])
+        grads = relative_error(run["grads0"], ref["grads0"], names)
+        assert grads <= G, f"{precision}: first gradients {grads:.2e} from float32's (> {G:.2e})"
+        # Each update is lr x clip x g/|g|: its error is at most the gradient's twice (direction
+        # and norm), 2 G of float32's movement in all; bf16-true also rounds the weights into
+        # bf16 at the start and after each of the 8 steps, up to u |w| each, independent:
+        # sqrt(9) u = 3 u of |w|. Measured: 0.2 G of the movement (mixed), 0.8 u of |w| (true).
+        weights = relative_error(run["weights"], ref["weights"], names)
+        bound = 2 * G * moved + (3 * u if precision == "true" else 0.0)
+        assert weights <= bound, (f"{precision}: weights {weights:.2e} from float32's "
+                                  f"(> {bound:.2e}; float32 moved them by {moved:.2e})")
+        # norms (clipping acts on them) and losses within 2 G of float32's at every step
+        for key in ("norms", "losses"):
+            for step, (a, b) in enumerate(zip(run[key], ref[key])):
+                assert abs(a - b) <= 2 * G * b, f"{precision} step {step}: {key} {a} vs float32 {b}"
+        assert all(r["losses"] == run["losses"] and r["norms"] == run["norms"] for r in runs)
+        print(f"{precision}: gradients {grads / u:.2f} u, weights {weights:.2e} of |w| "
+              f"({weights / moved / G:.2f} G of the movement {moved:.2e})")
+
+
+def test_resume_is_exact(tmp_path):
+    # One batch per epoch (2 sequences), so Lightning's own data-loader resume semantics (it
+    # does not replay a shuffled, non-stateful sampler mid-run) cannot change what steps 3-4 see;
+    # what is tested is the sharded weights and optimizer state through the DCP checkpoint.
+    ckpts = tmp_path / "ckpts"
+    common = ("--devices", "2", "--clip", "0.5", "--rows", "2")
+    run_job(str(tmp_path / "a"), *common, "--ckpt-dir", str(ckpts))
+    uninterrupted = result(str(tmp_path / "a"))
+    step2 = ckpts / "epoch=1.ckpt"
+    assert step2.is_dir(), f"a sharded (torch.distributed.checkpoint) folder: {sorted(ckpts.iterdir())}"
+    run_job(str(tmp_path / "b"), *common, "--resume", str(step2))
+    res, weights = result(str(tmp_path / "b"))
+    assert len(res["losses"]) == 2, res
+    assert_same(({"losses": res["losses"]}, weights),
+                ({"losses": uninterrupted[0]["losses"][2:]}, uninterrupted[1]), tol=1e-6)
+
+
+def doc_by_doc_loss(docs: list[list[int]], model) -> float:
+    """The unmodified model on each document alone: the mean next-token loss over all of them
+    (the HF model on the packed row is no reference: its attention crosses documents)."""
+    import torch.nn.functional as F
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for d in docs:
+            t = torch.tensor(d)[None]
+            total += F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:],
+                                     reduction="sum").item()
+            count += len(d) - 1
+    return total / count
+
+
+def test_packed_batches(tmp_path):
+    # one step on one DataCollatorWithFlattening row of 2 documents (order does not matter)
+    from tests.jobs.lightning_job import Documents, build_llama
+
+    run_job(str(tmp_path), "--devices", "2", "--packed", "--rows", "2", "--steps", "1")
+    res, _ = result(str(tmp_path))
+    want = doc_by_doc_loss(Documents(2).docs, build_llama())
+    assert abs(res["losses"][0] - want) <= 1e-5 * want, (res["losses"], want)
+
+
+def test_fsdp_options_fail_before_processes():
+    # FSDP2's options without fsdp=True fail at construction; a policy with nothing to shard
+    # (tsp_size = the process count: data parallel 1) fails in setup_environment before any
+    # process group exists, naming the numbers; fsdp=True alone there only warns
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import tsp_lightning
+
+    class NoProcessGroup(Exception):
+        pass
+
+    def setup_environment():
+        raise NoProcessGroup
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for cls in (tsp_lightning.TSPStrategy, tsp_lightning.TSPFabricStrategy):
+        with pytest.raises(ValueError, match=r"are FSDP2's options: pass fsdp=True"):
+            cls(tsp_size=2, fsdp_mp_policy=policy)
+        with pytest.raises(ValueError, match=r"are FSDP2's options: pass fsdp=True"):
+            cls(tsp_size=2, reshard_after_forward=False)
+        strategy = cls(tsp_size=2, fsdp=True, fsdp_mp_policy=policy)
+        strategy.parallel_devices = [torch.device("cpu")] * 2
+        with pytest.raises(ValueError, match=r"fsdp_mp_policy needs FSDP2 to shard over data "
+                                             r"parallel, but the data-parallel size is 1 \(2 "
+                                             r"processes / tsp_size 2\): launch more"):
+            strategy._setup_tsp_environment("32-true", setup_environment)
+        strategy = cls(tsp_size=2, fsdp=True)
+        strategy.parallel_devices = [torch.device("cpu")] * 2
+        with pytest.warns(UserWarning, match=r"fsdp=True has nothing to shard: the "
+                                             r"data-parallel size is 1"), \
+                pytest.raises(NoProcessGroup):
+            strategy._setup_tsp_environment("32-true", setup_environment)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size \(2\)"),
+    (["--bad-model"], r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported"),
+    (["--precision", "16-true"], r"precision='16-true' is not supported by the TSP strategy"),
+])
+def test_bad_configuration_fails_fast(tmp_path, args, message):
+    import re
+
+    proc = run_job(str(tmp_path), "--devices", "2", *args, expect_ok=False)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr), proc.stderr[-3000:]

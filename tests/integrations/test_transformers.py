@@ -1,0 +1,276 @@
+"""Transformers: TSPTrainer on torchrun processes matches one process in float64 with
+``max_grad_norm`` clipping active and plain SGD: the logged losses and grad_norm, the first
+step's gradients and the final weights, at tsp 2, dp 2 x tsp 2 (also with FSDP2 over dp_shard 2,
+each rank holding 1/4 of the model) and tsp 4 with 1 and 2 key/value heads (a tiny Llama saved
+with save_pretrained); packed batches; resuming from a checkpoint is
+exact; a Qwen2 checkpoint (with biases) loads shard-on-read into a TSP model with the plain
+model's logits."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.support import dist_pool, hf_models, launch, metrics_check
+from tests.support.reference import assert_close
+
+JOB = os.path.join(launch.JOBS, "trainer_job.py")
+
+
+def torchrun(*args: str, procs: int = 2) -> None:
+    launch.run(launch.torchrun(procs, launch.EXIT_CLEANLY, JOB, *args), procs, timeout=400)
+
+
+def result(out) -> tuple[dict, dict]:
+    with open(os.path.join(out, "rank0.json")) as f:
+        return json.load(f), torch.load(os.path.join(out, "weights.pt"))
+
+
+def full_run(out) -> list[dict]:
+    """Every rank's logged values; rank 0's also with the final weights and first gradients."""
+    runs = []
+    for fn in sorted(glob.glob(os.path.join(out, "rank*.json"))):
+        with open(fn) as f:
+            runs.append(json.load(f))
+    runs[0]["weights"] = torch.load(os.path.join(out, "weights.pt"))
+    runs[0]["grads0"] = torch.load(os.path.join(out, "grads0.pt"))
+    return runs
+
+
+def save(tmp_path_factory, kv_heads: int | None, family: str = "llama") -> str:
+    path = str(tmp_path_factory.mktemp(f"{family}_kv{kv_heads}"))
+    hf_models.build(family, torch.float32, kv_heads=kv_heads).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory) -> str:
+    return save(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def saved_mqa(tmp_path_factory) -> str:
+    return save(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def saved_qwen3(tmp_path_factory) -> str:
+    return save(tmp_path_factory, None, "qwen3")
+
+
+def common(model: str, out_dir) -> list[str]:
+    return ["--model_path", model, "--max_steps", "4", "--per_device_train_batch_size", "2",
+            "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
+            "--seed", "0", "--output_dir", str(out_dir)]
+
+
+# float64, plain SGD at a constant lr 0.5, clipping at 0.5 (the gradient norms are 1.4-2.3: it
+# acts at every step), rows in order: each update is lr x clip x g/|g|, so the weights check the
+# gradient's direction and the logged grad_norm its size; the first gradients are compared too
+SGD = ["--dtype", "float64", "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type",
+       "constant", "--max_grad_norm", "0.5", "--train_sampling_strategy", "sequential",
+       "--save_strategy", "no"]
+
+
+def reference(kv_heads: int | None, dp: int, rows: int = 8, steps: int = 4,
+              family: str = "llama") -> dict:
+    """One process, float64, on the global batch of each step: the rows the data-parallel
+    replicas took in turn (2 each, in order; the data repeat after ``rows``)."""
+    data = torch.randint(0, 96, (rows, 24), generator=torch.Generator().manual_seed(5))
+    data = torch.cat([data] * (steps * 2 * dp // rows + 1))
+    batches = [data[2 * dp * k: 2 * dp * (k + 1)] for k in range(steps)]
+    model = hf_models.build(family, torch.float64, kv_heads=kv_heads)
+    ref = hf_models.sgd_reference(model, batches, lr=0.5, clip=0.5)
+    with torch.no_grad():
+        ref["eval_loss"] = hf_models.reference_loss(model, data[:4], data[:4]).item()
+    return ref
+
+
+def assert_every_rank(runs: list[dict], ref: dict, what: str) -> None:
+    """The logged losses and grad_norm of every rank (the Trainer logs them on every rank),
+    the gathered gradients and weights: norms to 1e-9 relative, the rest to 1e-8; the logged
+    loss to 1e-7, because the Trainer sums it in a float32 tensor (for any model)."""
+    assert min(ref["norms"]) > 0.5, f"clipping at 0.5 must act: {ref['norms']}"
+    for r, run in enumerate(runs):
+        hf_models.assert_matches_reference(run, ref, 1e-8, 1e-9, what=f"{what} rank {r}: ",
+                                           loss_tol=1e-7)
+
+
+def test_tsp_trainer_matches_one_process(tmp_path, saved_mqa):
+    # tsp 2 with 1 key/value head: each rank holds half of its rows
+    torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--tsp_size", "2",
+             "--out", str(tmp_path / "tsp"))
+    runs = full_run(tmp_path / "tsp")
+    assert len(runs) == 2
+    ref = reference(kv_heads=1, dp=1)
+    assert_every_rank(runs, ref, "tsp 2, 1 kv head")
+    for run in runs:
+        assert abs(run["eval_loss"] - ref["eval_loss"]) <= 1e-8 * ref["eval_loss"], run
+
+
+def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama, saved_qwen3):
+    # one torchrun launch of 4 processes, five Trainer runs: dp 2 x tsp 2 (each data-parallel
+    # replica its own rows) with 1 key/value head, tsp 4 with 1 and with 2, a Qwen3 (per-head
+    # q/k norms, head_dim 24, biases, a sliding layer) at tsp 4, and (last: Accelerate's state
+    # stays FSDP for the process) FSDP2 dp_shard 2 x tsp 2 from TSPTrainingArguments(fsdp=
+    # "full_shard", fsdp_config={"fsdp_version": 2}), evaluated before training too (the Trainer
+    # then prepares the model without its optimizer), with 2 accumulated micro-batches of 1 row
+    # per step (FSDP2's gradient sync off for the first: Accelerate's no_sync) for dp2's batches
+    torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--out", str(tmp_path), "--case",
+             # TSP's logged figures, with an evaluation after step 2 and a checkpoint after
+             # step 3 that must not count
+             f"dp2 --tsp_size 2 --rows 16 --eval_strategy steps --eval_steps 2 "
+             f"--save_strategy steps --save_steps 3",
+             f"tsp4_kv1 --tsp_size 4",
+             f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama} --tsp_metrics false",
+             f"qwen3 --tsp_size 4 --model_path {saved_qwen3}",
+             "fsdp --tsp_size 2 --rows 16 --fsdp full_shard --fsdp_config "
+             "'{\"fsdp_version\": 2}' --eval_first true --per_device_train_batch_size 1 "
+             "--gradient_accumulation_steps 2", procs=4)
+    dp2 = reference(kv_heads=1, dp=2, rows=16)
+    cases = {"dp2": dp2, "tsp4_kv1": reference(kv_heads=1, dp=1),
+             "tsp4_kv2": reference(kv_heads=2, dp=1),
+             "qwen3": reference(kv_heads=None, dp=1, family="qwen3"), "fsdp": dp2}
+    for name, ref in cases.items():
+        runs = full_run(tmp_path / name)
+        assert len(runs) == 4, name
+        assert_every_rank(runs, ref, name)
+    # FSDP2: each rank holds 1/(tsp x dp_shard) = 1/4 of the model (the norms, which TSP
+    # replicates and FSDP2 halves, add 0.4%), in TSP's units (each decoder layer and the root);
+    # eval_loss before and after training is one process's
+    data = torch.randint(0, 96, (16, 24), generator=torch.Generator().manual_seed(5))[:4]
+    with torch.no_grad():
+        loss0 = hf_models.reference_loss(hf_models.build("llama", torch.float64, kv_heads=1),
+                                         data, data).item()
+    for r, run in enumerate(full_run(tmp_path / "fsdp")):
+        fsdp = run["fsdp"]
+        floor = fsdp["full"] / 4
+        assert floor <= fsdp["storage"] <= 1.01 * floor, (r, fsdp)
+        assert fsdp["units"] == 3 and fsdp["reshard"] == [True, True], (r, fsdp)
+        for key, want in (("eval_loss0", loss0), ("eval_loss", dp2["eval_loss"])):
+            assert abs(run[key] - want) <= 1e-8 * want, (r, key, run[key], want)
+    assert all("fsdp" not in run for run in full_run(tmp_path / "dp2"))
+    for r, run in enumerate(full_run(tmp_path / "dp2")):
+        assert len(run["metric_rows"]) == 4, run["metric_rows"]
+        metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 2, f"rank {r}")
+    for r, run in enumerate(full_run(tmp_path / "tsp4_kv1")):  # logged, and the same way
+        metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 1, f"tsp 4 rank {r}")
+    assert all(run["metric_rows"] == [] for run in full_run(tmp_path / "tsp4_kv2"))  # switched off
+
+
+def test_packed_batches_with_data_collator_with_flattening(tmp_path, saved_llama):
+    # one step on one flattened row of 2 documents: the logged loss is the loss of the unmodified
+    # model run on each document alone (the HF model on the packed row would let them mix)
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from tests.jobs.trainer_job import packed_documents
+
+    args = [*common(saved_llama, tmp_path / "o"), "--packed", "true", "--num_docs", "2",
+            "--save_strategy", "no", "--tsp_size", "2", "--out", str(tmp_path / "tsp")]
+    args[args.index("--max_steps") + 1] = "1"
+    torchrun(*args)
+    res, _ = result(tmp_path / "tsp")
+    model = AutoModelForCausalLM.from_pretrained(saved_llama)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for d in packed_documents(model.config.vocab_size, 2):
+            t = torch.tensor(d)[None]
+            total += F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:],
+                                     reduction="sum").item()
+            count += len(d) - 1
+    assert abs(res["losses"][0] - total / count) <= 1e-5 * total / count, (res, total / count)
+
+
+def test_resume_from_checkpoint_is_exact(tmp_path, saved_llama):
+    args = ["--tsp_size", "2"]
+    torchrun(*common(saved_llama, tmp_path / "a"), *args, "--save_strategy", "steps",
+             "--save_steps", "2", "--out", str(tmp_path / "ra"))
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    assert (ckpt / "model.safetensors").exists() and (ckpt / "optimizer_dcp").is_dir()
+    torchrun(*common(saved_llama, tmp_path / "b"), *args, "--save_strategy", "no",
+             "--resume", str(ckpt), "--out", str(tmp_path / "rb"))
+    (full, full_w), (resumed, resumed_w) = result(tmp_path / "ra"), result(tmp_path / "rb")
+    assert resumed["losses"] == full["losses"][2:]
+    for name, t in full_w.items():
+        assert torch.equal(resumed_w[name], t), name
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = dist_pool.DistPool(4)
+    yield p
+    p.close()
+
+
+def shard_on_read(tsp: int, path: str) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from tsp_core import shard_batch
+    from tsp_core.sequence.layout import shard_sequence
+    from tsp_transformers import load_pretrained
+
+    mesh = dist_pool.mesh(tsp)
+    if dist.get_rank() == 0:
+        hf_models.build("qwen2", torch.float64).save_pretrained(path)
+    dist.barrier()
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model = load_pretrained(path, mesh=mesh, dtype=torch.float64)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        got = model(**shard_batch({"input_ids": ids}, mesh)).logits
+    assert_close(got, shard_sequence(want, mesh.rank, mesh.size), 1e-10, "logits")
+    # and back: save_pretrained of the TSP model writes an ordinary checkpoint
+    out = path + "-back"
+    model.save_pretrained(out)
+    dist.barrier()
+    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    for name, t in plain.state_dict().items():
+        assert torch.equal(again.state_dict()[name], t), name
+    dist.barrier()
+    return sum(p.to_local().numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_qwen2_loads_shard_on_read(pool, tmp_path, tsp):
+    local = pool.run(shard_on_read, tsp, str(tmp_path / "qwen2"))
+    total = sum(p.numel() for p in hf_models.build("qwen2", torch.float32).parameters())
+    assert max(local) < total / tsp * 1.5, (local, total)
+
+
+def test_fsdp_options_tsp_cannot_honour_are_refused(monkeypatch, tmp_path):
+    # TSPTrainer refuses, naming the fix and the numbers, before any collective (on a fake
+    # 4-process world: TrainingArguments itself sets up the process group)
+    from accelerate.state import AcceleratorState
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tsp_transformers import TSPTrainer, TSPTrainingArguments
+
+    for key, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "4"), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    cases = [("full_shard", {"fsdp_version": 1}, 2, "FSDP2 only, not fsdp_version=1"),
+             ("full_shard offload", {"fsdp_version": 2}, 2, "fsdp='offload'"),
+             ("full_shard", {"fsdp_version": 2, "cpu_ram_efficient_loading": True}, 2,
+              "cpu_ram_efficient_loading"),
+             ("full_shard", {"fsdp_version": 2, "activation_checkpointing": True}, 2,
+              "activation_checkpointing"),
+             ("full_shard", {"fsdp_version": 2}, 4,
+              r"tsp_size \(4\) x dp_replicate_size \(1\) takes all 4 processes \(dp_shard 1\)")]
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        for fsdp, config, tsp, words in cases:
+            args = TSPTrainingArguments(output_dir=str(tmp_path), tsp_size=tsp, fsdp=fsdp,
+                                        fsdp_config=config, use_cpu=True, report_to="none")
+            with pytest.raises(ValueError, match=words):
+                TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
+    finally:
+        dist.destroy_process_group()
+        AcceleratorState._reset_state(True)

@@ -1,0 +1,1 @@
+"""Programs the tests start under torchrun, accelerate launch or Lightning's launcher."""

@@ -1,0 +1,111 @@
+"""A DeepSpeed training job with tsp_deepspeed on a tiny Llama (run with torchrun,
+DS_ACCELERATOR=cpu). Each data-parallel replica takes its rows of the global batch. Every rank
+writes its losses and DeepSpeed's gradient norm per step (``get_global_grad_norm``, the norm it
+clips by) and its optimizer-state bytes (measured by MemTracker) to ``rank<R>.json`` in --out;
+rank 0 also the final full weights. ``--kv-heads 1``: MQA (at tsp 2 and 4 each rank holds a
+slice of the key/value rows); ``--optimizer sgd``: plain SGD (the update is lr x the clipped
+gradient)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import tsp_core
+import tsp_deepspeed
+from tests.support.hf_models import build
+
+
+def batches(steps: int, rows: int):
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 96, (rows, 24), generator=gen) for _ in range(steps)]
+
+
+def config(stage: int, optimizer: str = "adamw", lr: float = 1e-3, clip: float = 1.0) -> dict:
+    opt = {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}} if optimizer == "adamw" \
+        else {"type": "SGD", "params": {"lr": lr}}
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": clip, "optimizer": opt,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+
+
+def record_zero0_norms() -> list[float]:
+    """Without ZeRO (stage 0, float32) the engine clips with ``deepspeed.runtime.utils
+    .clip_grad_norm_`` and keeps no norm (``get_global_grad_norm()`` is None): record what that
+    function returns, the norm DeepSpeed clips by."""
+    import deepspeed.runtime.engine as ds_engine
+
+    norms: list[float] = []
+    clip = ds_engine.clip_grad_norm_
+
+    def recording(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        norms.append(float(norm))
+        return norm
+
+    ds_engine.clip_grad_norm_ = recording
+    return norms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", type=int, default=1)
+    ap.add_argument("--tsp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--resume", default="")
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    zero0_norms = record_zero0_norms()
+    model = build("llama", torch.float32, kv_heads=a.kv_heads)
+    # the config's "tsp" section works like tsp_size
+    cfg = {**config(a.stage, a.optimizer, a.lr, a.clip), "tsp": {"size": a.tsp}}
+    # this rank's optimizer state, measured by MemTracker, not by the optimizer's own tensors:
+    # what is alive in its category after the first step (ZeRO builds it in initialize)
+    tracker = MemTracker()
+    tracker.__enter__()
+    engine, *_ = tsp_deepspeed.initialize(model=model, config=cfg,
+                                          model_parameters=model.parameters())
+    mesh = tsp_core.get_mesh(engine.module)
+    dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
+    data = batches(a.steps, 2 * dp)
+    first = 0
+    if a.resume:
+        engine.load_checkpoint(a.resume)
+        first = a.save_at
+    losses, norms = [], []
+    for step in range(first, a.steps):
+        ids = data[step][2 * dp_rank: 2 * dp_rank + 2]
+        loss = engine(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
+        engine.backward(loss)
+        engine.step()
+        if tracker is not None:
+            opt_bytes = sum(v for snap in tracker.get_tracker_snapshot().values()
+                            for k, v in snap.items() if getattr(k, "value", k) == "Optstate")
+            tracker.__exit__(None, None, None)
+            tracker = None
+        losses.append(loss.item())
+        norm = engine.get_global_grad_norm()
+        norms.append(float(zero0_norms[-1] if norm is None else norm))
+        if a.save_at and step + 1 == a.save_at and not a.resume:
+            engine.save_checkpoint(os.path.join(a.out, "ckpt"))
+    weights = tsp_core.full_state_dict(engine.module, rank0_only=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"losses": losses, "norms": norms, "optimizer_bytes": opt_bytes}, f)
+    if dist.get_rank() == 0:
+        torch.save(weights, os.path.join(a.out, "weights.pt"))
+        with open(os.path.join(a.out, "result.json"), "w") as f:
+            json.dump({"losses": losses, "norms": norms, "optimizer_bytes": opt_bytes}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""A transformers Trainer job (plain Trainer, or TSPTrainer with --tsp_size) on a tiny Llama
+saved with save_pretrained; run with python (1 process) or torchrun. Every rank writes what the
+Trainer logged (loss, grad_norm per step) to ``rank<R>.json`` in --out; rank 0 also the final full
+weights (``weights.pt``) and, with clipping on, the full gradients of the first step before
+clipping (``grads0.pt``).
+
+``--case "NAME ARGS..."`` (repeatable, under torchrun): one more Trainer run in the same processes
+with ARGS added to the command line's, results in --out/NAME, output_dir/NAME.
+
+``--eval_first true``: ``evaluate()`` before ``train()`` too (``eval_loss0``). Under FSDP2
+(``--fsdp full_shard --fsdp_config '{"fsdp_version": 2}'``) every rank also records the bytes of
+parameter storage it holds and how its FSDP2 units were configured (``fsdp``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    HfArgumentParser,
+    TrainerCallback,
+)
+
+import tsp_core
+from tests.jobs.accelerate_job import fsdp_units
+from tests.support.hf_models import full_grads, storage_bytes
+from tests.support.metrics_check import StepCounters
+from tsp_core.models.parallelize import TSPCausalLM
+from tsp_transformers import TSPTrainer, TSPTrainingArguments
+
+
+@dataclass
+class JobArgs:
+    model_path: str = field(default="")
+    out: str = field(default="")
+    resume: str = field(default="")
+    packed: bool = field(default=False)
+    num_docs: int = field(default=16)
+    rows: int = field(default=8)
+    dtype: str = field(default="float32")
+    eval_first: bool = field(default=False)
+    case: list[str] = field(default_factory=list)
+
+
+def packed_documents(vocab: int, n: int) -> list[list[int]]:
+    """``n`` documents of lengths 1..39 (DataCollatorWithFlattening packs them into rows)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 40, (n,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lengths]
+
+
+def rows(vocab: int, n: int) -> torch.Tensor:
+    """The training rows (``--train_sampling_strategy sequential`` takes them in order, each
+    data-parallel replica its own batches in turn)."""
+    return torch.randint(0, vocab, (n, 24), generator=torch.Generator().manual_seed(5))
+
+
+class LogRecorder(TrainerCallback):
+    """The logged losses, gradient norms and TSP figures (``tsp/...``), and each optimizer
+    step's own collectives and tokens (``StepCounters``)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.metric_rows: list[dict] = []
+        self.counters = StepCounters()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.counters.begin()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.counters.end()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+            if "grad_norm" in logs:
+                self.norms.append(logs["grad_norm"])
+            tsp = {k: v for k, v in logs.items() if k.startswith("tsp/")}
+            if tsp:
+                self.metric_rows.append(tsp)
+
+
+def record_first_gradients(trainer) -> dict:
+    """The full gradients the first clipping sees (every rank gathers; ``_clip_grad_norm`` is
+    where the Trainer clips)."""
+    first: dict = {}
+    clip = trainer._clip_grad_norm
+
+    def recording(model):
+        if not first:
+            first["grads"] = full_grads(trainer.model)
+        return clip(model)
+
+    trainer._clip_grad_norm = recording
+    return first
+
+
+def train(job: JobArgs, args: TSPTrainingArguments) -> None:
+    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=getattr(torch, job.dtype))
+    if job.packed:  # documents of different lengths, several per row
+        data = [{"input_ids": d} for d in packed_documents(model.config.vocab_size, job.num_docs)]
+        collator = DataCollatorWithFlattening()
+    else:
+        data = [{"input_ids": r, "labels": r} for r in rows(model.config.vocab_size, job.rows)]
+        collator = None
+    log = LogRecorder()
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainer = TSPTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
+                         callbacks=[log], data_collator=collator)
+    first = record_first_gradients(trainer)
+    extra = {"eval_loss0": trainer.evaluate()["eval_loss"]} if job.eval_first else {}
+    trainer.train(resume_from_checkpoint=job.resume or None)
+    metrics = trainer.evaluate()
+    model = trainer.model
+    if trainer.accelerator.is_fsdp2:
+        extra["fsdp"] = {"storage": storage_bytes(model), "full": full_bytes, **fsdp_units(model)}
+    weights = (tsp_core.full_state_dict(model, rank0_only=True) if isinstance(model, TSPCausalLM)
+               else {k: v.detach().clone() for k, v in model.state_dict().items()})
+    rank = trainer.args.process_index
+    os.makedirs(job.out, exist_ok=True)
+    with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"],
+                   "metric_rows": log.metric_rows, "step_counts": log.counters.steps, **extra}, f)
+    if rank == 0:
+        torch.save(weights, os.path.join(job.out, "weights.pt"))
+        if first:
+            torch.save(first["grads"], os.path.join(job.out, "grads0.pt"))
+
+
+def main() -> None:
+    parser = HfArgumentParser((JobArgs, TSPTrainingArguments))
+    argv = sys.argv[1:]
+    job, args = parser.parse_args_into_dataclasses(args=argv)
+    if not job.case:
+        return train(job, args)
+    base = argv[:argv.index("--case")]  # --case takes the rest of the command line
+    fsdp = False
+    for spec in job.case:
+        from accelerate.state import AcceleratorState
+
+        name, *extra = shlex.split(spec)
+        # an FSDP plugin leaves ACCELERATE_USE_FSDP=true behind, which would make the next
+        # case's Accelerator build one
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
+        case, case_args = parser.parse_args_into_dataclasses(args=[*base, *extra])
+        case.out = os.path.join(job.out, name)
+        case_args.output_dir = os.path.join(args.output_dir, name)
+        # the Trainer's Accelerator keeps its parallelism config in a process-wide state: a new
+        # TSP size needs a new one (the process group stays); after FSDP2 the partial state
+        # too (it keeps the FSDP distributed type, without the plugin)
+        AcceleratorState._reset_state(fsdp)
+        fsdp = case_args.fsdp_plugin_args is not None
+        train(case, case_args)
+
+
+if __name__ == "__main__":
+    main()

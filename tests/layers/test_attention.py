@@ -1,0 +1,228 @@
+"""TSPAttention against a single-process reference in float64 (docs/design.md "How correctness is
+proven"), on a 4-process pool: tsp 1, 2 and 4 run as meshes (4 x 1), (2 x 2) and (1 x 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.support import dist_pool, reference
+from tests.support.reference import assert_close
+from tsp_core import TSPAttention, comm
+from tsp_core.sequence.layout import pad_to_multiple, position_ids, shard_sequence
+
+HIDDEN, HEAD_DIM = 24, 8
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = dist_pool.DistPool(4)
+    yield p
+    p.close()
+
+
+def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
+                 head_dim: int = HEAD_DIM, qk_norm: str | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3  # noqa: E731
+    w = {"q_proj.weight": r(nq * head_dim, HIDDEN), "k_proj.weight": r(nkv * head_dim, HIDDEN),
+         "v_proj.weight": r(nkv * head_dim, HIDDEN), "o_proj.weight": r(HIDDEN, nq * head_dim)}
+    if qkv_bias:
+        w.update({"q_proj.bias": r(nq * head_dim), "k_proj.bias": r(nkv * head_dim),
+                  "v_proj.bias": r(nkv * head_dim)})
+    if o_bias:
+        w["o_proj.bias"] = r(HIDDEN)
+    if qk_norm is not None:  # offsets from one (Gemma's numerics: float64 stays float64)
+        widths = (nq * head_dim, nkv * head_dim) if qk_norm == "all" else (head_dim, head_dim)
+        w.update({"q_norm.weight": r(widths[0]), "k_norm.weight": r(widths[1])})
+    return w
+
+
+def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool = False,
+               o_bias: bool = False, window: int | None = None, layout: str = "zigzag",
+               causal: bool = True, head_dim: int = HEAD_DIM, qk_norm: str | None = None) -> None:
+    mesh = dist_pool.mesh(tsp, layout)
+    D, p = mesh.size, mesh.rank
+    w = full_weights(nq, nkv, qkv_bias, o_bias, head_dim=head_dim, qk_norm=qk_norm)
+    layer = TSPAttention(mesh, HIDDEN, nq, nkv, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
+                         sliding_window=window, causal=causal, dtype=torch.float64,
+                         qk_norm_eps=None if qk_norm is None else 1e-6, qk_norm_kind="gemma",
+                         qk_norm_all_heads=qk_norm == "all")
+    layer.load_full(w)
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
+    dy = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
+    ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
+    x_ref = x.clone().requires_grad_()
+    y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window,
+                                qk_norm=qk_norm)
+    y_ref.backward(dy)
+
+    # pad at the end (causal: padding cannot reach real tokens); zero upstream grad on padding
+    shard = lambda t: shard_sequence(pad_to_multiple(t, D, 0, 1, layout), p, D, 1, layout)  # noqa: E731
+    real = shard(torch.ones(1, seq, 1, dtype=torch.bool))[0, :, 0]
+    x_loc = shard(x).requires_grad_()
+    y = layer(x_loc, position_ids(x_loc.shape[1] * D, p, D, layout))
+    y.backward(shard(dy))
+
+    assert_close(y[:, real], shard(y_ref.detach())[:, real], 1e-10, "output")
+    assert_close(x_loc.grad[:, real], shard(x_ref.grad)[:, real], 1e-10, "input grad")
+    grads = layer.full_tensors(grads=True)
+    assert sorted(grads) == sorted(w), f"gradients for {sorted(grads)}, weights {sorted(w)}"
+    for name, g in grads.items():
+        assert_close(g, ref_w[name].grad, 1e-10, f"grad of {name}")
+    dist.barrier()
+
+
+CASES = [
+    dict(nq=8, nkv=8, seq=16, batch=1),
+    dict(nq=8, nkv=2, seq=16, batch=2),                       # GQA, g = 4
+    dict(nq=4, nkv=1, seq=24, batch=1),                       # MQA: nkv < D at D = 2, 4
+    dict(nq=4, nkv=1, seq=16, batch=2, qkv_bias=True),        # MQA slices with biases
+    dict(nq=4, nkv=1, seq=16, batch=1, head_dim=6),           # 6 K/V rows: D = 4 pads a slice
+    dict(nq=8, nkv=4, seq=16, batch=2, qkv_bias=True, o_bias=True),
+    dict(nq=8, nkv=2, seq=13, batch=2),                       # needs padding at every D > 1
+    dict(nq=4, nkv=2, seq=32, batch=1, window=5),             # sliding window < chunk
+    dict(nq=4, nkv=2, seq=24, batch=1, window=9),
+    dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, qk_norm="head"),
+    # norms over all heads of a token (OLMo 2: the phased schedule), with K/V slices at D = 4
+    dict(nq=8, nkv=2, seq=13, batch=2, qkv_bias=True, o_bias=True, qk_norm="all"),
+    dict(nq=4, nkv=1, seq=32, batch=1, window=5, qk_norm="all"),
+]
+
+
+@pytest.mark.parametrize("tsp", [1, 2, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_parity_float64(pool, tsp, case):
+    pool.run(run_parity, tsp, **case)
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_parity_contiguous_layout(pool, tsp):
+    pool.run(run_parity, tsp, nq=8, nkv=2, seq=16, batch=1, layout="contiguous")
+    pool.run(run_parity, tsp, nq=8, nkv=8, seq=16, batch=1, layout="contiguous", causal=False)
+
+
+def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool,
+                      all_heads: bool = False):
+    mesh = dist_pool.mesh(tsp)
+    norms = dict(qk_norm_eps=1e-6, qk_norm_all_heads=True) if all_heads else {}
+    layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, qkv_bias=qkv_bias, dtype=torch.float64,
+                         **norms)
+    x = torch.randn(batch, seq // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
+    pos = position_ids(seq, mesh.rank, tsp)
+    with comm.track() as fwd:
+        y = layer(x, pos)
+    with comm.track() as bwd:
+        y.sum().backward()
+    return dict(fwd.calls), dict(bwd.calls), dict(fwd.bytes), dict(bwd.bytes)
+
+
+def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
+    """The order in which one layer's forward and backward issue their collectives, compute
+    attention and wait for dK/dV: "bcast", "gather" (a K/V all-gather started), "attend",
+    "attend_bwd", "rs_done" (a dK/dV reduce-scatter waited for), "backward" between the passes."""
+    from tsp_core.layers import flash
+
+    mesh = dist_pool.mesh(tsp)
+    layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, dtype=torch.float64)
+    x = torch.randn(1, 16 // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
+    events: list[str] = []
+    saved = (comm.broadcast, comm.start_all_gather_sequence, comm.start_reduce_scatter_sequence,
+             flash.attention_forward, flash.attention_backward)
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    def scatter(*args, **kwargs):
+        pending = saved[2](*args, **kwargs)
+        pending.wait = logged("rs_done", pending.wait)
+        return pending
+
+    comm.broadcast = logged("bcast", saved[0])
+    comm.start_all_gather_sequence = logged("gather", saved[1])
+    comm.start_reduce_scatter_sequence = scatter
+    flash.attention_forward = logged("attend", saved[3])
+    flash.attention_backward = logged("attend_bwd", saved[4])
+    try:
+        y = layer(x, position_ids(16, mesh.rank, tsp))
+        events.append("backward")
+        y.sum().backward()
+    finally:
+        (comm.broadcast, comm.start_all_gather_sequence, comm.start_reduce_scatter_sequence,
+         flash.attention_forward, flash.attention_backward) = saved
+    return events
+
+
+@pytest.mark.parametrize("tsp,nq,nkv", [(4, 8, 8), (4, 8, 2), (2, 4, 4)])
+def test_collectives_overlap_the_rounds(pool, tsp, nq, nkv):
+    """While round r attends, the K/V all-gather of round r+1 and the owner broadcast of round
+    r+2 are already issued; in the backward the next key/value head's K/V gather is issued before
+    the round's attention backward, and a head's dK/dV reduce-scatter is waited for only after
+    the next round's attention backward (docs/design.md "Attention")."""
+    D, R = tsp, max(1, tsp // nkv)
+    for events in pool.run(overlap_events, tsp, nq, nkv):
+        cut = events.index("backward")
+        fwd, bwd = events[:cut], events[cut + 1:]
+        at = [i for i, e in enumerate(fwd) if e == "attend"]
+        assert len(at) == D, fwd
+        for r, i in enumerate(at):
+            assert fwd[:i].count("bcast") >= min(D, r + 3), (r, fwd)
+            assert fwd[:i].count("gather") >= min(D // R, (r + 1) // R + 1), (r, fwd)
+        at = [i for i, e in enumerate(bwd) if e == "attend_bwd"]
+        done = [i for i, e in enumerate(bwd) if e == "rs_done"]
+        assert len(at) == D and len(done) == D // R, bwd
+        for r, i in enumerate(at):
+            ahead = r // R + (2 if r % R == R - 1 else 1)
+            assert bwd[:i].count("gather") >= min(D // R, ahead), (r, bwd)
+            assert bwd[:i].count("bcast") >= min(D, r + 2), (r, bwd)
+        for j, i in enumerate(done[:-1]):  # head j's dK/dV arrive after round (j+1)R computed
+            assert i > at[(j + 1) * R], (j, bwd)
+
+
+@pytest.mark.parametrize("tsp,nq,nkv,bias,all_heads",
+                         [(2, 8, 8, False, False), (4, 8, 2, True, False), (4, 4, 1, False, False),
+                          (4, 8, 4, True, False), (2, 4, 1, True, False), (4, 8, 4, True, True),
+                          (4, 4, 1, True, True)])
+def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads):
+    """Exact calls and bytes of one layer on every rank. With nkv >= D a round broadcasts all four
+    projections of a head group; with nkv < D the rounds broadcast q/o only, the key/value slices
+    are all-gathered once per pass (and their gradients reduce-scattered once), and each
+    key/value head's K/V is gathered once, not once per round that uses it. With q/k norms over
+    all heads (the phased schedule) the output projection goes in rounds of its own: twice the
+    broadcasts and reduces, the same bytes; the norms' replicated weight gradients are summed."""
+    D, seq, batch = tsp, 16, 2
+    replicas = max(1, D // nkv)
+    sliced = int(replicas > 1)
+    heads_gathered = D // replicas
+    nq_l, nkv_l = nq // D, max(1, nkv // D)
+    if sliced:
+        shard = 2 * nq_l * HEAD_DIM * HIDDEN + bias * nq_l * HEAD_DIM
+        per = -(-nkv * HEAD_DIM // D)
+        kv_weights = D * (2 * per * HIDDEN + bias * 2 * per)  # all-gathered [D, slices]
+    else:
+        shard = (2 * nq_l + 2 * nkv_l) * HEAD_DIM * HIDDEN + bias * (nq_l + 2 * nkv_l) * HEAD_DIM
+        kv_weights = 0
+    kv = 2 * batch * seq * nkv_l * HEAD_DIM
+    frac = (D - 1) / D
+    rounds = D * (1 + all_heads)
+    norms = {"all_reduce": 2} if all_heads else {}
+    for fwd, bwd, fwd_bytes, bwd_bytes in pool.run(count_collectives, tsp, nq, nkv, seq, batch,
+                                                   bias, all_heads):
+        assert fwd == {"broadcast": rounds, "all_gather": heads_gathered + sliced}, fwd
+        assert bwd == {"broadcast": rounds, "all_gather": heads_gathered + sliced,
+                       "reduce_scatter": heads_gathered + sliced, "reduce": rounds, **norms}, bwd
+        if all_heads:
+            assert bwd_bytes["all_reduce"] == pytest.approx(
+                2 * (nq + nkv) * HEAD_DIM * 8 * frac)
+        assert fwd_bytes["broadcast"] == pytest.approx(D * frac * shard * 8)
+        assert fwd_bytes["all_gather"] == pytest.approx(
+            (heads_gathered * kv + kv_weights) * frac * 8)
+        assert bwd_bytes["reduce"] == pytest.approx(D * frac * shard * 8)
+        assert bwd_bytes["reduce_scatter"] == pytest.approx(
+            (heads_gathered * kv + kv_weights) * frac * 8)

@@ -1,0 +1,283 @@
+"""Block-wise flash attention (one process): the pieces cover exactly the allowed (query, key)
+pairs for every layout, window and degree, and forward/backward match explicit-mask attention;
+with soft-capped scores (Gemma 2) the tiled math kernel matches the float64 math, tiles smaller
+than the pieces included."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.support.reference import assert_close
+from tsp_core.distributed.chunks import local_segments, row_segments
+from tsp_core.layers import flash
+from tsp_core.layers.flash import attention_backward, attention_forward, plan_pieces
+
+
+def explicit(q, k, v, rows, causal, window, scale, doc_of=None, cap=None):
+    """Plain float64 math: the full score matrix times the scale, with ``cap`` soft-capped
+    (``tanh(s / cap) * cap``, Gemma 2: HF's eager order), then the mask and softmax."""
+    S = k.shape[2]
+    i, j = torch.tensor(rows)[:, None], torch.arange(S)[None]
+    visible = torch.ones(len(rows), S, dtype=torch.bool)
+    if doc_of is not None:
+        visible &= doc_of[i] == doc_of[j]
+    if causal:
+        visible &= j <= i
+    if window is not None:
+        visible &= j > i - window
+    g = q.shape[1] // k.shape[1]
+    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v.repeat_interleave(g, 1)
+
+
+def check(ref, q, k, v, pieces, scale, gen, cap=None) -> None:
+    """The pieces' forward and backward (soft-capped by ``cap``) against the explicit-mask
+    reference ``ref``."""
+    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale, softcap=cap)
+    assert lse.dtype == torch.float64 and lse.shape == q.shape[:3]
+    assert_close(out, ref.detach(), 1e-12, "output")
+    do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(ref, (q, k, v), do)
+    dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse, pieces,
+                                 scale, softcap=cap)
+    for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
+        assert_close(a, b, 1e-12, f"d{name} (cap {cap})")
+
+
+def packed(docs: list[int], p: int, size: int, window: int | None):
+    """Rank p's rows of a packed row of ``docs`` and their pieces."""
+    segs = row_segments(docs, p, size)
+    return [t for a, b, _ in segs for t in range(a, b)], plan_pieces(segs, sum(docs), True, window)
+
+
+@pytest.mark.parametrize("size,layout,causal,window", [
+    (d, lay, c, w) for d, lay, (c, w) in itertools.product(
+        [1, 2, 3, 4], ["zigzag", "contiguous"],
+        [(False, None), (True, None), (True, 1), (True, 2), (True, 5), (True, 13), (True, 100)])])
+def test_pieces_match_explicit_mask(size, layout, causal, window):
+    seq, scale = 48, 8 ** -0.5
+    gen = torch.Generator().manual_seed(0)
+    for p in range(size):
+        segs = local_segments(seq, p, size, layout)
+        rows = [t for a, b in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, causal, window)
+        covered = torch.zeros(len(rows), seq, dtype=torch.int64)
+        for pc in pieces:
+            assert pc.mask == "full" or pc.q1 - pc.q0 == pc.k1 - pc.k0, pc  # square masks only
+            covered[pc.q0:pc.q1, pc.k0:pc.k1] += 1
+        assert covered.max() <= 1, "a (query, key) pair is covered twice"
+
+        q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        check(explicit(q, k, v, rows, causal, window, scale), q, k, v, pieces, scale, gen)
+
+
+def test_window_needs_causal():
+    with pytest.raises(ValueError, match="sliding window needs causal"):
+        plan_pieces([(0, 8)], 8, causal=False, window=4)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 1, 3, 7])
+def test_packed_documents_never_see_each_other(size, window):
+    docs = [8, 16, 40, 8]          # each a multiple of 2 * 4
+    seq, scale = sum(docs), 8 ** -0.5
+    doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    gen = torch.Generator().manual_seed(1)
+    for p in range(size):
+        rows, pieces = packed(docs, p, size, window)
+        q = torch.randn(1, 2, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        check(explicit(q, k, v, rows, True, window, scale, doc_of), q, k, v, pieces, scale, gen)
+
+
+def check_softcap(q, k, v, rows, pieces, causal, window, scale, cap, gen, doc_of=None) -> None:
+    ref = explicit(q, k, v, rows, causal, window, scale, doc_of, cap)
+    # the cap is far from linear at these scores: without it the output is measurably different
+    plain = explicit(q, k, v, rows, causal, window, scale, doc_of)
+    assert (plain - ref).abs().max() > 1e-2
+    check(ref, q, k, v, pieces, scale, gen, cap)
+
+
+# tile 512: one tile per piece; 5 and 3: tiles smaller than the pieces (and not dividing them),
+# so the kernel's own log-sum-exp merge over tiles and its diagonal tiles are exercised
+@pytest.mark.parametrize("tile", [512, 5, 3])
+@pytest.mark.parametrize("kv_heads", [2, 1])                       # GQA (4 / 2) and MQA
+@pytest.mark.parametrize("size,causal,window", [
+    (1, False, None), (2, True, None), (4, True, None), (1, True, 4), (2, True, 13),
+    (4, True, 5)])
+def test_softcap_pieces_match_math(monkeypatch, tile, kv_heads, size, causal, window):
+    monkeypatch.setattr(flash, "MATH_TILE", tile)
+    seq, scale, cap = 48, 8 ** -0.5, 1.5
+    gen = torch.Generator().manual_seed(2)
+    for p in range(size):
+        segs = local_segments(seq, p, size, "zigzag")
+        rows = [t for a, b in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, causal, window)
+        # scores of a few units: tanh(s / 1.5) is far from linear
+        q = (3 * torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64)
+             ).requires_grad_()
+        k = (3 * torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64)
+             ).requires_grad_()
+        v = torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64,
+                        requires_grad=True)
+        check_softcap(q, k, v, rows, pieces, causal, window, scale, cap, gen)
+
+
+@pytest.mark.parametrize("tile", [512, 3])
+@pytest.mark.parametrize("size", [1, 4])
+@pytest.mark.parametrize("window", [None, 3, 7])
+def test_softcap_packed_documents(monkeypatch, tile, size, window):
+    monkeypatch.setattr(flash, "MATH_TILE", tile)
+    docs = [8, 16, 40, 8]
+    seq, scale, cap = sum(docs), 8 ** -0.5, 2.0
+    doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    gen = torch.Generator().manual_seed(3)
+    for p in range(size):
+        rows, pieces = packed(docs, p, size, window)
+        q = (3 * torch.randn(1, 2, len(rows), 8, generator=gen, dtype=torch.float64)
+             ).requires_grad_()
+        k = (3 * torch.randn(1, 1, seq, 8, generator=gen, dtype=torch.float64)).requires_grad_()
+        v = torch.randn(1, 1, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        check_softcap(q, k, v, rows, pieces, True, window, scale, cap, gen, doc_of)
+
+
+def test_softcap_float32_conventions():
+    # float32 in: output float32, LSE float32 (natural log), like the native kernel's; and the
+    # same as the float64 math to float32 precision
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    pieces = plan_pieces([(0, 16)], 16, True, None)
+    out, lse = attention_forward(q, k, v, pieces, 0.5, softcap=1.0)
+    assert out.dtype == lse.dtype == torch.float32
+    s = torch.tanh(q.double() @ k.double().transpose(-1, -2) * 0.5 / 1.0) * 1.0
+    s = s.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+    assert_close(lse.double(), torch.logsumexp(s, -1), 1e-5, "lse")
+    assert_close(out.double(), torch.softmax(s, -1) @ v.double(), 1e-5, "output")
+
+
+# ------------------------------------------------- kernels: dispatch, GQA per piece, accumulation
+
+@pytest.mark.parametrize("dtype,head_dim,cap,expected", [
+    (torch.bfloat16, 128, None, "flash"), (torch.float16, 64, None, "flash"),
+    (torch.bfloat16, 12, None, "efficient"), (torch.bfloat16, 512, None, "efficient"),
+    (torch.float32, 128, None, "efficient"), (torch.float64, 128, None, flash.MATH),
+    (torch.bfloat16, 128, 50.0, flash.MATH)])
+def test_kernel_choice_off_the_cpu(dtype, head_dim, cap, expected):
+    """FlashAttention-2 for bf16/fp16 with a head size it takes, the memory-efficient kernel for
+    float32 and other head sizes, the math kernel for float64 and soft-capped scores (meta
+    tensors stand in for a GPU's: only dtype, device and shape decide)."""
+    q = torch.empty(1, 2, 4, head_dim, dtype=dtype, device="meta")
+    assert flash.kernel_for(q, cap) == expected
+    assert flash.kernel_for(torch.empty(1, 2, 4, head_dim, dtype=dtype), None) == "cpu"
+
+
+def check_rank(p: int, size: int, causal: bool, window: int | None, kv_heads: int,
+               gen: torch.Generator, seq: int = 48) -> list:
+    """:func:`check` of rank p's zigzag rows of a ``seq``-token row (2 rows, 4 query heads of 8 on
+    ``kv_heads``); returns the rank's pieces."""
+    segs = local_segments(seq, p, size, "zigzag")
+    rows = [t for a, b in segs for t in range(a, b)]
+    pieces = plan_pieces(segs, seq, causal, window)
+    q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq, 8, generator=gen, dtype=torch.float64,
+                        requires_grad=True) for _ in range(2))
+    scale = 8 ** -0.5
+    check(explicit(q, k, v, rows, causal, window, scale), q, k, v, pieces, scale, gen)
+    return pieces
+
+
+def _cpu_kernel_without_gqa(seen: list[tuple[int, int]]) -> flash.Kernel:
+    """The CPU flash kernel declared without native GQA, so that the piece logic expands K/V as
+    it does for CUDA's memory-efficient kernel; records (query heads, key length) per call."""
+    cpu = flash.KERNELS["cpu"]
+
+    def fwd(q, k, v, causal, scale):
+        assert k.shape[1] == v.shape[1] == q.shape[1], "K/V not expanded to the query heads"
+        seen.append((q.shape[1], k.shape[2]))
+        return cpu.fwd(q, k, v, causal, scale)
+
+    def bwd(do, q, k, v, out, lse, causal, scale):
+        assert k.shape[1] == q.shape[1], "K/V not expanded to the query heads"
+        seen.append((q.shape[1], k.shape[2]))
+        return cpu.bwd(do, q, k, v, out, lse, causal, scale)
+
+    return flash.Kernel("cpu-expanded", fwd, bwd, native_gqa=False)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])                       # GQA (4 / 2) and MQA
+@pytest.mark.parametrize("size,window", [(2, None), (4, 5), (1, 13)])
+def test_kv_heads_expanded_per_piece(monkeypatch, kv_heads, size, window):
+    """A kernel without native GQA gets each piece's K/V expanded (that piece's keys only, never
+    the whole sequence) and its dK/dV folded back onto the shared heads: exact in float64."""
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setitem(flash.KERNELS, "cpu", _cpu_kernel_without_gqa(seen))
+    gen = torch.Generator().manual_seed(5)
+    for p in range(size):
+        pieces = check_rank(p, size, True, window, kv_heads, gen)
+        longest = max(pc.k1 - pc.k0 for pc in pieces)
+        assert max(n for _, n in seen) == longest and (size == 1 or longest < 48), seen
+        seen.clear()
+
+
+@pytest.mark.parametrize("size,causal,window", [(1, False, None), (4, True, None), (2, True, 5)])
+def test_math_kernel_without_cap(monkeypatch, size, causal, window):
+    """The tiled math kernel, uncapped (what float64 runs off the CPU), against the math."""
+    monkeypatch.setattr(flash, "kernel_for", lambda q, softcap=None: flash.MATH)
+    monkeypatch.setattr(flash, "MATH_TILE", 5)
+    gen = torch.Generator().manual_seed(6)
+    for p in range(size):
+        check_rank(p, size, causal, window, 2, gen)
+
+
+@pytest.mark.parametrize("size,window,docs", [(4, None, None), (2, 3, None), (2, None, [8, 24, 16])])
+def test_bf16_piece_gradients_summed_in_float32(size, window, docs):
+    """In bf16, every piece's dQ/dK/dV is summed in float32 (the forward merges in float32 too):
+    dK/dV come back as the float32 accumulator, equal to the float64 sum of the kernel's own
+    per-piece gradients to float32 precision (a bf16 accumulator would be off by its ulp, 4e-3),
+    and dQ is that sum rounded once to bf16. The result is also the float64 math's to bf16
+    precision."""
+    seq, scale = 48, 8 ** -0.5
+    gen = torch.Generator().manual_seed(7)
+    doc_of = None if docs is None else torch.repeat_interleave(torch.arange(len(docs)),
+                                                               torch.tensor(docs))
+    for p in range(size):
+        if docs is None:
+            segs = local_segments(seq, p, size, "zigzag")
+            rows = [t for a, b in segs for t in range(a, b)]
+            pieces = plan_pieces(segs, seq, True, window)
+        else:
+            rows, pieces = packed(docs, p, size, window)
+        q64 = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64)
+        kv64 = torch.randn(2, 2, 2, seq, 8, generator=gen, dtype=torch.float64)
+        q, kv = q64.bfloat16(), kv64.bfloat16()
+        out, lse = attention_forward(q, kv[0], kv[1], pieces, scale)
+        do = torch.randn(out.shape, generator=gen, dtype=torch.float64).bfloat16()
+        dq, dkv = attention_backward(do, q, kv, out, lse, pieces, scale)
+        assert dq.dtype == torch.bfloat16 and dkv.dtype == torch.float32
+        sum_q = torch.zeros(q.shape, dtype=torch.float64)
+        sum_kv = torch.zeros(kv.shape, dtype=torch.float64)
+        for pc in pieces:
+            r, c = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
+            g = flash._piece_bwd(do[:, :, r].contiguous(), q[:, :, r], kv[0, :, :, c],
+                                 kv[1, :, :, c], out[:, :, r].contiguous(),
+                                 lse[:, :, r].contiguous(), pc.mask, scale)
+            sum_q[:, :, r] += g[0].double()
+            sum_kv[0, :, :, c] += g[1].double()
+            sum_kv[1, :, :, c] += g[2].double()
+        assert_close(dkv.double(), sum_kv, 1e-6, "dK/dV accumulator")
+        assert_close(dq.double(), sum_q.bfloat16().double(), 1e-6, "dQ, rounded once")
+        # and the math, to bf16 precision (inputs rounded to bf16 once)
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, kv[0], kv[1]))
+        ref = explicit(qr, kr, vr, rows, True, window, scale, doc_of)
+        assert_close(out.double(), ref.detach(), 2e-2, "bf16 output")
+        expected = torch.autograd.grad(ref, (qr, kr, vr), do.double())
+        for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
+            assert_close(a.double(), b, 3e-2, f"bf16 d{name}")

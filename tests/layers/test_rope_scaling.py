@@ -1,0 +1,199 @@
+"""Rotary embeddings whose frequencies depend on the sequence length (Hugging Face's dynamic NTK and
+longrope): under TSP every rank rotates with the frequencies of the global length, so loss, every
+gradient, the rotary's state (dynamic NTK grows and resets) and greedy generation equal the
+unmodified model on one process, at tsp 2 and 4, for sequences below, around and far above the
+original context; a batch without the global length raises on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tsp_core
+from tests.support import dist_pool, hf_models
+from tests.support.reference import assert_close
+from tsp_core import comm
+from tsp_core.layers import rope
+
+ORIGINAL = 20  # the original context: dynamic's max_position_embeddings, longrope's original_...
+# 3x the context; 0.5x right after it (dynamic NTK resets); 19: padded to 24 at tsp 4, so a rank's
+# local positions reach past the context while the sequence does not; 24: the ranks holding only
+# middle chunks see positions below the context while the sequence is above it
+LENGTHS = (60, 10, 19, 24)
+
+
+def build(kind: str, seed: int = 0):
+    """``kind``: "dynamic" or "longrope" (Llama), or "phi3-longrope" (Phi-3, whose generate
+    recomputes the KV cache once the sequence first passes the original context)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    half = 8  # head_dim 16
+    if kind == "dynamic":
+        params = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        max_pos = ORIGINAL
+    else:
+        params = {"rope_type": "longrope", "rope_theta": 10000.0,
+                  "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                  "long_factor": [1.0 + 0.7 * i for i in range(half)],
+                  "original_max_position_embeddings": ORIGINAL}
+        max_pos = 4 * ORIGINAL
+    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                 max_position_embeddings=max_pos)
+    torch.manual_seed(seed)
+    if kind == "phi3-longrope":
+        params.pop("original_max_position_embeddings")
+        config = Phi3Config(**shape, rope_parameters=params, original_max_position_embeddings=ORIGINAL,
+                            pad_token_id=0, eos_token_id=2)
+        return Phi3ForCausalLM(config).to(torch.float64)
+    return LlamaForCausalLM(LlamaConfig(**shape, rope_parameters=params)).to(torch.float64)
+
+
+def rotary_state(model) -> tuple:
+    r = model.model.rotary_emb
+    return r.inv_freq.clone(), getattr(r, "max_seq_len_cached", None), r.attention_scaling
+
+
+def training_parity(kind: str, tsp: int) -> list[float]:
+    """Loss and every gradient (full shapes) to 1e-10 against one process, batch after batch."""
+    mesh = dist_pool.mesh(tsp)
+    ref = build(kind)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for seq in LENGTHS:
+        ids = torch.randint(0, 96, (2, seq), generator=gen)
+        labels = ids.clone()
+        labels[0, :2] = -100
+        ref.zero_grad()
+        model.zero_grad()
+        want = hf_models.reference_loss(ref, ids, labels)
+        want.backward()
+        batch = tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)
+        assert batch["tsp_rope_len"].tolist() == [seq, seq]
+        got = model(**batch).loss
+        got.backward()
+        rel = abs(got.item() - want.item()) / abs(want.item())
+        assert rel <= 1e-10, f"{kind} D={tsp} seq {seq}: loss {got.item()!r} vs {want.item()!r}"
+        grads, ref_grads = hf_models.full_grads(model), hf_models.full_grads(ref)
+        assert sorted(grads) == sorted(ref_grads)
+        for name, g in ref_grads.items():
+            assert_close(grads[name], g, 1e-10, f"{kind} D={tsp} seq {seq}: grad of {name}")
+        for a, b in zip(rotary_state(model), rotary_state(ref)):  # dynamic NTK's state
+            assert (torch.equal(a, b) if torch.is_tensor(a) else a == b), (kind, seq, a, b)
+        losses.append(got.item())
+    dist.barrier()
+    return losses
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_training_matches_one_process(pools, kind, tsp):
+    losses = pools.of(tsp).run(training_parity, kind, tsp)
+    assert all(r == losses[0] for r in losses)
+
+
+def generation_parity(kind: str, tsp: int) -> list[list[int]]:
+    """Greedy tokens identical to Hugging Face's generate and each step's logits equal (float32,
+    as generate returns them), for prompts below the context that grow past it while decoding and
+    prompts already past it; the rotary state after generating is the same too."""
+    from tests.inference.test_decode import left_padded
+
+    mesh = dist_pool.mesh(tsp)
+    ref = build(kind)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    out = []
+    for lengths in ([7, 19], [9, 30]):  # 19: padded to 24 at tsp 4, past the context
+        ids, mask = left_padded(96, lengths)
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=12, output_logits=True,
+                             return_dict_in_generate=True)
+        assert torch.equal(got.sequences, want.sequences), (kind, tsp, lengths)
+        for t, (a, b) in enumerate(zip(got.logits, want.logits)):
+            assert_close(a, b, 1e-6, f"{kind} D={tsp} prompts {lengths} step {t} logits")
+        for a, b in zip(rotary_state(model), rotary_state(ref)):
+            assert (torch.equal(a, b) if torch.is_tensor(a) else a == b), (kind, lengths, a, b)
+        out.append(got.sequences.tolist())
+    return out
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_greedy_generation_matches_hf(pools, tsp):
+    for kind in ("dynamic", "longrope", "phi3-longrope"):
+        outs = pools.of(tsp).run(generation_parity, kind, tsp)
+        assert all(o == outs[0] for o in outs)
+
+
+def missing_length() -> list[str]:
+    """A batch without tsp_rope_len (built by hand, or on one rank only) raises on every rank after
+    the one agreed all-gather, before any schedule collective."""
+    mesh = dist_pool.mesh(2)
+    model = tsp_core.parallelize(build("dynamic"), mesh)
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    msgs = []
+    for drop_on in ([0, 1], [1]):
+        local = {k: v for k, v in batch.items() if k != "tsp_rope_len" or mesh.rank not in drop_on}
+        with comm.track() as stats, pytest.raises(ValueError, match="tsp_rope_len") as info:
+            model(**local)
+        assert dict(stats.calls) == {"all_gather": 1}, dict(stats.calls)
+        msgs.append(str(info.value).split(". This rank")[0])
+    assert f"TSP rank(s) [0, 1]: no tsp_rope_len, which this model's rotary embedding (dynamic" \
+        in msgs[0], msgs[0]
+    assert "TSP rank(s) [1]: no tsp_rope_len" in msgs[1], msgs[1]
+    with pytest.raises(ValueError, match="computes its frequencies from the sequence length"):
+        model.model.rotary_emb(torch.zeros(1, 4, 64), torch.arange(4)[None])
+    # a length-dependent rope that does not update through transformers' dynamic_rope_update
+    other = build("dynamic")
+    plain = type(other.model.rotary_emb).forward.__wrapped__
+    other.model.rotary_emb.__class__ = type("Custom", (type(other.model.rotary_emb),),
+                                            {"forward": plain})
+    with pytest.raises(NotImplementedError, match="not transformers' dynamic_rope_update"):
+        tsp_core.parallelize(other, mesh)
+    assert not hasattr(other, "_tsp_mesh")
+    model.zero_grad()
+    model(**batch).loss.backward()  # the group is still in step
+    return msgs
+
+
+def test_missing_length_raises_on_every_rank(pools):
+    msgs = pools.of(2).run(missing_length)
+    assert msgs[0] == msgs[1]
+
+
+def test_per_layer_type_rope_uses_the_global_length():
+    """A rotary with one rope per layer type (Gemma 3: dynamic on full attention, default on
+    sliding layers): each rank's part of the positions rotated under global_length equals the
+    one-process rotation of the whole sequence, and the state is the same, also after a reset."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    config = Gemma3TextConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=ORIGINAL,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 2.0,
+                                            "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+    ref = Gemma3RotaryEmbedding(config)
+    ranks = [copy.deepcopy(ref) for _ in range(4)]  # one per rank of a tsp 4 group: own state
+    for mine in ranks:
+        assert rope.length_dependent_rotaries(mine) == [mine]
+        rope.use_global_length([mine])
+    x = torch.zeros(1, 1, 32, dtype=torch.float64)
+    for seq in (60, 10, 24):
+        full = torch.arange(seq)[None]
+        for layer_type in ("full_attention", "sliding_attention"):
+            want = ref(x, full, layer_type)
+            for rank, mine in enumerate(ranks):
+                pos = tsp_core.layout.position_ids(-(-seq // 8) * 8, rank, 4)
+                pos = pos[pos < seq][None]
+                with rope.global_length([mine], seq):
+                    got = mine(x, pos, layer_type)
+                for g, w in zip(got, want):
+                    assert torch.equal(g, w[:, pos[0]]), (seq, layer_type, rank)
+                assert torch.equal(mine.full_attention_inv_freq, ref.full_attention_inv_freq)

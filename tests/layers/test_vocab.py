@@ -1,0 +1,136 @@
+"""Vocabulary-sharded embedding and fused LM-head loss against plain PyTorch in float64,
+including a vocabulary that does not divide by D and a shard made only of padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.support import dist_pool
+from tests.support.reference import assert_close
+from tsp_core import comm
+from tsp_core.layers.vocab import TSPEmbedding, TSPLMHead
+from tsp_core.sequence.layout import shard_sequence
+
+HIDDEN = 8
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = dist_pool.DistPool(4)
+    yield p
+    p.close()
+
+
+def run_parity(tsp: int, vocab: int, tied: bool, padding_idx: int | None,
+               softcap: float | None = None) -> dict:
+    mesh = dist_pool.mesh(tsp)
+    D, p = mesh.size, mesh.rank
+    gen = torch.Generator().manual_seed(5)
+    emb_w = torch.randn(vocab, HIDDEN, generator=gen, dtype=torch.float64)
+    head_w = emb_w if tied else torch.randn(vocab, HIDDEN, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (2, 16), generator=gen)
+    labels = torch.randint(0, vocab, (2, 16), generator=gen)
+    labels[0, :5] = -100
+    dy = torch.randn(2, 16, HIDDEN, generator=gen, dtype=torch.float64)
+
+    emb = TSPEmbedding(mesh, vocab, HIDDEN, padding_idx, dtype=torch.float64)
+    emb.load_full({"weight": emb_w})
+    head = TSPLMHead(mesh, vocab, HIDDEN, tied_to=emb if tied else None, dtype=torch.float64)
+    if not tied:
+        head.load_full({"weight": head_w})
+    head.logits_softcap = softcap  # Gemma 2's final logit soft-capping (None: off)
+
+    def capped(logits: torch.Tensor) -> torch.Tensor:
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+    ref_e = emb_w.clone().requires_grad_()
+    ref_h = ref_e if tied else head_w.clone().requires_grad_()
+    x_ref = F.embedding(ids, ref_e, padding_idx=padding_idx)
+    loss_ref = F.cross_entropy(capped(F.linear(x_ref + dy, ref_h)).flatten(0, 1),
+                               labels.flatten(), reduction="sum")
+    loss_ref.backward()
+
+    with comm.track() as stats:
+        x = emb(shard_sequence(ids, p, D))
+        loss = head.loss_sum(x + shard_sequence(dy, p, D), shard_sequence(labels, p, D))
+        total = comm.sum_over(loss, [mesh.group])
+        total.backward()
+    assert_close(x, shard_sequence(x_ref.detach(), p, D), 1e-12, "embedding rows")
+    assert_close(total.detach(), loss_ref.detach(), 1e-10, "loss")
+    grads = {"emb": emb.full_tensors(grads=True)["weight"]}
+    assert_close(grads["emb"], ref_e.grad, 1e-10, "embedding grad")
+    if not tied:
+        assert_close(head.full_tensors(grads=True)["weight"], ref_h.grad, 1e-10, "head grad")
+    # logits without labels: the whole vocabulary for the local tokens
+    logits = head(x.detach())
+    assert_close(logits, shard_sequence(capped(F.linear(x_ref.detach(), ref_h.detach())), p, D),
+                 1e-12, "logits")
+    dist.barrier()
+    return dict(stats.calls)
+
+
+@pytest.mark.parametrize("tsp", [1, 2, 4])
+@pytest.mark.parametrize("vocab,tied,padding_idx", [(32, False, None), (13, True, 3), (5, False, 0)])
+def test_parity_float64(pool, tsp, vocab, tied, padding_idx):
+    D = tsp
+    # embedding: counts, ids, rows forward + rows backward; loss: D-1 hops forward, D-1 weight
+    # hops + D gradient hops backward; the test's own sum: 1 all-reduce (nothing at D = 1)
+    want = {"all_to_all": 4, "ring_pass": 3 * D - 2, "all_reduce": 1} if D > 1 else {}
+    for rank, calls in enumerate(pool.run(run_parity, tsp, vocab, tied, padding_idx)):
+        assert calls == want, (rank, calls)
+
+
+@pytest.mark.parametrize("tsp", [1, 2, 4])
+@pytest.mark.parametrize("vocab,tied", [(32, False), (13, True)])
+def test_parity_softcapped_logits(pool, tsp, vocab, tied):
+    # logits of about 3 (unit rows, 8 wide) soft-capped at 2: tanh far from linear, in the loss,
+    # its gradients (the cap's 1 - tanh^2) and the logits
+    pool.run(run_parity, tsp, vocab, tied, None, 2.0)
+
+
+def bad_ids() -> str:
+    mesh = dist_pool.mesh(4)
+    emb = TSPEmbedding(mesh, 10, HIDDEN)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    if mesh.rank == 2:
+        ids[0, 1] = 10
+    with pytest.raises(ValueError, match=r"token ids out of range \[0, 10\) on TSP rank\(s\) \[2\]") as e:
+        emb(ids)
+    return str(e.value)
+
+
+def test_bad_ids_fail_on_every_rank(pool):
+    msgs = pool.run(bad_ids)
+    assert "this rank has 0...10" in msgs[2]
+
+
+def loss_peak(tsp: int, chunk_elements: int) -> tuple[int, int]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tsp_core.layers import vocab
+
+    mesh = dist_pool.mesh(tsp)
+    tokens, V, h = 1024, 4096, 16
+    head = TSPLMHead(mesh, V, h, dtype=torch.float32)
+    hidden = torch.randn(1, tokens, h, requires_grad=True)
+    labels = torch.randint(0, V, (1, tokens))
+    vocab.LOSS_CHUNK_ELEMENTS, saved = chunk_elements, vocab.LOSS_CHUNK_ELEMENTS
+    try:
+        tracker = MemTracker()
+        tracker.track_external(head, hidden)
+        with tracker:
+            head.loss_sum(hidden, labels).backward()
+    finally:
+        vocab.LOSS_CHUNK_ELEMENTS = saved
+    (snap,) = tracker.get_tracker_snapshot("peak").values()
+    dist.barrier()
+    return int(snap["Total"]), tokens * V * 4
+
+
+def test_loss_never_holds_the_local_logits(pool):
+    for rank, (peak, logits_bytes) in enumerate(pool.run(loss_peak, 2, 1 << 14)):
+        # inputs and the weight shard are tracked too (~0.3 MiB); [tokens, V] float32 is 16 MiB
+        assert peak < 0.1 * logits_bytes, (rank, peak, logits_bytes)

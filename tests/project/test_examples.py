@@ -1,0 +1,225 @@
+"""Every example script, run for a few steps with the command its docstring documents (plus its
+own steps option), ends cleanly on every rank (tests/support/launch.py) and prints the losses of one
+process, to the printed precision: a reference computed here from the example's model config,
+data, optimizer and clipping (Lightning: the final loss; DeepSpeed, Accelerate: every step), the
+main job's own one-process column, or the plain Trainer. Each reference moves the loss by much
+more than the tolerance, so a run that did not train fails. (On random tokens AdamW's first steps
+raise the loss of these models; "moved", not "fell", is what is checked.)
+
+The Trainer example also runs with gradient accumulation: 2 micro-batches of 1 row on TSP
+(2 processes) against the plain Trainer with batches of 2 rows on one process (its other
+documented command): the same logged losses and gradient norms at every step and the same final
+weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import torch
+
+from tests.support import launch
+
+EXAMPLES = os.path.join(launch.ROOT, "examples")
+BIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+           num_attention_heads=8, num_key_value_heads=4)   # lightning, hf_trainer, deepspeed
+
+
+def example(name: str) -> str:
+    return os.path.join(EXAMPLES, name)
+
+
+def floats(pattern: str, text: str) -> list[float]:
+    found = [float(v) for v in re.findall(pattern, text)]
+    assert found, f"nothing printed matches {pattern!r}:\n{text[-3000:]}"
+    return found
+
+
+def train_reference(model, batches, lr: float, weight_decay: float, clip: float | None):
+    """Losses of AdamW steps of ``model`` on ``batches`` (ids, also the labels), one process."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_losses(printed: list[float], ref: list[float], tol: float) -> None:
+    assert len(printed) == len(ref), (printed, ref)
+    for step, (a, b) in enumerate(zip(printed, ref)):
+        assert abs(a - b) <= tol, f"step {step}: printed loss {a} vs one process {b}"
+    assert abs(ref[-1] - ref[0]) > 10 * tol, f"training did not move the loss: {ref}"
+
+
+def logged_tsp_rows(csv_file) -> list[dict]:
+    """The rows of a Lightning CSVLogger file that carry TSP's figures."""
+    import csv
+
+    with open(csv_file) as f:
+        rows = [{k: float(v) for k, v in row.items() if k.startswith("tsp/") and v}
+                for row in csv.DictReader(f)]
+    return [row for row in rows if row]
+
+
+def assert_tsp_rows(rows: list[dict], steps: int, tokens: int) -> None:
+    """One row per step (logged every step), each of one step of ``tokens`` tokens that sent
+    something; their exactness against comm's counters is tests/metrics_check's."""
+    assert [row["tsp/steps"] for row in rows] == [1.0] * steps, rows
+    for row in rows:
+        assert row["tsp/tokens"] == tokens and row["tsp/comm_mib"] > 0, row
+        assert abs(row["tsp/tokens_per_s"] * row["tsp/step_s"] - tokens) <= 1e-9 * tokens, row
+
+
+def lightning_reference(steps: int, seq: int, shuffle: bool) -> list[float]:
+    """examples/lightning_llama.py's training on one process, its rows in the order of a
+    one-replica DistributedSampler (Lightning's Trainer shuffles with seed 0, Fabric does not)."""
+    from torch.utils.data import DistributedSampler
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = torch.randint(0, 4096, (64, seq), generator=torch.Generator().manual_seed(0))
+    order = list(DistributedSampler(range(64), num_replicas=1, rank=0, shuffle=shuffle, seed=0))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=seq, **BIG))
+    return train_reference(model, [ids[order[2 * s:2 * s + 2]] for s in range(steps)], 3e-4,
+                           0.01, clip=1.0)
+
+
+def test_lightning_example(tmp_path):
+    # `python examples/lightning_llama.py`: Lightning starts 2 processes (TSP 2, dp 1); its
+    # training loader gets Lightning's DistributedSampler (1 replica, shuffled, seed 0). The
+    # strategy's TSPMonitor writes TSP's figures to the CSVLogger every step
+    steps, seq = 3, 128
+    proc = launch.run([sys.executable, example("lightning_llama.py"), "--steps", str(steps),
+                       "--seq", str(seq), "--log-dir", str(tmp_path)], ranks=2)
+    final = floats(r"final train_loss (\S+)", proc.stdout)
+    ref = lightning_reference(steps, seq, shuffle=True)
+    assert abs(final[-1] - ref[-1]) <= 1e-4, (final, ref)   # printed with 4 decimals
+    assert abs(ref[-1] - ref[0]) > 1e-3, ref
+    assert "tsp metrics (this rank): 1 steps" in proc.stdout, proc.stdout[-2000:]
+    assert_tsp_rows(logged_tsp_rows(tmp_path / "trainer" / "version_0" / "metrics.csv"), steps,
+                    2 * seq)
+
+
+def test_lightning_fabric_example(tmp_path):
+    # `python examples/lightning_llama.py --fabric`: the same training as a Fabric loop (its
+    # injected sampler keeps the loader's order), fabric.log_dict with TSP's figures every step
+    steps, seq = 3, 128
+    proc = launch.run([sys.executable, example("lightning_llama.py"), "--fabric", "--steps",
+                       str(steps), "--seq", str(seq), "--log-dir", str(tmp_path)], ranks=2)
+    final = floats(r"final train_loss (\S+)", proc.stdout)
+    ref = lightning_reference(steps, seq, shuffle=False)
+    assert abs(final[-1] - ref[-1]) <= 1e-4, (final, ref)
+    assert "tsp metrics (this rank): 1 steps" in proc.stdout, proc.stdout[-2000:]
+    assert_tsp_rows(logged_tsp_rows(tmp_path / "fabric" / "version_0" / "metrics.csv"), steps,
+                    2 * seq)
+
+
+def test_deepspeed_example():
+    # the documented 4-process run: TSP 2 x data parallel 2, ZeRO-2; every step's printed loss
+    # is the global mean over both replicas' batches (FusedAdam: weight decay 0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    steps, seq = 3, 128
+    proc = launch.run(launch.torchrun(4, example("deepspeed_llama.py"), "--tsp", "2", "--steps",
+                                      str(steps), "--seq", str(seq)), ranks=4,
+                      DS_ACCELERATOR="cpu")
+    printed = floats(r"step \d+ loss (\S+)", proc.stdout)
+    assert f"tsp metrics (this rank): {steps} steps" in proc.stdout, proc.stdout[-2000:]
+    gens = [torch.Generator().manual_seed(1 + dp_rank) for dp_rank in range(2)]
+    batches = [torch.cat([torch.randint(0, 4096, (2, seq), generator=g) for g in gens])
+               for _ in range(steps)]
+    torch.manual_seed(0)
+    ref = train_reference(LlamaForCausalLM(LlamaConfig(**BIG)), batches, 3e-4, 0.0, clip=1.0)
+    assert_losses(printed, ref, 1e-4)   # printed with 4 decimals
+
+
+def test_accelerate_example(tmp_path):
+    # `accelerate launch --multi_gpu --num_processes 2`: 4 steps, save_state, 2 steps, load_state,
+    # the same 2 steps again (the script checks they repeat); it prints the 6 losses
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    accelerate = os.path.join(launch.BIN, "accelerate")
+    proc = launch.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2",
+                       example("accelerate_llama.py"), "--out", str(tmp_path)], ranks=2)
+    assert "processes 2, TSP degree 2" in proc.stdout, proc.stdout
+    assert "tsp metrics (this rank): 1 steps" in proc.stdout, proc.stdout[-2000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    assert [row["step"] for row in logged] == list(range(1, 9)), logged
+    assert_tsp_rows(logged, 8, 2 * 64)     # 4 + 2 steps, then the 2 steps again after load_state
+    (line,) = re.findall(r"^losses (.*)$", proc.stdout, re.M)
+    printed = [float(v) for v in line.split()]
+    ids = torch.randint(0, 128, (32, 64), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=64))
+    ref = train_reference(model, [ids[2 * s:2 * s + 2] for s in range(6)], 1e-3, 0.01, clip=None)
+    assert_losses(printed, ref, 1e-5 * ref[0])   # printed with 6 decimals
+
+
+def trainer_logs(stdout: str) -> list[tuple[float, float]]:
+    """(loss, grad_norm) of every step the Trainer logged (4 significant digits)."""
+    return [(float(a), float(b)) for a, b in
+            re.findall(r"\{'loss': '([^']+)', 'grad_norm': '([^']+)'", stdout)]
+
+
+def test_hf_trainer_example_with_gradient_accumulation(tmp_path):
+    from safetensors.torch import load_file
+
+    steps = ["--max_steps", "2"]
+    plain = launch.run([sys.executable, example("hf_trainer_llama.py"), *steps,
+                        "--output_dir", str(tmp_path / "plain")], ranks=1)
+    tsp = launch.run(launch.torchrun(2, example("hf_trainer_llama.py"), "--tsp_size", "2", *steps,
+                                     "--per_device_train_batch_size", "1",
+                                     "--gradient_accumulation_steps", "2",
+                                     "--output_dir", str(tmp_path / "tsp")), ranks=2)
+    assert "tsp metrics (this rank): 1 steps" in tsp.stdout, tsp.stdout[-2000:]
+    ref, got = trainer_logs(plain.stdout), trainer_logs(tsp.stdout)
+    assert len(ref) == len(got) == 2, (plain.stdout[-2000:], tsp.stdout[-2000:])
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, ref)):
+        # one unit of the 4th significant digit: a gradient twice too large (micro-batch means
+        # summed) or half (a dp average) is far outside
+        assert abs(loss - ref_loss) <= 1e-3 * ref_loss, f"step {step}: loss {loss} vs {ref_loss}"
+        assert abs(norm - ref_norm) <= 1e-3 * ref_norm, f"step {step}: grad norm {norm} vs " \
+                                                        f"{ref_norm}"
+    assert ref[1][0] != ref[0][0]
+    a = load_file(str(tmp_path / "tsp" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
+    start = load_file(str(tmp_path / "plain" / "initial_model" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    # 2 AdamW steps (lr 5e-05, then 2.5e-05) move each weight by up to 7.5e-05; elements with tiny
+    # gradients move by up to ~3e-06 differently (rounding, divided by sqrt(v)); measured
+    moved = max((b[k] - start[k]).abs().max().item() for k in b)
+    assert moved > 5e-5, moved
+    for name in b:
+        err = (a[name] - b[name]).abs().max().item()
+        assert err <= 1e-5, f"{name}: final weights differ by {err}"
+
+
+def test_main_job():
+    # `./run main` (torchrun, NPROC processes) with a tiny model: the TSP column of the loss
+    # table equals the one-process HF column, which is the script's own reference
+    proc = launch.run(["./run", "main", "--layers", "1", "--hidden", "64", "--heads", "4",
+                       "--kv-heads", "4", "--ffn", "128", "--vocab", "128", "--seq", "64",
+                       "--steps", "3", "--warmup", "1", "--baselines", ""], ranks=2, NPROC="2",
+                      TSP_VENV=sys.prefix)
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s*$", proc.stdout, re.M)
+    assert [int(r[0]) for r in rows] == [0, 1, 2], proc.stdout
+    for step, hf, tsp in rows:
+        assert abs(float(tsp) - float(hf)) <= 1e-5 * float(hf), f"step {step}: {tsp} vs {hf}"
+    assert float(rows[-1][1]) != float(rows[0][1])
+    assert "TSP, 2 processes" in proc.stdout
+    # tokens/s, MiB sent/step, wait % (some: the ranks exchange K/V and weights), peak MiB/rank
+    (wait,) = re.findall(r"^TSP, 2 processes\s+\d+\s+[\d.]+\s+([\d.]+)\s+[\d.]+, [\d.]+$",
+                         proc.stdout, re.M)
+    assert float(wait) > 0, proc.stdout
+

@@ -1,0 +1,189 @@
+"""Sharded checkpoints (tsp_core.save_checkpoint / load_checkpoint): a run that saves and resumes at
+TSP degree 4 -> 2 -> 1 -> 4 (data parallel 1, 2, 4, 1: each replica its own rows of a 4-row global
+batch), optimizer state included, has every step's gradients and the final weights of one
+uninterrupted single-process run on the global batch (float64, 1e-10); the same files load into a
+plain Hugging Face model; an unfinished save, a checkpoint of another model and a bad save fail on
+every rank and change nothing."""
+
+from __future__ import annotations
+
+import copy
+import os
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tsp_core
+from tests.support import dist_pool, hf_models
+from tests.support.reference import assert_close
+
+ROWS = 4  # the global batch: data-parallel replicas (1, 2 or 4) split it, each its own rows
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = dist_pool.DistPool(4)
+    yield p
+    p.close()
+
+
+def batch(step: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (ROWS, 16), generator=torch.Generator().manual_seed(100 + step))
+
+
+def reference_run(family: str, steps: int):
+    """One process on the global batch; returns the model, its optimizer and each step's grads."""
+    model = hf_models.build(family, torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads = []
+    for step in range(steps):
+        ids = batch(step, model.config.vocab_size)
+        hf_models.reference_loss(model, ids, ids).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return model, opt, grads
+
+
+def tsp_steps(model, opt, mesh, steps: range, ref_grads: list[dict] | None = None) -> None:
+    """Steps on this data-parallel replica's rows of the global batch; with ``ref_grads``, every
+    gradient must equal the one-process gradient of the global batch (a data-parallel mean where
+    a sum belongs, or a TSP-degree factor, fails here; AdamW's update alone would hide it)."""
+    dp, dp_rank = mesh.dp_size, dist.get_rank() // mesh.size
+    for step in steps:
+        ids = batch(step, model.config.vocab_size).chunk(dp)[dp_rank]
+        model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.backward()
+        if ref_grads is not None:
+            got = hf_models.full_grads(model)
+            for name, g in ref_grads[step].items():
+                assert_close(got[name], g, 1e-10, f"grad of {name} at step {step} "
+                                                  f"(tsp {mesh.size}, dp {dp})")
+        opt.step()
+        opt.zero_grad()
+
+
+def reshard_run(family: str, root: str) -> dict:
+    # degree 4 (dp 1), 2 (dp 2 x tsp 2), 1 (dp 4), then 4 again; one fresh model (another seed) and
+    # a fresh optimizer at each stage, filled only by load_checkpoint
+    stages = [(4, range(0, 2)), (2, range(2, 3)), (1, range(3, 4)), (4, range(4, 5))]
+    ref, ref_opt, ref_grads = reference_run(family, 5)
+    prev = None
+    for tsp, steps in stages:
+        mesh = dist_pool.mesh(tsp)
+        seed = 0 if prev is None else 7 + tsp  # the reference's weights only through the checkpoint
+        model = tsp_core.parallelize(hf_models.build(family, torch.float64, seed=seed), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if prev is not None:
+            extra = tsp_core.load_checkpoint(prev, model, opt)
+            assert extra == {"step": steps.start, "note": f"after {steps.start}"}, extra
+        tsp_steps(model, opt, mesh, steps, ref_grads)
+        prev = os.path.join(root, f"d{tsp}_step{steps.stop}")
+        tsp_core.save_checkpoint(prev, model, opt, step=steps.stop, note=f"after {steps.stop}")
+    got = tsp_core.full_state_dict(model)
+    for name, t in ref.state_dict().items():
+        assert_close(got[name], t, 1e-10, f"{name} after 5 steps with resharding resumes")
+
+    # the degree-4 checkpoint of step 5 into a plain model and a plain AdamW
+    plain = hf_models.build(family, torch.float64, seed=3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    assert tsp_core.load_checkpoint(prev, plain, plain_opt)["step"] == 5
+    for name, t in ref.state_dict().items():
+        assert_close(plain.state_dict()[name], t, 1e-10, f"{name} in a plain model")
+    ref_state = {n: ref_opt.state[p] for n, p in ref.named_parameters()}
+    for n, p in plain.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close(plain_opt.state[p][key], ref_state[n][key], 1e-10, f"{n} {key}")
+        assert plain_opt.state[p]["step"].item() == 5
+    # and it keeps training like the reference
+    ids = batch(5, plain.config.vocab_size)
+    for m, o in ((plain, plain_opt), (ref, ref_opt)):
+        hf_models.reference_loss(m, ids, ids).backward()
+        o.step()
+    for name, t in ref.state_dict().items():
+        assert_close(plain.state_dict()[name], t, 1e-10, f"{name}, plain model, step 6")
+    dist.barrier()
+    return sorted(os.listdir(root))
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "phi3"])
+def test_resume_at_other_degrees_matches_one_process(pool, tmp_path, family):
+    # llama: 2 KV heads, their rows sliced over 4 ranks at degree 4; llama-tied: vocabulary 101,
+    # padded; phi3: fused qkv_proj / gate_up_proj, each saved as one tensor under its own name
+    for listing in pool.run(reshard_run, family, str(tmp_path)):  # what every rank sees
+        assert listing == ["d1_step4", "d2_step3", "d4_step2", "d4_step5"], listing
+
+
+def failures(root: str) -> list[str]:
+    mesh = dist_pool.mesh(2)
+    model = tsp_core.parallelize(hf_models.build("llama", torch.float64), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tsp_steps(model, opt, mesh, range(1))
+    good = os.path.join(root, "good")
+    tsp_core.save_checkpoint(good, model, opt, step=1)
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    before_opt = copy.deepcopy(opt.state_dict())
+    msgs = []
+
+    def expect(exc, pattern, fn):
+        with pytest.raises(exc, match=pattern) as info:
+            fn()
+        msgs.append(str(info.value))
+
+    # a save that fails (an extra value torch.load cannot read back) raises on every rank before
+    # anything is written; the existing checkpoint is untouched
+    expect(ValueError, r"extra values \['step'\] must be tensors, numbers",
+           lambda: tsp_core.save_checkpoint(good, model, opt, step=object()))
+    # a save that died before its rename, and a directory without the completeness marker
+    if dist.get_rank() == 0:
+        os.makedirs(good + ".partial")
+        os.makedirs(os.path.join(root, "empty"))
+    dist.barrier()
+    expect(FileNotFoundError, r"good.partial is a save that did not finish",
+           lambda: tsp_core.load_checkpoint(good + ".partial", model))
+    expect(FileNotFoundError, r"empty is not a tsp_core checkpoint",
+           lambda: tsp_core.load_checkpoint(os.path.join(root, "empty"), model))
+    assert tsp_core.latest_checkpoint(root) == good
+    # checkpoints of other models: q/k/v biases (qwen2), another hidden size
+    other = tsp_core.parallelize(hf_models.build("qwen2", torch.float64), mesh)
+    tsp_core.save_checkpoint(os.path.join(root, "qwen2"), other)
+    expect(ValueError, r"holds a Qwen2ForCausalLM that does not match this LlamaForCausalLM: "
+                       r"6 parameters not in this model \(e.g. \['model.layers.0.self_attn.k_proj.bias'",
+           lambda: tsp_core.load_checkpoint(os.path.join(root, "qwen2"), model))
+    from transformers import LlamaConfig, LlamaForCausalLM
+    wide = LlamaForCausalLM(LlamaConfig(**{**hf_models.COMMON, "hidden_size": 32}, vocab_size=96))
+    wide = tsp_core.parallelize(wide.to(torch.float64), mesh)
+    tsp_core.save_checkpoint(os.path.join(root, "wide"), wide)
+    expect(ValueError, r"model.embed_tokens.weight has shape \(96, 32\) in the checkpoint, "
+                       r"\(96, 64\) here",
+           lambda: tsp_core.load_checkpoint(os.path.join(root, "wide"), model))
+    expect(ValueError, r"was saved without optimizer state; pass optimizer=None",
+           lambda: tsp_core.load_checkpoint(os.path.join(root, "wide"), model, opt))
+    # the adapters' hooks: an optimizer-only checkpoint (TSPTrainer's) does not load as weights;
+    # framework metadata torch.load(weights_only=True) refuses (Lightning's) is read only on request
+    opt_only, pickled = os.path.join(root, "opt_only"), os.path.join(root, "pickled")
+    tsp_core.save_checkpoint(opt_only, model, [opt], model_state=False)
+    expect(ValueError, r"holds optimizer state only \(saved with model_state=False\)",
+           lambda: tsp_core.load_checkpoint(opt_only, model, opt))
+    tsp_core.save_checkpoint(pickled, model, extra_weights_only=False, meta=Fraction(1, 3))
+    expect(ValueError, r"saved with extra_weights_only=False and do not load with weights_only=True",
+           lambda: tsp_core.load_checkpoint(pickled, model))
+    after = {k: v.to_local() for k, v in model.state_dict().items()}
+    assert all(torch.equal(before[k], after[k]) for k in before), "a failed load changed the model"
+    after_opt = opt.state_dict()
+    for i, s in before_opt["state"].items():
+        assert all(torch.equal(s[k].to_local() if hasattr(s[k], "to_local") else s[k],
+                               after_opt["state"][i][k].to_local()
+                               if hasattr(after_opt["state"][i][k], "to_local")
+                               else after_opt["state"][i][k]) for k in s)
+    assert tsp_core.load_checkpoint(pickled, model, weights_only=False) == {"meta": Fraction(1, 3)}
+    assert tsp_core.load_checkpoint(opt_only, model, opt, model_state=False) == {}
+    assert tsp_core.load_checkpoint(good, model, opt) == {"step": 1}
+    dist.barrier()
+    return msgs
+
+
+def test_failures_change_nothing_and_agree_on_every_rank(pool, tmp_path):
+    per_rank = pool.run(failures, str(tmp_path))
+    assert all(m == per_rank[0] for m in per_rank), per_rank

@@ -1,0 +1,254 @@
+"""Tiny random-init Hugging Face models of each supported family (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+            "granite", "olmo2", "phi3")
+# the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
+BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
+# float32 runs (a sanity check beside the float64 exactness runs): one family per feature set.
+# Not Phi-3 and OLMo 2: after 5 AdamW steps single weight elements differ from HF's float32 run by
+# 1.1e-4 and 1.25e-4 (OLMo 2 already at tsp 1), float32 rounding that AdamW amplifies past the
+# 1e-4 tolerance: OLMo 2's q/k norm weight gradients are ill-conditioned sums, HF's own float32
+# ones up to 3.8e-5 (relative to their max) off the float64 ones, TSP's 7.9e-5. Their float64
+# runs hold every weight to 1e-8
+FLOAT32_FAMILIES = ("llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite")
+
+
+def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):
+    """``kv_heads``: num_key_value_heads instead of COMMON's 2 (1 = MQA: at tsp 2 and 4 each
+    key/value head is split over several ranks)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    common = COMMON if kv_heads is None else {**COMMON, "num_key_value_heads": kv_heads}
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, **common))
+    elif family == "llama-tied":   # tied embeddings, a vocabulary that needs padding at D = 2, 4
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=101, tie_word_embeddings=True, **common))
+    elif family == "mistral":      # sliding window smaller than the test sequences
+        model = MistralForCausalLM(MistralConfig(vocab_size=96, sliding_window=7, **common))
+    elif family == "qwen2":        # q/k/v biases; layer 1 uses a sliding window
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, use_sliding_window=True,
+                                             sliding_window=9, max_window_layers=1, **common))
+    elif family == "qwen3":        # per-head q/k norms, head_dim 24 (not 64/4), biases, a
+        from transformers import Qwen3Config, Qwen3ForCausalLM  # sliding layer
+
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=96, head_dim=24, attention_bias=True,
+                                             use_sliding_window=True, sliding_window=9,
+                                             max_window_layers=1, **common))
+    elif family == "gemma":        # (1 + w) norms, scaled embedding, tanh-GELU, head_dim 24
+        from transformers import GemmaConfig, GemmaForCausalLM
+
+        model = GemmaForCausalLM(GemmaConfig(vocab_size=96, head_dim=24, **common))
+    elif family == "gemma2":       # sandwich norms, query_pre_attn_scalar, alternating sliding
+        from transformers import Gemma2Config, Gemma2ForCausalLM  # layers, soft-capping
+
+        # soft-caps small for the scores and logits of this size: initializer_range 0.2 (not
+        # 0.02) gives attention scores of about 2 (up to ~13) and logits of about 1.3 (up to
+        # ~6), so tanh(s / 2) and tanh(logits / 3) are far from linear (GEMMA2_SOFTCAPS)
+        model = Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=96, head_dim=24, query_pre_attn_scalar=20, sliding_window=9,
+            initializer_range=0.2, **GEMMA2_SOFTCAPS, **common))
+        # HF's only attention for Gemma 2 with soft-capping is its eager one, whose softmax runs
+        # in float32 whatever the dtype (1e-7 off in float64, like its loss): the reference uses
+        # the same attention with the softmax in the model's dtype when that is wider
+        use_exact_eager(model)
+    elif family == "gemma3":       # Gemma 2's layout plus per-head q/k norms and local/global
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # rotary bases
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=96, head_dim=24, query_pre_attn_scalar=20, sliding_window=9,
+            layer_types=["sliding_attention", "full_attention"], **common))
+    elif family == "granite":      # embedding, residual, attention and logits multipliers
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        model = GraniteForCausalLM(GraniteConfig(
+            vocab_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.3, logits_scaling=4.0, **common))
+    elif family == "olmo2":        # q/k norms over all heads, norms after attention and MLP,
+        from transformers import Olmo2Config, Olmo2ForCausalLM  # biases
+
+        model = Olmo2ForCausalLM(Olmo2Config(vocab_size=96, attention_bias=True, **common))
+    elif family == "phi3":         # fused qkv_proj and gate_up_proj, sliding window, partial
+        from transformers import Phi3Config, Phi3ForCausalLM  # rotary (Phi-4-mini), padding row
+
+        model = Phi3ForCausalLM(Phi3Config(vocab_size=96, sliding_window=7,
+                                           partial_rotary_factor=0.5, pad_token_id=0,
+                                           eos_token_id=2, **common))
+    else:
+        raise ValueError(family)
+    if family.startswith("gemma"):
+        float64_gemma_norms(model)
+    if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3"):
+        # norms and biases away from their initial ones/zeros: a weight applied the wrong way
+        # (w vs 1 + w), or not at all, changes the very first loss
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "bias")):
+                    p.add_(0.1 * torch.randn(p.shape))
+    return model.to(dtype)
+
+
+GEMMA2_SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+EXACT_EAGER = "tsp_tests_exact_eager"
+
+
+def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                          softcap=None, **kwargs):
+    """transformers' Gemma 2 ``eager_attention_forward`` (the scores times ``scaling``, then
+    ``tanh(s / softcap) * softcap``, then the additive mask, softmax, times V), with one change:
+    the softmax runs in the scores' dtype when it is wider than float32 (HF's always runs in
+    float32, ~1e-7 off in a float64 model); for float32 and below it is HF's."""
+    from transformers.models.gemma2.modeling_gemma2 import repeat_kv
+
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        weights = weights / softcap
+        weights = torch.tanh(weights)
+        weights = weights * softcap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    wide = torch.promote_types(query.dtype, torch.float32)
+    weights = F.softmax(weights, dim=-1, dtype=wide).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def use_exact_eager(model) -> None:
+    """Make ``model`` (a Gemma 2) run :func:`exact_eager_attention`, registered with transformers
+    under its own name with eager attention's additive masks (causal, sliding, padding)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(EXACT_EAGER, exact_eager_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(EXACT_EAGER, eager_mask)
+    model.config._attn_implementation = EXACT_EAGER
+
+
+def float64_gemma_norms(model) -> None:
+    """Gemma's RMSNorms compute in float32 even in a float64 model (``x.float()``,
+    ``weight.float()``): their weight gradients are sums rounded to float32, which caps agreement
+    with any other summation order at ~1e-7. The reference's norms compute in the model's dtype
+    when it is wider, as tsp_core.layers.norm.gemma_rms_norm does (the same ops for float32 and
+    below)."""
+    import types
+
+    from tsp_core.layers.norm import gemma_rms_norm
+
+    def forward(self, x):
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+    for module in model.modules():
+        if type(module).__name__.startswith("Gemma") and type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(forward, module)
+
+
+def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The unmodified model's loss on the full batch. In float32 it is HF's own loss; in float64
+    the cross-entropy is taken from HF's logits in float64, because HF's ForCausalLMLoss casts
+    logits to float32 first (that would cap agreement at ~1e-7)."""
+    if model.dtype != torch.float64:
+        return model(input_ids=ids, labels=labels).loss
+    logits = model(input_ids=ids).logits
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients by Hugging Face name and full shape: a plain model's ``.grad``; of a TSP model
+    the gathered shards (every rank of the TSP group must call it; KV-head and vocabulary
+    padding dropped and fused tensors such as Phi-3's ``qkv_proj`` assembled, as in
+    ``tsp_core.full_state_dict``)."""
+    from tsp_core.distributed.params import ShardedModule, local
+
+    out: dict[str, torch.Tensor] = {}
+    owned, seen = set(), set()
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, ShardedModule):
+            pre = f"{prefix}." if prefix else ""
+            owned |= {pre + n for n, _ in m.named_parameters()}
+            # a tied weight under its first name only, as model.named_parameters() gives it
+            fresh = {m.hf_name(n) for n, p in m.named_parameters() if id(p) not in seen}
+            seen |= {id(p) for _, p in m.named_parameters()}
+            if fresh:
+                out.update({pre + n: g for n, g in m.full_tensors(grads=True).items()
+                            if n in fresh})
+    for name, p in model.named_parameters():
+        if name not in owned and p.grad is not None:
+            out[name] = local(p.grad).detach().clone()
+    return out
+
+
+def storage_bytes(model) -> int:
+    """Bytes of parameter storage this rank holds, measured: every distinct storage once (FSDP2's
+    shards are views into per-layer buffers)."""
+    from tsp_core.distributed.params import local
+
+    seen = {}
+    for p in model.parameters():
+        s = local(p).untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def sgd_reference(model, batches: list[torch.Tensor], lr: float, clip: float | None,
+                  optimizer=torch.optim.SGD) -> dict:
+    """The unmodified model on one process, one global batch per step: loss
+    (:func:`reference_loss`), gradient, ``torch.nn.utils.clip_grad_norm_`` at ``clip`` (None:
+    no clipping, the norm still measured), plain SGD (no momentum, no weight decay: the update
+    is lr times the clipped gradient, so a gradient of the wrong scale shows in the weights
+    unless clipping cancels it, and then in the norm; ``optimizer`` another class, e.g. AdamW,
+    whose scale invariance only the norms and first gradients then guard). Returns the losses,
+    the norms before clipping, the first step's gradients (before clipping) and the final
+    weights."""
+    opt = optimizer(model.parameters(), lr=lr)
+    losses, norms, grads0 = [], [], None
+    for ids in batches:
+        loss = reference_loss(model, ids, ids)
+        loss.backward()
+        if grads0 is None:
+            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return dict(losses=losses, norms=norms, grads0=grads0, weights=weights)
+
+
+def assert_matches_reference(run: dict, ref: dict, tol: float, norm_tol: float | None = None,
+                             what: str = "", loss_tol: float | None = None) -> None:
+    """A TSP run's losses (relative, ``loss_tol``), norms before clipping (relative,
+    ``norm_tol``), first-step gradients and final weights (:func:`tests.reference.assert_close`,
+    ``tol``) against :func:`sgd_reference`'s; keys a run does not record are not compared."""
+    from tests.support.reference import assert_close
+
+    norm_tol = tol if norm_tol is None else norm_tol
+    loss_tol = tol if loss_tol is None else loss_tol
+    for key, t in (("losses", loss_tol), ("norms", norm_tol)):
+        if key in run:
+            assert len(run[key]) == len(ref[key]), f"{what}{key}: {run[key]} vs {ref[key]}"
+            for step, (a, b) in enumerate(zip(run[key], ref[key])):
+                assert abs(a - b) <= t * abs(b), f"{what}{key}, step {step}: {a} vs {b}"
+    for key in ("grads0", "weights"):
+        if key in run:
+            assert sorted(run[key]) == sorted(ref[key]), f"{what}{key}: names differ"
+            for name, t in ref[key].items():
+                assert_close(run[key][name], t, tol, f"{what}{key} {name}")

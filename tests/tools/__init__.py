@@ -1,0 +1,1 @@
+"""Tests of tsp_core.tools (the tsp command, benchmarks, gpu-check)."""
