@@ -1,8 +1,9 @@
 """An ordinary Accelerate training script; TSP is the one changed line (``TSPAccelerator``), plus
 an optional one that logs TSP's figures.
 
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_llama.py   (TSP, 2 processes)
-    python examples/accelerate_llama.py --plain                                  (the original script)
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_llama.py   (TSP, 2
+    processes) python examples/accelerate_llama.py --plain                                  (the
+    original script)
 
 (On a CPU-only machine ``accelerate launch --cpu`` starts one process; ``--multi_gpu`` starts
 torchrun workers, which run on CPU with gloo.)
@@ -27,9 +28,9 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
-from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 
 import tsp_core
+from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 
 
 def documents(count: int, vocab: int = 128) -> list[dict]:

@@ -15,10 +15,10 @@ import os
 
 import torch
 import torch.distributed as dist
-import tsp_deepspeed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tsp_core
+import tsp_deepspeed
 
 
 def main() -> None:

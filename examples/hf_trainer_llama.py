@@ -18,9 +18,9 @@ import sys
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM
-from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
 import tsp_core
+from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
 
 def main() -> None:

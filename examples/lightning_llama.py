@@ -20,12 +20,12 @@ import os
 
 import lightning as L
 import torch
-import tsp_lightning  # registers strategy="tsp"
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tsp_core
+import tsp_lightning  # registers strategy="tsp"
 
 
 class RandomTokens(Dataset):

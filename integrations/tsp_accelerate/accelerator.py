@@ -28,8 +28,8 @@ preparation then finds an ``FSDPModule`` and only points the optimizer at its pa
 second ``fully_shard``, upcast or broadcast from rank 0). Options TSP cannot honour are refused in
 the constructor (:func:`check_fsdp_plugin`), before any collective.
 
-DeepSpeed (``accelerate launch --use_deepspeed``; a ``DeepSpeedPlugin`` too, untested): Accelerate calls
-``deepspeed.initialize`` itself, with no mpu; ``prepare()`` sends that call through
+DeepSpeed (``accelerate launch --use_deepspeed``; a ``DeepSpeedPlugin`` too, untested): Accelerate
+calls ``deepspeed.initialize`` itself, with no mpu; ``prepare()`` sends that call through
 ``tsp_deepspeed.initialize`` (``tsp_deepspeed.routed``), so ZeRO partitions over the data-parallel
 axis, and ``save_state`` / ``load_state`` are Accelerate's own (``engine.save_checkpoint`` writes
 every TSP rank's shards). On CPU the accelerator is created with a gloo process group instead of

@@ -9,8 +9,8 @@ degree and data-parallel size.
   pickles its ``meta.pt``.
 - ``save_distributed_checkpoint=False``: one file in Lightning's ordinary single-file format with
   the full, Hugging Face-shaped weights and optimizer state, assembled on rank 0
-  (:func:`tsp_core.full_state_dict`, :func:`tsp_core.state.resharding.full_optimizer_state_dict`), so
-  any strategy, a plain single-device one too, resumes from it.
+  (:func:`tsp_core.full_state_dict`, :func:`tsp_core.state.resharding.full_optimizer_state_dict`),
+  so any strategy, a plain single-device one too, resumes from it.
 
 Either loads into the TSP strategies at any degree; the older local-layout folders (Lightning's
 ``meta.pt`` beside DCP shards of the padded local tensors) still load at the degree that wrote them.

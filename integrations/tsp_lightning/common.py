@@ -76,7 +76,8 @@ class TSPMeshMixin:
 
     def _set_fsdp(self, fsdp: bool, mp_policy: Any, reshard_after_forward: bool) -> None:
         """``fsdp=True``: FSDP2 (``fully_shard``) over the whole data-parallel dim, per decoder
-        layer and the root, with these two options of it (docs/design.md "FSDP2 on the data-parallel axis")."""
+        layer and the root, with these two options of it (docs/design.md "FSDP2 on the data-parallel
+        axis")."""
         if not fsdp and (mp_policy is not None or reshard_after_forward is not True):
             raise ValueError(f"fsdp_mp_policy ({mp_policy!r}) and reshard_after_forward "
                              f"({reshard_after_forward!r}) are FSDP2's options: pass fsdp=True "

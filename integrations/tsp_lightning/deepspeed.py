@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import tsp_deepspeed
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.distributed.device_mesh import init_device_mesh
 
 import tsp_core
+import tsp_deepspeed
 
 from .common import TSPMeshMixin, parallelize_target, shard
 from .monitor import add_monitor

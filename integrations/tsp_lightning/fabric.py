@@ -71,9 +71,10 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
 
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any = None,
                         filter: Any = None) -> None:
-        """The model, its optimizers and the other values of ``state`` (``tsp_lightning.checkpoint``:
-        a reshardable directory, or with ``save_distributed_checkpoint=False`` one file with full
-        Hugging Face-shaped tensors under the state's keys)."""
+        """The model, its optimizers and the other values of ``state``
+        (``tsp_lightning.checkpoint``: a reshardable directory, or with
+        ``save_distributed_checkpoint=False`` one file with full Hugging Face-shaped tensors under
+        the state's keys)."""
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is "
                             f"not supported: the TSP strategy does not use a `CheckpointIO`")

@@ -3,9 +3,9 @@ mesh dim, K/V all-gathered per layer.
 
 It is installed as a Hugging Face attention implementation, so the model's own projections, RoPE
 (at global positions) and residuals run unchanged; only the core attention sees the whole
-sequence. The core is the same flash-piece kernel as TSP's (docs/design.md "Attention") and, like TSP, the
-backward keeps only the local K/V and gathers the rest again: the strongest form of the layout,
-measured with the same kernels.
+sequence. The core is the same flash-piece kernel as TSP's (docs/design.md "Attention") and, like
+TSP, the backward keeps only the local K/V and gathers the rest again: the strongest form of the
+layout, measured with the same kernels.
 """
 
 from __future__ import annotations

@@ -224,7 +224,8 @@ class ParallelModel:
                 for n, p in self.model.named_parameters() if p.grad is not None}
 
 
-# the families the tensor/context-parallel baselines are checked on (tests/test_baselines.py)
+# the families the tensor/context-parallel baselines are checked on
+# (tests/baselines/test_baselines.py)
 BASELINE_FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
 
 

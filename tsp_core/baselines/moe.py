@@ -36,7 +36,8 @@ Backward: the same as the dense MLP's plus the all-reduce of the routing weights
 
 The load-balancing loss is not Hugging Face's (which never sees these router logits): each block
 keeps ``router_logits`` (every token its rank routed, identical on the tensor-parallel ranks) and
-:func:`tsp_core.layers.moe.load_balancing_loss` computes it over the global batch as one process does.
+:func:`tsp_core.layers.moe.load_balancing_loss` computes it over the global batch as one process
+does.
 
 Under ``FakeTensorMode`` (``tsp simulate``), where routing has no values, the eager expert loop
 runs on the token counts of uniform routing (every expert gets N k / E of the N k routed copies);

@@ -4,10 +4,10 @@ Bytes are the per-rank traffic of the standard ring algorithms (what NCCL calls 
 rule for every kind so that layouts can be compared: broadcast, reduce, all-gather (of the output)
 and reduce-scatter (of the input) move (D-1)/D of the buffer per rank, all-to-all the larger of
 what the rank sends to and receives from the others ((D-1)/D of the buffer when the splits are
-even), all-reduce 2(D-1)/D, a ring hop the whole buffer. A group of one rank issues nothing and counts nothing.
-``wait_seconds`` is the host time spent blocked in collectives: inside a synchronous call, or in
-``wait()`` of an async one (on CUDA, NCCL returns before the transfer ends, so there it is the
-host's wait, not the GPU stream's).
+even), all-reduce 2(D-1)/D, a ring hop the whole buffer. A group of one rank issues nothing and
+counts nothing. ``wait_seconds`` is the host time spent blocked in collectives: inside a synchronous
+call, or in ``wait()`` of an async one (on CUDA, NCCL returns before the transfer ends, so there it
+is the host's wait, not the GPU stream's).
 
 Raw functions (``broadcast``, ``reduce``, ...) are used inside the schedules' own autograd
 Functions; the autograd-aware ones (``owner_broadcast``, ``gather_sequence``, ``ring_shift``,

@@ -1,4 +1,5 @@
-"""FSDP2 over the data-parallel axis of a TSP mesh (docs/design.md "FSDP2 on the data-parallel axis").
+"""FSDP2 over the data-parallel axis of a TSP mesh (docs/design.md "FSDP2 on the data-parallel
+axis").
 
 TSP leaves every rank 1/D of each weight; ``fully_shard`` then splits each rank's TSP shard over
 the mesh's ``shard_dim`` ("dp_shard"), so parameters, gradients and optimizer state are

@@ -3,11 +3,11 @@
 Every collective of :mod:`tsp_core.comm` is numbered per process group. Two modes:
 
 - default: a backend error (a gloo/NCCL timeout, a peer that died) is re-raised as
-  :class:`CollectiveError` naming the collective: its kind, its call number on the group, the group's
-  size and global ranks, and its bytes. No extra communication.
+  :class:`CollectiveError` naming the collective: its kind, its call number on the group, the
+  group's size and global ranks, and its bytes. No extra communication.
 - debug (``TSP_DEBUG_COLLECTIVES=1`` in the environment): before each collective, every rank of the
-  group all-gathers a small signature (call number, kind, bytes) and compares them, so ranks that run
-  different schedules (different code paths, models or inputs) all raise
+  group all-gathers a small signature (call number, kind, bytes) and compares them, so ranks that
+  run different schedules (different code paths, models or inputs) all raise
   :class:`CollectiveMismatch` naming every rank's op instead of blocking in mismatched collectives.
   It costs one small all-gather per collective: for debugging, not for production runs.
 """

@@ -2,8 +2,8 @@
 
 A TSP group is the innermost dim of a named ``DeviceMesh`` so that it spans consecutive ranks (one
 node). Every other dim is data parallel: it replicates the TSP group, or, for the dim named
-``shard_dim`` (``dp_shard``), holds FSDP2 shards of each rank's TSP shard (docs/design.md "FSDP2 on the data-parallel axis"). Code always
-names the dim it uses instead of assuming a 1-D mesh.
+``shard_dim`` (``dp_shard``), holds FSDP2 shards of each rank's TSP shard (docs/design.md "FSDP2 on
+the data-parallel axis"). Code always names the dim it uses instead of assuming a 1-D mesh.
 """
 
 from __future__ import annotations

@@ -136,9 +136,9 @@ def _over_tsp_only(t: DTensor, mesh: TSPMesh) -> list:
 
 def tsp_part(t: torch.Tensor, mesh: TSPMesh) -> torch.Tensor:
     """This rank's TSP-local tensor of a parameter, gradient or optimizer state (its ShardSpec's
-    layout). Under FSDP2 (:mod:`tsp_core.distributed.fsdp`) a stored tensor holds only a data-parallel slice
-    of that: the slices are all-gathered over the data-parallel dims (a new tensor; write back
-    with :func:`set_tsp_part`). Otherwise the local tensor itself."""
+    layout). Under FSDP2 (:mod:`tsp_core.distributed.fsdp`) a stored tensor holds only a
+    data-parallel slice of that: the slices are all-gathered over the data-parallel dims (a new
+    tensor; write back with :func:`set_tsp_part`). Otherwise the local tensor itself."""
     if not isinstance(t, DTensor):
         return t
     want = _over_tsp_only(t, mesh)
@@ -200,8 +200,9 @@ class ShardedModule(nn.Module):
 
     mesh: TSPMesh
     full_shapes: dict[str, tuple[int, ...]]
-    # set by tsp_core.inference.decode while it runs the model's own forward for one generation step: the
-    # embedding, attention and MLP then take their tensor-parallel decode path (docs/design.md "Decode")
+    # set by tsp_core.inference.decode while it runs the model's own forward for one generation
+    # step: the embedding, attention and MLP then take their tensor-parallel decode path
+    # (docs/design.md "Decode")
     tsp_decode: Any = None
 
     def shard_spec(self, name: str, rank: int) -> ShardSpec:

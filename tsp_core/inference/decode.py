@@ -1,5 +1,5 @@
-"""Inference on a TSP model (docs/design.md "Decode"): prefill with the TSP forward, then tensor-parallel decode
-over a sequence-sharded KV cache.
+"""Inference on a TSP model (docs/design.md "Decode"): prefill with the TSP forward, then
+tensor-parallel decode over a sequence-sharded KV cache.
 
 Prefill runs the TSP schedule on the prompt. Each attention round computes this rank's own tokens'
 K/V for one head group, so after the rounds a rank holds its own tokens' K/V of *every* head: the

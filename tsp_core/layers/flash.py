@@ -188,8 +188,8 @@ def _kernel_bwd(kernel: Kernel, do, q, k, v, out, lse, causal: bool, scale: floa
 # Soft-capped scores (Gemma 2: s = tanh(q.k * scale / cap) * cap before the mask and softmax)
 # have no native flash kernel: each piece is then computed by the tiled pure-torch kernel below,
 # at most MATH_TILE queries x MATH_TILE keys (every head of the batch) at a time, merged by
-# log-sum-exp, so no score tensor larger than a tile exists (docs/design.md "Memory rules"). Float64 pieces off the
-# CPU (no native kernel takes float64 there) run it too, uncapped.
+# log-sum-exp, so no score tensor larger than a tile exists (docs/design.md "Memory rules"). Float64
+# pieces off the CPU (no native kernel takes float64 there) run it too, uncapped.
 MATH_TILE = 512
 
 

@@ -1,5 +1,5 @@
-"""TSP gated MLP (docs/design.md "Gated MLP"): the MLP is a sum over intermediate-channel slices and acts token by
-token, so the weight slices travel around the ring while every rank's tokens stay put.
+"""TSP gated MLP (docs/design.md "Gated MLP"): the MLP is a sum over intermediate-channel slices and
+acts token by token, so the weight slices travel around the ring while every rank's tokens stay put.
 
 Forward: rank p starts with its own slice; at each of the D steps it computes with the slice it
 holds while that slice moves on to p+1 and the next arrives from p-1 (double-buffered async P2P).

@@ -1,9 +1,9 @@
-"""Mixture-of-experts MLP with the experts folded onto the TSP axis (docs/design.md "Mixture-of-experts MLP", docs/moe.md (a)):
-rank p owns experts [p*E/D, (p+1)*E/D) whole; the router is replicated and each rank routes its
-own tokens. A token's k routed copies travel to their experts' owners by one all-to-all
-(dropless: variable splits, exchanged first) and the expert outputs come back by a second one;
-the token's owner weights and sums them. The backward runs the two all-to-alls the other way
-(autograd over :func:`tsp_core.comm.all_to_all_rows`).
+"""Mixture-of-experts MLP with the experts folded onto the TSP axis (docs/design.md
+"Mixture-of-experts MLP", docs/moe.md (a)): rank p owns experts [p*E/D, (p+1)*E/D) whole; the router
+is replicated and each rank routes its own tokens. A token's k routed copies travel to their
+experts' owners by one all-to-all (dropless: variable splits, exchanged first) and the expert
+outputs come back by a second one; the token's owner weights and sums them. The backward runs the
+two all-to-alls the other way (autograd over :func:`tsp_core.comm.all_to_all_rows`).
 
 Routing follows the Hugging Face family exactly (``MoESpec``): softmax of the router logits in
 float32, top-k, the top-k weights renormalised (Mixtral always, Qwen3-MoE with
@@ -15,15 +15,16 @@ Two schedules (docs/moe.md), chosen per layer at construction (``schedule``): "e
 (E/D whole experts per rank, routed copies move: about 4 T k h b (D-1)/D bytes per rank per
 step for T local tokens) and "ring": every expert's intermediate channels split 1/D (gate, up and
 down of channels [pF/D, (p+1)F/D) of every expert), the slices of all experts circulating as in
-:class:`tsp_core.layers.mlp.TSPGatedMLP` while every token stays on its rank (3 E F h b (3D-2)/D bytes
-per step, whatever T). :func:`choose_schedule` picks the one that moves fewer bytes for a given
-T (the traffic model's formula); they cross at about T* = 9 E F / (4 k).
+:class:`tsp_core.layers.mlp.TSPGatedMLP` while every token stays on its rank (3 E F h b (3D-2)/D
+bytes per step, whatever T). :func:`choose_schedule` picks the one that moves fewer bytes for a
+given T (the traffic model's formula); they cross at about T* = 9 E F / (4 k).
 
 What the backward keeps under "expert": this rank's expert weights, the router logits of its own
 tokens and, as autograd saves them, the rows its experts received (about k times its own token
 count when routing is balanced) and their intermediate activations; under "ring": its own
-slices, its tokens and their routing (activations recomputed per slice, as the dense MLP). Under ``FakeTensorMode`` (``tsp
-simulate``), where routing has no values, the splits are those of uniform routing.
+slices, its tokens and their routing (activations recomputed per slice, as the dense MLP). Under
+``FakeTensorMode`` (``tsp simulate``), where routing has no values, the splits are those of uniform
+routing.
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ class MoEScheduleBytes:
 
 def moe_bytes(E: int, k: int, Fe: int, h: int, tokens_per_rank: float, d: int, b: int = 2,
               forward_passes: int = 1) -> MoEScheduleBytes:
-    """:func:`tsp_core.plan.traffic.moe_schedule_bytes` of E experts of Fe channels, top k, hidden h (what
-    :func:`choose_schedule` decides with)."""
+    """:func:`tsp_core.plan.traffic.moe_schedule_bytes` of E experts of Fe channels, top k, hidden h
+    (what :func:`choose_schedule` decides with)."""
     f = (d - 1) / d
     per_token = f * 2 * k * h * b                   # one all-to-all pair per token, one pass
     router = f * 2 * E * h * b

@@ -85,8 +85,9 @@ class GlobalLengthRotary:
         if n is None:
             raise ValueError(f"{type(self).__name__} ({', '.join(length_dependent_types(self))} "
                              f"rope) computes its frequencies from the sequence length, which a "
-                             f"TSP rank does not see: call it under tsp_core.layers.rope.global_length, "
-                             f"or feed the model batches from tsp_core.shard_batch (tsp_rope_len)")
+                             f"TSP rank does not see: call it under "
+                             f"tsp_core.layers.rope.global_length, or feed the model batches from "
+                             f"tsp_core.shard_batch (tsp_rope_len)")
         kw = {} if layer_type is None else {"layer_type": layer_type}
         update_then_forward = super().forward  # type: ignore[misc]
         probe = torch.full((1, 1), n - 1, dtype=position_ids.dtype, device=position_ids.device)

@@ -1,4 +1,5 @@
-"""Vocabulary-sharded embedding and LM head with a fused cross-entropy (docs/design.md "Embedding and LM head").
+"""Vocabulary-sharded embedding and LM head with a fused cross-entropy (docs/design.md "Embedding
+and LM head").
 
 Rank p owns rows [p*V'/D, (p+1)*V'/D) of the table, V' = V rounded up to a multiple of D (the
 padding rows are zeros, never looked up, never predicted). The embedding sends each token id to

@@ -49,8 +49,9 @@ class HFTSPAttention(TSPAttention):
                 cache=None, **kwargs: Any):
         if cache is not None:
             raise NotImplementedError("TSP attention's forward takes no KV cache; generate with "
-                                      "model.generate(...) or tsp_core.generate (tsp_core.inference.decode "
-                                      "keeps its own sequence-sharded cache)")
+                                      "model.generate(...) or tsp_core.generate "
+                                      "(tsp_core.inference.decode keeps its own "
+                                      "sequence-sharded cache)")
         state = self.tsp_decode  # tsp_core.inference.decode: a decode step, or prefill's K/V sink
         if state is not None and state.decoding:
             return state.attention(self, hidden_states, position_embeddings), None
@@ -364,12 +365,12 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
 
     When the mesh shards data parallel too (``init_mesh(..., dp_shard=N)``, N > 1), FSDP2's
     ``fully_shard`` then splits each rank's TSP shards over "dp_shard", per decoder layer and the
-    root (:mod:`tsp_core.distributed.fsdp`): ``mp_policy`` is its ``MixedPrecisionPolicy`` (e.g. bf16
-    parameters, float32 gradient reduction) and ``reshard_after_forward`` its option of that
+    root (:mod:`tsp_core.distributed.fsdp`): ``mp_policy`` is its ``MixedPrecisionPolicy`` (e.g.
+    bf16 parameters, float32 gradient reduction) and ``reshard_after_forward`` its option of that
     name. Build the optimizer after this call.
 
-    Mixture-of-experts layers (:mod:`tsp_core.layers.moe`) run ``moe_schedule`` "expert" (whole experts
-    per rank, routed tokens move) or "ring" (every expert's channels split, weights move);
+    Mixture-of-experts layers (:mod:`tsp_core.layers.moe`) run ``moe_schedule`` "expert" (whole
+    experts per rank, routed tokens move) or "ring" (every expert's channels split, weights move);
     "auto" picks per layer the one that moves fewer bytes for ``moe_tokens_per_rank`` (batch x
     sequence / tsp_size of the run), "expert" when that is not given."""
     if mp_policy is not None and mesh.fsdp_size == 1:

@@ -2,15 +2,17 @@
 
 step time = compute (FLOPs / (peak x efficiency)) + communication the schedule cannot hide.
 Compute per rank is the same for every layout at one degree (each splits the work evenly); the
-layouts differ in bytes moved (docs/design.md "Communication per layer", :mod:`traffic`), in which links carry them (a group inside
-a node rides NVLink / Infinity Fabric, one spanning nodes the NIC) and in overlap: TSP's weight
-broadcasts and ring hops are prefetched a round ahead (hidden up to the compute time), its K/V
-gathers are not; the baselines' collectives sit on the critical path. Data-parallel gradient sums
-overlap the backward. Full recompute replays each layer's forward and its collectives.
+layouts differ in bytes moved (docs/design.md "Communication per layer", :mod:`traffic`), in which
+links carry them (a group inside a node rides NVLink / Infinity Fabric, one spanning nodes the NIC)
+and in overlap: TSP's weight broadcasts and ring hops are prefetched a round ahead (hidden up to the
+compute time), its K/V gathers are not; the baselines' collectives sit on the critical path.
+Data-parallel gradient sums overlap the backward. Full recompute replays each layer's forward and
+its collectives.
 
-FSDP2 over ``dp_shard`` ranks (docs/design.md "FSDP2 on the data-parallel axis") shards each rank's model state further
-(:func:`tsp_core.plan.memory.estimate`) and adds its all-gathers and reduce-scatters on the
-data-parallel link (:func:`fsdp_seconds`); replicas then sum 1/dp_shard of the gradients.
+FSDP2 over ``dp_shard`` ranks (docs/design.md "FSDP2 on the data-parallel axis") shards each rank's
+model state further (:func:`tsp_core.plan.memory.estimate`) and adds its all-gathers and
+reduce-scatters on the data-parallel link (:func:`fsdp_seconds`); replicas then sum 1/dp_shard of
+the gradients.
 """
 
 from __future__ import annotations

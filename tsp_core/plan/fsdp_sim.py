@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard``) in ``tsp simulate``: one rank of a ``degree x dp_shard`` world runs the
 real ``fully_shard`` under the fake process group and ``FakeTensorMode``, measured by
 ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``), which tells FSDP2's own
-buffers apart from the sharded model state (docs/design.md "FSDP2 on the data-parallel axis", docs/memory.md "FSDP2").
+buffers apart from the sharded model state (docs/design.md "FSDP2 on the data-parallel axis",
+docs/memory.md "FSDP2").
 
 Every layout is wrapped the same way, so the comparison stays like for like: ``fully_shard`` on
 each decoder layer, then on the root (embedding, final norm, LM head), over the "dp_shard" dim,
@@ -70,10 +71,10 @@ def build_mesh(spec: "LayoutSpec", dp_shard: int) -> "TSPMesh":
 
 def shard_baseline(pm: "ParallelModel") -> None:
     """``fully_shard`` a tensor-parallel baseline (built on :func:`build_mesh`'s mesh) the way
-    :func:`tsp_core.distributed.fsdp.apply_fsdp` wraps TSP: each decoder layer, then the root. FSDP2 sums the
-    data-parallel gradients itself, so the baseline's own data-parallel hooks go. Call it outside
-    ``FakeTensorMode``: FSDP2 builds its 2-D mesh from the real rank map (under the fake mode
-    that raises), and the fake parameters carry their mode with them."""
+    :func:`tsp_core.distributed.fsdp.apply_fsdp` wraps TSP: each decoder layer, then the root. FSDP2
+    sums the data-parallel gradients itself, so the baseline's own data-parallel hooks go. Call it
+    outside ``FakeTensorMode``: FSDP2 builds its 2-D mesh from the real rank map (under the fake
+    mode that raises), and the fake parameters carry their mode with them."""
     from torch.distributed.fsdp import fully_shard
 
     from ..distributed.data_parallel import remove_gradient_sync

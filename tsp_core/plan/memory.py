@@ -16,9 +16,10 @@ adds the working set of what runs then: one layer's recomputed activations and i
 temporaries, counted tensor by tensor below (``docs/planning.md`` lists them). The tensor counts
 are read from the code paths, not fitted; where they miss, ``docs/planning.md`` says by how much.
 
-FSDP2 over ``dp_shard`` ranks (docs/design.md "FSDP2 on the data-parallel axis"; :func:`fsdp_terms`): parameters, optimizer states and
-the gradients FSDP2 has reduce-scattered are 1/dp_shard of the above; FSDP2's own buffers are added
-at each moment as ``tsp simulate --dp-shard`` measures them under the real ``fully_shard``.
+FSDP2 over ``dp_shard`` ranks (docs/design.md "FSDP2 on the data-parallel axis";
+:func:`fsdp_terms`): parameters, optimizer states and the gradients FSDP2 has reduce-scattered are
+1/dp_shard of the above; FSDP2's own buffers are added at each moment as ``tsp simulate --dp-shard``
+measures them under the real ``fully_shard``.
 
 Sparse mixture-of-experts layers (Mixtral, Qwen3-MoE) under uniform routing: each rank holds
 1/D (1/T) of the experts and the whole router; the MLP's working set is that of TSP's schedule (a)
@@ -64,8 +65,8 @@ def moe_working_set(shape: ModelShape, rows: float, channels: float, experts: fl
     on one rank that runs ``experts`` (n) experts of ``channels`` (F) intermediate channels each
     on ``rows`` (R) routed copies of ``tokens`` (T, default R / k) tokens (uniform routing: TSP's
     (a) receives k T rows for its E/D whole experts). Read from
-    :func:`tsp_core.layers.moe.dispatch_combine` (each [R, h] buffer dropped once the next exists; the
-    experts run on ``unbind`` views, so each expert's weight gradient is its own [2F, h] and
+    :func:`tsp_core.layers.moe.dispatch_combine` (each [R, h] buffer dropped once the next exists;
+    the experts run on ``unbind`` views, so each expert's weight gradient is its own [2F, h] and
     [h, F] until one ``stack`` per weight after the last expert) and autograd's saved tensors.
     What the forward keeps for backward, common to the first two moments: the rows sorted by
     expert (one [R, h] buffer, split into views), every expert's gate/up output (2 F),
@@ -202,10 +203,10 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
 
 
 def fsdp_terms(c: dict[str, float], lay: LayoutSpec, b: int = 2) -> dict[str, float]:
-    """FSDP2's working set at the planner's moments, in bytes, for the wrapping ``tsp_core.distributed.fsdp``
-    uses (each decoder layer, then the root: embedding, final norm, LM head, all with
-    ``reshard_after_forward=True``), read from torch's ``_fully_shard`` and checked against
-    ``tsp simulate --dp-shard`` (docs/memory.md, "FSDP2"). ``u``: one decoder layer's shard
+    """FSDP2's working set at the planner's moments, in bytes, for the wrapping
+    ``tsp_core.distributed.fsdp`` uses (each decoder layer, then the root: embedding, final norm, LM
+    head, all with ``reshard_after_forward=True``), read from torch's ``_fully_shard`` and checked
+    against ``tsp simulate --dp-shard`` (docs/memory.md, "FSDP2"). ``u``: one decoder layer's shard
     unsharded over dp_shard; ``root``: the root's (this rank's TSP / TP shard of the embedding,
     final norm and LM head).
 

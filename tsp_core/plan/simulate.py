@@ -1,22 +1,23 @@
-"""Per-rank memory of a whole model under any layout, measured on one CPU (docs/design.md "Memory rules"): the real model
-code of rank 0 of a ``degree``-rank world runs one training step under ``FakeTensorMode`` with the
-``fake`` process-group backend, and ``MemTracker`` records every tensor it allocates.
+"""Per-rank memory of a whole model under any layout, measured on one CPU (docs/design.md "Memory
+rules"): the real model code of rank 0 of a ``degree``-rank world runs one training step under
+``FakeTensorMode`` with the ``fake`` process-group backend, and ``MemTracker`` records every tensor
+it allocates.
 
 The peak is split into parameters, gradients, optimizer states (AdamW's two moments, allocated
 the way ``torch.optim.AdamW`` allocates them), activations (saved for backward) and temporaries.
-``phases`` adds the same split at the moments that the memory rules (docs/design.md "Memory rules") are about: what the forward
-leaves for backward, and what each decoder layer's attention and MLP add while they run (a sparse
-layer's MLP phase is its mixture-of-experts block, ``tsp_core.layers.moe.TSPMoE`` or the baselines'
-``TensorParallelMoE``, found where the family's policy keeps the MLP; under fake tensors its
-routing is uniform).
+``phases`` adds the same split at the moments that the memory rules (docs/design.md "Memory rules")
+are about: what the forward leaves for backward, and what each decoder layer's attention and MLP add
+while they run (a sparse layer's MLP phase is its mixture-of-experts block,
+``tsp_core.layers.moe.TSPMoE`` or the baselines' ``TensorParallelMoE``, found where the family's
+policy keeps the MLP; under fake tensors its routing is uniform).
 The optimizer step's own transients are not simulated (a fake tensor has no value for AdamW's step
 count). Every layout runs the same flash-piece attention kernels and the same recompute wrapper, so
 the comparison is like for like.
 
 With ``dp_shard`` N > 1 the world is ``degree x N`` ranks and FSDP2 shards the model state over
-N of them (docs/design.md "FSDP2 on the data-parallel axis"): the real ``fully_shard`` runs, measured by ``FSDPMemTracker``, which adds
-FSDP2's own buffers to the split (unsharded parameters and gradients, all-gather and
-reduce-scatter buffers; :mod:`tsp_core.plan.fsdp_sim`).
+N of them (docs/design.md "FSDP2 on the data-parallel axis"): the real ``fully_shard`` runs,
+measured by ``FSDPMemTracker``, which adds FSDP2's own buffers to the split (unsharded parameters
+and gradients, all-gather and reduce-scatter buffers; :mod:`tsp_core.plan.fsdp_sim`).
 
 Each record owns the default process group of its process; :func:`simulate_many` runs records in
 fresh worker processes, ``jobs`` at a time.

@@ -1,5 +1,6 @@
-"""Bytes each rank sends per decoder layer in the forward pass, by layout (docs/design.md "Communication per layer"), in the same
-ring accounting as :mod:`tsp_core.comm` (so measured and predicted numbers are comparable).
+"""Bytes each rank sends per decoder layer in the forward pass, by layout (docs/design.md
+"Communication per layer"), in the same ring accounting as :mod:`tsp_core.comm` (so measured and
+predicted numbers are comparable).
 
 With h = hidden size, g = query heads per key/value head (h over the K/V width when head_dim is
 not h / heads), F = MLP intermediate size, W_att = (2 + 2/g) h^2 (2 h (q + k/v widths) in
@@ -130,9 +131,10 @@ class ModelShape:
 
 def _moe_fields(config) -> dict:
     """The MoE fields of :class:`ModelShape` from a config, by the family's TSP policy
-    (:class:`tsp_core.models.policies.ExpertsPolicy`: which config fields hold the expert count, top-k
-    and per-expert size); {} for dense families. Which layers are sparse follows Hugging Face's
-    Qwen3-MoE rule (``mlp_only_layers``, ``decoder_sparse_step``); Mixtral's are all sparse."""
+    (:class:`tsp_core.models.policies.ExpertsPolicy`: which config fields hold the expert count,
+    top-k and per-expert size); {} for dense families. Which layers are sparse follows Hugging
+    Face's Qwen3-MoE rule (``mlp_only_layers``, ``decoder_sparse_step``); Mixtral's are all
+    sparse."""
     from types import SimpleNamespace
 
     from ..models.policies import find_policy

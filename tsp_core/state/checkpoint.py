@@ -2,9 +2,9 @@
 
 ``full_state_dict`` gathers every parameter to its Hugging Face name and full shape (KV-head
 copies taken once, vocabulary padding dropped; parts a TSP module keeps of a fused Hugging Face
-tensor, Phi-3's q/k/v of ``qkv_proj``, as that one tensor). ``load_full_state_dict`` lets each rank read only
-its own slices: from a dict, or from the safetensors files ``save_pretrained`` writes, which are
-read slice by slice, never whole.
+tensor, Phi-3's q/k/v of ``qkv_proj``, as that one tensor). ``load_full_state_dict`` lets each rank
+read only its own slices: from a dict, or from the safetensors files ``save_pretrained`` writes,
+which are read slice by slice, never whole.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ rank really owns (padding dropped). DCP then
 reads whatever slices the loading model needs, at another degree or into a plain Hugging Face
 model. Format and guarantees: docs/checkpointing.md.
 
-Under FSDP2 (:mod:`tsp_core.distributed.fsdp`) a rank stores a data-parallel slice of its TSP shard. A tensor
-without padding is then written as it is stored (its DTensor already has the Hugging Face shape),
-so a save never holds more than the rank's own state; a padded one (vocabulary rows, key/value
-rows when there are fewer heads than ranks: small) is gathered over data parallel first.
+Under FSDP2 (:mod:`tsp_core.distributed.fsdp`) a rank stores a data-parallel slice of its TSP shard.
+A tensor without padding is then written as it is stored (its DTensor already has the Hugging Face
+shape), so a save never holds more than the rank's own state; a padded one (vocabulary rows,
+key/value rows when there are fewer heads than ranks: small) is gathered over data parallel first.
 
 A save is written to ``<path>.partial`` and renamed to ``<path>`` only after every rank's data, the
 DCP metadata and the ``tsp_checkpoint.json`` marker exist, so a process killed mid-save never
@@ -291,12 +291,12 @@ def _optimizers(optimizer: Optimizers):
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers = None, *,
                     model_state: bool = True, extra_weights_only: bool = True, **extra: Any) -> str:
-    """Write model (and optimizer) state to the directory ``path`` with torch.distributed.checkpoint,
-    every tensor under its Hugging Face name and shape, so it loads at any TSP degree or into a
-    plain model. ``extra`` (a step, scheduler state, RNG state...: anything ``torch.save`` takes,
-    taken from global rank 0) comes back from :func:`load_checkpoint`. Every rank must call it.
-    The directory appears atomically, complete; an existing one is replaced only then. Needs a
-    filesystem every rank sees.
+    """Write model (and optimizer) state to the directory ``path`` with
+    torch.distributed.checkpoint, every tensor under its Hugging Face name and shape, so it loads at
+    any TSP degree or into a plain model. ``extra`` (a step, scheduler state, RNG state...: anything
+    ``torch.save`` takes, taken from global rank 0) comes back from :func:`load_checkpoint`. Every
+    rank must call it. The directory appears atomically, complete; an existing one is replaced only
+    then. Needs a filesystem every rank sees.
 
     ``model`` may also be a module holding a TSP model (a LightningModule): names are then
     ``model.state_dict()``'s. ``optimizer``: one optimizer or a list. Adapter hooks:

@@ -1,5 +1,6 @@
 """Real multi-process training runs of every layout on the same model and data: tokens/s, per-rank
-peak memory and bytes moved per layer beside the formula of docs/design.md "Communication per layer".
+peak memory and bytes moved per layer beside the formula of docs/design.md "Communication per
+layer".
 
 ``run(...)`` starts ``degree`` worker processes (gloo on CPU, NCCL with one GPU each when CUDA is
 present). For each (layout, sequence length) every worker builds the same seeded Llama-family

@@ -4,8 +4,9 @@ baseline and one process, on the same seeded Llama-family model and prompts.
 For each layout and prompt length every worker:
 
 - ``tsp``: :func:`tsp_core.parallelize`, then :func:`tsp_core.inference.decode.prefill` and
-  ``max_new_tokens - 1`` calls of :func:`tsp_core.inference.decode.decode_step` (what ``tsp_core.generate``
-  runs), timed around the prefill (with the first token picked) and around the decode steps;
+  ``max_new_tokens - 1`` calls of :func:`tsp_core.inference.decode.decode_step` (what
+  ``tsp_core.generate`` runs), timed around the prefill (with the first token picked) and around the
+  decode steps;
 - ``tp``: :func:`tsp_core.baselines.build` with ``LayoutSpec("tp", D, 1)`` (DTensor tensor
   parallel), attention set back to ``sdpa``, Hugging Face's own ``generate`` and ``DynamicCache``;
 - ``single``: the plain model and Hugging Face's ``generate`` in each process (every rank runs it

@@ -1,5 +1,6 @@
 """The ``tsp`` command: ``tsp simulate`` (per-rank memory of every layout under fake tensors) and
-``tsp bench`` (real multi-process runs of every layout) and ``tsp plan`` (the cost model's ranking)."""
+``tsp bench`` (real multi-process runs of every layout) and ``tsp plan`` (the cost model's
+ranking)."""
 
 from __future__ import annotations
 

@@ -126,9 +126,9 @@ class TSPAttention(ShardedModule):
                 kv_sink: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """``docs``: for packed rows, each row's document lengths (as ``shard_batch`` pads them:
         multiples of 2D); attention then stays inside each document. ``kv_sink`` (prefill for
-        :mod:`tsp_core.inference.decode`) is called once with ``kv_all`` [G, 2, B, local_kv_heads, S/D,
-        head_dim], G = D / kv_replicas key/value head groups in order: the K/V (RoPE applied) of
-        this rank's own tokens for every key/value head, all computed here, none received from
+        :mod:`tsp_core.inference.decode`) is called once with ``kv_all`` [G, 2, B, local_kv_heads,
+        S/D, head_dim], G = D / kv_replicas key/value head groups in order: the K/V (RoPE applied)
+        of this rank's own tokens for every key/value head, all computed here, none received from
         another rank."""
         s = self.spec
         if x.dim() != 3 or x.shape[-1] != s.hidden_size:

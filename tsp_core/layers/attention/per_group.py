@@ -39,9 +39,9 @@ class PerGroupAttentionFn(torch.autograd.Function):
     (``kv_replicas`` consecutive rounds) share that head's K/V: it is computed, gathered (and in
     the backward, its gradient reduce-scattered) once per head, not once per round.
 
-    Overlap (docs/design.md "Attention"): while round r attends, the K/V all-gather of round r+1 and the owner
-    broadcast of round r+2 are in flight; in the backward, the K/V of the next key/value head
-    are gathered and the dK/dV of the previous one reduce-scattered while round r computes."""
+    Overlap (docs/design.md "Attention"): while round r attends, the K/V all-gather of round r+1 and
+    the owner broadcast of round r+2 are in flight; in the backward, the K/V of the next key/value
+    head are gathered and the dK/dV of the previous one reduce-scattered while round r computes."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):

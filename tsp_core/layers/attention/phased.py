@@ -1,6 +1,6 @@
 """TSP attention for q/k norms over all heads of a token (OLMo 2): the rounds of
-:mod:`tsp_core.layers.attention` in three phases, so that every head group's query and key of a token
-exist before any of them is normalised.
+:mod:`tsp_core.layers.attention` in three phases, so that every head group's query and key of a
+token exist before any of them is normalised.
 
 The default schedule computes, attends and projects one head group per round; a norm whose
 statistic spans every head cannot run there, since round r knows only group r. Here the same
@@ -55,8 +55,8 @@ def normed_heads(raw: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch
 
 
 class PhasedAttentionFn(torch.autograd.Function):
-    """Same arguments as :class:`tsp_core.layers.attention.per_group.PerGroupAttentionFn`; requires the q/k norm
-    weights (the last two of ``weights``) to span all heads."""
+    """Same arguments as :class:`tsp_core.layers.attention.per_group.PerGroupAttentionFn`; requires
+    the q/k norm weights (the last two of ``weights``) to span all heads."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):

@@ -262,8 +262,8 @@ def _head_norm(t: torch.Tensor, weight: torch.Tensor | None, spec: AttentionSpec
 
 def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec,
                         grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of the per-head norm w.r.t. its input ``pre`` (recomputed, not saved: docs/design.md "Memory rules")
-    and its weight, by autograd over the forward's own ops."""
+    """Gradients of the per-head norm w.r.t. its input ``pre`` (recomputed, not saved:
+    docs/design.md "Memory rules") and its weight, by autograd over the forward's own ops."""
     with torch.enable_grad():
         pre = pre.detach().requires_grad_()
         weight = weight.detach().requires_grad_()

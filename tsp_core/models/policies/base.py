@@ -1,5 +1,6 @@
 """What a policy is and the registry of them: :class:`DecoderPolicy` (where a family keeps each
-TSP role), :class:`ExpertsPolicy` (its sparse blocks), :func:`register_policy`, :func:`find_policy`."""
+TSP role), :class:`ExpertsPolicy` (its sparse blocks), :func:`register_policy`,
+:func:`find_policy`."""
 
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ class ExpertsPolicy:
     ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``), the config fields of the
     expert count, the experts per token and the per-expert intermediate size, whether the top-k
     weights are renormalised (``norm_topk(config)``) and cast back to the logits' dtype, and the
-    names of the Hub's per-expert checkpoint layout (read and written by tsp_core.state.checkpoint). A layer
-    whose MLP has no ``experts`` module is a dense one (Qwen3-MoE's ``mlp_only_layers``)."""
+    names of the Hub's per-expert checkpoint layout (read and written by tsp_core.state.checkpoint).
+    A layer whose MLP has no ``experts`` module is a dense one (Qwen3-MoE's ``mlp_only_layers``)."""
 
     num_experts: str
     intermediate_size: str = "intermediate_size"
@@ -41,7 +42,7 @@ class ExpertsPolicy:
     hub_module: str | None = None   # the block's name in the checkpoint, if not the model's
 
     def spec(self, config: Any, size: int, activation: str = "silu"):
-        """The :class:`tsp_core.layers.moe.MoESpec` of the family's sparse MLPs over ``size`` ranks."""
+        """The :class:`~tsp_core.layers.moe.MoESpec` of the sparse MLPs over ``size`` ranks."""
         from ...layers.moe import MoESpec
 
         return MoESpec(config.hidden_size, getattr(config, self.intermediate_size),
@@ -76,7 +77,7 @@ class DecoderPolicy:
     sliding_window: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
     head_norms: tuple[str, str] | None = None  # the attention's per-head q/k RMSNorms (Qwen3)
     qk_norm_all_heads: bool = False            # ... over all heads of a token instead (OLMo 2)
-    norm: str = "llama"                        # every RMSNorm's numerics (tsp_core.layers.norm.NORMS)
+    norm: str = "llama"                        # every RMSNorm's numerics (layers.norm.NORMS)
     logits_divisor: Callable[[Any], float] | None = None  # logits / this (Granite)
     attn_softcap: Callable[[Any], float | None] | None = None    # scores soft-capped (Gemma 2)
     logits_softcap: Callable[[Any], float | None] | None = None  # logits soft-capped (Gemma 2)
@@ -125,6 +126,6 @@ def find_policy(model: nn.Module) -> DecoderPolicy:
             return policy
     raise ValueError(
         f"no TSP policy for {type(model).__name__} (model_type={model_type!r}); supported: "
-        f"{supported()}. Describe its module names with tsp_core.models.DecoderPolicy(...) and pass "
-        f"it as parallelize(model, mesh, policy=...) or register it with "
+        f"{supported()}. Describe its module names with tsp_core.models.DecoderPolicy(...) and "
+        f"pass it as parallelize(model, mesh, policy=...) or register it with "
         f"tsp_core.models.register_policy(...)")

@@ -1,5 +1,5 @@
-"""Part (a): the flash pieces (``tsp_core.layers.flash``) forward and backward against a dense float64
-reference with an explicit mask, for every mask kind, zigzag degree, sliding window, packed
+"""Part (a): the flash pieces (``tsp_core.layers.flash``) forward and backward against a dense
+float64 reference with an explicit mask, for every mask kind, zigzag degree, sliding window, packed
 documents, GQA and MQA, in each low-precision dtype the device's kernel runs.
 
 The inputs are drawn in float64, rounded to the dtype under test, and the reference is computed

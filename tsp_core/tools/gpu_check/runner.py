@@ -92,8 +92,8 @@ def run_worker(part: str, device: str) -> tuple[list[Check], dict[str, Any]]:
     """Part ``part`` in a fresh process; a crash or a timeout is one failed check."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, f"{part}.json")
-        cmd = [sys.executable, "-m", "tsp_core.tools.gpu_check", "--worker", part, "--device", device,
-               "--json", out]
+        cmd = [sys.executable, "-m", "tsp_core.tools.gpu_check", "--worker", part, "--device",
+               device, "--json", out]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True,
                                   timeout=WORKER_TIMEOUT[device])
