@@ -1,6 +1,6 @@
 """The layers of tsp_core and the adapters, read from the source with ``ast``: no import cycle
 between modules or between packages, and every import between packages points down the one
-order written here (docs/design.md, "Code map").
+order written here (docs/design.md "Code map").
 
 Imports inside functions count (a lazy import that dodges a cycle is still a cycle); only
 imports under ``if TYPE_CHECKING:`` are left out, since they never run."""

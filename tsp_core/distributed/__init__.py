@@ -3,7 +3,7 @@ round's weight shards travel in, DTensor shard helpers, data-parallel gradient s
 composition, the collective guard, clean shutdown, step metrics, and the chunk arithmetic of the
 token layouts that the collectives need.
 
-Imports nothing else of tsp_core (docs/design.md, "Code map")."""
+Imports nothing else of tsp_core (docs/design.md "Code map")."""
 
 from . import chunks, comm, data_parallel, flat_pack, fsdp, guard, metrics, params, shutdown
 from .mesh import TSPMesh, get_mesh, init_mesh

@@ -3,7 +3,7 @@ MLP, mixture of experts (with the bytes formula that picks its schedule), RMSNor
 embeddings, the vocabulary-parallel embedding and LM head with its loss, and the flash kernels
 they call.
 
-Imports only :mod:`tsp_core.distributed` and :mod:`tsp_core.sequence` (docs/design.md, "Code
+Imports only :mod:`tsp_core.distributed` and :mod:`tsp_core.sequence` (docs/design.md "Code
 map")."""
 
 from . import flash, mlp, moe, norm, rope, vocab

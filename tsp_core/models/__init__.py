@@ -3,7 +3,7 @@ swaps each decoder layer's attention, MLP or experts, norms, embedding and head 
 layers, guided by one small policy per family (:mod:`.policies`), and checks every rank's inputs
 before the first collective (:mod:`.input_checks`).
 
-The top of the engine: imports every package below it (docs/design.md, "Code map")."""
+The top of the engine: imports every package below it (docs/design.md "Code map")."""
 
 from . import input_checks, parallelize, policies
 from .parallelize import TSPCausalLM

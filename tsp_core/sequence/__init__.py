@@ -1,7 +1,7 @@
 """Tokens: which rank owns which (zigzag or contiguous layouts), ``shard_batch`` with its packed
 rows (documents per row), batch fingerprints and labels shifted before sharding.
 
-Imports only :mod:`tsp_core.distributed` (docs/design.md, "Code map")."""
+Imports only :mod:`tsp_core.distributed` (docs/design.md "Code map")."""
 
 from . import layout
 from .layout import IGNORE_INDEX, position_ids, shard_batch, shard_sequence, unshard_sequence

@@ -1,7 +1,7 @@
 """Model and optimizer state: Hugging Face state dicts and safetensors checkpoints in full shapes,
 and distributed checkpoints that reshard to any TSP degree, FSDP2 shape or one process.
 
-Imports only the layers below it (docs/design.md, "Code map"); the TSP model class offers
+Imports only the layers below it (docs/design.md "Code map"); the TSP model class offers
 ``save_pretrained`` from here."""
 
 from . import checkpoint, resharding

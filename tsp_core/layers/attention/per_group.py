@@ -1,9 +1,9 @@
-"""The default TSP attention schedule (docs/design.md, "Attention"): broadcast each rank's head
+"""The default TSP attention schedule (docs/design.md "Attention"): broadcast each rank's head
 group in turn, gather that group's K/V, attend with the local queries, accumulate the output
 projection locally.
 
 The schedule is one ``torch.autograd.Function`` so that the backward keeps only this rank's own
-weight shard and the local Q/K/V/output/LSE of its own tokens (docs/design.md, "Memory rules"):
+weight shard and the local Q/K/V/output/LSE of its own tokens (docs/design.md "Memory rules"):
 weights and K/V that came from other ranks are fetched again in the backward instead of being
 saved.
 """

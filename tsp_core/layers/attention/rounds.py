@@ -1,10 +1,10 @@
-"""The round machinery both TSP attention schedules share (docs/design.md, "Attention"): the
+"""The round machinery both TSP attention schedules share (docs/design.md "Attention"): the
 layer's :class:`AttentionSpec`, each owner's packed weight shard broadcast round by round, the
 owner reduces of round gradients, the K/V all-gathers per key/value head group, and one round's
 flash attention forward and backward over the gathered K/V of this rank's rows.
 
 Nothing here keeps a tensor from another rank beyond its round: the schedules' autograd
-functions decide what is saved (docs/design.md, "Memory rules").
+functions decide what is saved (docs/design.md "Memory rules").
 """
 
 from __future__ import annotations
