@@ -130,7 +130,6 @@ def test_full_logits_softcapped(pools, tsp):
     pools.of(tsp).run(full_logits_softcapped, tsp)
 
 
-
 def logits_memory(tsp: int, batch: int, seq: int, hidden_size: int, vocab: int) -> dict:
     """Peak bytes MemTracker sees allocated by each way of getting the logits, beyond the local
     hidden states and the weights (which exist before)."""

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 
 
-
 def shard_sequence(x: torch.Tensor, rank: int, size: int, dim: int = 1,
                    layout: str = "zigzag", docs: Sequence[int] | None = None) -> torch.Tensor:
     """This rank's tokens of a full-sequence tensor (a copy, so the full tensor can be freed)."""

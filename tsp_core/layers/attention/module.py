@@ -43,7 +43,6 @@ def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_k
         raise ValueError(f"hidden_size ({hidden_size}) and head_dim ({head_dim}) must be positive")
 
 
-
 class TSPAttention(ShardedModule):
     """Multi-head / grouped-query attention with TSP: rank p owns query heads
     [p*nq/D, (p+1)*nq/D), the key/value heads they use (with fewer key/value heads than ranks, an
