@@ -226,15 +226,43 @@ def test_phi3_fused_tensors_bit_identical(pool, tmp_path, tsp):
     pool.run(phi3_fused_tensors, tsp, str(tmp_path))
 
 
+def same_config_files(tsp_dir: str, hf_dir: str, what: str) -> None:
+    """``config.json`` and ``generation_config.json`` of ``tsp_dir`` are the ones Hugging Face's
+    ``save_pretrained`` of the unmodified model wrote to ``hf_dir``, field by field."""
+    import json
+    import os
+
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(tsp_dir, name)) as f:
+            got = json.load(f)
+        with open(os.path.join(hf_dir, name)) as f:
+            want = json.load(f)
+        assert sorted(got) == sorted(want), f"{what} {name}: fields {sorted(set(got) ^ set(want))}"
+        for field in want:
+            assert got[field] == want[field], \
+                f"{what} {name}: {field} is {got[field]!r}, Hugging Face writes {want[field]!r}"
+
+
 def families_bit_identical(tsp: int, root: str) -> None:
     """Every family: full_state_dict and save_pretrained of a parallelized model are the
     unmodified model's state dict bit for bit (names, dtypes, values), and load_full_state_dict
-    of it into another parallelized model gives it back bit for bit."""
+    of it into another parallelized model gives it back bit for bit. The config files are the
+    ones Hugging Face's save_pretrained writes, field by field (``dtype`` and ``architectures``
+    included), also for bfloat16 and float64 weights."""
     import os
 
     from safetensors.torch import load_file
 
     mesh = dist_pool.mesh(tsp)
+    for family, dtype in (("qwen3", torch.bfloat16), ("llama-tied", torch.bfloat16),
+                          ("phi3", torch.float64)):
+        ref = hf_models.build(family, dtype)
+        tsp_dir, hf_dir = (os.path.join(root, f"{family}-{dtype}-{n}") for n in ("tsp", "hf"))
+        tsp_core.parallelize(copy.deepcopy(ref), mesh).save_pretrained(tsp_dir)
+        if dist.get_rank() == 0:
+            ref.save_pretrained(hf_dir)
+        dist.barrier()
+        same_config_files(tsp_dir, hf_dir, f"{family} {dtype}")
     for family in hf_models.FAMILIES:
         ref = hf_models.build(family, torch.float32)
         want = ref.state_dict()
@@ -256,6 +284,10 @@ def families_bit_identical(tsp: int, root: str) -> None:
         dist.barrier()
         # a tied LM head is stored once, under the embedding's name, as HF's save_pretrained does
         same(load_file(os.path.join(path, "model.safetensors")), "save_pretrained", tied)
+        if dist.get_rank() == 0:
+            ref.save_pretrained(path + "-hf")
+        dist.barrier()
+        same_config_files(path, path + "-hf", family)
         other = tsp_core.parallelize(hf_models.build(family, torch.float32, seed=5), mesh)
         tsp_core.load_full_state_dict(other, want)
         same(tsp_core.full_state_dict(other), "after load_full_state_dict")

@@ -233,12 +233,23 @@ def load_full_state_dict(model: nn.Module,
         return getattr(source, "elements_read", 0)
 
 
+def base_class_name(model: nn.Module) -> str:
+    """The name of the Hugging Face class a TSP model was made from (``parallelize`` records it on
+    the class it builds), or the model's own class name."""
+    return getattr(type(model), "_tsp_base_class", type(model)).__name__
+
+
 def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
     """A consolidated Hugging Face checkpoint of a TSP model (config, generation config and
     ``model.safetensors``), loadable with ``from_pretrained``. Every rank must call it (it
-    gathers); global rank 0 writes, so synchronise before other ranks read it."""
+    gathers); global rank 0 writes, so synchronise before other ranks read it. The config gets
+    what ``PreTrainedModel.save_pretrained`` fills in first (and, as it does, keeps): ``dtype``,
+    the parameters' (``model.dtype``), and ``architectures``, the unmodified model's class, so
+    ``config.json`` is the one the unmodified model writes."""
     from safetensors.torch import save_file
 
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.architectures = [base_class_name(model).removeprefix("FSDP")]
     state = full_state_dict(model, rank0_only=True)
     if not state:
         return

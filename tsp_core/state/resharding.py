@@ -50,7 +50,7 @@ from ..distributed.params import (
     read_local,
     tsp_part,
 )
-from .checkpoint import _sharded_modules
+from .checkpoint import _sharded_modules, base_class_name
 
 MARKER = "tsp_checkpoint.json"
 EXTRA = "extra.pt"
@@ -271,12 +271,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _base_class(model: nn.Module) -> str:
-    """The name of the Hugging Face class a TSP model was made from (``parallelize`` records it on
-    the class it builds), or the model's own class name."""
-    return getattr(type(model), "_tsp_base_class", type(model)).__name__
-
-
 Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None
 
 
@@ -339,7 +333,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
     if _rank0():
         with open(os.path.join(tmp, EXTRA), "wb") as f:
             f.write(buf.getvalue())
-        marker = {"format": FORMAT, "version": VERSION, "model_class": _base_class(model),
+        marker = {"format": FORMAT, "version": VERSION, "model_class": base_class_name(model),
                   "tsp_size": mesh.size if mesh else None,
                   "dp_size": mesh.dp_size if mesh else None,
                   "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -415,7 +409,7 @@ def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Mo
         if unexpected:
             parts.append(f"{len(unexpected)} parameters not in this model (e.g. {unexpected[:3]})")
         raise ValueError(f"{path} holds a {marker.get('model_class')} that does not match this "
-                         f"{_base_class(model)}: " + "; ".join(parts) + ". Load it into the model it "
+                         f"{base_class_name(model)}: " + "; ".join(parts) + ". Load it into the model it "
                          "was saved from (same config); nothing was changed")
 
 
