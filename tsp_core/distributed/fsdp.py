@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
@@ -32,6 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 
 from . import comm
 from .mesh import TSPMesh
+from .torch_features import FSDP2_SPMD, require
 
 
 class _CountedAllGather(DefaultAllGather):
@@ -70,6 +70,9 @@ def apply_fsdp(model: nn.Module, mesh: TSPMesh, units: list[nn.Module], *,
     if mesh.shard_dim is None:
         raise ValueError("the mesh names no data-parallel dim to shard over (shard_dim); build it "
                          "with tsp_core.init_mesh(..., dp_shard=N)")
+    require(FSDP2_SPMD)  # torch >= 2.12: imported here so that tsp_core imports on older torch
+    from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+
     # FSDP2 wants the very mesh object the parameters' DTensors hold, which was not
     # mesh.device_mesh but an equal one after a second init_mesh of that shape in one process
     spmd = next(p.device_mesh for p in model.parameters())

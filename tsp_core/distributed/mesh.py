@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .torch_features import FSDP2_SPMD, require
+
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 
@@ -188,6 +190,8 @@ def init_mesh(tsp_size: int, dp_size: int | None = None, *, dp_shard: int | None
     it is larger than 1 (HSDP when there are replicas too)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    if dp_shard is not None and dp_shard > 1:
+        require(FSDP2_SPMD)  # before the process group and any collective
     init_process_group_from_env()
     dp_size = check_mesh_shape(dist.get_world_size(), tsp_size, dp_size)
     replicas = None if dp_shard is None else check_dp_shard(dp_size, dp_shard)
