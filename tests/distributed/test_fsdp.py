@@ -43,6 +43,23 @@ def _step(model, mesh, ids: torch.Tensor, opt) -> tuple[float, float, dict | Non
     return loss.item(), norm.full_tensor().item(), grads
 
 
+def storage_floor(ref, tsp: int, shard: int) -> float:
+    """The parameter bytes a rank must hold at least, from the parameter counts: 1/(D x dp_shard)
+    of the model (FSDP2 pads uneven splits, so a rank may hold a little more)."""
+    return sum(p.numel() * p.element_size() for p in ref.parameters()) / (tsp * shard)
+
+
+def assert_sharded(model, floor: float, when: str) -> float:
+    """This rank's parameter storage (every parameter's local untyped storage, measured) is within
+    3% above ``floor``: no FSDP2 unit, the root (embedding, final norm, LM head) included, is left
+    whole. Returns held / floor."""
+    held = hf_models.storage_bytes(model)
+    assert floor <= held <= 1.03 * floor, \
+        f"rank {dist.get_rank()} {when}: {held} parameter bytes held, floor {floor:.0f} " \
+        f"(ratio {held / floor:.3f}, at most 1.03)"
+    return held / floor
+
+
 def adamw_matches_one_process(replicas: int, shard: int, tsp: int, recompute: str) -> float:
     mesh = dist_pool.mesh(tsp, dp_shard=shard)
     assert (mesh.dp_size, mesh.fsdp_size) == (replicas * shard, shard)
@@ -57,11 +74,10 @@ def adamw_matches_one_process(replicas: int, shard: int, tsp: int, recompute: st
     want = hf_models.sgd_reference(ref, batches, LR, CLIP, optimizer=torch.optim.AdamW)
     assert min(want["norms"]) > 2 * CLIP, want["norms"]  # clipping is active at every step
 
-    # FSDP2 holds 1/(D * dp_shard) of the model per rank, up to the padding of uneven splits
-    full_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
-    floor = full_bytes / (tsp * shard)
-    held = hf_models.storage_bytes(model)
-    assert floor <= held <= 1.03 * floor, (held, floor)
+    # FSDP2 holds 1/(D * dp_shard) of the model per rank, up to the padding of uneven splits,
+    # after parallelize and after every training step (FSDP2 reshards after backward)
+    floor = storage_floor(ref, tsp, shard)
+    ratios = [assert_sharded(model, floor, "after parallelize")]
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     run: dict = {"losses": [], "norms": []}
@@ -69,6 +85,7 @@ def adamw_matches_one_process(replicas: int, shard: int, tsp: int, recompute: st
         loss, norm, grads = _step(model, mesh, ids, opt)
         run["losses"].append(loss)
         run["norms"].append(norm)
+        ratios.append(assert_sharded(model, floor, f"after training step {step}"))
         if step == 0:
             run["grads0"] = grads
             # gradients are stored sharded too
@@ -79,7 +96,7 @@ def adamw_matches_one_process(replicas: int, shard: int, tsp: int, recompute: st
                                        what=f"dp_replicate {replicas} x dp_shard {shard} x tsp "
                                             f"{tsp} ({recompute} recompute): ")
     dist.barrier()
-    return held / floor
+    return max(ratios)
 
 
 @pytest.mark.parametrize("replicas,shard,tsp,recompute",
@@ -132,17 +149,22 @@ def test_mixed_precision_and_reshard_after_forward(pools):
 
 def generate_and_full_logits_match_hf() -> None:
     """The paths that call the model's parts outside its forward (generation's steps, the LM head
-    of full_logits) see whole TSP shards."""
+    of full_logits) see whole TSP shards, and leave every rank holding only its FSDP2 share
+    again (fsdp.root_unsharded reshards the root)."""
     mesh = dist_pool.mesh(2, dp_shard=2)
     ref = hf_models.build(FAMILY, torch.float64, kv_heads=KV)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    floor = storage_floor(ref, 2, 2)
+    assert_sharded(model, floor, "after parallelize")
     ids = _batches(ref.config.vocab_size, 1)[0][:2, :9]
     want = ref.generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(tsp_core.generate(model, ids, 5), want)
+    assert_sharded(model, floor, "after generate")
     with torch.no_grad():
         out = tsp_core.full_logits(model, {"input_ids": ids, "labels": ids})
         assert_close(out.logits, ref(input_ids=ids).logits, 1e-10, "full_logits")
         assert abs(out.loss.item() - hf_models.reference_loss(ref, ids, ids).item()) < 1e-10
+    assert_sharded(model, floor, "after full_logits")
 
 
 def test_generation_and_full_logits(pools):
