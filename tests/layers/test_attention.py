@@ -3,6 +3,8 @@ proven"), on a 4-process pool: tsp 1, 2 and 4 run as meshes (4 x 1), (2 x 2) and
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,18 +122,35 @@ def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bia
     return dict(fwd.calls), dict(bwd.calls), dict(fwd.bytes), dict(bwd.bytes)
 
 
+class _Waited:
+    """A ``torch.distributed`` work whose first ``wait()`` is logged (gloo's work objects take no
+    new attributes, so the test hands this to the code instead)."""
+
+    def __init__(self, work: object, log: Callable[[], None]) -> None:
+        self.work, self.log = work, log
+
+    def wait(self, *args, **kwargs):
+        if self.log is not None:
+            self.log, log = None, self.log
+            log()
+        return self.work.wait(*args, **kwargs)
+
+
 def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
-    """The order in which one layer's forward and backward issue their collectives, compute
-    attention and wait for dK/dV: "bcast", "gather" (a K/V all-gather started), "attend",
-    "attend_bwd", "rs_done" (a dK/dV reduce-scatter waited for), "backward" between the passes."""
+    """The order in which one layer's forward and backward start and wait for their collectives
+    and compute attention. "bcast", "gather", "rs": the schedule starts a round's owner broadcast,
+    a K/V all-gather, a dK/dV reduce-scatter (through comm); "bcast_done", "gather_done",
+    "rs_done": that transfer is waited for, logged where ``torch.distributed``'s work is waited
+    for, or where a blocking call returns, so that a wait inside comm before the handle is
+    returned shows as early as it happens; "attend", "attend_bwd": one round's attention forward
+    and backward; "backward" between the passes."""
     from tsp_core.layers import flash
 
     mesh = dist_pool.mesh(tsp)
     layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, dtype=torch.float64)
     x = torch.randn(1, 16 // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
     events: list[str] = []
-    saved = (comm.broadcast, comm.start_all_gather_sequence, comm.start_reduce_scatter_sequence,
-             flash.attention_forward, flash.attention_backward)
+    issuing: list[str | None] = []  # the schedule collective being started: names its transfers
 
     def logged(name, fn):
         def call(*args, **kwargs):
@@ -139,33 +158,65 @@ def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
             return fn(*args, **kwargs)
         return call
 
-    def scatter(*args, **kwargs):
-        pending = saved[2](*args, **kwargs)
-        pending.wait = logged("rs_done", pending.wait)
-        return pending
+    def started(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            issuing.append(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                issuing.pop()
+        return call
 
-    comm.broadcast = logged("bcast", saved[0])
-    comm.start_all_gather_sequence = logged("gather", saved[1])
-    comm.start_reduce_scatter_sequence = scatter
-    flash.attention_forward = logged("attend", saved[3])
-    flash.attention_backward = logged("attend_bwd", saved[4])
+    def transfer(fn):
+        def call(*args, async_op: bool = False, **kwargs):
+            if not issuing or issuing[-1] is None:  # not a schedule collective (the K/V weight
+                return fn(*args, async_op=async_op, **kwargs)  # slices'), or called inside one
+            done = issuing[-1] + "_done"
+            issuing.append(None)
+            try:
+                work = fn(*args, async_op=async_op, **kwargs)
+            finally:
+                issuing.pop()
+            if not async_op:  # a blocking call: done on return
+                events.append(done)
+                return work
+            return _Waited(work, lambda: events.append(done))
+        return call
+
+    patches = [(comm, "broadcast", started("bcast", comm.broadcast)),
+               (comm, "start_all_gather_sequence",
+                started("gather", comm.start_all_gather_sequence)),
+               (comm, "start_reduce_scatter_sequence",
+                started("rs", comm.start_reduce_scatter_sequence)),
+               (flash, "attention_forward", logged("attend", flash.attention_forward)),
+               (flash, "attention_backward", logged("attend_bwd", flash.attention_backward))]
+    patches += [(dist, name, transfer(getattr(dist, name))) for name in
+                ("broadcast", "all_gather_single", "all_gather_into_tensor",
+                 "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, name)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, fn in patches:
+        setattr(owner, name, fn)
     try:
         y = layer(x, position_ids(16, mesh.rank, tsp))
         events.append("backward")
         y.sum().backward()
     finally:
-        (comm.broadcast, comm.start_all_gather_sequence, comm.start_reduce_scatter_sequence,
-         flash.attention_forward, flash.attention_backward) = saved
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
     return events
 
 
 @pytest.mark.parametrize("tsp,nq,nkv", [(4, 8, 8), (4, 8, 2), (2, 4, 4)])
 def test_collectives_overlap_the_rounds(pool, tsp, nq, nkv):
     """While round r attends, the K/V all-gather of round r+1 and the owner broadcast of round
-    r+2 are already issued; in the backward the next key/value head's K/V gather is issued before
-    the round's attention backward, and a head's dK/dV reduce-scatter is waited for only after
-    the next round's attention backward (docs/design.md "Attention")."""
+    r+2 are in flight: started before, waited for only after it; in the backward the next key/value
+    head's K/V gather and the next round's broadcast are in flight during the round's attention
+    backward, and a head's dK/dV reduce-scatter is waited for only after the next round's
+    attention backward (docs/design.md "Overlap"). A wait before the schedule needs the data (a
+    blocking call, or a handle waited for inside comm) puts a "_done" too early and fails here."""
     D, R = tsp, max(1, tsp // nkv)
+    heads = D // R
     for events in pool.run(overlap_events, tsp, nq, nkv):
         cut = events.index("backward")
         fwd, bwd = events[:cut], events[cut + 1:]
@@ -173,16 +224,23 @@ def test_collectives_overlap_the_rounds(pool, tsp, nq, nkv):
         assert len(at) == D, fwd
         for r, i in enumerate(at):
             assert fwd[:i].count("bcast") >= min(D, r + 3), (r, fwd)
-            assert fwd[:i].count("gather") >= min(D // R, (r + 1) // R + 1), (r, fwd)
+            assert fwd[:i].count("gather") >= min(heads, (r + 1) // R + 1), (r, fwd)
+            # waited for: the K/V of the heads used so far, the shards of rounds 0..r+1
+            assert fwd[:i].count("gather_done") == r // R + 1, (r, fwd)
+            assert fwd[:i].count("bcast_done") == min(D, r + 2), (r, fwd)
+        assert fwd.count("gather_done") == heads and fwd.count("bcast_done") == D, fwd
         at = [i for i, e in enumerate(bwd) if e == "attend_bwd"]
         done = [i for i, e in enumerate(bwd) if e == "rs_done"]
-        assert len(at) == D and len(done) == D // R, bwd
+        assert len(at) == D and bwd.count("rs") == len(done) == heads, bwd
         for r, i in enumerate(at):
             ahead = r // R + (2 if r % R == R - 1 else 1)
-            assert bwd[:i].count("gather") >= min(D // R, ahead), (r, bwd)
+            assert bwd[:i].count("gather") >= min(heads, ahead), (r, bwd)
             assert bwd[:i].count("bcast") >= min(D, r + 2), (r, bwd)
+            assert bwd[:i].count("gather_done") == r // R + 1, (r, bwd)
+            assert bwd[:i].count("bcast_done") == r + 1, (r, bwd)
         for j, i in enumerate(done[:-1]):  # head j's dK/dV arrive after round (j+1)R computed
             assert i > at[(j + 1) * R], (j, bwd)
+        assert bwd.count("gather_done") == heads and bwd.count("bcast_done") == D, bwd
 
 
 @pytest.mark.parametrize("tsp,nq,nkv,bias,all_heads",
