@@ -1,7 +1,8 @@
 """Mixture-of-experts under TSP (tsp_core.layers.moe, docs/moe.md): tiny Mixtral (4 experts, top 2)
 and Qwen3-MoE (8 experts, top 2, normalised top-k, q/k norms, one dense layer) against the
 unmodified Hugging Face model on one process in float64: loss including the load-balancing loss over
-the global batch, every weight after AdamW steps, at tsp 1, 2, 4 and dp 2 x tsp 2; greedy
+the global batch, the first step's gradient of every parameter (relative 1e-10, every rank), every
+weight after AdamW steps, at tsp 1, 2, 4 and dp 2 x tsp 2, under both schedules; greedy
 generation; the all-to-all calls and bytes of one layer against the formula for uniform and skewed
 routing."""
 
@@ -16,8 +17,8 @@ import torch.nn.functional as F
 
 import tsp_core
 from tests.inference.test_decode import left_padded
-from tests.support import dist_pool
-from tests.support.reference import assert_close
+from tests.support import dist_pool, hf_models
+from tests.support.reference import assert_close, assert_grads_close
 from tsp_core import comm
 from tsp_core.layers.moe import TSPMoE
 
@@ -113,6 +114,10 @@ def train_parity(family: str, tsp: int, schedule: str = "expert", seq: int = 16,
         losses.append(out.loss.item())
         expected.backward()
         out.loss.backward()
+        if step == 0:
+            want_grads = {n: p.grad for n, p in ref.named_parameters()}
+            what = f"{family} {schedule} dp {dp} x tsp {tsp} rank {dist.get_rank()} step 0"
+            assert_grads_close(hf_models.full_grads(model), want_grads, 1e-10, what)
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
@@ -140,7 +145,7 @@ def test_load_balancing_loss_skips_tsp_padding(pools):
     pools.of(2).run(train_parity, "mixtral", 2, seq=14, steps=1)
 
 
-@pytest.mark.parametrize("world,tsp", [(2, 2), (4, 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_ring_schedule_training_parity_float64(pools, family, world, tsp):
     """The other schedule: every expert's channels split 1/D, the slices circulating."""

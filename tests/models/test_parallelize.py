@@ -1,7 +1,8 @@
-"""Whole Hugging Face models under TSP: 5 AdamW steps give the losses and the final full state dict
-of the unmodified model on one process (Llama, tied Llama, Mistral with a sliding window, Qwen2
-with biases and a sliding layer, Qwen3 with per-head q/k norms, head_dim unlike hidden/heads, and
-1 key/value head) at world sizes 1, 2, 4 and dp 2 x tsp 2."""
+"""Whole Hugging Face models under TSP: the first step's gradient of every parameter (gathered to
+full shape, relative error 1e-10 on every rank), then 5 AdamW steps give the losses and the final
+full state dict of the unmodified model on one process (Llama, tied Llama, Mistral with a sliding
+window, Qwen2 with biases and a sliding layer, Qwen3 with per-head q/k norms, head_dim unlike
+hidden/heads, and 1 key/value head) at world sizes 1, 2, 4 and dp 2 x tsp 2."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 import tsp_core
 from tests.support import dist_pool, hf_models
-from tests.support.reference import assert_close
+from tests.support.reference import assert_close, assert_grads_close
 
 
 def batches(vocab: int, rows: int, seq: int, steps: int):
@@ -49,6 +50,10 @@ def train_parity(family: str, tsp: int, dtype_name: str, seq: int, steps: int = 
         losses.append(loss.item())
         expected.backward()
         loss.backward()
+        if step == 0 and dtype == torch.float64:
+            want_grads = {n: p.grad for n, p in ref.named_parameters()}
+            assert_grads_close(hf_models.full_grads(model), want_grads, 1e-10,
+                               f"{family} dp {dp} x tsp {tsp} rank {dist.get_rank()} step 0")
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()

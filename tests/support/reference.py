@@ -70,3 +70,32 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what:
     err = (actual - expected).abs().max().item() if actual.numel() else 0.0
     scale = max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
     assert err <= tol * scale, f"{what}: max abs error {err:.3e} > {tol:.0e} * {scale:.3g}"
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max|actual - expected| / max|expected| (the absolute error where ``expected`` is all zero),
+    so a small tensor such as a norm's weight gradient is held to the same digits as a large
+    one."""
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    return err / scale if scale > 0 else err
+
+
+def assert_grads_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                       tol: float, what: str) -> None:
+    """Every parameter's gradient by name within relative error ``tol`` (:func:`relative_error`)
+    of the reference's: the weights after AdamW steps hide a gradient of the wrong scale (AdamW
+    divides it out), the gradients themselves do not. Names every parameter off, worst first."""
+    assert sorted(actual) == sorted(expected), \
+        f"{what}: gradient names differ: {sorted(set(actual) ^ set(expected))}"
+    off = []
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.shape == want.shape, \
+            f"{what}: gradient of {name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        rel = relative_error(got, want)
+        if not rel <= tol:  # NaN fails too
+            off.append((rel, name))
+    off.sort(key=lambda e: -e[0] if e[0] == e[0] else float("-inf"))
+    assert not off, f"{what}: " + "; ".join(
+        f"gradient of {name}: relative error {rel:.3e} > {tol:.0e}" for rel, name in off)
