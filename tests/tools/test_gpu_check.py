@@ -1,6 +1,8 @@
 """``./run gpu-check --device cpu``: the GPU acceptance script runs end to end on CPU at small
-shapes (every check present and passing, the JSON and the markdown report written), and its
-checks can fail: a flash kernel whose output is 1% off is caught, and the command then exits 1."""
+shapes (every check present and passing, the JSON and the markdown report written into
+``--out``), on torch 2.11's API (what torch 2.12 added is hidden in every process of the run, as
+the GPU image lacks it: tests/tools/older_torch.py), and its checks can fail: a flash kernel whose
+output is 1% off is caught, and the command then exits 1."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from tests.support.launch import ROOT
+from tests.tools import older_torch
 from tsp_core.layers import flash
 from tsp_core.tools.gpu_check import flash_part, runner
 
@@ -26,12 +30,14 @@ LAYER_CHECKS = ["c.time", "c.tflops", "c.memory.attention_forward", "c.memory.at
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_check") / "x.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.gpu_check", "--device", "cpu",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300,
-                         env=env)
-    return run, out
+    """``./run gpu-check --device cpu --out DIR`` with this interpreter's environment (TSP_VENV)
+    and torch 2.12's additions hidden."""
+    folder = tmp_path_factory.mktemp("gpu_check")
+    env = older_torch.env(folder / "older_torch", OMP_NUM_THREADS="1", TSP_VENV=sys.prefix)
+    run = subprocess.run([os.path.join(ROOT, "run"), "gpu-check", "--device", "cpu", "--out",
+                          str(folder / "out")], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=ROOT)
+    return run, folder / "out" / "gpu-check.json"
 
 
 def test_cpu_run_passes_every_check(cpu_run):
@@ -49,6 +55,15 @@ def test_cpu_run_passes_every_check(cpu_run):
     assert all(c["name"] in run.stdout for c in data["checks"])
     assert out.with_suffix(".md").exists()
     assert "| a.flash.zigzag.D8.float32 | yes |" in out.with_suffix(".md").read_text()
+
+
+def test_cpu_run_is_on_the_torch_2_11_api(cpu_run):
+    """Every Python process of the run (the runner, (c)'s and (d)'s workers, ...) lacked what
+    torch 2.11 lacks: ./run and the runner kept the environment."""
+    _, out = cpu_run
+    seen = older_torch.log(out.parent.parent / "older_torch")
+    assert len(seen) >= 3, seen
+    assert all(sorted(absent) == sorted(older_torch.every_name()) for absent in seen), seen
 
 
 def test_cpu_run_has_every_check(cpu_run):

@@ -32,7 +32,9 @@ from .common import (
 )
 
 PARTS = ("a", "b", "c", "d")
-WORKER_TIMEOUT = {"cuda": 300, "cpu": 240}
+# the whole CUDA run must fit in 8 minutes of a lent GPU: (a) and (b) take well under one, then
+# each worker at most 3 (their own estimate: under a minute each, docs/gpu.md "Status")
+WORKER_TIMEOUT = {"cuda": 180, "cpu": 240}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -41,12 +43,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "at small shapes (docs/gpu.md)."))
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
                     help="default: cuda (an error if there is none)")
-    ap.add_argument("--json", default="gpu-check.json", help="results (default gpu-check.json)")
+    ap.add_argument("--out", default=None, help=(
+        "folder for gpu-check.json and gpu-check.md (created if missing; --json and --report "
+        "still name other files)"))
+    ap.add_argument("--json", default=None,
+                    help="results (default gpu-check.json, in --out if given)")
     ap.add_argument("--report", default=None,
                     help="markdown report (default: the JSON's name with .md)")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of a,b,c,d")
     ap.add_argument("--worker", choices=["c", "d"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.json is None:
+        args.json = os.path.join(args.out or "", "gpu-check.json")
     if args.device is None:
         if not torch.cuda.is_available():
             ap.error("no CUDA device is visible; pass --device cpu to run the same checks on CPU "
