@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import tsp_core
 from tests.support import dist_pool, hf_models
@@ -93,6 +94,88 @@ def training_parity(kind: str, tsp: int) -> list[float]:
 @pytest.mark.parametrize("kind", ["dynamic", "longrope"])
 def test_training_matches_one_process(pools, kind, tsp):
     losses = pools.of(tsp).run(training_parity, kind, tsp)
+    assert all(r == losses[0] for r in losses)
+
+
+# dp 2 x tsp 2, packed rows: each data-parallel replica's two rows (one length) per step. Step 1:
+# replica 0 holds a document at 2.25x the context (tsp 2 pads it to 48: rank 0's positions reach
+# 47, rank 1's 35); replica 1's longest document is 19, below the context, in rows of 32 tokens
+# (the row length is past it). Step 2: dynamic NTK resets on replica 0 (one unpacked row) and
+# grows on replica 1, whose longest document (24) is past the context while its rank 1's
+# positions (the middle chunks) stay below it (up to 17)
+PACKED_STEPS = (([[45, 7], [9, 30, 13]], [[19, 13], [6, 10, 16]]),
+                ([[16], [4, 12]], [[24, 9], [11, 22]]))
+
+
+def packed_rows(docs: list[list[int]], seed: int) -> dict[str, torch.Tensor]:
+    """Rows of documents of these lengths: ids, labels with -100 on each document's first token
+    (DataCollatorWithFlattening's convention) and positions that restart at each document."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (len(docs), sum(docs[0])), generator=gen)
+    labels = ids.clone()
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    labels[positions == 0] = -100
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def packed_reference_sum(ref, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """The unmodified model on packed rows (no mask, no cache: transformers then keeps the
+    documents apart by their restarting positions, and its rope sees max(position_ids) + 1):
+    the summed cross-entropy (in float64) and the count of predicted tokens."""
+    logits = ref(input_ids=rows["input_ids"], position_ids=rows["position_ids"],
+                 use_cache=False).logits
+    shifted = F.pad(rows["labels"], (0, 1), value=-100)[:, 1:]
+    return (F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100,
+                            reduction="sum"), int((shifted != -100).sum()))
+
+
+def packed_data_parallel_parity(kind: str) -> list[float]:
+    """Each data-parallel replica rotates with its own batch's longest document, as the unmodified
+    model does on that batch (under DDP too), never with a rank's local or padded length or the
+    row length: loss, every gradient (summed over the replicas) to 1e-10 and each replica's
+    rotary state equal to the unmodified model's on that replica's rows, step after step.
+    Replica 0 gives its packing as position_ids in step 1, replica 1 as cu_seqlens (then the
+    other way round)."""
+    mesh = dist_pool.mesh(2)
+    assert mesh.dp_size == 2, mesh.dp_size
+    replica = dist.get_rank() // mesh.size
+    refs = [build(kind), build(kind)]  # one per replica: dynamic NTK's state follows its batches
+    model = tsp_core.parallelize(copy.deepcopy(refs[0]), mesh)
+    losses = []
+    for step, per_replica in enumerate(PACKED_STEPS):
+        rows = [packed_rows(docs, seed=10 * step + k) for k, docs in enumerate(per_replica)]
+        for m in (model, *refs):
+            m.zero_grad()
+        sums = [packed_reference_sum(ref, r) for ref, r in zip(refs, rows)]
+        want = sum(s for s, _ in sums) / sum(n for _, n in sums)
+        want.backward()
+        mine = dict(rows[replica])
+        if (step + replica) % 2:
+            del mine["position_ids"]
+            mine["cu_seqlens"] = [torch.tensor([0, *torch.tensor(row).cumsum(0).tolist()])
+                                  for row in per_replica[replica]]
+        batch = tsp_core.shard_batch(mine, mesh)
+        longest = [max(row) for row in per_replica[replica]]
+        assert batch["tsp_rope_len"].tolist() == longest, (batch["tsp_rope_len"], longest)
+        got = model(**batch).loss
+        got.backward()
+        what = f"{kind} step {step} replica {replica}"
+        rel = abs(got.item() - want.item()) / abs(want.item())
+        assert rel <= 1e-10, f"{what}: loss {got.item()!r} vs {want.item()!r}"
+        grads = hf_models.full_grads(model)
+        assert sorted(grads) == sorted(n for n, _ in refs[0].named_parameters())
+        for (name, a), b in zip(refs[0].named_parameters(), refs[1].parameters()):
+            assert_close(grads[name], a.grad + b.grad, 1e-10, f"{what}: grad of {name}")
+        for a, b in zip(rotary_state(model), rotary_state(refs[replica])):
+            assert (torch.equal(a, b) if torch.is_tensor(a) else a == b), (what, a, b)
+        losses.append(got.item())
+    dist.barrier()
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_packed_rows_with_data_parallel_match_one_process(pools, kind):
+    losses = pools.of(4).run(packed_data_parallel_parity, kind)
     assert all(r == losses[0] for r in losses)
 
 
