@@ -90,6 +90,14 @@ def matrix() -> list[str]:
     masked = ids.clone()
     masked[1, 5 + rank] = -100
     expect(differ, lambda: hooked(input_ids=ids, labels=masked), agreed)
+    # the same tokens and labels, only the attention mask differs (right padding from token 12 on
+    # rank 0, from 13 on rank 1: a collator that pads per rank); nothing else in the agreed row
+    # (shapes, documents, rope length) tells the ranks apart
+    padded = torch.ones_like(ids)
+    padded[1, 12 + rank:] = 0
+    expect(differ, lambda: step({"input_ids": ids, "labels": ids, "attention_mask": padded}),
+           agreed)
+    expect(differ, lambda: hooked(input_ids=ids, labels=ids, attention_mask=padded), agreed)
     # local position ids that are not the layout's (built by hand, not by shard_batch)
     local = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
     expect(r"TSP rank\(s\) \[0, 1\]: position_ids that are not the global positions",
@@ -113,15 +121,16 @@ def matrix() -> list[str]:
 
 def test_bad_input_fails_on_every_rank(pool):
     per_rank = pool.run(matrix)
-    assert len(per_rank[0]) == 13
+    assert len(per_rank[0]) == 15
     # full-batch errors read the same everywhere; agreed ones start the same on every rank
     assert per_rank[0][:5] == per_rank[1][:5]
     for a, b in zip(per_rank[0][5:], per_rank[1][5:]):
         assert a.split(". This rank")[0] == b.split(". This rank")[0], (a, b)
     assert "This rank (TSP rank 0): 1 shift_labels outside [0, 96) (from 500 to 500)" in per_rank[0][5]
-    assert "This rank (TSP rank 1): 2 NaN/inf values in inputs_embeds" in per_rank[1][12]
+    assert "This rank (TSP rank 1): 2 NaN/inf values in inputs_embeds" in per_rank[1][14]
     # the same rows through shard_batch, the hook and Lightning's strategy: the same fingerprints
     assert per_rank[0][7] == per_rank[0][8] == per_rank[0][9] != per_rank[0][10]
+    assert per_rank[0][11] == per_rank[0][12] != per_rank[0][7]  # the mask alone: through both
 
 
 def sampler_over_the_world(tsp: int) -> str:

@@ -97,3 +97,22 @@ def test_shard_batch_errors():
                      "attention_mask": torch.tensor([[1] * 6 + [0] * 2, [0] * 2 + [1] * 6])}, mesh)
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         shard_batch({"input_ids": torch.zeros(16, dtype=torch.long)}, mesh)
+
+
+def test_fingerprint_sees_every_input_of_a_row():
+    """``tsp_fingerprint`` (one per row) is the same on every rank of the group and the row's
+    changes with its tokens, its labels, its attention mask or its packing alone, so ranks given
+    batches that differ in any one of them are told apart (docs/design.md "Input checks")."""
+    ids = torch.arange(100, 132).view(2, 16)
+    base = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(16).repeat(2, 1)}
+    prints = [shard_batch(base, fake_mesh(r, 2))["tsp_fingerprint"] for r in range(2)]
+    assert torch.equal(prints[0], prints[1])
+    changes = {"input_ids": (3, torch.tensor([7])), "labels": (3, torch.tensor([IGNORE_INDEX])),
+               "attention_mask": (14, torch.tensor([0, 0])),  # right padding
+               "position_ids": (9, torch.arange(7))}          # a second document from token 9
+    for key, (start, values) in changes.items():
+        batch = {k: v.clone() for k, v in base.items()}
+        batch[key][1, start:start + len(values)] = values
+        got = shard_batch(batch, fake_mesh(0, 2))["tsp_fingerprint"]
+        assert got[1] != prints[0][1], (key, got, prints[0])
