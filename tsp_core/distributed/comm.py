@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from . import guard
 from .chunks import local_segments
+from .torch_features import one_buffer_collective
 
 
 @dataclass(eq=False)  # trackers are told apart by identity
@@ -170,13 +171,6 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
                 lambda a: dist.all_reduce(t, op=op, group=group, async_op=a), async_op, group)
 
 
-def _one_buffer(name: str, before_2_12: str) -> Callable:
-    """``torch.distributed``'s one-buffer all-gather or reduce-scatter: ``name`` from torch 2.12
-    on (where ``before_2_12``, the only name torch 2.11 has, is deprecated and warns). Looked up
-    at each call, so that a test that wraps ``torch.distributed``'s function sees the call."""
-    return getattr(dist, name, None) or getattr(dist, before_2_12)
-
-
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
                async_op: bool = False):
     """``out`` (D times ``inp``'s size, contiguous) receives every rank's ``inp`` in rank order."""
@@ -185,7 +179,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
         out.copy_(inp.reshape(out.shape))
         return _done(async_op)
     return _run("all_gather", _nbytes(out) * (d - 1) / d,
-                lambda a: _one_buffer("all_gather_single", "all_gather_into_tensor")(
+                lambda a: one_buffer_collective("all_gather_single", "all_gather_into_tensor")(
                     out.view(-1), inp.reshape(-1), group=group, async_op=a), async_op, group)
 
 
@@ -197,7 +191,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
         out.copy_(inp.reshape(out.shape))
         return _done(async_op)
     return _run("reduce_scatter", _nbytes(inp) * (d - 1) / d,
-                lambda a: _one_buffer("reduce_scatter_single", "reduce_scatter_tensor")(
+                lambda a: one_buffer_collective("reduce_scatter_single", "reduce_scatter_tensor")(
                     out.view(-1), inp.reshape(-1), group=group, async_op=a), async_op, group)
 
 

@@ -21,6 +21,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from .torch_features import one_buffer_collective
+
 ENV = "TSP_DEBUG_COLLECTIVES"
 KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
          "ring_pass")
@@ -95,7 +97,7 @@ def _compare(call: Call) -> None:
     sig = torch.tensor([call.number, code, round(call.nbytes)], dtype=torch.int64,
                        device=_device(call.group))
     out = sig.new_empty(3 * d)
-    dist.all_gather_into_tensor(out, sig, group=call.group)
+    one_buffer_collective("all_gather_single", "all_gather_into_tensor")(out, sig, group=call.group)
     rows = [tuple(r) for r in out.view(d, 3).tolist()]
     if call.kind in _SIZED_PER_RANK and all(r[1] == code for r in rows):
         rows = [(n, c, -1) for n, c, _ in rows]

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 
 class TorchTooOld(RuntimeError):
@@ -60,3 +62,10 @@ def require(feature: Feature) -> None:
         raise TorchTooOld(f"{feature.name} needs torch >= {feature.min_torch} "
                           f"({feature.module}.{feature.symbol}); this is torch "
                           f"{torch.__version__}: {feature.fix}")
+
+
+def one_buffer_collective(name: str, before_2_12: str) -> Callable:
+    """``torch.distributed``'s one-buffer all-gather or reduce-scatter: ``name`` from torch 2.12
+    on (where ``before_2_12``, the only name torch 2.11 has, is deprecated and warns). Looked up
+    at each call, so that a test that wraps ``torch.distributed``'s function sees the call."""
+    return getattr(dist, name, None) or getattr(dist, before_2_12)
