@@ -2,8 +2,13 @@
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 4 examples/deepspeed_llama.py --tsp 2
 
-runs TSP degree 2 x data parallel 2 with ZeRO stage 2 (``--stage``) on CPU; on GPUs drop
-DS_ACCELERATOR. Batches reach the engine as ``engine(**tsp_core.shard_batch(batch, mesh))``.
+runs TSP degree 2 x data parallel 2 with ZeRO stage 2 on CPU; on GPUs drop DS_ACCELERATOR.
+``--stage 3`` partitions the parameters over the data-parallel ranks too (ZeRO-3):
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 4 \
+        examples/deepspeed_llama.py --tsp 2 --stage 3
+
+Batches reach the engine as ``engine(**tsp_core.shard_batch(batch, mesh))``.
 At the end rank 0 prints TSP's figures per step (``tsp_core.metrics.StepMetrics``: MiB sent,
 waiting, tokens/s, peak memory; DeepSpeed's own ZeRO collectives are not TSP's and not counted).
 """
@@ -41,6 +46,9 @@ def main() -> None:
     mesh = tsp_core.get_mesh(engine.module)
     dp_rank = mesh.device_mesh.get_coordinate()[0]
     gen = torch.Generator().manual_seed(1 + dp_rank)       # each data-parallel replica its data
+    if dist.get_rank() == 0:  # the stage DeepSpeed runs, as the engine reports it
+        print(f"TSP degree {mesh.size} x data parallel {mesh.dp_size}, ZeRO stage "
+              f"{engine.zero_optimization_stage()}", flush=True)
     meter = tsp_core.metrics.StepMetrics(mesh)
     meter.start()
     for step in range(a.steps):

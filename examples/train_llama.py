@@ -14,7 +14,16 @@ collectives during another extra step, over the median step (``tsp_core.comm``'s
 ``wait_seconds``; DTensor's collectives timed the same way).
 
 ``--tsp 1 --dp-shard 2`` (or, with 4 processes, ``--tsp 2 --dp-shard 2``) adds FSDP2 over the
-data-parallel ranks (docs/fsdp.md); the baselines run only without data parallel.
+data-parallel ranks (docs/fsdp.md); each data-parallel rank trains on its own rows of the batch
+(``--batch``, by default one row per data-parallel rank), and the baselines run only without data
+parallel. ``--dtype bfloat16`` builds every column's model in bfloat16 (parameters, gradients and
+AdamW state; the losses are then within bfloat16's rounding of the float32 ones, not equal).
+
+The arguments are checked before any process group or collective: ``--steps`` above
+``--warmup``, ``--tsp`` dividing the number of processes, the heads and ``--ffn``, ``--seq`` at
+least 2 x ``--tsp``, ``--batch`` a multiple of the data-parallel size, ``--dp-shard`` dividing it,
+and what each baseline needs; a bad combination exits with status 2 and a message naming the
+numbers and the fix.
 
 Elastic training (docs/checkpointing.md): with ``--checkpoint-dir`` the script trains the TSP model
 only, on batches that depend only on the step number, saves a sharded checkpoint every
@@ -46,6 +55,127 @@ from tsp_core.baselines import build as build_layout
 from tsp_core.baselines import layout_specs
 
 MIB = 1024 ** 2
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=704)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=None,
+                    help="rows per step, split over the data-parallel ranks (default: one each)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="steps left out of the tokens/s median (fewer than --steps)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    ap.add_argument("--tsp", type=int, default=None, help="TSP degree (default: every process)")
+    ap.add_argument("--dp-shard", type=int, default=None,
+                    help="FSDP2 over this many data-parallel ranks (docs/fsdp.md)")
+    ap.add_argument("--baselines", default=None,
+                    help="layouts run beside TSP on the same processes (empty: none; default "
+                         "tp,tp-sp,cp; only without data parallel); from "
+                         "tsp_core.baselines.LAYOUTS")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="elastic mode: train TSP only, saving sharded checkpoints here")
+    ap.add_argument("--checkpoint-every", type=int, default=2)
+    ap.add_argument("--resume", action="store_true",
+                    help="start from the latest complete checkpoint in --checkpoint-dir")
+    ap.add_argument("--final-weights", default=None,
+                    help="elastic mode: save the final full state dict (torch.save) here")
+    return ap
+
+
+def check_args(a: argparse.Namespace, world: int) -> argparse.Namespace:
+    """``a`` with the defaults that depend on the number of processes ``world`` filled in (--tsp,
+    --batch, --baselines), after checking every combination the run would otherwise trip over
+    later, some ranks inside a collective (a too-short sequence) or after minutes of training (no
+    step left to time). Raises ValueError naming the numbers and the fix."""
+    a = argparse.Namespace(**vars(a))
+    elastic_only = [f for f, v in (("--resume", a.resume), ("--final-weights", a.final_weights))
+                    if v]
+    if a.checkpoint_dir is None and elastic_only:
+        raise ValueError(f"{' and '.join(elastic_only)}: only in elastic mode; add "
+                         f"--checkpoint-dir DIR")
+    if a.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every ({a.checkpoint_every}) must be at least 1")
+    if a.steps < 1 or a.warmup < 0:
+        raise ValueError(f"--steps ({a.steps}) must be at least 1 and --warmup ({a.warmup}) at "
+                         f"least 0")
+    if a.checkpoint_dir is None and a.steps <= a.warmup:
+        raise ValueError(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup}): "
+                         f"tokens/s is the median of the steps after the warm-up, and none would "
+                         f"be left; pass --steps {a.warmup + 1} or more, or --warmup "
+                         f"{a.steps - 1} or less")
+    tsp = world if a.tsp is None else a.tsp
+    if tsp < 1 or world % tsp:
+        raise ValueError(f"--tsp ({tsp}) must divide the number of processes ({world}); launch a "
+                         f"multiple of {max(tsp, 1)} processes or pass a divisor of {world}")
+    dp = world // tsp
+    if a.dp_shard is not None and (a.dp_shard < 1 or dp % a.dp_shard):
+        raise ValueError(f"--dp-shard ({a.dp_shard}) must divide the data-parallel size ({dp} = "
+                         f"{world} processes / --tsp {tsp}); pass a divisor of {dp}, or launch "
+                         f"a multiple of {tsp * max(a.dp_shard, 1)} processes")
+    if a.heads < 1 or a.hidden % a.heads:
+        raise ValueError(f"--heads ({a.heads}) must divide --hidden ({a.hidden})")
+    if a.kv_heads < 1 or a.heads % a.kv_heads:
+        raise ValueError(f"--kv-heads ({a.kv_heads}) must divide --heads ({a.heads})")
+    for what, n in (("--heads", a.heads), ("--ffn", a.ffn)):
+        if n % tsp:
+            raise ValueError(f"--tsp ({tsp}) must divide {what} ({n}): each rank holds 1/{tsp} "
+                             f"of them; pass a divisor of {n} as --tsp or change {what}")
+    if a.kv_heads % tsp and tsp % a.kv_heads:
+        raise ValueError(f"--kv-heads ({a.kv_heads}) and --tsp ({tsp}): one must divide the "
+                         f"other, so that each rank's query heads share whole key/value heads")
+    if a.seq < 2 * tsp:
+        raise ValueError(f"--seq ({a.seq}) must be at least 2 x --tsp = {2 * tsp}: the zigzag "
+                         f"layout gives every rank two chunks of each sequence; pass --seq "
+                         f"{2 * tsp} or more, or a smaller --tsp")
+    a.batch = dp if a.batch is None else a.batch
+    if a.batch < 1 or a.batch % dp:
+        raise ValueError(f"--batch ({a.batch}) must be a multiple of the data-parallel size ({dp} "
+                         f"= {world} processes / --tsp {tsp}): each data-parallel rank trains on "
+                         f"its own rows; pass --batch {dp} or a multiple of it")
+    if a.baselines is None:
+        a.baselines = "tp,tp-sp,cp" if dp == 1 and a.checkpoint_dir is None else ""
+    names = [n for n in a.baselines.split(",") if n]
+    if names and dp > 1:
+        raise ValueError(f"--baselines ({a.baselines}) run only without data parallel, and this "
+                         f"run has {dp} data-parallel ranks; pass --baselines '' or --tsp {world}")
+    if names and a.checkpoint_dir is not None:
+        raise ValueError(f"--baselines ({a.baselines}) do not run in elastic mode "
+                         f"(--checkpoint-dir); pass --baselines ''")
+    for name in names:
+        try:
+            specs = layout_specs(name, world)
+        except ValueError as e:  # an unknown name, a 2-D layout on a degree without a split
+            raise ValueError(f"--baselines ({a.baselines}): {e}") from None
+        for spec in specs:
+            if spec.name == "tsp":
+                continue
+            for what, n in (("--heads", a.heads), ("--kv-heads", a.kv_heads), ("--ffn", a.ffn)):
+                if n % spec.tp:
+                    raise ValueError(f"baseline {spec.label} splits {what} ({n}) over {spec.tp} "
+                                     f"ranks, which must divide it; leave {name} out of "
+                                     f"--baselines or change {what}")
+            chunks = 2 * spec.cp
+            if a.seq % chunks:
+                raise ValueError(f"baseline {spec.label} takes sequences whose length is a "
+                                 f"multiple of {chunks} (it does not pad), and --seq is {a.seq}; "
+                                 f"pass --seq {a.seq + chunks - a.seq % chunks} or leave {name} "
+                                 f"out of --baselines")
+    a.tsp = tsp
+    return a
+
+
+def my_rows(ids: torch.Tensor, mesh: tsp_core.TSPMesh) -> torch.Tensor:
+    """This data-parallel rank's rows of the global batch (TSP is the mesh's innermost dim, so
+    the data-parallel rank is the global rank over the TSP degree)."""
+    return ids.chunk(mesh.dp_size)[dist.get_rank() // mesh.size]
 
 
 def build(a: argparse.Namespace) -> LlamaForCausalLM:
@@ -115,6 +245,7 @@ def elastic(a: argparse.Namespace, mesh: tsp_core.TSPMesh) -> None:
         ids = torch.randint(0, a.vocab, (a.batch, a.seq),
                             generator=torch.Generator().manual_seed(1000 + step))
         model.tsp_step = step
+        ids = my_rows(ids, mesh)
         loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
         loss.backward()
         opt.step()
@@ -130,36 +261,13 @@ def elastic(a: argparse.Namespace, mesh: tsp_core.TSPMesh) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--ffn", type=int, default=704)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    ap.add_argument("--tsp", type=int, default=None, help="TSP degree (default: every process)")
-    ap.add_argument("--dp-shard", type=int, default=None,
-                    help="FSDP2 over this many data-parallel ranks (docs/fsdp.md)")
-    ap.add_argument("--baselines", default="tp,tp-sp,cp",
-                    help="layouts run beside TSP on the same processes (empty: none; only without "
-                         "data parallel); from tsp_core.baselines.LAYOUTS")
-    ap.add_argument("--checkpoint-dir", default=None,
-                    help="elastic mode: train TSP only, saving sharded checkpoints here")
-    ap.add_argument("--checkpoint-every", type=int, default=2)
-    ap.add_argument("--resume", action="store_true",
-                    help="start from the latest complete checkpoint in --checkpoint-dir")
-    ap.add_argument("--final-weights", default=None,
-                    help="elastic mode: save the final full state dict (torch.save) here")
-    a = ap.parse_args()
+    ap = parser()
+    try:  # before any process group or collective, the same on every rank
+        a = check_args(ap.parse_args(), int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        ap.error(str(e))
 
-    mesh = tsp_core.init_mesh(a.tsp or int(os.environ.get("WORLD_SIZE", "1")),
-                              dp_shard=a.dp_shard)
+    mesh = tsp_core.init_mesh(a.tsp, dp_shard=a.dp_shard)
     if a.checkpoint_dir is not None:
         elastic(a, mesh)
         return
@@ -173,9 +281,10 @@ def main() -> None:
     fsdp = f" + FSDP2 x {mesh.fsdp_size}" if mesh.fsdp_size > 1 else ""
     runs.append((f"TSP{fsdp}, {dist.get_world_size()} processes", train(
         tsp_model, lambda ids: backward(tsp_model(**tsp_core.shard_batch(
-            {"input_ids": ids, "labels": ids}, mesh)).loss), data, a)))
+            {"input_ids": my_rows(ids, mesh), "labels": my_rows(ids, mesh)}, mesh)).loss),
+        data, a)))
     world = dist.get_world_size()
-    names = [n for n in a.baselines.split(",") if n] if mesh.dp_size == 1 else []
+    names = [n for n in a.baselines.split(",") if n]  # none with data parallel (check_args)
     for spec in (s for n in names for s in layout_specs(n, world)):
         pm = build_layout(copy.deepcopy(initial), spec)
         runs.append((f"{spec.label}, {world} processes", train(

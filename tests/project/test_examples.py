@@ -9,15 +9,23 @@ raise the loss of these models; "moved", not "fell", is what is checked.)
 The Trainer example also runs with gradient accumulation: 2 micro-batches of 1 row on TSP
 (2 processes) against the plain Trainer with batches of 2 rows on one process (its other
 documented command): the same logged losses and gradient norms at every step and the same final
-weights."""
+weights.
+
+The main job also runs with FSDP2 (``--tsp 2 --dp-shard 2``, 4 processes: each data-parallel rank
+its own row, the losses still the one-process ones on the whole batch) and in bfloat16 (losses
+within bfloat16's rounding of a float32 reference, and not equal to it); its argument checks
+(``check_args``) run in this process. DeepSpeed runs with ZeRO-2 and ZeRO-3."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import re
 import sys
 
+import pytest
 import torch
 
 from tests.support import launch
@@ -122,16 +130,20 @@ def test_lightning_fabric_example(tmp_path):
                     2 * seq)
 
 
-def test_deepspeed_example():
-    # the documented 4-process run: TSP 2 x data parallel 2, ZeRO-2; every step's printed loss
-    # is the global mean over both replicas' batches (FusedAdam: weight decay 0)
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_deepspeed_example(stage):
+    # the documented 4-process runs: TSP 2 x data parallel 2, ZeRO-2 (the default) and
+    # `--stage 3` (parameters partitioned over the data-parallel ranks too); every step's printed
+    # loss is the global mean over both replicas' batches (FusedAdam: weight decay 0)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     steps, seq = 3, 128
-    proc = launch.run(launch.torchrun(4, example("deepspeed_llama.py"), "--tsp", "2", "--steps",
-                                      str(steps), "--seq", str(seq)), ranks=4,
-                      DS_ACCELERATOR="cpu")
+    stage_args = [] if stage == 2 else ["--stage", str(stage)]
+    proc = launch.run(launch.torchrun(4, example("deepspeed_llama.py"), "--tsp", "2", *stage_args,
+                                      "--steps", str(steps), "--seq", str(seq)), ranks=4,
+                      timeout=900, DS_ACCELERATOR="cpu")
     printed = floats(r"step \d+ loss (\S+)", proc.stdout)
+    assert f"TSP degree 2 x data parallel 2, ZeRO stage {stage}\n" in proc.stdout, proc.stdout
     assert f"tsp metrics (this rank): {steps} steps" in proc.stdout, proc.stdout[-2000:]
     gens = [torch.Generator().manual_seed(1 + dp_rank) for dp_rank in range(2)]
     batches = [torch.cat([torch.randint(0, 4096, (2, seq), generator=g) for g in gens])
@@ -205,12 +217,40 @@ def test_hf_trainer_example_with_gradient_accumulation(tmp_path):
         assert err <= 1e-5, f"{name}: final weights differ by {err}"
 
 
+TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "4", "--ffn", "128",
+        "--vocab", "128", "--seq", "64", "--steps", "3", "--warmup", "1"]   # ./run main's options
+
+
+def main_job(procs: int, *args: str) -> str:
+    """`./run main` (torchrun, NPROC processes) with a tiny model: its stdout."""
+    return launch.run(["./run", "main", *TINY, *args], ranks=procs, NPROC=str(procs),
+                      TSP_VENV=sys.prefix).stdout
+
+
+def loss_table(stdout: str) -> list[tuple[int, float, float]]:
+    """(step, HF 1 process, TSP) of each row of the main job's loss table."""
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s*$", stdout, re.M)
+    return [(int(step), float(hf), float(tsp)) for step, hf, tsp in rows]
+
+
+def main_job_reference(dtype: torch.dtype, batch: int) -> list[float]:
+    """The main job's training (TINY, default --lr 1e-3, AdamW's default weight decay 0.01) on
+    one process in ``dtype``: its batches are drawn from seed 1, its model from seed 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 128, (batch, 64), generator=gen) for _ in range(3)]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=4, max_position_embeddings=64))
+    return train_reference(model.to(dtype), batches, 1e-3, 0.01, clip=None)
+
+
 def test_main_job():
-    # `./run main` (torchrun, NPROC processes) with a tiny model: the TSP column of the loss
-    # table equals the one-process HF column, which is the script's own reference
-    proc = launch.run(["./run", "main", "--layers", "1", "--hidden", "64", "--heads", "4",
-                       "--kv-heads", "4", "--ffn", "128", "--vocab", "128", "--seq", "64",
-                       "--steps", "3", "--warmup", "1", "--baselines", ""], ranks=2, NPROC="2",
+    # `./run main` with the tiny model: the TSP column of the loss table equals the one-process
+    # HF column, which is the script's own reference
+    proc = launch.run(["./run", "main", *TINY, "--baselines", ""], ranks=2, NPROC="2",
                       TSP_VENV=sys.prefix)
     rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s*$", proc.stdout, re.M)
     assert [int(r[0]) for r in rows] == [0, 1, 2], proc.stdout
@@ -223,3 +263,107 @@ def test_main_job():
                          proc.stdout, re.M)
     assert float(wait) > 0, proc.stdout
 
+
+def test_main_job_with_fsdp2():
+    # `NPROC=4 ./run main --tsp 2 --dp-shard 2` (the example's documented FSDP2 run): TSP 2 x
+    # FSDP2 2; --batch defaults to one row per data-parallel rank, so the global batch is 2 rows
+    # and each replica trains on its own; the printed TSP loss is the global mean, the HF column's
+    # loss on both rows, and both are the float32 reference's
+    out = main_job(4, "--tsp", "2", "--dp-shard", "2")
+    assert "batch 2 x 64 tokens; TSP degree 2, data parallel 2 (FSDP2 over 2)" in out, out
+    assert re.search(r"^TSP \+ FSDP2 x 2, 4 processes\s+\d+", out, re.M), out
+    rows = loss_table(out)
+    ref = main_job_reference(torch.float32, 2)
+    assert [r[0] for r in rows] == [0, 1, 2], out
+    for (step, hf, tsp), want in zip(rows, ref):
+        assert abs(hf - want) <= 1e-5 * want, f"step {step}: HF column {hf} vs reference {want}"
+        assert abs(tsp - hf) <= 1e-5 * hf, f"step {step}: TSP + FSDP2 {tsp} vs HF {hf}"
+    assert abs(ref[-1] - ref[0]) > 100 * 1e-5 * ref[0], ref
+
+
+def test_main_job_in_bfloat16():
+    # `./run main --dtype bfloat16`: every column's model in bfloat16. Against the float32
+    # reference each printed loss (HF and TSP columns) is within 1e-3: the largest difference
+    # measured over these 3 steps was 2.7e-4 (the HF column at step 1; TSP vs HF 2.7e-4 too), so
+    # 1e-3 is 3.7x that, a quarter of bfloat16's spacing at the loss's size (2^-6 = 1.6e-2 between
+    # 4 and 8) and under a tenth of how far training moves the reference (3.8e-2). Finite, and
+    # not equal to float32 to the printed 6 decimals: a --dtype that was ignored fails
+    out = main_job(2, "--dtype", "bfloat16", "--baselines", "")
+    assert "vocab 128, bfloat16;" in out, out
+    rows = loss_table(out)
+    ref = main_job_reference(torch.float32, 1)
+    assert [r[0] for r in rows] == [0, 1, 2], out
+    tol = 1e-3
+    for (step, hf, tsp), want in zip(rows, ref):
+        assert math.isfinite(hf) and math.isfinite(tsp), f"step {step}: {hf}, {tsp}"
+        assert abs(hf - want) <= tol, f"step {step}: HF column {hf} vs float32 {want}"
+        assert abs(tsp - want) <= tol, f"step {step}: TSP column {tsp} vs float32 {want}"
+    assert max(abs(r[1] - w) for r, w in zip(rows, ref)) > 1e-5, (rows, ref)
+    assert abs(ref[-1] - ref[0]) > 10 * tol, ref
+
+
+def train_llama():
+    """examples/train_llama.py as a module (its main runs only as a script)."""
+    spec = importlib.util.spec_from_file_location("train_llama", example("train_llama.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BAD_ARGS = [  # (arguments, processes, what the message says)
+    ("--steps 2", 2, r"--steps \(2\) must be larger than --warmup \(2\).*pass --steps 3 or more, "
+                     r"or --warmup 1 or less"),
+    ("--steps 0", 2, r"--steps \(0\) must be at least 1"),
+    ("--tsp 3", 4, r"--tsp \(3\) must divide the number of processes \(4\)"),
+    ("--seq 6 --tsp 4", 4, r"--seq \(6\) must be at least 2 x --tsp = 8.*pass --seq 8"),
+    ("--tsp 1 --batch 3", 2, r"--batch \(3\) must be a multiple of the data-parallel size \(2 = "
+                             r"2 processes / --tsp 1\).*pass --batch 2"),
+    ("--tsp 2 --dp-shard 3", 8, r"--dp-shard \(3\) must divide the data-parallel size \(4 = 8 "
+                                r"processes / --tsp 2\); pass a divisor of 4"),
+    ("--tsp 1 --baselines tp", 2, r"--baselines \(tp\) run only without data parallel, and this "
+                                  r"run has 2 data-parallel ranks; pass --baselines '' or --tsp 2"),
+    ("--checkpoint-dir d --baselines cp", 2, r"--baselines \(cp\) do not run in elastic mode"),
+    ("--baselines tp,foo", 2, r"--baselines \(tp,foo\): unknown layout 'foo'"),
+    ("--heads 6 --hidden 96 --kv-heads 6", 4, r"--tsp \(4\) must divide --heads \(6\)"),
+    ("--heads 4 --kv-heads 3", 2, r"--kv-heads \(3\) must divide --heads \(4\)"),
+    ("--hidden 250", 2, r"--heads \(8\) must divide --hidden \(250\)"),
+    ("--kv-heads 2 --heads 12 --hidden 96 --ffn 96 --seq 48", 3,
+     r"--kv-heads \(2\) and --tsp \(3\): one must divide the other"),
+    ("--ffn 700", 8, r"--tsp \(8\) must divide --ffn \(700\)"),
+    ("--seq 2050", 2, r"baseline cp takes sequences whose length is a multiple of 4.*pass --seq "
+                      r"2052"),
+    ("--kv-heads 1", 2, r"baseline tp splits --kv-heads \(1\) over 2 ranks"),  # TSP takes it
+    ("--resume", 2, r"--resume: only in elastic mode; add --checkpoint-dir"),
+    ("--checkpoint-dir d --checkpoint-every 0", 2, r"--checkpoint-every \(0\) must be at least 1"),
+]
+
+
+def test_main_job_checks_its_arguments(monkeypatch, capsys):
+    # every bad combination is refused by check_args with the numbers and the fix; main refuses
+    # `./run main --steps 2` (2 processes; it used to crash at the end with "no median for empty
+    # data") with exit status 2 before it builds the mesh (the process group)
+    module = train_llama()
+    for args, procs, pattern in BAD_ARGS:
+        with pytest.raises(ValueError, match=pattern):
+            module.check_args(module.parser().parse_args(args.split()), procs)
+    # the defaults pass: ./run main (2 processes), NPROC=4 ./run main; and with data parallel,
+    # one row per data-parallel rank and no baselines
+    for procs in (1, 2, 4):
+        got = module.check_args(module.parser().parse_args([]), procs)
+        assert (got.tsp, got.batch, got.baselines) == (procs, 1, "tp,tp-sp,cp"), got
+    got = module.check_args(module.parser().parse_args("--tsp 2 --dp-shard 2".split()), 8)
+    assert (got.tsp, got.batch, got.baselines) == (2, 4, ""), got
+    # elastic mode (tests/project/test_elastic.py's command) runs no baselines
+    got = module.check_args(module.parser().parse_args("--checkpoint-dir d --steps 1".split()), 2)
+    assert (got.tsp, got.batch, got.baselines) == (2, 1, ""), got
+
+    def no_mesh(*_args, **_kwargs):
+        raise AssertionError("init_mesh was called before the arguments were checked")
+
+    monkeypatch.setattr(module.tsp_core, "init_mesh", no_mesh)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", ["train_llama.py", "--steps", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2
+    assert "error: --steps (2) must be larger than --warmup (2)" in capsys.readouterr().err
