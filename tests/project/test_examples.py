@@ -249,19 +249,19 @@ def main_job_reference(dtype: torch.dtype, batch: int) -> list[float]:
 
 def test_main_job():
     # `./run main` with the tiny model: the TSP column of the loss table equals the one-process
-    # HF column, which is the script's own reference
-    proc = launch.run(["./run", "main", *TINY, "--baselines", ""], ranks=2, NPROC="2",
-                      TSP_VENV=sys.prefix)
-    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s*$", proc.stdout, re.M)
-    assert [int(r[0]) for r in rows] == [0, 1, 2], proc.stdout
-    for step, hf, tsp in rows:
-        assert abs(float(tsp) - float(hf)) <= 1e-5 * float(hf), f"step {step}: {tsp} vs {hf}"
-    assert float(rows[-1][1]) != float(rows[0][1])
-    assert "TSP, 2 processes" in proc.stdout
+    # HF column, the script's own reference, which is this test's float32 reference
+    out = main_job(2, "--baselines", "")
+    rows = loss_table(out)
+    assert [r[0] for r in rows] == [0, 1, 2], out
+    for (step, hf, tsp), want in zip(rows, main_job_reference(torch.float32, 1)):
+        assert abs(hf - want) <= 1e-5 * want, f"step {step}: HF column {hf} vs reference {want}"
+        assert abs(tsp - hf) <= 1e-5 * hf, f"step {step}: {tsp} vs {hf}"
+    assert rows[-1][1] != rows[0][1]
+    assert "TSP, 2 processes" in out
     # tokens/s, MiB sent/step, wait % (some: the ranks exchange K/V and weights), peak MiB/rank
     (wait,) = re.findall(r"^TSP, 2 processes\s+\d+\s+[\d.]+\s+([\d.]+)\s+[\d.]+, [\d.]+$",
-                         proc.stdout, re.M)
-    assert float(wait) > 0, proc.stdout
+                         out, re.M)
+    assert float(wait) > 0, out
 
 
 def test_main_job_with_fsdp2():
