@@ -11,10 +11,19 @@ Saving writes an ordinary Hugging Face checkpoint plus the optimizer as a
 ``tsp_core.save_checkpoint`` directory (Hugging Face names and shapes), so a run resumes at any
 TSP degree and data-parallel size; resuming and ``load_best_model_at_end`` read the weights
 shard-on-read from ``model.safetensors``.
+
+What the Trainer reports counts model replicas, not processes: the ranks of a TSP group hold one
+replica and take one batch, so ``total_flos`` counts each replica's model once (embeddings left
+out, as Hugging Face's ``floating_point_ops`` leaves them out), and the evaluation steps behind
+``*_steps_per_second`` and the model card's ``num_devices`` and total batch sizes use the
+world_size / tsp_size data-parallel replicas. The training arithmetic (``max_steps``, steps per
+epoch, the progress bar, ``train_samples_per_second``) already does: the Trainer divides by
+``get_tp_size()``, which is the TSP degree.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,17 +31,21 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers.trainer as hf_trainer
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_pt_utils import BatchRebalanceSampler
 
 import tsp_core
 from tsp_accelerate import TSPAccelerator
 from tsp_accelerate.accelerator import check_fsdp_plugin, check_fsdp_version, fsdp_sizes
 from tsp_core.distributed.mesh import get_mesh
 from tsp_core.distributed.metrics import StepMetrics
+from tsp_core.distributed.params import ShardedModule
+from tsp_core.layers.vocab import TSPEmbedding
 from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
 from tsp_core.state.resharding import MARKER as RESHARDABLE_MARKER
@@ -61,6 +74,37 @@ class TSPTrainingArguments(TrainingArguments):
         super().__post_init__()
         if not is_auto(self.tsp_size):
             self.tsp_size = int(self.tsp_size)  # "2" from the command line, 2 from code
+        self._tsp_replicas: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes; while ``TSPTrainer`` computes a figure it reports
+        (``TSPTrainer._count_replicas``), the number of model replicas. Only there: the
+        Trainer's own arithmetic (gathering token counts, checkpoint file names, barriers) needs
+        the processes."""
+        replicas = getattr(self, "_tsp_replicas", None)
+        return super().world_size if replicas is None else replicas
+
+
+def non_embedding_parameters(model: nn.Module) -> int:
+    """What Hugging Face's ``num_parameters(exclude_embeddings=True)`` gives for the unmodified
+    model (the count its ``floating_point_ops`` uses), from a model TSP may have converted:
+    full Hugging Face shapes, not shards or vocabulary padding; a parameter shared by two modules
+    (tied embeddings) counted once, at its first module, and left out if that is an embedding."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        embedding = isinstance(module, (nn.Embedding, TSPEmbedding))
+        if isinstance(module, ShardedModule):  # its parameters may sit on plain child modules
+            owned = [(module.get_parameter(n), math.prod(shape))
+                     for n, shape in module.full_shapes.items()]
+        else:
+            owned = [(p, p.numel()) for p in module.parameters(recurse=False)]
+        for param, count in owned:
+            if id(param) not in seen:
+                seen.add(id(param))
+                total += 0 if embedding else count
+    return total
 
 
 def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
@@ -98,6 +142,8 @@ class TSPTrainer(Trainer):
             self.tsp_choice = resolve_tsp_size(args, model)  # before any collective, every rank
             log_choice(self.tsp_choice)
         self._tsp = self.tsp_choice is not None and self.tsp_choice.size > 1
+        self._flops_parameters: int | None = None
+        self._choice_to_log = self.tsp_choice if self._tsp and self.tsp_choice.auto else None
         self._tsp_fsdp = self._tsp and getattr(args, "fsdp_plugin_args", None) is not None
         if self._tsp_fsdp:
             self._check_fsdp(args, model)  # before any collective, every rank
@@ -173,16 +219,85 @@ class TSPTrainer(Trainer):
             loss = loss / (self.accelerator.num_processes // self.get_tp_size())
         return (loss, out[1]) if return_outputs else loss
 
+    # ------------------------------------------------------------------ what the Trainer reports
+    @property
+    def data_parallel_size(self) -> int:
+        """Model replicas: the processes over the TSP degree (the processes without TSP)."""
+        world = self.accelerator.num_processes
+        return world // self.tsp_choice.size if self._tsp else world
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """The Trainer's sampler; ``train_sampling_strategy="batch_rebalance"`` splits each global
+        batch over the replicas, by replica (the Trainer's splits it over all processes, so the
+        ranks of a TSP group would get different rows)."""
+        sampler = super()._get_train_sampler(train_dataset)
+        if not self._tsp or not isinstance(sampler, BatchRebalanceSampler):
+            return sampler
+        dp = self.data_parallel_size
+        return BatchRebalanceSampler(
+            sampler.lengths, self.args.train_batch_size * sampler.grad_accum * dp, dp,
+            sampler.grad_accum, shuffle=sampler.shuffle, seed=sampler.seed,
+            rank=self.args.process_index // self.tsp_choice.size, drop_last=sampler.drop_last)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """Hugging Face's 6 x tokens x non-embedding parameters of the unmodified model, counted
+        by one rank of each TSP group (every rank of the group sees the replica's whole batch),
+        so the Trainer's sum over all processes counts each replica once."""
+        if not self._tsp:
+            return super().floating_point_ops(inputs)
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if main not in inputs or get_mesh(self.model).rank != 0:
+            return 0
+        if self._flops_parameters is None:
+            self._flops_parameters = non_embedding_parameters(self.model)
+        return 6 * inputs[main].numel() * self._flops_parameters
+
+    def _count_replicas(self, on: bool) -> None:
+        """Make ``args.world_size`` the number of replicas (``on``) or of processes again."""
+        if self._tsp:
+            self.args._tsp_replicas = self.data_parallel_size if on else None
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """The Trainer's loop; once it is done, and until the next log row, ``args.world_size``
+        counts replicas: ``evaluate`` and ``predict`` then count the steps behind
+        ``*_steps_per_second`` as eval_batch_size x world_size per step."""
+        out = super().evaluation_loop(*args, **kwargs)
+        self._count_replicas(True)
+        return out
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's model card, its ``num_devices`` and total batch sizes counting
+        replicas (the global batch is per-device batch x accumulation x replicas)."""
+        self._count_replicas(True)
+        try:
+            return super().create_model_card(*args, **kwargs)
+        finally:
+            self._count_replicas(False)
+
     # ------------------------------------------------------------------ metrics
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's log; a training row (it has ``loss``) also gets TSP's figures."""
+        """The Trainer's log; a training row (it has ``loss``) also gets TSP's figures, and
+        the first row the degree ``tsp_size="auto"`` chose (``tsp_size``)."""
+        self._count_replicas(False)  # evaluation_loop's figures are computed
         if self._tsp_meter is not None and "loss" in logs:
             logs = {**logs, **self._tsp_meter.read(self.state.global_step)}
+        if self._choice_to_log is not None:
+            logs = {"tsp_size": self._choice_to_log.size, **logs}
+            self._choice_to_log = None
         return super().log(logs, *args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any):
         with tsp_core.metrics.paused():  # not a training step's work
-            return super().evaluate(*args, **kwargs)
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                self._count_replicas(False)
+
+    def predict(self, *args: Any, **kwargs: Any):
+        try:
+            return super().predict(*args, **kwargs)
+        finally:
+            self._count_replicas(False)
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any):
         with tsp_core.metrics.paused():

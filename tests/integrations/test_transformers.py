@@ -2,15 +2,18 @@
 ``max_grad_norm`` clipping active and plain SGD: the logged losses and grad_norm, the first
 step's gradients and the final weights, at tsp 2, dp 2 x tsp 2 (also with FSDP2 over dp_shard 2,
 each rank holding 1/4 of the model) and tsp 4 with 1 and 2 key/value heads (a tiny Llama saved
-with save_pretrained); packed batches; resuming from a checkpoint is
-exact; a Qwen2 checkpoint (with biases) loads shard-on-read into a TSP model with the plain
-model's logits."""
+with save_pretrained); what the Trainer reports (total_flos, the steps and samples behind
+``*_per_second``, the training arithmetic, the model card, the saved config.json) is what the
+plain Trainer reports for the same global batch; the degree tsp_size="auto" chose is said under
+run_clm.py's logging; packed batches; resuming from a checkpoint is exact; a Qwen2 checkpoint
+(with biases) loads shard-on-read into a TSP model with the plain model's logits."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -101,21 +104,121 @@ def assert_every_rank(runs: list[dict], ref: dict, what: str) -> None:
                                            loss_tol=1e-7)
 
 
-def test_tsp_trainer_matches_one_process(tmp_path, saved_mqa):
+# what the Trainer derives from the number of processes, on every rank, and rank 0's model card
+# fields that count processes or batches (the evaluation batch of 1 row makes the evaluation steps
+# count: 4 rows are 4 steps on one replica, 2 on two)
+FIGURES = ("total_flos", "training", "speed", "eval_batches", "max_steps", "epochs")
+CARD = ("num_devices", "train_batch_size", "eval_batch_size", "total_train_batch_size",
+        "total_eval_batch_size")
+REPORTING = ["--per_device_eval_batch_size", "1", "--figures", "true"]
+# the 4-process dp 2 x tsp 2 case, and the plain Trainer on 2 processes with the same arguments
+DP2 = ("--rows 16 --eval_strategy steps --eval_steps 2 --save_strategy steps --save_steps 3 "
+       + " ".join(REPORTING))
+
+
+REBALANCE = "--train_sampling_strategy batch_rebalance"  # the Trainer's sampler splits by rank
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, saved_mqa) -> str:
+    """One 2-process launch: TSPTrainer at tsp 2; the plain Trainer at dp 2 (what dp 2 x tsp 2
+    must report); both again with batch_rebalance; tsp_size="auto" under run_clm.py's logging
+    (planned for 24 tokens x 2 rows in 0.6 MB: 0.94 MB at D=1 does not fit 0.9 x 0.6 MB, 0.46 MB
+    at D=2 does), one step."""
+    out = tmp_path_factory.mktemp("two_processes")
+    proc = launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"),
+                                      *SGD, "--out", str(out), "--case",
+                                      "tsp2 --tsp_size 2 " + " ".join(REPORTING),
+                                      f"plain_dp2 --plain true {DP2}",
+                                      f"rebalance --tsp_size 2 {REBALANCE}",
+                                      f"rebalance_plain_dp2 --plain true --rows 16 {REBALANCE}",
+                                      "auto --tsp_size auto --tsp_seq_len 24 --tsp_memory_gb "
+                                      "0.0006 --max_steps 1 --clm_logging true"),
+                      2, timeout=400)
+    with open(out / "output.txt", "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, saved_mqa) -> str:
+    """transformers' own Trainer on one process, with tsp2's and rebalance's arguments."""
+    out = tmp_path_factory.mktemp("one_process")
+    launch.run([sys.executable, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"), *SGD,
+                "--plain", "true", "--out", str(out), "--case", " ".join(["plain", *REPORTING]),
+                f"rebalance {REBALANCE}"], 1, timeout=400)
+    return str(out)
+
+
+def assert_losses_as_plain(runs: list[dict], plain: dict, what: str) -> None:
+    """Every rank logged the plain Trainer's losses (its float32 logits: to 1e-6)."""
+    assert len(plain["losses"]) == 4, plain
+    for r, run in enumerate(runs):
+        assert len(run["losses"]) == 4, (what, r, run["losses"])
+        for step, (a, b) in enumerate(zip(run["losses"], plain["losses"])):
+            assert abs(a - b) <= 1e-6 * b, f"{what} rank {r}, step {step}: loss {a} vs {b}"
+
+
+def assert_same_batches(runs: list[dict], ref: dict, what: str) -> None:
+    """The plain Trainer trained on the reference's global batches: its loss casts the logits to
+    float32, also for a float64 model, so it agrees with the float64 reference to ~1e-8 only."""
+    for r, run in enumerate(runs):
+        hf_models.assert_matches_reference(run, ref, 1e-6, what=f"{what} rank {r}: ")
+
+
+def assert_reports_as_plain(runs: list[dict], plain: dict, what: str) -> None:
+    """Every rank's figures are the plain Trainer's (rank 0's); rank 0's model card fields and
+    saved config.json, field by field."""
+    want = plain["figures"]
+    for r, run in enumerate(runs):
+        got = run["figures"]
+        for key in FIGURES:
+            assert got[key] == want[key], f"{what} rank {r}: {key} {got[key]} != {want[key]}"
+    got = runs[0]["figures"]
+    for key in CARD:
+        card, plain_card = got["model_card"].get(key), want["model_card"].get(key)
+        assert card == plain_card, f"{what}: model card {key}: {card} != {plain_card}"
+    for key in sorted(set(got["config"]) | set(want["config"])):
+        assert got["config"].get(key) == want["config"].get(key), \
+            f"{what}: config.json {key}: {got['config'].get(key)} != {want['config'].get(key)}"
+
+
+def test_tsp_trainer_matches_one_process(two_processes, one_process):
     # tsp 2 with 1 key/value head: each rank holds half of its rows
-    torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--tsp_size", "2",
-             "--out", str(tmp_path / "tsp"))
-    runs = full_run(tmp_path / "tsp")
+    runs = full_run(os.path.join(two_processes, "tsp2"))
     assert len(runs) == 2
     ref = reference(kv_heads=1, dp=1)
     assert_every_rank(runs, ref, "tsp 2, 1 kv head")
     for run in runs:
         assert abs(run["eval_loss"] - ref["eval_loss"]) <= 1e-8 * ref["eval_loss"], run
+    plain = full_run(os.path.join(one_process, "plain"))
+    assert_same_batches(plain, ref, "the plain Trainer, one process")
+    assert_reports_as_plain(runs, plain[0], "tsp 2 against one process")
+    # batch_rebalance: the TSP group shares the replica's rows (else the batch check raises)
+    rebalanced = full_run(os.path.join(one_process, "rebalance"))[0]
+    assert_losses_as_plain(full_run(os.path.join(two_processes, "rebalance")), rebalanced,
+                           "batch_rebalance, tsp 2")
+    sequential = ref["losses"]
+    assert any(abs(a - b) > 1e-4 for a, b in zip(rebalanced["losses"], sequential)), \
+        ("batch_rebalance must take other rows than the sequential order", sequential)
 
 
-def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama, saved_qwen3):
-    # one torchrun launch of 4 processes, five Trainer runs: dp 2 x tsp 2 (each data-parallel
-    # replica its own rows) with 1 key/value head, tsp 4 with 1 and with 2, a Qwen3 (per-head
+def test_auto_choice_is_said_under_run_clm_logging(two_processes):
+    # run_clm.py leaves the root logger at WARNING with a handler on stdout: the choice is said
+    # there, once (rank 0), and the first log row carries the degree on every rank
+    with open(os.path.join(two_processes, "output.txt")) as f:
+        output = f.read()
+    said = [line for line in output.splitlines() if "tsp_size='auto' chose D=2" in line]
+    assert len(said) == 1 and "WARNING - tsp_core.auto - " in said[0], said or output[-3000:]
+    for r, run in enumerate(full_run(os.path.join(two_processes, "auto"))):
+        assert run["first_row"].get("tsp_size") == 2, (r, run["first_row"])
+
+
+def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama, saved_qwen3,
+                                                  two_processes):
+    # one torchrun launch of 4 processes, six Trainer runs: dp 2 x tsp 2 (each data-parallel
+    # replica its own rows) with 1 key/value head, reporting what the plain Trainer on 2 processes
+    # reports, and again with batch_rebalance; tsp 4 with 1 and with 2, a Qwen3 (per-head
     # q/k norms, head_dim 24, biases, a sliding layer) at tsp 4, and (last: Accelerate's state
     # stays FSDP for the process) FSDP2 dp_shard 2 x tsp 2 from TSPTrainingArguments(fsdp=
     # "full_shard", fsdp_config={"fsdp_version": 2}), evaluated before training too (the Trainer
@@ -124,9 +227,9 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_lla
     torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--out", str(tmp_path), "--case",
              # TSP's logged figures, with an evaluation after step 2 and a checkpoint after
              # step 3 that must not count
-             f"dp2 --tsp_size 2 --rows 16 --eval_strategy steps --eval_steps 2 "
-             f"--save_strategy steps --save_steps 3",
-             f"tsp4_kv1 --tsp_size 4",
+             f"dp2 --tsp_size 2 {DP2}",
+             f"rebalance_dp2 --tsp_size 2 --rows 16 {REBALANCE}",
+             "tsp4_kv1 --tsp_size 4",
              f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama} --tsp_metrics false",
              f"qwen3 --tsp_size 4 --model_path {saved_qwen3}",
              "fsdp --tsp_size 2 --rows 16 --fsdp full_shard --fsdp_config "
@@ -155,12 +258,21 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_lla
         for key, want in (("eval_loss0", loss0), ("eval_loss", dp2["eval_loss"])):
             assert abs(run[key] - want) <= 1e-8 * want, (r, key, run[key], want)
     assert all("fsdp" not in run for run in full_run(tmp_path / "dp2"))
+    # what dp 2 x tsp 2 reports is what the plain Trainer on 2 processes reports
+    plain = full_run(os.path.join(two_processes, "plain_dp2"))
+    assert_same_batches(plain, dp2, "the plain Trainer, dp 2")
+    assert_reports_as_plain(full_run(tmp_path / "dp2"), plain[0], "dp 2 x tsp 2 against dp 2")
+    # batch_rebalance: each replica its own share of the rows, as each plain rank
+    assert_losses_as_plain(full_run(tmp_path / "rebalance_dp2"),
+                           full_run(os.path.join(two_processes, "rebalance_plain_dp2"))[0],
+                           "batch_rebalance, dp 2 x tsp 2")
     for r, run in enumerate(full_run(tmp_path / "dp2")):
         assert len(run["metric_rows"]) == 4, run["metric_rows"]
         metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 2, f"rank {r}")
     for r, run in enumerate(full_run(tmp_path / "tsp4_kv1")):  # logged, and the same way
         metrics_check.assert_windows(run["metric_rows"], run["step_counts"], 1, f"tsp 4 rank {r}")
-    assert all(run["metric_rows"] == [] for run in full_run(tmp_path / "tsp4_kv2"))  # switched off
+    for r, run in enumerate(full_run(tmp_path / "tsp4_kv2")):  # tsp_metrics false: no tsp/* keys
+        assert run["metric_rows"] == [], (f"tsp_metrics false, rank {r}", run["metric_rows"][:1])
 
 
 def test_packed_batches_with_data_collator_with_flattening(tmp_path, saved_llama):
@@ -242,6 +354,31 @@ def test_qwen2_loads_shard_on_read(pool, tmp_path, tsp):
     local = pool.run(shard_on_read, tsp, str(tmp_path / "qwen2"))
     total = sum(p.numel() for p in hf_models.build("qwen2", torch.float32).parameters())
     assert max(local) < total / tsp * 1.5, (local, total)
+
+
+def flops_parameters(tsp: int, families: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """(family, TSPTrainer's count on the converted model, Hugging Face's on the unmodified)."""
+    import tsp_core
+    from tsp_transformers.trainer import non_embedding_parameters
+
+    out = []
+    for family in families:
+        model = hf_models.build(family, torch.float32)
+        want = model.num_parameters(exclude_embeddings=True)
+        assert non_embedding_parameters(model) == want, family
+        tsp_core.parallelize(model, dist_pool.mesh(tsp))
+        out.append((family, non_embedding_parameters(model), want))
+    return out
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_flops_count_the_unmodified_models_parameters(pool, tsp):
+    # total_flos counts Hugging Face's non-embedding parameters: full shapes, not shards or
+    # vocabulary padding (llama-tied: 101 rows, tied to the head), fused tensors whole (phi3)
+    families = ("llama", "llama-tied", "qwen2", "phi3")
+    for rank in pool.run(flops_parameters, tsp, families):
+        for family, got, want in rank:
+            assert got == want, f"tsp {tsp}, {family}: {got} != {want}"
 
 
 def test_fsdp_options_tsp_cannot_honour_are_refused(monkeypatch, tmp_path):

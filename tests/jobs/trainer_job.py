@@ -7,6 +7,18 @@ clipping (``grads0.pt``).
 ``--case "NAME ARGS..."`` (repeatable, under torchrun): one more Trainer run in the same processes
 with ARGS added to the command line's, results in --out/NAME, output_dir/NAME.
 
+``--plain true``: transformers' own ``Trainer`` (the reference for what the Trainer reports).
+``--figures true``: every rank also records what the Trainer derived from the number of processes
+(``figures``: the training arithmetic, the batches and samples behind each ``*_per_second``,
+``total_flos``, the evaluation progress bar's total), and rank 0 the hyperparameters of the model
+card and the saved ``config.json``; the model's config then starts without ``architectures`` and
+``dtype``, as one built from a config (run_clm.py training from scratch) does, so ``config.json``
+gets them from saving alone.
+
+``--clm_logging true``: logging configured as Hugging Face's ``run_clm.py`` configures it (the root
+logger at WARNING with a handler on stdout, transformers at INFO on the main process); every rank
+also records the Trainer's first log row (``first_row``).
+
 ``--eval_first true``: ``evaluate()`` before ``train()`` too (``eval_loss0``). Under FSDP2
 (``--fsdp full_shard --fsdp_config '{"fsdp_version": 2}'``) every rank also records the bytes of
 parameter storage it holds and how its FSDP2 units were configured (``fsdp``)."""
@@ -14,16 +26,19 @@ parameter storage it holds and how its FSDP2 units were configured (``fsdp``).""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import sys
 from dataclasses import dataclass, field
 
 import torch
+import transformers.trainer as hf_trainer
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
     HfArgumentParser,
+    Trainer,
     TrainerCallback,
 )
 
@@ -45,6 +60,9 @@ class JobArgs:
     rows: int = field(default=8)
     dtype: str = field(default="float32")
     eval_first: bool = field(default=False)
+    plain: bool = field(default=False)
+    figures: bool = field(default=False)
+    clm_logging: bool = field(default=False)
     case: list[str] = field(default_factory=list)
 
 
@@ -70,6 +88,12 @@ class LogRecorder(TrainerCallback):
         self.norms: list[float] = []
         self.metric_rows: list[dict] = []
         self.counters = StepCounters()
+        self.eval_batches: list[int] = []
+        self.first_row: dict | None = None
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if not self.eval_batches or self.eval_batches[-1] != len(eval_dataloader):
+            self.eval_batches.append(len(eval_dataloader))  # the progress bar's total
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.counters.begin()
@@ -78,6 +102,8 @@ class LogRecorder(TrainerCallback):
         self.counters.end()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.first_row is None:
+            self.first_row = dict(logs)
         if logs and "loss" in logs:
             self.losses.append(logs["loss"])
             if "grad_norm" in logs:
@@ -102,8 +128,80 @@ def record_first_gradients(trainer) -> dict:
     return first
 
 
+SPEED: list[dict] = []  # what the Trainer passed to speed_metrics, in order
+REAL_SPEED_METRICS = hf_trainer.speed_metrics
+
+
+def recording_speed_metrics(split, start_time, num_samples=None, num_steps=None, **kw):
+    """``speed_metrics`` (installed by :func:`main`), noting the samples and steps behind each
+    ``*_per_second`` figure."""
+    SPEED.append({"split": split, "samples": num_samples, "steps": num_steps})
+    return REAL_SPEED_METRICS(split, start_time, num_samples=num_samples, num_steps=num_steps,
+                              **kw)
+
+
+def record_training_values(trainer) -> dict:
+    """``set_initial_training_values``' answer: epochs, update steps per epoch, examples,
+    samples, total batch, batches per epoch, max_steps."""
+    seen: dict = {}
+    real = trainer.set_initial_training_values
+
+    def recording(*a, **kw):
+        values = real(*a, **kw)
+        seen.update(zip(("num_train_epochs", "update_steps_per_epoch", "num_examples",
+                         "num_train_samples", "total_train_batch_size", "steps_in_epoch",
+                         "max_steps"), values))
+        return values
+
+    trainer.set_initial_training_values = recording
+    return seen
+
+
+def model_card_hyperparameters(path: str) -> dict:
+    """The ``- name: value`` lines under "Training hyperparameters" of a model card."""
+    with open(os.path.join(path, "README.md")) as f:
+        text = f.read().split("### Training hyperparameters", 1)[1].split("###", 1)[0]
+    pairs = (line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("- "))
+    return {k: v for k, v in pairs}
+
+
+def figures(trainer, train_metrics: dict, training: dict, log: LogRecorder) -> dict:
+    """What the Trainer derived from the number of processes; rank 0 also the model card's
+    hyperparameters and the saved config.json (``save_model`` gathers on every rank)."""
+    out = {"total_flos": train_metrics["total_flos"], "training": training,
+           "speed": list(SPEED), "eval_batches": log.eval_batches,
+           "max_steps": trainer.state.max_steps, "epochs": trainer.state.num_train_epochs}
+    saved = os.path.join(trainer.args.output_dir, "final")
+    trainer.save_model(saved)
+    if trainer.args.process_index == 0:
+        trainer.create_model_card()
+        out["model_card"] = model_card_hyperparameters(trainer.args.output_dir)
+        with open(os.path.join(saved, "config.json")) as f:
+            out["config"] = json.load(f)
+    return out
+
+
+def configure_logging_as_run_clm(args: TSPTrainingArguments) -> None:
+    """What Hugging Face's examples/pytorch/language-modeling/run_clm.py does first."""
+    import transformers
+
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+                        datefmt="%m/%d/%Y %H:%M:%S", handlers=[logging.StreamHandler(sys.stdout)])
+    if args.should_log:
+        transformers.utils.logging.set_verbosity_info()
+    log_level = args.get_process_log_level()
+    logging.getLogger("run_clm").setLevel(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+
+
 def train(job: JobArgs, args: TSPTrainingArguments) -> None:
+    if job.clm_logging:
+        configure_logging_as_run_clm(args)
     model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=getattr(torch, job.dtype))
+    if job.figures:
+        model.config.architectures, model.config.dtype = None, None
     if job.packed:  # documents of different lengths, several per row
         data = [{"input_ids": d} for d in packed_documents(model.config.vocab_size, job.num_docs)]
         collator = DataCollatorWithFlattening()
@@ -112,12 +210,19 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
         collator = None
     log = LogRecorder()
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainer = TSPTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
-                         callbacks=[log], data_collator=collator)
+    SPEED.clear()
+    trainer = (Trainer if job.plain else TSPTrainer)(
+        model=model, args=args, train_dataset=data, eval_dataset=data[:4], callbacks=[log],
+        data_collator=collator)
     first = record_first_gradients(trainer)
+    training = record_training_values(trainer)
     extra = {"eval_loss0": trainer.evaluate()["eval_loss"]} if job.eval_first else {}
-    trainer.train(resume_from_checkpoint=job.resume or None)
+    train_metrics = trainer.train(resume_from_checkpoint=job.resume or None).metrics
     metrics = trainer.evaluate()
+    if job.figures:
+        extra["figures"] = figures(trainer, train_metrics, training, log)
+    if job.clm_logging:
+        extra["first_row"] = log.first_row
     model = trainer.model
     if trainer.accelerator.is_fsdp2:
         extra["fsdp"] = {"storage": storage_bytes(model), "full": full_bytes, **fsdp_units(model)}
@@ -135,6 +240,7 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
 
 
 def main() -> None:
+    hf_trainer.speed_metrics = recording_speed_metrics
     parser = HfArgumentParser((JobArgs, TSPTrainingArguments))
     argv = sys.argv[1:]
     job, args = parser.parse_args_into_dataclasses(args=argv)

@@ -4,6 +4,7 @@ through TSPAccelerator (the degree it builds, and an impossible budget refused o
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from tests.support import launch
 from tsp_core.baselines.layouts import LayoutSpec
-from tsp_core.plan.auto import choose_tsp_size
+from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
 from tsp_core.plan.cost import auto_tsp_size
 from tsp_core.plan.memory import estimate
 from tsp_core.plan.traffic import ModelShape
@@ -73,6 +74,19 @@ def test_auto_refusals_name_what_binds(tmp_path):
     c = choose_tsp_size("auto", local_processes=2, env={"TSP_MODEL_CONFIG": str(tmp_path),
                                                          "TSP_MEMORY_GB": "0.001"}, **NO_GPU)
     assert c.size == 2  # D=1 plans 1.14 MB, D=2 0.56 MB, 0.9 MB usable
+
+
+def test_the_choice_is_a_warning_once_on_rank_0(caplog):
+    # configured logging at WARNING (run_clm.py's root logger) shows it; other ranks and sizes
+    # given explicitly say nothing (a run without any handler gets a [tsp] line on stderr: the
+    # 2-process run below)
+    chosen = TSPChoice(2, "tsp_size='auto' chose D=2: ...", auto=True)
+    with caplog.at_level(logging.WARNING):
+        log_choice(chosen, env={"RANK": "1"})
+        log_choice(TSPChoice(2, "tsp_size=2 given"), env={"RANK": "0"})
+        log_choice(chosen, env={"RANK": "0"})
+    said = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [("tsp_core.auto", logging.WARNING, chosen.reason)], said
 
 
 def test_lightning_resolution():

@@ -42,7 +42,7 @@ GIB = 2 ** 30
 
 @dataclass(frozen=True)
 class TSPChoice:
-    """The degree an adapter builds its mesh with, and why (logged on rank 0)."""
+    """The degree an adapter builds its mesh with, and why (said on rank 0: ``log_choice``)."""
 
     size: int
     reason: str
@@ -148,10 +148,14 @@ def choose_tsp_size(requested: Any, *, model_config: Any = None, local_processes
 
 
 def log_choice(choice: TSPChoice, env: Mapping[str, str] | None = None) -> None:
-    """Log on global rank 0 (``RANK``); printed to stderr too when logging is not configured."""
+    """Say the degree "auto" chose, once, on global rank 0 (``RANK``): a warning of the
+    ``tsp_core.auto`` logger when logging is configured (a script such as Hugging Face's
+    ``run_clm.py`` leaves the root logger at WARNING with a handler, where an info would vanish),
+    otherwise a ``[tsp]`` line on stderr."""
     env = os.environ if env is None else env
     if env.get("RANK", "0") != "0" or not choice.auto:
         return
-    logger.info(choice.reason)
-    if not logger.hasHandlers():
+    if logger.hasHandlers():
+        logger.warning(choice.reason)
+    else:
         print(f"[tsp] {choice.reason}", file=sys.stderr, flush=True)
