@@ -9,7 +9,8 @@ with ARGS added to the command line's, results in --out/NAME, output_dir/NAME.
 
 ``--plain true``: transformers' own ``Trainer`` (the reference for what the Trainer reports).
 ``--figures true``: every rank also records what the Trainer derived from the number of processes
-(``figures``: the training arithmetic, the batches and samples behind each ``*_per_second``,
+(``figures``: the training arithmetic, the batches and samples behind each ``*_per_second``
+of training, evaluation and a final ``predict()`` on the evaluation rows,
 ``total_flos``, the evaluation progress bar's total), and rank 0 the hyperparameters of the model
 card and the saved ``config.json``; the model's config then starts without ``architectures`` and
 ``dtype``, as one built from a config (run_clm.py training from scratch) does, so ``config.json``
@@ -169,8 +170,10 @@ def figures(trainer, train_metrics: dict, training: dict, log: LogRecorder) -> d
     """What the Trainer derived from the number of processes; rank 0 also the model card's
     hyperparameters and the saved config.json (``save_model`` gathers on every rank)."""
     out = {"total_flos": train_metrics["total_flos"], "training": training,
-           "speed": list(SPEED), "eval_batches": log.eval_batches,
+           "eval_batches": log.eval_batches,
            "max_steps": trainer.state.max_steps, "epochs": trainer.state.num_train_epochs}
+    trainer.predict(trainer.eval_dataset)  # test_*_per_second
+    out["speed"] = list(SPEED)
     saved = os.path.join(trainer.args.output_dir, "final")
     trainer.save_model(saved)
     if trainer.args.process_index == 0:
