@@ -73,6 +73,7 @@ from tsp_core.inference.logits import gather_data_parallel
 from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.models.policies import find_policy
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
+from tsp_core.state.resharding import check_checkpoint
 
 
 def _local_processes() -> int:
@@ -573,11 +574,13 @@ class TSPAccelerator(Accelerator):
         def read(_models: list, directory: str) -> None:
             for user_hook in user_hooks:  # a hook that loads a model itself removes it from models
                 user_hook(models, directory)
-            for i, (model, optims) in enumerate(pairs):
-                if any(self.unwrap_model(m) is model for m in models):
-                    extra = tsp_core.load_checkpoint(os.path.join(directory, _model_dir(i)),
-                                                     model, optims)
-                    step.append(extra["step"])
+            todo = [(os.path.join(directory, _model_dir(i)), model, optims)
+                    for i, (model, optims) in enumerate(pairs)
+                    if any(self.unwrap_model(m) is model for m in models)]
+            for path, model, optims in todo:  # every model checked before any changes
+                check_checkpoint(path, model, optims)
+            for path, model, optims in todo:
+                step.append(tsp_core.load_checkpoint(path, model, optims)["step"])
 
         with self._through_tsp_core("_load_model_state_pre_hook", read):
             super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)

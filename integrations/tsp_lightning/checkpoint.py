@@ -28,8 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 import tsp_core
+from tsp_core.state.checkpoint import check_full_state_dict
 from tsp_core.state.resharding import (
     MARKER,
+    check_full_optimizer_state_dict,
     full_optimizer_state_dict,
     load_full_optimizer_state_dict,
 )
@@ -92,13 +94,18 @@ def read_one_file(path: Path, weights_only: bool | None) -> dict[str, Any]:
 
 def load_one_file(module: nn.Module, model_sd: dict, optimizers: list, osds: list | None,
                   path: Path) -> None:
-    """Each rank keeps its slices of the full weights and optimizer states."""
+    """Each rank keeps its slices of the full weights and optimizer states. The weights and
+    every optimizer state are checked before any of them changes: a file that does not fit
+    raises on every rank and changes nothing."""
     if optimizers and osds is None:
         raise ValueError(f"{path} holds only the model (saved with weights_only=True / "
                          f"save_weights_only=True): it cannot resume training")
     if optimizers and len(osds) != len(optimizers):
         raise ValueError(f"{path} holds the state of {len(osds)} optimizer(s), the model has "
                          f"{len(optimizers)}")
+    check_full_state_dict(module, model_sd)
+    for opt, osd in zip(optimizers, osds or []):
+        check_full_optimizer_state_dict(module, opt, osd)
     tsp_core.load_full_state_dict(module, model_sd)
     for opt, osd in zip(optimizers, osds or []):
         load_full_optimizer_state_dict(module, opt, osd)

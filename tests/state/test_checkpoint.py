@@ -96,6 +96,9 @@ def counting_disk_reads(fn, *args) -> dict:
         def get_shape(self):
             return self.s.get_shape()
 
+        def get_dtype(self):
+            return self.s.get_dtype()
+
         def __getitem__(self, index):
             return counted(self.s[index])
 
@@ -209,8 +212,8 @@ def phi3_fused_tensors(tsp: int, root: str) -> None:
     # state (keyed by parameter index) is refused, pointing to save_checkpoint
     bad = {**want, "model.layers.0.mlp.gate_up_proj.weight": want[
         "model.layers.0.mlp.gate_up_proj.weight"][:-2]}
-    with pytest.raises(ValueError, match=r"gate_up_proj\.weight has shape \(254, 64\), "
-                                         r"expected \(256, 64\)"):
+    with pytest.raises(ValueError, match=r"gate_up_proj\.weight has shape \(254, 64\) in the "
+                                         r"state dict, \(256, 64\) in the model"):
         tsp_core.load_full_state_dict(other, bad)
     from tsp_core.state.resharding import full_optimizer_state_dict
 
@@ -296,3 +299,64 @@ def families_bit_identical(tsp: int, root: str) -> None:
 
 def test_every_family_round_trips_bit_identical(pool, tmp_path):
     pool.run(families_bit_identical, 4, str(tmp_path))
+
+
+def load_never_half_applies(tsp: int, root: str) -> list[str]:
+    """A load that does not fit (its last tensor the wrong shape, missing or of another kind of
+    dtype, or a tensor the model does not have; from a dict or from a file) raises on every rank,
+    naming the tensor (and both shapes), and leaves every rank's shards bit for bit as they
+    were: nothing is copied before everything is checked. The good load then changes them."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from tsp_core.state.checkpoint import check_full_state_dict
+
+    mesh = dist_pool.mesh(tsp)
+    want = hf_models.build("llama", torch.float64).state_dict()
+    model = tsp_core.parallelize(hf_models.build("llama", torch.float64, seed=5), mesh)
+    last = list(want)[-1]
+    assert last == "lm_head.weight", last  # the last tensor a load reaches (the last module)
+    bad_file = os.path.join(root, "bad")
+    if dist.get_rank() == 0:
+        os.makedirs(bad_file)
+        save_file({**want, last: want[last][:-1]}, os.path.join(bad_file, "model.safetensors"))
+    dist.barrier()
+    cases = [
+        ({**want, last: want[last][:-1]},
+         r"lm_head\.weight has shape \(95, 64\) in the state dict, \(96, 64\) in the model"),
+        (bad_file, r"lm_head\.weight has shape \(95, 64\) in the checkpoint .*bad, \(96, 64\) in "
+                   r"the model"),
+        ({k: v for k, v in want.items() if k != last},
+         r"1 tensors missing from the state dict \(e.g. \['lm_head\.weight \(96, 64\)'\]\)"),
+        ({**want, last: want[last].long()},
+         r"lm_head\.weight holds integer values in the state dict, the model's lm_head\.weight "
+         r"is torch.float64"),
+        ({**want, "lm_head.bias": want[last][:, 0]},
+         r"1 tensors this model does not have \(e.g. \['lm_head\.bias'\]\)"),
+    ]
+    before = {k: local(v).clone() for k, v in model.state_dict().items()}
+    msgs = []
+    for source, pattern in cases:
+        for load in (tsp_core.load_full_state_dict, check_full_state_dict):
+            with pytest.raises(ValueError, match=pattern) as info:
+                load(model, source)
+            msgs.append(str(info.value))
+            for k, v in model.state_dict().items():
+                assert torch.equal(local(v), before[k]), \
+                    f"{load.__name__} raised ({pattern}) after changing {k} " \
+                    f"(rank {dist.get_rank()})"
+    check_full_state_dict(model, want)
+    tsp_core.load_full_state_dict(model, want)  # the good one changes every shard but the norms
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(local(v), before[k])}
+    assert changed == {k for k in before if "norm" not in k}, sorted(set(before) - changed)
+    got = tsp_core.full_state_dict(model)
+    assert all(torch.equal(got[k], t) for k, t in want.items())
+    dist.barrier()
+    return msgs
+
+
+def test_load_never_half_applies(pool, tmp_path):
+    # tsp 2 x data parallel 2: every rank checks its own shards and raises the same error
+    per_rank = pool.run(load_never_half_applies, 2, str(tmp_path))
+    assert all(m == per_rank[0] for m in per_rank), per_rank

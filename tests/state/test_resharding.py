@@ -160,6 +160,23 @@ def failures(root: str) -> list[str]:
            lambda: tsp_core.load_checkpoint(os.path.join(root, "wide"), model))
     expect(ValueError, r"was saved without optimizer state; pass optimizer=None",
            lambda: tsp_core.load_checkpoint(os.path.join(root, "wide"), model, opt))
+    # a checkpoint whose last tensor alone is wrong (lm_head: one vocabulary row short), with
+    # optimizer state: refused before anything is read, also when checked only; a fresh
+    # optimizer is left without state (torch.distributed.checkpoint's state dict creates it)
+    short = hf_models.build("llama", torch.float64)
+    short.lm_head = torch.nn.Linear(64, 95, bias=False, dtype=torch.float64)
+    short_opt = torch.optim.AdamW(short.parameters(), lr=1e-2)
+    tsp_core.save_checkpoint(os.path.join(root, "short"), short, short_opt)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from tsp_core.state.resharding import check_checkpoint
+    for load in (tsp_core.load_checkpoint, check_checkpoint):
+        for optimizer in (opt, fresh):
+            expect(ValueError, r"lm_head.weight has shape \(95, 64\) in the checkpoint, "
+                               r"\(96, 64\) here",
+                   lambda: load(os.path.join(root, "short"), model, optimizer))
+            assert not fresh.state, f"{load.__name__} left state in a fresh optimizer"
+    check_checkpoint(good, model, fresh)
+    assert not fresh.state, "check_checkpoint left state in a fresh optimizer"
     # the adapters' hooks: an optimizer-only checkpoint (TSPTrainer's) does not load as weights;
     # framework metadata torch.load(weights_only=True) refuses (Lightning's) is read only on request
     opt_only, pickled = os.path.join(root, "opt_only"), os.path.join(root, "pickled")

@@ -61,6 +61,14 @@ class SafetensorsSource:
         fn = self._files.get(name)
         return None if fn is None else tuple(self._handle(fn).get_slice(name).get_shape())
 
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def kind(self, name: str) -> str:
+        """The kind of dtype (:func:`dtype_kind`) of tensor ``name``, from the file's header."""
+        code = self._handle(self._files[name]).get_slice(name).get_dtype()
+        return {"B": "bool", "C": "complex", "F": "floating"}.get(code[0], "integer")
+
     def read(self, name: str, dim: int | None, start: int, length: int) -> torch.Tensor:
         h = self._handle(self._files[name])
         if dim is None:
@@ -107,6 +115,22 @@ class _HubExperts:
 
     def _expert(self, base: str, e: int, part: str) -> str:
         return f"{base}experts.{e}.{part}.weight"
+
+    def parts(self, name: str, full: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
+        """The checkpoint tensors (name -> the shape each must have) that in-memory tensor
+        ``name`` of full shape ``full`` is read from, when it is read from the Hub's layout;
+        None when the checkpoint has ``name`` as it is (or it is no expert tensor)."""
+        where = self._split(name)
+        if where is None:
+            return None
+        base, kind = where
+        if kind == "gate.weight":
+            return {base + kind: full}
+        if "down" in kind:  # [E, h, F]: one [h, F] per expert
+            return {self._expert(base, e, self.down): full[1:] for e in range(self.experts)}
+        one = (full[1] // 2, *full[2:])  # [E, 2F, h]: gate [F, h] and up [F, h] per expert
+        return {self._expert(base, e, p): one for e in range(self.experts)
+                for p in (self.gate, self.up)}
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         where = self._split(name)
@@ -199,38 +223,122 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     return out
 
 
+def dtype_kind(dtype: torch.dtype) -> str:
+    """"floating", "complex", "bool" or "integer": a load casts within a kind (a bfloat16
+    checkpoint into a float32 model, as ``from_pretrained`` does) and refuses across kinds."""
+    if dtype.is_floating_point:
+        return "floating"
+    if dtype.is_complex:
+        return "complex"
+    return "bool" if dtype == torch.bool else "integer"
+
+
+def _open(state_dict_or_path: Mapping[str, torch.Tensor] | str | os.PathLike,
+          stack: ExitStack) -> TensorSource | SafetensorsSource:
+    if isinstance(state_dict_or_path, Mapping):
+        return TensorSource(state_dict_or_path)
+    return SafetensorsSource(state_dict_or_path, stack)
+
+
+def _hub_experts(model: nn.Module, source: FullSource) -> _HubExperts | None:
+    """A mixture-of-experts model reads the Hub's per-expert layout too."""
+    policy = getattr(model, "_tsp_policy", None)
+    if policy is None or policy.moe is None:
+        return None
+    return _HubExperts(source, policy, getattr(model.config, policy.moe.num_experts))
+
+
+def _check_source(model: nn.Module, source: TensorSource | SafetensorsSource, what: str) -> None:
+    """Every tensor a load of ``source`` into ``model`` reads exists with the shape and the kind
+    of dtype the model's tensor has, and ``source`` holds nothing else. Raises, naming the
+    tensors and both shapes, before anything is read or changed; every rank sees the same
+    source, so every rank raises alike, before any collective."""
+    if isinstance(source, TensorSource):
+        names = list(source.tensors)
+
+        def kind(n: str) -> str:
+            return dtype_kind(source.tensors[n].dtype)
+    else:
+        names, kind = source.names(), source.kind
+    hub = _hub_experts(model, source)
+    expected: set[str] = set()
+    wrong: list[str] = []
+    missing: list[str] = []
+
+    def expect(name: str, shape: tuple[int, ...], dtype: torch.dtype, optional: bool) -> None:
+        parts = {name: shape}
+        if source.shape(name) is None and hub is not None:
+            parts = hub.parts(name, shape) or parts
+        for n, want in parts.items():
+            expected.add(n)
+            got = source.shape(n)
+            if got is None:
+                if not optional:
+                    missing.append(f"{n} {want}")
+            elif got != tuple(want):
+                wrong.append(f"{n} has shape {got} in the {what}, {tuple(want)} in the model")
+            elif kind(n) != dtype_kind(dtype):
+                wrong.append(f"{n} holds {kind(n)} values in the {what}, the model's {n} is "
+                             f"{dtype}")
+
+    owners = set()
+    for prefix, m in _sharded_modules(model):
+        owners |= {prefix + n for n, _ in m.named_parameters()}
+        tied = isinstance(m, TSPLMHead) and m.tied  # loaded through the embedding: optional
+        for name, shape in m.hf_shapes().items():
+            part = next((n for n, _ in m.fused_names().get(name, [])), name)
+            expect(prefix + name, shape, m.get_parameter(part).dtype, tied)
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name not in owners:  # a buffer a checkpoint may leave out keeps its value
+            expect(name, tuple(t.shape), t.dtype, not isinstance(t, nn.Parameter))
+    unexpected = sorted(set(names) - expected)
+    if wrong or missing or unexpected:
+        found = wrong[:3] + ([f"{len(wrong) - 3} more"] if len(wrong) > 3 else [])
+        if missing:
+            found.append(f"{len(missing)} tensors missing from the {what} (e.g. {missing[:3]})")
+        if unexpected:
+            found.append(f"{len(unexpected)} tensors this model does not have (e.g. "
+                         f"{unexpected[:3]})")
+        raise ValueError(f"the {what} does not match this {base_class_name(model)}: "
+                         + "; ".join(found) + ". Nothing was changed; load the state of the model "
+                         "it was saved from (same config)")
+
+
+def check_full_state_dict(model: nn.Module, state_dict_or_path: Mapping[str, torch.Tensor]
+                          | str | os.PathLike) -> None:
+    """Raise, changing nothing, unless :func:`load_full_state_dict` of the same arguments would
+    succeed: every tensor present with the model's shape and kind of dtype, none missing, none
+    the model does not have (a tied LM head may be left out). For adapters that load weights
+    and optimizer state together and must check both before changing either."""
+    with ExitStack() as stack:
+        source = _open(state_dict_or_path, stack)
+        _check_source(model, source, "state dict" if isinstance(source, TensorSource)
+                      else f"checkpoint {os.fspath(state_dict_or_path)}")
+
+
 def load_full_state_dict(model: nn.Module,
                          state_dict_or_path: Mapping[str, torch.Tensor] | str | os.PathLike) -> int:
     """Keep this rank's slices of a full Hugging Face state dict, or of a ``save_pretrained``
     checkpoint on disk (read slice by slice). A tied LM head is loaded through the embedding.
-    Returns the number of elements read from disk (0 for a dict)."""
+    Every tensor is checked first (:func:`check_full_state_dict`): a load that does not fit
+    raises on every rank and changes nothing. Returns the number of elements read from disk (0
+    for a dict)."""
     with ExitStack() as stack:
-        if isinstance(state_dict_or_path, Mapping):
-            source: FullSource = TensorSource(state_dict_or_path)
-        else:
-            source = SafetensorsSource(state_dict_or_path, stack)
-        policy = getattr(model, "_tsp_policy", None)
-        if policy is not None and policy.moe is not None:  # the Hub's per-expert layout too
-            source = _HubExperts(source, policy, getattr(model.config, policy.moe.num_experts))
-        sharded = _sharded_modules(model)
+        raw = _open(state_dict_or_path, stack)
+        _check_source(model, raw, "state dict" if isinstance(raw, TensorSource)
+                      else f"checkpoint {os.fspath(state_dict_or_path)}")
+        source: FullSource = _hub_experts(model, raw) or raw
         owners = set()
-        for prefix, m in sharded:
+        for prefix, m in _sharded_modules(model):
             owners |= {prefix + n for n, _ in m.named_parameters()}
             if isinstance(m, TSPLMHead) and m.tied:
                 continue  # the embedding's load fills the shared weight
             m.load_full(_Prefixed(source, prefix))
         with torch.no_grad():
             for name, t in model.state_dict(keep_vars=True).items():
-                if name in owners:
-                    continue
-                shape = source.shape(name)
-                if shape is None:
-                    continue  # non-persistent or absent entries keep their values
-                if shape != tuple(t.shape):
-                    raise ValueError(f"{name} has shape {shape} in the checkpoint, {tuple(t.shape)} "
-                                     f"in the model")
-                t.copy_(source.read(name, None, 0, 0))
-        return getattr(source, "elements_read", 0)
+                if name not in owners and source.shape(name) is not None:
+                    t.copy_(source.read(name, None, 0, 0))
+        return getattr(raw, "elements_read", 0)
 
 
 def base_class_name(model: nn.Module) -> str:

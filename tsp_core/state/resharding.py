@@ -50,7 +50,7 @@ from ..distributed.params import (
     read_local,
     tsp_part,
 )
-from .checkpoint import _sharded_modules, base_class_name
+from .checkpoint import _sharded_modules, base_class_name, dtype_kind
 
 MARKER = "tsp_checkpoint.json"
 EXTRA = "extra.pt"
@@ -389,16 +389,21 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
 
 def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Module,
                    model_state: bool = True) -> None:
-    """Every tensor the load needs exists in the checkpoint with the same shape (checked from the
-    metadata on every rank alike, before anything is read or changed)."""
+    """Every tensor the load needs exists in the checkpoint with the same shape and kind of
+    dtype (checked from the metadata on every rank alike, before anything is read or
+    changed)."""
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    saved = {k: tuple(v.size) for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+    saved = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
     problems, missing = [], []
     for key, t in target.items():
         if key not in saved:
             missing.append(key)
-        elif saved[key] != tuple(t.shape):
-            problems.append(f"{key} has shape {saved[key]} in the checkpoint, {tuple(t.shape)} here")
+        elif tuple(saved[key].size) != tuple(t.shape):
+            problems.append(f"{key} has shape {tuple(saved[key].size)} in the checkpoint, "
+                            f"{tuple(t.shape)} here")
+        elif dtype_kind(saved[key].properties.dtype) != dtype_kind(t.dtype):
+            problems.append(f"{key} is {saved[key].properties.dtype} in the checkpoint, {t.dtype} "
+                            f"here")
     unexpected = sorted(k[len("model."):] for k in saved if model_state and k.startswith("model.")
                         and k not in target)
     if problems or missing or unexpected:
@@ -409,8 +414,8 @@ def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Mo
         if unexpected:
             parts.append(f"{len(unexpected)} parameters not in this model (e.g. {unexpected[:3]})")
         raise ValueError(f"{path} holds a {marker.get('model_class')} that does not match this "
-                         f"{base_class_name(model)}: " + "; ".join(parts) + ". Load it into the model it "
-                         "was saved from (same config); nothing was changed")
+                         f"{base_class_name(model)}: " + "; ".join(parts) + ". Load it into the "
+                         "model it was saved from (same config); nothing was changed")
 
 
 def _read_extra(path: str, weights_only: bool) -> dict[str, Any]:
@@ -425,14 +430,45 @@ def _read_extra(path: str, weights_only: bool) -> dict[str, Any]:
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers = None, *,
                     model_state: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """Load a :func:`save_checkpoint` directory into ``model`` (a TSP model at any degree, or a
-    plain model) and ``optimizer``; returns the ``extra`` values. Every rank must call it. Names
-    and shapes are checked on every rank before anything is read, so a checkpoint of another
-    model raises everywhere and leaves model and optimizer untouched. ``model_state=False`` loads
+    plain model) and ``optimizer``; returns the ``extra`` values. Every rank must call it. Names,
+    shapes and kinds of dtype are checked on every rank before anything is read, so a checkpoint
+    of another model raises everywhere and leaves model and optimizer untouched (an optimizer
+    without state yet is left without); the model's tensors change only once the optimizer's
+    state has loaded. ``model_state=False`` loads
     only the optimizer (``model`` still names its parameters); ``weights_only`` is how the extra
     values are read (``torch.load``)."""
+    return _load_checkpoint(path, model, optimizer, model_state, weights_only, check_only=False)
+
+
+def check_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers = None, *,
+                     model_state: bool = True, weights_only: bool = True) -> None:
+    """Raise, changing nothing, unless :func:`load_checkpoint` of the same arguments passes its
+    checks (marker, format, extra values, every tensor's name, shape and kind of dtype). For
+    adapters that load several models and must check all before changing any."""
+    _load_checkpoint(path, model, optimizer, model_state, weights_only, check_only=True)
+
+
+def _load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers,
+                     model_state: bool, weights_only: bool, check_only: bool) -> dict[str, Any]:
+    optimizer = _optimizers(optimizer)
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer or []
+    fresh = [o for o in optimizers if not o.state]
+    try:
+        out = _load(path, model, optimizer, model_state, weights_only, check_only)
+    except Exception:
+        check_only = True
+        raise
+    finally:
+        if check_only:  # torch.distributed.checkpoint's state dicts created their state
+            for o in fresh:
+                o.state.clear()
+    return out
+
+
+def _load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers, model_state: bool,
+          weights_only: bool, check_only: bool) -> dict[str, Any]:
     path = os.path.abspath(os.fspath(path))
     marker = read_marker(path)
-    optimizer = _optimizers(optimizer)
     if marker.get("format") != FORMAT:
         raise ValueError(f"{path}: format {marker.get('format')!r}, expected {FORMAT!r}")
     if optimizer is not None and not marker.get("optimizer"):
@@ -493,11 +529,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
                 else:
                     state["optimizer"]["state"][fqn][k] = v
     _check_against(path, flat, marker, model, model_state)
+    if check_only:
+        return extra
     dcp.load(state, checkpoint_id=path)
-    with torch.no_grad():
-        for k, v in model_sd.items() if model_state else ():
-            loaded = finish[k]()
-            local(v).copy_(local(loaded))
+    # the model's tensors change last: the optimizer's load (which checks its param groups) may
+    # still refuse, and then nothing has changed
+    loaded_model = {k: finish[k]() for k in model_sd} if model_state else {}
     if optimizer is not None:
         loaded = {n: s for fqn, s in state["optimizer"]["state"].items()
                   for n in next((f.part_fqns for f in fusions if f.fqn == fqn), [fqn])}
@@ -507,6 +544,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
                                for k, v in s.items()}
                          for fqn, s in loaded.items()}}
         set_optimizer_state_dict(model, optimizer, osd)
+    with torch.no_grad():
+        for k, loaded in loaded_model.items():
+            local(model_sd[k]).copy_(local(loaded))
     return extra
 
 
@@ -574,31 +614,59 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     return {"state": state, "param_groups": sd["param_groups"]}
 
 
+def check_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                    state_dict: dict[str, Any]) -> None:
+    """Raise, changing nothing, unless :func:`load_full_optimizer_state_dict` of the same
+    arguments would succeed: the param groups' sizes are the optimizer's, and every tensor of
+    a parameter's shape has the parameter's full shape and kind of dtype. Every rank sees the
+    same state dict, so every rank raises alike, before any collective."""
+    _refuse_fused(model, "load_full_optimizer_state_dict")
+    groups, mine = state_dict["param_groups"], optimizer.param_groups
+    sizes, my_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in mine]
+    if sizes != my_sizes:
+        raise ValueError(f"the optimizer state has param groups of {sizes} parameters, this "
+                         f"optimizer {my_sizes}: the checkpoint is of another model or optimizer; "
+                         f"nothing was changed")
+    owners = _owners(model)
+    params = _opt_params(optimizer)
+    for i, s in state_dict["state"].items():
+        if not 0 <= int(i) < len(params):
+            raise ValueError(f"optimizer state for parameter {i}, but the optimizer has "
+                             f"{len(params)} parameters: the checkpoint is of another model; "
+                             f"nothing was changed")
+        p = params[int(i)]
+        owner = owners.get(id(p))
+        name = owner[1] if owner is not None else f"parameter {i}"
+        full = tuple(owner[0].full_shapes[owner[1]]) if owner is not None else tuple(p.shape)
+        for k, v in s.items():
+            if not torch.is_tensor(v) or v.dim() == 0:
+                continue
+            if tuple(v.shape) != full:
+                raise ValueError(f"optimizer state {k!r} of {name} (parameter {i}) has shape "
+                                 f"{tuple(v.shape)} in the checkpoint, {full} in the model: "
+                                 f"the checkpoint is of another model; nothing was changed")
+            if dtype_kind(v.dtype) != dtype_kind(p.dtype):
+                raise ValueError(f"optimizer state {k!r} of {name} (parameter {i}) is {v.dtype} "
+                                 f"in the checkpoint, the parameter {p.dtype}; nothing was changed")
+
+
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                                    state_dict: dict[str, Any]) -> None:
     """Load a :func:`full_optimizer_state_dict` (or a plain optimizer's ``state_dict()`` of the
     unmodified model) into the optimizer of a TSP model at any degree: each rank keeps its slices.
-    Shapes are checked before anything changes. Not for models with fused Hugging Face tensors
-    (Phi-3): use :func:`load_checkpoint`."""
-    _refuse_fused(model, "load_full_optimizer_state_dict")
+    Everything is checked first (:func:`check_full_optimizer_state_dict`). Not for models with
+    fused Hugging Face tensors (Phi-3): use :func:`load_checkpoint`."""
+    check_full_optimizer_state_dict(model, optimizer, state_dict)
     owners = _owners(model)
     params = _opt_params(optimizer)
     state: dict[int, dict[str, Any]] = {}
     for i, s in state_dict["state"].items():
-        if int(i) >= len(params):
-            raise ValueError(f"optimizer state for parameter {i}, but the optimizer has "
-                             f"{len(params)} parameters: the checkpoint is of another model")
         p = params[int(i)]
         owner = owners.get(id(p))
         state[i] = {}
         for k, v in s.items():
             if owner is not None and torch.is_tensor(v) and v.dim() > 0:
                 m, name = owner
-                full = tuple(m.full_shapes[name])
-                if tuple(v.shape) != full:
-                    raise ValueError(f"optimizer state {k!r} of {name} (parameter {i}) has shape "
-                                     f"{tuple(v.shape)} in the checkpoint, {full} in the model: "
-                                     f"the checkpoint is of another model; nothing was changed")
                 part = read_local(TensorSource({name: v}), name, m.shard_spec(name, m.mesh.rank))
                 v = from_tsp_part(part.to(local(p).device, p.dtype), p, m.mesh)
             state[i][k] = v
