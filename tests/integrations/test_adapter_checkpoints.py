@@ -7,8 +7,10 @@ Three launches of tests/jobs/adapter_checkpoint_job.py run every adapter in turn
 uninterrupted 4-step runs, each saving after step 2 as its users do), 1 process and 4 processes
 (steps 3-4 from those checkpoints). Everything is float64; compared per resumed step: the loss,
 the norm of the full gradient (a gradient D or dp times too large shows here, where AdamW would
-hide it in the weights) and the learning rate; then the final full weights. Tolerance 1e-10
-(measured: 0 to 2e-16); the Trainer's logged losses are float32, so 1e-6 there.
+hide it in the weights) and the learning rate; then the final full weights; on every rank of every
+launch (each writes its own results), against every rank of the uninterrupted run. Tolerance 1e-10
+(measured: 0 to 2e-16); the Trainer's logged losses are float32, so 1e-6 there (its logged
+gradient norms are float64: 1e-10).
 
 What keeps the data the same: every global batch has the same rows at every data-parallel size,
 each replica taking its share. Lightning: one global batch of 4 rows per epoch from the sampler
@@ -19,8 +21,17 @@ TSP. The plain-model resume gets the same sampler explicitly. Fabric: batches bu
 Accelerate: ``split_batches=True``, 2 rows per step in order. Trainer: its seeded sampler, 2 rows
 per step (``per_device_train_batch_size`` 2 / dp), the batches already done skipped on resume.
 
-Broken variants (``TSP_TEST_BREAK`` in the environment, read by the job: ``drop-optimizer``,
-``local-layout``, ``best-model``) make these tests fail; see the job's ``break_on_purpose``.
+Broken variants (``TSP_TEST_BREAK`` in the environment, read by the job; see its
+``break_on_purpose``) run in three more launches, and the same comparisons must fail on them:
+``drop-optimizer`` (resumes at one process with a fresh optimizer: every directory checkpoint's
+run diverges, the one-file ones, which do not use that loader, still match), ``local-layout`` (the
+old local-layout saves, written by a broken save launch, do not resume at one process) and
+``best-model`` (the best checkpoint not loaded at the end; in the same broken save launch: it
+touches only TSPTrainer, local-layout only the others).
+
+In the shared 2-process pool: the Lightning strategies' one-file resume (weights, then each
+optimizer's state) refuses a file whose last optimizer tensor, or last weight, has the wrong shape
+without changing either (docs/checkpointing.md "Checks before loading").
 """
 
 from __future__ import annotations
@@ -32,56 +43,86 @@ import sys
 import pytest
 import torch
 
+import tsp_core
 from tests.support import launch
 from tests.support.reference import assert_close
 
 JOB = os.path.join(launch.JOBS, "adapter_checkpoint_job.py")
 SAVE_AT, STEPS = 2, 4
+# what each framework's runs record per step (Fabric's loop has no scheduler)
+LIT_KEYS = ACC_KEYS = ("losses", "norms", "lrs")
+FABRIC_KEYS = ("losses", "norms")
 
 
-def run_job(processes: int, *args: str) -> None:
+def run_job(processes: int, *args: str, **env: str) -> list[tuple[dict, dict]]:
+    """Launch the job; every rank's (results, weights), in rank order."""
     launcher = [sys.executable] if processes == 1 else launch.torchrun(processes)
-    launch.run([*launcher, launch.EXIT_CLEANLY, JOB, *args], processes, timeout=600)
+    launch.run([*launcher, launch.EXIT_CLEANLY, JOB, *args], processes, timeout=600, **env)
+    out = args[args.index("--out") + 1]
+    return [results(out, r) for r in range(processes)]
 
 
-def results(out) -> tuple[dict, dict]:
-    with open(os.path.join(out, "result.json")) as f:
-        return json.load(f), torch.load(os.path.join(out, "weights.pt"))
+def results(out: str, rank: int) -> tuple[dict, dict]:
+    with open(os.path.join(out, f"result-{rank}.json")) as f:
+        return json.load(f), torch.load(os.path.join(out, f"weights-{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """The three launches: 'save' (tsp 2, dp 1), 'tsp1' (one process), 'tsp2dp2' (4 processes),
-    and the checkpoint directory."""
+    each a list of every rank's (results, weights); and the checkpoint directory."""
     root = tmp_path_factory.mktemp("adapter_ckpt")
     ckpt = str(root / "ckpt")
     out = {}
     for name, processes, phase in (("save", 2, "save"), ("tsp1", 1, "resume"),
                                    ("tsp2dp2", 4, "resume")):
-        run_job(processes, "--phase", phase, "--ckpt", ckpt, "--out", str(root / name))
-        out[name] = results(root / name)
+        out[name] = run_job(processes, "--phase", phase, "--ckpt", ckpt, "--out", str(root / name))
     out["ckpt"] = ckpt
     return out
 
 
+@pytest.fixture(scope="module")
+def broken(runs, tmp_path_factory) -> dict:
+    """The broken variants' launches, laid out like ``runs``: 'save' (local-layout and best-model,
+    2 processes, its own checkpoint directory), 'local-layout' (those checkpoints resumed at one
+    process), 'drop-optimizer' (the good checkpoints resumed at one process)."""
+    root = tmp_path_factory.mktemp("adapter_ckpt_broken")
+    ckpt = str(root / "ckpt")
+    return dict(
+        ckpt=ckpt,
+        save=run_job(2, "--phase", "save", "--ckpt", ckpt, "--out", str(root / "save"),
+                     TSP_TEST_BREAK="local-layout,best-model"),
+        **{"local-layout": run_job(1, "--phase", "resume", "--ckpt", ckpt, "--out",
+                                   str(root / "local"), "--only", "accelerate,lightning,fabric",
+                                   TSP_TEST_BREAK="local-layout")},
+        **{"drop-optimizer": run_job(1, "--phase", "resume", "--ckpt", runs["ckpt"], "--out",
+                                     str(root / "drop"), TSP_TEST_BREAK="drop-optimizer")})
+
+
 def assert_continues(runs: dict, base: str, resumed: list[tuple[str, str]],
                      final: dict | None = None, keys=("losses", "norms", "lrs"),
-                     tol: float = 1e-10) -> None:
-    """Each resumed run (launch, name) ran steps SAVE_AT+1..STEPS like the uninterrupted ``base``:
-    same ``keys`` per step, same final weights (``final``: the uninterrupted run's weights)."""
-    ref, ref_weights = runs["save"][0][base], final or runs["save"][1][base]
-    for launch_name, name in resumed:
-        res, weights = runs[launch_name][0][name], runs[launch_name][1][name]
-        for key in keys:
-            if key not in ref:
-                continue
-            want = ref[key][SAVE_AT:]
-            assert len(res[key]) == len(want) == STEPS - SAVE_AT, (name, key, res[key], want)
-            for step, (a, b) in enumerate(zip(res[key], want), SAVE_AT + 1):
-                assert abs(a - b) <= tol * abs(b), f"{name}: step {step} {key} {a} vs {b}"
-        assert sorted(weights) == sorted(ref_weights), name
-        for k, t in ref_weights.items():
-            assert_close(weights[k], t, 1e-10, f"{name}: final {k}")
+                     tols: dict[str, float] | None = None, save: str = "save") -> None:
+    """Each resumed run (launch, name), on every rank, ran steps SAVE_AT+1..STEPS like the
+    uninterrupted ``base`` on every rank of the ``save`` launch: same ``keys`` per step (relative
+    tolerance 1e-10 unless ``tols`` says otherwise), same final weights (``final``: the
+    uninterrupted run's weights, else each rank's own)."""
+    for save_rank, (ref_results, ref_all_weights) in enumerate(runs[save]):
+        ref, ref_weights = ref_results[base], final or ref_all_weights[base]
+        for launch_name, name in resumed:
+            for rank, (res_all, weights_all) in enumerate(runs[launch_name]):
+                where = f"{name} (rank {rank} of {launch_name}, against rank {save_rank})"
+                assert name in res_all, f"{where}: no result; errors {res_all['errors']}"
+                res, weights = res_all[name], weights_all[name]
+                for key in keys:
+                    tol = (tols or {}).get(key, 1e-10)
+                    want = ref[key][SAVE_AT:]
+                    assert len(res[key]) == len(want) == STEPS - SAVE_AT, \
+                        (where, key, res[key], want)
+                    for step, (a, b) in enumerate(zip(res[key], want), SAVE_AT + 1):
+                        assert abs(a - b) <= tol * abs(b), f"{where}: step {step} {key} {a} vs {b}"
+                assert sorted(weights) == sorted(ref_weights), where
+                for k, t in ref_weights.items():
+                    assert_close(weights[k], t, 1e-10, f"{where}: final {k}")
 
 
 def test_lightning_trainer_resumes_at_other_degrees(runs):
@@ -94,7 +135,7 @@ def test_lightning_trainer_resumes_at_other_degrees(runs):
     assert_continues(runs, "lightning", [("tsp1", "lightning_tsp1"),
                                          ("tsp1", "lightning_plain_onefile"),
                                          ("tsp2dp2", "lightning_tsp2"),
-                                         ("tsp2dp2", "lightning_tsp2_onefile")])
+                                         ("tsp2dp2", "lightning_tsp2_onefile")], keys=LIT_KEYS)
 
 
 def test_fabric_resumes_at_other_degrees(runs):
@@ -103,7 +144,7 @@ def test_fabric_resumes_at_other_degrees(runs):
     assert os.path.isfile(os.path.join(runs["ckpt"], "fabric", "tsp_checkpoint.json"))
     assert_continues(runs, "fabric", [("tsp1", "fabric_tsp1"), ("tsp1", "fabric_plain_onefile"),
                                       ("tsp2dp2", "fabric_tsp2"),
-                                      ("tsp2dp2", "fabric_tsp2_onefile")])
+                                      ("tsp2dp2", "fabric_tsp2_onefile")], keys=FABRIC_KEYS)
 
 
 def test_accelerate_resumes_at_other_degrees(runs):
@@ -115,7 +156,7 @@ def test_accelerate_resumes_at_other_degrees(runs):
         assert os.path.isfile(os.path.join(state, name)), (name, os.listdir(state))
     assert_continues(runs, "accelerate", [("tsp1", "accelerate_tsp1"),
                                           ("tsp1", "accelerate_plain"),
-                                          ("tsp2dp2", "accelerate_tsp2")])
+                                          ("tsp2dp2", "accelerate_tsp2")], keys=ACC_KEYS)
 
 
 def checkpoint_weights(runs: dict, step: int) -> dict[str, torch.Tensor]:
@@ -125,23 +166,121 @@ def checkpoint_weights(runs: dict, step: int) -> dict[str, torch.Tensor]:
                                   "model.safetensors"))
 
 
+def assert_trainer_continues(runs: dict, resumed: list[tuple[str, str]]) -> None:
+    """The Trainer's resumed runs against the uninterrupted one, whose final weights are its
+    checkpoint-4 (it then loaded its best model): logged losses (float32), gradient norms
+    (float64) and learning rates per step, final weights."""
+    final = checkpoint_weights(runs, STEPS)
+    for launch_name, name in resumed:
+        for _, weights in runs[launch_name]:
+            if name in weights:  # the tied lm_head is not saved
+                weights[name] = {k: weights[name][k] for k in final}
+    assert_continues(runs, "trainer", resumed, final=final, tols={"losses": 1e-6})
+
+
 def test_tsp_trainer_resumes_at_other_degrees(runs):
     # checkpoint-2 of the save run (model.safetensors + the optimizer as a tsp_core checkpoint)
-    # into the plain Trainer (tsp_size 1, one process) and into tsp 2 x dp 2; the uninterrupted
-    # run's final weights are its checkpoint-4 (it then loaded its best model)
-    final = checkpoint_weights(runs, STEPS)
-    for launch_name, name in (("tsp1", "trainer_tsp1"), ("tsp2dp2", "trainer_tsp2")):
-        weights = runs[launch_name][1][name]
-        runs[launch_name][1][name] = {k: weights[k] for k in final}  # the tied lm_head is not saved
-    assert_continues(runs, "trainer", [("tsp1", "trainer_tsp1"), ("tsp2dp2", "trainer_tsp2")],
-                     final=final, keys=("losses",), tol=1e-6)
+    # into the plain Trainer (tsp_size 1, one process) and into tsp 2 x dp 2
+    assert_trainer_continues(runs, [("tsp1", "trainer_tsp1"), ("tsp2dp2", "trainer_tsp2")])
+
+
+def assert_best_model(runs: dict) -> None:
+    """A metric that is best at step 2 of 4: the final model is checkpoint-2's, bit for bit, on
+    every rank."""
+    best, last = checkpoint_weights(runs, 2), checkpoint_weights(runs, STEPS)
+    assert max((best[k] - last[k]).abs().max().item() for k in best) > 1e-3  # a real difference
+    for rank, (res, weights) in enumerate(runs["save"]):
+        assert res["trainer_best"]["best"].endswith("checkpoint-2"), (rank, res["trainer_best"])
+        for k, t in best.items():
+            assert torch.equal(weights["trainer_best"][k], t), \
+                f"rank {rank}: {k} is not the best checkpoint's"
 
 
 def test_tsp_trainer_load_best_model_at_end(runs):
-    # a metric that is best at step 2 of 4: the final model is checkpoint-2's, bit for bit
-    res, weights = runs["save"][0]["trainer_best"], runs["save"][1]["trainer_best"]
-    assert res["best"].endswith("checkpoint-2"), res
-    best, last = checkpoint_weights(runs, 2), checkpoint_weights(runs, STEPS)
-    for k, t in best.items():
-        assert torch.equal(weights[k], t), f"{k} is not the best checkpoint's"
-    assert max((best[k] - last[k]).abs().max().item() for k in best) > 1e-3  # a real difference
+    assert_best_model(runs)
+
+
+def fails(check, *args, **kwargs) -> str:
+    """The assertion ``check`` fails with (it must fail)."""
+    with pytest.raises(AssertionError) as info:
+        check(*args, **kwargs)
+    return str(info.value).splitlines()[0]
+
+
+def test_broken_variants_fail(runs, broken):
+    # drop-optimizer: the good checkpoints resumed at one process with a fresh optimizer
+    drop = {"save": runs["save"], "ckpt": runs["ckpt"], "tsp1": broken["drop-optimizer"]}
+    for base, name, keys in (("lightning", "lightning_tsp1", LIT_KEYS),
+                             ("fabric", "fabric_tsp1", FABRIC_KEYS),
+                             ("accelerate", "accelerate_tsp1", ACC_KEYS),
+                             ("accelerate", "accelerate_plain", ACC_KEYS)):
+        fails(assert_continues, drop, base, [("tsp1", name)], keys=keys)
+    fails(assert_trainer_continues, drop, [("tsp1", "trainer_tsp1")])
+    # the one-file checkpoints do not go through the broken loader: they still continue
+    assert_continues(drop, "lightning", [("tsp1", "lightning_plain_onefile")], keys=LIT_KEYS)
+    assert_continues(drop, "fabric", [("tsp1", "fabric_plain_onefile")], keys=FABRIC_KEYS)
+    # local-layout: the broken save's checkpoints do not resume at one process
+    local = {"save": broken["save"], "tsp1": broken["local-layout"]}
+    for base, name, keys in (("lightning", "lightning_tsp1", LIT_KEYS),
+                             ("lightning", "lightning_plain_onefile", LIT_KEYS),
+                             ("fabric", "fabric_tsp1", FABRIC_KEYS),
+                             ("fabric", "fabric_plain_onefile", FABRIC_KEYS),
+                             ("accelerate", "accelerate_tsp1", ACC_KEYS),
+                             ("accelerate", "accelerate_plain", ACC_KEYS)):
+        fails(assert_continues, local, base, [("tsp1", name)], keys=keys)
+    # best-model: the last weights stay
+    fails(assert_best_model, broken)
+
+
+def one_file_never_half_applies() -> list[str]:
+    """The Lightning strategies' one-file resume (``tsp_lightning.checkpoint.load_one_file``: the
+    full weights, then each optimizer's full state) checks all of it before changing any: an
+    optimizer state whose last tensor has the wrong shape, or weights whose last tensor has,
+    raise on every rank and leave the weights and the optimizer state bit for bit as they were."""
+    from pathlib import Path
+
+    from tests.support import dist_pool, hf_models
+    from tsp_core.distributed.params import local
+    from tsp_core.state.resharding import full_optimizer_state_dict
+    from tsp_lightning import checkpoint as ckpt
+
+    mesh = dist_pool.mesh(2)
+    model = tsp_core.parallelize(hf_models.build("llama", torch.float64), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+    model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    weights = hf_models.build("llama", torch.float64, seed=5).state_dict()  # other weights
+    osd = full_optimizer_state_dict(model, opt)
+    last = max(osd["state"])  # lm_head.weight's: the last tensor a load reaches
+    bad_osd = {"param_groups": osd["param_groups"], "state": {**osd["state"], last: {
+        **osd["state"][last], "exp_avg_sq": osd["state"][last]["exp_avg_sq"][:-1]}}}
+    bad_weights = {**weights, "lm_head.weight": weights["lm_head.weight"][:-1]}
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        out = {f"weight {k}": local(v).clone() for k, v in model.state_dict().items()}
+        for i, s in opt.state_dict()["state"].items():
+            out.update({f"state {i} {k}": local(v).clone() for k, v in s.items()})
+        return out
+
+    before, msgs = snapshot(), []
+    for sd, o, pattern in (
+            (weights, bad_osd, r"optimizer state 'exp_avg_sq' of weight \(parameter \d+\) has "
+                               r"shape \(95, 64\) in the checkpoint, \(96, 64\) in the model"),
+            (bad_weights, osd, r"lm_head\.weight has shape \(95, 64\) in the state dict, "
+                               r"\(96, 64\) in the model")):
+        with pytest.raises(ValueError, match=pattern) as info:
+            ckpt.load_one_file(model, sd, [opt], [o], Path("one.ckpt"))
+        msgs.append(str(info.value))
+        after = snapshot()
+        for k, t in before.items():
+            assert torch.equal(after[k], t), f"load_one_file raised ({pattern}) after changing {k}"
+    ckpt.load_one_file(model, weights, [opt], [osd], Path("one.ckpt"))  # the good one loads
+    assert torch.equal(tsp_core.full_state_dict(model)["lm_head.weight"], weights["lm_head.weight"])
+    return msgs
+
+
+def test_lightning_one_file_resume_never_half_applies(pools):
+    per_rank = pools.of(2).run(one_file_never_half_applies)
+    assert all(m == per_rank[0] for m in per_rank), per_rank
