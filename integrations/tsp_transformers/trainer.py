@@ -23,6 +23,7 @@ epoch, the progress bar, ``train_samples_per_second``) already does: the Trainer
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -54,6 +55,38 @@ OPTIMIZER_DIR = "optimizer_dcp"
 SCHEDULER_NAME = "scheduler.pt"
 
 
+def _keep_other_defaults(cls: type) -> None:
+    """Let ``cls``, a composition of ``TSPTrainingArguments`` with another ``TrainingArguments``
+    subclass (TRL's ``SFTConfig``, ...), keep that class's fields in either base order.
+
+    ``dataclass`` collects a class's fields from its bases' ``__dataclass_fields__``, from the
+    last base of the MRO to the first, and each dataclass there holds every field it inherits:
+    ``TSPTrainingArguments``'s copies of the Trainer's fields (the Trainer's defaults) would
+    override ``SFTConfig``'s own (learning_rate 2e-5, bf16, gradient_checkpointing,
+    logging_steps) whenever it comes first. So ``cls`` redeclares each field whose winner would
+    differ if ``TSPTrainingArguments`` contributed only the fields it declares itself; the
+    ``@dataclass`` applied to ``cls`` then takes those (a field keeps its place in the order)."""
+    own = set(vars(TSPTrainingArguments).get("__annotations__", {}))
+    plain: dict[str, Any] = {}
+    wanted: dict[str, Any] = {}
+    for base in cls.__mro__[-1:0:-1]:
+        for name, f in getattr(base, "__dataclass_fields__", {}).items():
+            plain[name] = f
+            if base is not TSPTrainingArguments or name in own:
+                wanted[name] = f
+    annotations = cls.__dict__.get("__annotations__")
+    if annotations is None:
+        annotations = {}
+        cls.__annotations__ = annotations
+    for name, f in wanted.items():
+        if plain[name] is f or name in annotations:
+            continue
+        annotations[name] = f.type
+        setattr(cls, name, dataclasses.field(
+            default=f.default, default_factory=f.default_factory, init=f.init, repr=f.repr,
+            hash=f.hash, compare=f.compare, metadata=f.metadata, kw_only=f.kw_only))
+
+
 @dataclass
 class TSPTrainingArguments(TrainingArguments):
     tsp_size: str = field(default="1", metadata={
@@ -69,6 +102,10 @@ class TSPTrainingArguments(TrainingArguments):
     tsp_metrics: bool = field(default=True, metadata={
         "help": "add TSP's per-step figures (tsp/comm_mib, tsp/wait_frac, tsp/tokens_per_s, "
                 "peak memory: docs/monitoring.md) to the training logs every logging_steps"})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _keep_other_defaults(cls)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,6 +155,31 @@ def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
                            memory_gb=args.tsp_memory_gb, batch=args.per_device_train_batch_size)
 
 
+def bypass_message(trainer: Any, what: str) -> str:
+    """The guard's refusal: the Trainer class, what it does, and the trainers that work."""
+    return (f"{type(trainer).__name__}: {what}. Under TSP each rank holds a slice of the "
+            f"vocabulary and of every sequence, so that would train wrongly (a loss over this "
+            f"rank's tokens only, the head gathered whole on every rank). Use TSPTrainer's own "
+            f"loss, or for TRL the supported trainers tsp_trl.TSPSFTTrainer / "
+            f"tsp_trl.TSPDPOTrainer (docs/trl.md)")
+
+
+def refuse_bypassed_forward(trainer: Any, model: nn.Module) -> None:
+    """Raise when something replaced the TSP model's forward on the instance (TRL's
+    ``add_fused_lm_head``, Liger's fused cross-entropy): that forward runs the backbone and
+    its own loss from ``get_output_embeddings().weight``, skipping the vocabulary-parallel loss,
+    the input checks, the global rotary length and the MoE auxiliary loss. The same on every
+    rank (no collective), so every rank raises together."""
+    patched = vars(model).get("forward")
+    if patched is not None:
+        code = getattr(getattr(patched, "__func__", patched), "__code__", None)
+        # functools.wraps copies the original's names: the code object says what really runs
+        name = (f"{code.co_name} of {os.sep.join(code.co_filename.split(os.sep)[-3:])}"
+                if code is not None else type(patched).__name__)
+        raise ValueError(bypass_message(trainer, f"the model's forward was replaced by {name} "
+                                                 f"(e.g. TRL's add_fused_lm_head)"))
+
+
 class _OpenMetricsWindow(TrainerCallback):
     """Starts the trainer's metrics window when training starts (or resumes)."""
 
@@ -156,6 +218,8 @@ class TSPTrainer(Trainer):
         # with FSDP2 the model is converted on the accelerator's mesh as soon as the Trainer has
         # created it (create_accelerator_and_postprocess), before it looks at the model
         super().__init__(model, args, *rest, **kwargs)
+        if self._tsp:
+            refuse_bypassed_forward(self, self.model)  # every rank, before the first step
         self._tsp_meter = None
         if self._tsp and getattr(self.args, "tsp_metrics", False):
             self._tsp_meter = StepMetrics(get_mesh(self.model))
@@ -208,9 +272,16 @@ class TSPTrainer(Trainer):
         return out
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if not self._tsp:
-            return out
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        refuse_bypassed_forward(self, self.model)
+        losses_before = getattr(self.model, "_tsp_loss_calls", 0)
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.model.training and getattr(self.model, "_tsp_loss_calls", 0) == losses_before:
+            raise ValueError(bypass_message(self, "its loss did not come from the TSP model's "
+                                                  "forward with labels (the vocabulary-parallel "
+                                                  "loss): it was built some other way, e.g. from "
+                                                  "the output embedding's weight or from logits"))
         loss = out[0] if return_outputs else out
         if (self.args.average_tokens_across_devices and num_items_in_batch is not None
                 and (self.model_accepts_loss_kwargs or self.compute_loss_func)):

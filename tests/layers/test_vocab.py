@@ -134,3 +134,60 @@ def test_loss_never_holds_the_local_logits(pool):
     for rank, (peak, logits_bytes) in enumerate(pool.run(loss_peak, 2, 1 << 14)):
         # inputs and the weight shard are tracked too (~0.3 MiB); [tokens, V] float32 is 16 MiB
         assert peak < 0.1 * logits_bytes, (rank, peak, logits_bytes)
+
+
+def run_token_stats(tsp: int, vocab: int, softcap: float | None) -> dict:
+    """``TSPLMHead.token_stats`` against plain float64 math on the full logits: per token the
+    label's log-probability (and its gradient, through a per-token weighting, to the hidden
+    states and the head), the entropy and the top-1 hit, zero on ignored labels."""
+    mesh = dist_pool.mesh(tsp)
+    D, p = mesh.size, mesh.rank
+    gen = torch.Generator().manual_seed(7)
+    head_w = torch.randn(vocab, HIDDEN, generator=gen, dtype=torch.float64)
+    hidden = torch.randn(2, 16, HIDDEN, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (2, 16), generator=gen)
+    labels[0, :5] = -100
+    # a tie for the top-1 rule: the label's logit equal to an earlier column's (argmax takes the
+    # first), and one equal to a later column's (still the top-1)
+    head_w[vocab - 1] = head_w[0]
+    hidden[1, 0] = 3 * head_w[0] / head_w[0].norm()
+    labels[1, 0] = vocab - 1
+    hidden[1, 1] = hidden[1, 0]
+    labels[1, 1] = 0
+    weights = torch.randn(2, 16, generator=gen, dtype=torch.float64)  # d(sum)/d log p per token
+    head = TSPLMHead(mesh, vocab, HIDDEN, dtype=torch.float64)
+    head.load_full({"weight": head_w})
+    head.logits_softcap = softcap
+
+    ref_h = head_w.clone().requires_grad_()
+    ref_x = hidden.clone().requires_grad_()
+    logits = F.linear(ref_x, ref_h)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp_all = torch.log_softmax(logits, -1)
+    keep = labels != -100
+    ref_logp = torch.where(keep, logp_all.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0)
+    ref_entropy = torch.where(keep, -(logp_all.exp() * logp_all).sum(-1), 0).detach()
+    ref_top1 = keep & (logits.argmax(-1) == labels)
+    (ref_logp * weights).sum().backward()
+
+    x = shard_sequence(hidden, p, D).clone().requires_grad_()
+    logp, entropy, top1 = head.token_stats(x, shard_sequence(labels, p, D))
+    (logp * shard_sequence(weights, p, D)).sum().backward()
+    assert_close(logp.detach(), shard_sequence(ref_logp.detach(), p, D), 1e-12, "log-probs")
+    assert_close(entropy, shard_sequence(ref_entropy, p, D), 1e-12, "entropy")
+    assert torch.equal(top1, shard_sequence(ref_top1, p, D)), (top1, shard_sequence(ref_top1, p, D))
+    assert_close(x.grad, shard_sequence(ref_x.grad, p, D), 1e-10, "hidden grad")
+    assert_close(head.full_tensors(grads=True)["weight"], ref_h.grad, 1e-10, "head grad")
+    dist.barrier()
+    return {"ties": shard_sequence(ref_top1, p, D).tolist()}
+
+
+@pytest.mark.parametrize("tsp", [1, 2, 4])
+@pytest.mark.parametrize("vocab,softcap", [(32, None), (13, None), (13, 2.0)])
+def test_token_stats_float64(pool, tsp, vocab, softcap):
+    # 13 at D = 4: rows padded to 16, the last shard holds one real row
+    results = pool.run(run_token_stats, tsp, vocab, softcap)
+    if tsp == 1:  # the planted ties: the later equal column is not the top-1, the first is
+        ties = results[0]["ties"]
+        assert ties[1][0] is False and ties[1][1] is True, ties[1][:2]

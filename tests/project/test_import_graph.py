@@ -16,10 +16,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top: a package may import only the packages before it. "tsp_core" is the public face
-# (tsp_core/__init__.py); the adapters sit on top of everything.
+# (tsp_core/__init__.py); the adapters sit on top of everything. tsp_trl builds on
+# tsp_transformers (TRL's trainers are Trainers); nothing imports it, so it sits on top.
 ORDER = ("tsp_core.distributed", "tsp_core.sequence", "tsp_core.layers", "tsp_core.inference",
          "tsp_core.state", "tsp_core.models", "tsp_core.baselines", "tsp_core.plan", "tsp_core",
-         "tsp_core.tools", "tsp_deepspeed", "tsp_accelerate", "tsp_transformers", "tsp_lightning")
+         "tsp_core.tools", "tsp_deepspeed", "tsp_accelerate", "tsp_transformers", "tsp_lightning",
+         "tsp_trl")
 
 SOURCES = {"tsp_core": ROOT / "tsp_core", **{name: ROOT / "integrations" / name
                                               for name in ORDER if not name.startswith("tsp_core")}}
@@ -192,3 +194,10 @@ def test_the_graph_sees_what_would_break_it(tmp_path):
 def test_integrations_are_their_own_packages():
     for name, folder in SOURCES.items():
         assert (folder / "__init__.py").is_file(), f"{name}: no package at {os.fspath(folder)}"
+
+
+def test_every_integration_takes_its_place_in_the_order():
+    # the graph reads only the packages of ORDER: a new adapter left out would go unchecked
+    found = sorted(p.parent.name for p in (ROOT / "integrations").glob("*/__init__.py"))
+    missing = [name for name in found if name not in ORDER]
+    assert not missing, f"integrations/ packages missing from ORDER: {missing}"

@@ -157,34 +157,109 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         hidden, labels, weight, lse = ctx.saved_tensors
-        vocab_size, cap = ctx.vocab_size, ctx.cap
-        n, per = hidden.shape[0], weight.shape[0]
-        chunk = max(1, LOSS_CHUNK_ELEMENTS // per)
         scale = (labels != IGNORE_INDEX).to(lse.dtype) * g.to(lse.dtype)
-        dh = torch.zeros_like(hidden)
+        dh, dw = _ring_backward(hidden, labels, weight, lse, scale, ctx.vocab_size, ctx.group,
+                                ctx.cap)
+        return dh, None, dw, None, None, None
 
-        def contribute(owner: int, shard: torch.Tensor) -> torch.Tensor:
+
+def _ring_backward(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                   lse: torch.Tensor, scale: torch.Tensor, vocab_size: int, group,
+                   cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of sum_i scale_i x (lse_i - logit_i[label_i]) with respect to the local hidden
+    states and this rank's vocabulary shard (``scale`` zero where the label is ignored): the
+    shards circulate again and each one's gradient travels back to its owner."""
+    n, per = hidden.shape[0], weight.shape[0]
+    chunk = max(1, LOSS_CHUNK_ELEMENTS // per)
+    dh = torch.zeros_like(hidden)
+
+    def contribute(owner: int, shard: torch.Tensor) -> torch.Tensor:
+        lo = owner * per
+        valid = max(0, min(per, vocab_size - lo))
+        dw = torch.zeros_like(shard)
+        for c in range(0, n if valid else 0, chunk):
+            sl = slice(c, c + chunk)
+            raw = (hidden[sl] @ shard[:valid].t()).to(lse.dtype)
+            t = None if cap is None else torch.tanh(raw / cap)
+            p = torch.exp((raw if t is None else t * cap) - lse[sl, None])
+            del raw
+            inside, col = _in_shard(labels[sl], lo, valid)
+            p.scatter_add_(1, col[:, None], -inside.to(p.dtype)[:, None])
+            p = p * scale[sl, None]
+            if t is not None:  # through the cap: d(cap tanh(x / cap))/dx = 1 - tanh^2
+                p = p * (1 - t * t)
+                del t
+            p = p.to(hidden.dtype)
+            dh[sl] += p @ shard[:valid]
+            dw[:valid] += p.t() @ hidden[sl]
+        return dw
+
+    dw = comm.ring_over_shards_with_grads(weight.contiguous(), group, contribute)
+    return dh, dw
+
+
+class _VocabParallelTokenStats(torch.autograd.Function):
+    """Per local token, against vocabulary shards that circulate in a ring (soft-capped by
+    ``cap``): the label's log-probability (differentiable), the entropy of the next-token
+    distribution and whether the label is its most likely token (the first one on ties, as
+    ``argmax``), each zero where the label is ignored. Entropy and top-1 come from two more
+    running sums in the same pass as the log-sum-exp (sum of exp(l - m) x l, and the largest
+    logit before the label's column), so no rank ever holds another's shard's logits beyond a
+    chunk, nor the whole head."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, weight, vocab_size: int, group, cap: float | None = None):
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        n, per = hidden.shape[0], weight.shape[0]
+        m = hidden.new_full((n,), float("-inf"), dtype=acc)
+        ssum = hidden.new_zeros(n, dtype=acc)
+        xsum = hidden.new_zeros(n, dtype=acc)  # sum of exp(l - m) x l: the mean logit under p
+        target = hidden.new_zeros(n, dtype=acc)
+        before = hidden.new_full((n,), float("-inf"), dtype=acc)  # max logit left of the label
+        chunk = max(1, LOSS_CHUNK_ELEMENTS // per)
+
+        def compute(owner: int, shard: torch.Tensor) -> None:
             lo = owner * per
             valid = max(0, min(per, vocab_size - lo))
-            dw = torch.zeros_like(shard)
-            for c in range(0, n if valid else 0, chunk):
+            if valid == 0:
+                return
+            columns = torch.arange(lo, lo + valid, device=hidden.device)
+            for c in range(0, n, chunk):
                 sl = slice(c, c + chunk)
-                raw = (hidden[sl] @ shard[:valid].t()).to(lse.dtype)
-                t = None if cap is None else torch.tanh(raw / cap)
-                p = torch.exp((raw if t is None else t * cap) - lse[sl, None])
-                del raw
+                logits = softcap((hidden[sl] @ shard[:valid].t()).to(acc), cap)
+                m_new = torch.maximum(m[sl], logits.max(-1).values)
+                decay = torch.exp(m[sl] - m_new)
+                e = torch.exp(logits - m_new[:, None])
+                ssum[sl] = ssum[sl] * decay + e.sum(-1)
+                xsum[sl] = xsum[sl] * decay + (e * logits).sum(-1)
+                m[sl] = m_new
                 inside, col = _in_shard(labels[sl], lo, valid)
-                p.scatter_add_(1, col[:, None], -inside.to(p.dtype)[:, None])
-                p = p * scale[sl, None]
-                if t is not None:  # through the cap: d(cap tanh(x / cap))/dx = 1 - tanh^2
-                    p = p * (1 - t * t)
-                    del t
-                p = p.to(hidden.dtype)
-                dh[sl] += p @ shard[:valid]
-                dw[:valid] += p.t() @ hidden[sl]
-            return dw
+                picked = logits.gather(1, col[:, None]).squeeze(1)
+                target[sl] = torch.where(inside, picked, target[sl])
+                left = columns[None, :] < labels[sl, None]
+                before[sl] = torch.maximum(before[sl], torch.where(
+                    left, logits, float("-inf")).max(-1).values)
 
-        dw = comm.ring_over_shards_with_grads(weight.contiguous(), ctx.group, contribute)
+        comm.ring_over_shards(weight.contiguous(), group, compute)
+        lse = m + torch.log(ssum)
+        keep = labels != IGNORE_INDEX
+        log_probs = torch.where(keep, target - lse, 0)
+        entropy = torch.where(keep, lse - xsum / ssum, 0)
+        top1 = keep & (target >= m) & (target > before)
+        ctx.vocab_size, ctx.group, ctx.cap = vocab_size, group, cap
+        ctx.save_for_backward(hidden, labels, weight, lse)
+        ctx.mark_non_differentiable(entropy, top1)
+        return log_probs, entropy, top1
+
+    @staticmethod
+    def backward(ctx, g, _entropy, _top1):
+        hidden, labels, weight, lse = ctx.saved_tensors
+        if g is None:
+            return None, None, None, None, None, None
+        # d log p(label) / d logits = onehot - p: the loss's gradient with scale -g
+        scale = -(labels != IGNORE_INDEX).to(lse.dtype) * g.to(lse.dtype)
+        dh, dw = _ring_backward(hidden, labels, weight, lse, scale, ctx.vocab_size, ctx.group,
+                                ctx.cap)
         return dh, None, dw, None, None, None
 
 
@@ -238,6 +313,23 @@ class TSPLMHead(ShardedModule):
             return _VocabParallelCE.apply(hidden.reshape(-1, hidden.shape[-1]),
                                           shift_labels.reshape(-1), weight, self.vocab_size,
                                           self.mesh.group, self.logits_softcap)
+
+    def token_stats(self, hidden: torch.Tensor, shift_labels: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per local token: the label's log-probability (differentiable), the entropy of the
+        next-token distribution and whether the label is its top-1 token, each zero where the
+        label is -100, shaped like ``shift_labels`` (what TRL's fused LM head returns; float32,
+        float64 for a float64 model); never materialises the local [tokens, V] logits at once."""
+        if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(f"shift_labels of shape {tuple(shift_labels.shape)} do not match the "
+                             f"local tokens {tuple(hidden.shape[:-1])}; shard with "
+                             f"tsp_core.shard_batch")
+        hidden, (weight,), context = schedule_inputs(self, ["weight"], hidden)
+        with context:
+            out = _VocabParallelTokenStats.apply(
+                hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1), weight,
+                self.vocab_size, self.mesh.group, self.logits_softcap)
+        return tuple(t.view(shift_labels.shape) for t in out)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the local tokens over the whole vocabulary [..., V] (each rank's shard is

@@ -113,6 +113,10 @@ class TSPCausalLM:
         check_model_inputs(self, input_ids, inputs_embeds, position_ids, shift_labels,
                            kwargs.get("tsp_docs"), tsp_rope_len, tsp_fingerprint)
         router = kwargs.pop("output_router_logits", None)
+        fused = kwargs.pop("fused_lm_head", False)
+        if fused and shift_labels is None:
+            raise ValueError("fused_lm_head=True scores the labels: pass labels (TRL's trainers "
+                             "do) so that the model shards them into shift_labels")
         with rope.global_length(ropes, rope_len):
             out = getattr(self, policy.base_model)(input_ids=input_ids, position_ids=position_ids,
                                                    inputs_embeds=inputs_embeds, use_cache=False,
@@ -126,6 +130,9 @@ class TSPCausalLM:
 
                 return MoeCausalLMOutputWithPast(logits=head(hidden), aux_loss=aux)
             return CausalLMOutputWithPast(logits=head(hidden))
+        self._tsp_loss_calls = getattr(self, "_tsp_loss_calls", 0) + 1  # TSPTrainer's guard
+        if fused:
+            return self._tsp_fused_output(head, hidden, shift_labels, num_items_in_batch, aux)
         loss_sum = head.loss_sum(hidden, shift_labels)
         if num_items_in_batch is None:
             count = (shift_labels != IGNORE_INDEX).sum().to(loss_sum.dtype)
@@ -144,6 +151,35 @@ class TSPCausalLM:
 
             return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux)
         return CausalLMOutputWithPast(loss=loss)
+
+    def _tsp_fused_output(self, head: TSPLMHead, hidden: torch.Tensor,
+                          shift_labels: torch.Tensor,
+                          num_items_in_batch: torch.Tensor | int | None,
+                          aux: torch.Tensor | None):
+        """What TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``) returns for
+        ``fused_lm_head=True``, from the vocabulary-parallel head: per local token (shaped like
+        ``shift_labels``) the label's log-probability, the entropy and the top-1 hit, zero where
+        the label is -100. A trainer that sums them gets this rank's share: sum it over the TSP
+        group (tsp_trl's trainers do). ``loss`` is already global: the sum over the whole mesh
+        divided by ``num_items_in_batch`` (else the global count of labels), plus the weighted
+        MoE auxiliary loss."""
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        mesh = self._tsp_mesh
+        log_probs, entropy, top1 = head.token_stats(hidden, shift_labels)
+        mask = shift_labels != IGNORE_INDEX
+        if num_items_in_batch is None:
+            count = mask.sum().to(log_probs.dtype)
+            for group in mesh.all_groups:
+                comm.all_reduce(count, group)
+            count = count.clamp(min=1)
+        else:
+            count = torch.as_tensor(num_items_in_batch, dtype=log_probs.dtype)
+        loss = comm.sum_over(-log_probs.sum(), mesh.all_groups) / count
+        if aux is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
+                                   is_top1=top1, label_mask=mask, aux_loss=aux)
 
     def _tsp_aux_loss(self, output_router_logits: bool | None,
                       attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,64 @@
+"""``TSPSFTConfig`` and ``TSPSFTTrainer``: TRL's SFTTrainer under TSP (``tsp_size``), exact
+against one process: the loss from the vocabulary-parallel head's per-token log-probabilities
+summed over the TSP group, SFT's metrics (``mean_token_accuracy``, ``entropy``, ``num_tokens``)
+over the global batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import trl.trainer.sft_trainer as trl_sft
+from trl import SFTConfig, SFTTrainer
+
+from tsp_core.distributed import comm
+from tsp_core.distributed.mesh import get_mesh
+from tsp_transformers import TSPTrainer, TSPTrainingArguments
+
+from .fused_head import metrics_summed_over, native_fused_head
+
+
+@dataclass
+class TSPSFTConfig(SFTConfig, TSPTrainingArguments):
+    """``SFTConfig`` (its own defaults) plus ``tsp_size`` and TSP's other fields."""
+
+
+def check_model_object(model: Any, args: Any, trainer: str) -> None:
+    """TSP converts the model object it is given: a model name or path is refused (before any
+    collective) with the fix."""
+    if isinstance(model, str) and str(getattr(args, "tsp_size", 1)) != "1":
+        raise ValueError(f"{trainer} with tsp_size={args.tsp_size} converts the model it is "
+                         f"given: load {model!r} first (AutoModelForCausalLM.from_pretrained, "
+                         f"or tsp_transformers.load_pretrained to read it shard by shard)")
+
+
+class TSPSFTTrainer(TSPTrainer, SFTTrainer):
+    """``SFTTrainer`` with TSP when ``args.tsp_size`` > 1 (``TSPSFTConfig``); otherwise exactly
+    ``SFTTrainer``. The TSP model answers TRL's ``fused_lm_head=True`` itself, from its
+    vocabulary-parallel head (TRL's ``add_fused_lm_head`` leaves it alone); the loss SFT builds
+    from this rank's tokens is summed over the TSP group, and so are the sums behind its
+    metrics before TRL gathers them over data parallel."""
+
+    def __init__(self, model: Any = None, args: TSPSFTConfig | None = None, *rest: Any,
+                 **kwargs: Any) -> None:
+        check_model_object(model, args, type(self).__name__)
+        with native_fused_head(trl_sft):
+            super().__init__(model, args, *rest, **kwargs)
+        if not self._tsp:
+            return
+        if self.aux_loss_enabled:
+            raise ValueError(f"{type(self).__name__}: the MoE auxiliary loss "
+                             f"(config.output_router_logits) is not yet supported under TSP by "
+                             f"tsp_trl; set model.config.output_router_logits = False")
+        self._tp_size = get_mesh(self.model).size  # see metrics_summed_over
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self._tsp:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        group = get_mesh(self.model).group
+        with metrics_summed_over(self.accelerator, group):
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss = out[0] if return_outputs else out
+        # SFT's loss sums this rank's tokens; the backward passes the gradient through
+        loss = comm.sum_over(loss, [group])
+        return (loss, out[1]) if return_outputs else loss

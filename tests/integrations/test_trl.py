@@ -1,0 +1,167 @@
+"""TRL under TSP (tsp_trl): ``TSPSFTConfig`` keeps SFTConfig's defaults in either composition
+order; ``TSPSFTTrainer`` at tsp 2 matches TRL's own ``SFTTrainer`` on one process on the same
+global batch (plain SGD at a constant lr, clipping acting at every step): the loss per step,
+grad_norm, ``mean_token_accuracy``, ``entropy``, ``num_tokens`` and the final weights, on padded
+rows and on completion-only rows; the natural composition ``class (TSPTrainer, SFTTrainer)``
+refuses on every rank, naming the class and the supported trainers, before any step, and so
+does TSPTrainer mixed into a Trainer whose loss does not come from the TSP model's forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from tests.support import hf_models, launch  # noqa: E402
+from tests.support.reference import assert_close  # noqa: E402
+
+JOB = os.path.join(launch.JOBS, "trl_job.py")
+STEPS = 3
+# float32; SGD at a constant lr 0.5 with clipping at 0.5 (the gradient norms are 1.6-2.1: it
+# acts at every step), rows in order, 4 rows a step: each update is lr x clip x g/|g|, so the
+# weights check the gradient's direction and grad_norm its size (AdamW would hide a scale error)
+COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "4", "--optim", "sgd",
+          "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--max_grad_norm", "0.5",
+          "--train_sampling_strategy", "sequential", "--save_strategy", "no", "--logging_steps",
+          "1", "--report_to", "none", "--use_cpu", "--bf16", "false", "--gradient_checkpointing",
+          "false", "--seed", "0", "--dataset_num_proc", "1"]
+
+
+def test_config_keeps_sft_defaults_in_either_order():
+    from trl import SFTConfig
+
+    from tsp_transformers import TSPTrainingArguments
+
+    @dataclasses.dataclass
+    class SFTFirst(SFTConfig, TSPTrainingArguments):
+        pass
+
+    @dataclasses.dataclass
+    class TSPFirst(TSPTrainingArguments, SFTConfig):
+        pass
+
+    sft_fields = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    ref = SFTConfig(output_dir="o", use_cpu=True)
+    for cls in (SFTFirst, TSPFirst):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        assert set(fields) == set(sft_fields) | {"tsp_size", "tsp_seq_len", "tsp_memory_gb",
+                                                 "tsp_metrics"}, cls
+        for name, f in sft_fields.items():  # the declared defaults, field by field
+            assert (fields[name].default, fields[name].default_factory) == \
+                (f.default, f.default_factory), (cls.__name__, name)
+        args = cls(output_dir="o", use_cpu=True, tsp_size="2")
+        for name in sft_fields:  # and what __post_init__ made of them
+            assert getattr(args, name) == getattr(ref, name), (cls.__name__, name)
+        assert args.tsp_size == 2
+        # the defaults the issue found reset: SFTConfig's, not TrainingArguments'
+        assert (args.learning_rate, args.bf16, args.gradient_checkpointing,
+                args.logging_steps) == (2e-5, True, True, 10), cls.__name__
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """A tiny Llama (vocabulary 96, 2 key/value heads) and a word-level tokenizer over its
+    ids (0..2 special), saved as SFTTrainer loads them."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    path = str(tmp_path_factory.mktemp("llama_sft"))
+    model = hf_models.build("llama", torch.float32)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                            unk_token="t0", pad_token="t1", eos_token="t2").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, saved) -> str:
+    """TRL's own SFTTrainer on one process: padded rows, completion-only rows."""
+    out = tmp_path_factory.mktemp("sft_one")
+    launch.run([sys.executable, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
+                "--output_dir", str(out / "o"), "--out", str(out), "--case", "plain",
+                "completion --data completion"], 1, timeout=400)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, saved) -> str:
+    """One 2-process launch: TSPSFTTrainer at tsp 2 on both datasets, then the natural
+    composition and a Trainer whose loss is built from the logits."""
+    out = tmp_path_factory.mktemp("sft_tsp2")
+    launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
+                               "--output_dir", str(out / "o"), "--out", str(out), "--case",
+                               "plain --mode tsp --tsp_size 2",
+                               "completion --mode tsp --tsp_size 2 --data completion",
+                               "natural --mode natural --tsp_size 2",
+                               "logits_loss --mode logits_loss --tsp_size 2"), 2, timeout=400)
+    return str(out)
+
+
+def runs(out: str, ranks: int) -> list[dict]:
+    found = []
+    for r in range(ranks):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            found.append(json.load(f))
+    return found
+
+
+def assert_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None:
+    """Every rank's log rows and rank 0's final weights against one process: loss, grad_norm
+    and entropy to 1e-5 relative (float32, the two heads sum in different orders), the accuracy
+    and token count exactly, the weights to 1e-5 (of max(1, |w|))."""
+    (ref,) = runs(ref_out, 1)
+    assert len(ref["rows"]) == STEPS, ref
+    assert min(row["grad_norm"] for row in ref["rows"]) > 0.5, ("clipping must act", ref)
+    assert any(row["mean_token_accuracy"] > 0 for row in ref["rows"]), ref
+    for r, run in enumerate(runs(out, ranks)):
+        assert len(run["rows"]) == STEPS, (what, r, run)
+        for step, (got, want) in enumerate(zip(run["rows"], ref["rows"])):
+            assert set(got) == set(want), (what, r, step, got, want)
+            for key in ("loss", "grad_norm", "entropy"):
+                assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), \
+                    f"{what} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+            for key in ("mean_token_accuracy", "num_tokens"):
+                assert got[key] == want[key], \
+                    f"{what} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+    weights = torch.load(os.path.join(out, "weights.pt"))
+    ref_weights = torch.load(os.path.join(ref_out, "weights.pt"))
+    assert set(weights) == set(ref_weights), (what, sorted(set(weights) ^ set(ref_weights)))
+    for name, w in ref_weights.items():
+        assert_close(weights[name], w, 1e-5, f"{what}: {name}")
+
+
+@pytest.mark.parametrize("data", ["plain", "completion"])
+def test_sft_tsp2_matches_one_process(two_processes, one_process, data):
+    assert_as_one_process(os.path.join(two_processes, data), os.path.join(one_process, data),
+                          2, f"tsp 2, {data} rows")
+
+
+def test_natural_composition_refuses_on_every_rank(two_processes):
+    found = runs(os.path.join(two_processes, "natural"), 2)
+    for r, run in enumerate(found):
+        assert "error" in run, f"rank {r} trained instead of refusing: {run}"
+        assert run["steps"] == 0, (r, run)
+        error = run["error"]
+        assert error.startswith("NaturalSFTTrainer: the model's forward was replaced by "
+                                "_fused_forward of trl/trainer/utils.py"), (r, error)
+        assert "tsp_trl.TSPSFTTrainer / tsp_trl.TSPDPOTrainer" in error, (r, error)
+
+
+def test_a_loss_not_from_the_tsp_forward_refuses_on_every_rank(two_processes):
+    # TSPTrainer mixed into a Trainer that builds its loss from the logits (its forward is not
+    # replaced): the first step raises on every rank, before any optimizer step
+    found = runs(os.path.join(two_processes, "logits_loss"), 2)
+    for r, run in enumerate(found):
+        assert "error" in run, f"rank {r} trained instead of refusing: {run}"
+        assert run["steps"] == 0, (r, run)
+        error = run["error"]
+        assert error.startswith("LogitsLossTrainer: its loss did not come from the TSP model's "
+                                "forward with labels"), (r, error)
+        assert "tsp_trl.TSPSFTTrainer / tsp_trl.TSPDPOTrainer" in error, (r, error)

@@ -1,0 +1,149 @@
+"""A TRL SFTTrainer job on a tiny Llama saved with save_pretrained (and a word-level tokenizer):
+TRL's own ``SFTTrainer`` (``--mode plain``, one process: the reference), ``tsp_trl.TSPSFTTrainer``
+(``--mode tsp`` under torchrun, with ``--tsp_size``) or the natural composition a user would
+write, ``class (TSPTrainer, SFTTrainer)`` with ``TSPSFTConfig`` (``--mode natural``: it must
+refuse), or ``TSPTrainer`` mixed into a Trainer whose loss is built from the logits
+(``--mode logits_loss``: it must refuse at the first step). Every rank writes every training log row (loss, grad_norm, mean_token_accuracy,
+entropy, num_tokens) to ``rank<R>.json`` in --out, or the error it raised; rank 0 the final full
+weights (``weights.pt``).
+
+``--data``: ``plain`` (rows of different lengths, padded), ``completion`` (the same rows with
+the loss on their second half only: labels -100 on the prompt). ``--case "NAME ARGS..."``
+(repeatable): one more run in the same processes with ARGS added, results in --out/NAME."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from datasets import Dataset
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    HfArgumentParser,
+    Trainer,
+    TrainerCallback,
+)
+from trl import SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+import tsp_core
+from tsp_core.models.parallelize import TSPCausalLM
+from tsp_transformers import TSPTrainer
+from tsp_trl import TSPSFTConfig, TSPSFTTrainer
+
+LOGGED = ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens")
+REFUSED = ("natural", "logits_loss")  # modes whose ValueError is the result
+
+
+@dataclass
+class JobArgs:
+    model_path: str = field(default="")
+    out: str = field(default="")
+    mode: str = field(default="plain")
+    data: str = field(default="plain")
+    rows: int = field(default=12)
+    case: list[str] = field(default_factory=list)
+
+
+def sft_rows(vocab: int, n: int, completion: bool) -> list[dict]:
+    """``n`` pre-tokenized rows of lengths 9..29 (ids from 3: 0..2 are the tokenizer's special
+    tokens); ``completion``: labels -100 on each row's first half (the prompt)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(9, 30, (n,), generator=gen).tolist()
+    out = []
+    for k in lengths:
+        ids = torch.randint(3, vocab, (k,), generator=gen).tolist()
+        row = {"input_ids": ids}
+        if completion:
+            row["labels"] = [-100] * (k // 2) + ids[k // 2:]
+        out.append(row)
+    return out
+
+
+class Rows(TrainerCallback):
+    """The training log rows (those with a loss)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.rows.append({k: logs[k] for k in LOGGED if k in logs})
+
+
+class NaturalSFTTrainer(TSPTrainer, SFTTrainer):
+    """What a user would write first (issue #36): TSPTrainer mixed into TRL's SFTTrainer."""
+
+
+class LogitsLoss(Trainer):
+    """A Trainer whose loss is built its own way from the logits (no labels reach the model),
+    as a trainer that scores the head's output itself would."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        return model(**inputs).logits.float().logsumexp(-1).mean()
+
+
+class LogitsLossTrainer(TSPTrainer, LogitsLoss):
+    """TSPTrainer mixed into it: the guard must refuse at the first step."""
+
+
+def train(job: JobArgs, args: TSPSFTConfig) -> None:
+    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(job.model_path)
+    data = Dataset.from_list(sft_rows(model.config.vocab_size, job.rows,
+                                      job.data == "completion"))
+    log = Rows()
+    rank = int(os.environ.get("RANK", "0"))
+    os.makedirs(job.out, exist_ok=True)
+    try:
+        if job.mode == "logits_loss":
+            trainer = LogitsLossTrainer(
+                model=model, args=args, train_dataset=data, callbacks=[log],
+                data_collator=DataCollatorForLanguageModeling(tokenizer.pad_token_id))
+        else:
+            trainer_class = {"plain": SFTTrainer, "tsp": TSPSFTTrainer,
+                             "natural": NaturalSFTTrainer}[job.mode]
+            trainer = trainer_class(model=model, args=args, train_dataset=data,
+                                    processing_class=tokenizer, callbacks=[log])
+        trainer.train()
+    except ValueError as e:
+        if job.mode not in REFUSED:
+            raise
+        with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
+            json.dump({"error": str(e), "steps": len(log.rows)}, f)
+        return
+    model = trainer.model
+    weights = (tsp_core.full_state_dict(model, rank0_only=True) if isinstance(model, TSPCausalLM)
+               else {k: v.detach().clone() for k, v in model.state_dict().items()})
+    with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"rows": log.rows}, f)
+    if rank == 0:
+        torch.save(weights, os.path.join(job.out, "weights.pt"))
+
+
+def main() -> None:
+    parser = HfArgumentParser((JobArgs, TSPSFTConfig))
+    argv = sys.argv[1:]
+    job, args = parser.parse_args_into_dataclasses(args=argv)
+    if not job.case:
+        return train(job, args)
+    base = argv[:argv.index("--case")]  # --case takes the rest of the command line
+    for spec in job.case:
+        from accelerate.state import AcceleratorState
+
+        name, *extra = shlex.split(spec)
+        case, case_args = parser.parse_args_into_dataclasses(args=[*base, *extra])
+        case.out = os.path.join(job.out, name)
+        case_args.output_dir = os.path.join(args.output_dir, name)
+        AcceleratorState._reset_state(False)  # a new TSP size needs a new parallelism config
+        train(case, case_args)
+
+
+if __name__ == "__main__":
+    main()
