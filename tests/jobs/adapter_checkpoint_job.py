@@ -476,7 +476,7 @@ def main() -> None:
         except (Exception, CheckpointException) as e:
             if not broken:
                 raise
-            errors[name] = f"{type(e).__name__}: {e}"[:500]
+            errors[name] = f"{type(e).__name__}: {e}"[-500:]  # the cause is at the end
     os.makedirs(a.out, exist_ok=True)
     weights = {k: r.pop("weights") for k, r in results.items() if "weights" in r}
     torch.save(weights, os.path.join(a.out, f"weights-{rank()}.pt"))
