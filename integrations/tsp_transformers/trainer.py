@@ -444,9 +444,12 @@ class TSPTrainer(Trainer):
             os.path.join(checkpoint, OPTIMIZER_DIR, RESHARDABLE_MARKER))
         if not tsp_state and (not self._tsp or checkpoint is None):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if tsp_state:
+        if tsp_state:  # the scheduler's file is read first: without it nothing changes
+            scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=False)
             tsp_core.load_checkpoint(os.path.join(checkpoint, OPTIMIZER_DIR), self.model,
                                      self.optimizer, model_state=False)
+            self.lr_scheduler.load_state_dict(scheduler)
+            return
         elif os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR)):  # older: local, same degree
             state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
             dcp.load(state, checkpoint_id=os.path.join(checkpoint, OPTIMIZER_DIR))
@@ -471,6 +474,16 @@ class TSPTrainer(Trainer):
         tsp_core.load_full_state_dict(self.model, self.state.best_model_checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The weights, each rank reading its own slices (checked whole before any changes).
+        The Trainer loads the optimizer later, once it exists; what can be checked now is that
+        the rest of the resume is there, so a resume that must fail fails before the weights
+        change."""
         if not self._tsp:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        scheduler = os.path.join(resume_from_checkpoint, SCHEDULER_NAME)
+        if os.path.isdir(os.path.join(resume_from_checkpoint, OPTIMIZER_DIR)) and \
+                not os.path.isfile(scheduler):
+            raise FileNotFoundError(f"{resume_from_checkpoint} holds {OPTIMIZER_DIR} but no "
+                                    f"{SCHEDULER_NAME}: it cannot resume training; nothing was "
+                                    f"loaded")
         tsp_core.load_full_state_dict(model or self.model, resume_from_checkpoint)

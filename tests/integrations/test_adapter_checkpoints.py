@@ -31,7 +31,9 @@ touches only TSPTrainer, local-layout only the others).
 
 In the shared 2-process pool: the Lightning strategies' one-file resume (weights, then each
 optimizer's state) refuses a file whose last optimizer tensor, or last weight, has the wrong shape
-without changing either (docs/checkpointing.md "Checks before loading").
+without changing either; TSPTrainer's two resume steps refuse a checkpoint without its
+scheduler.pt without changing weights, optimizer or scheduler (docs/checkpointing.md "Checks
+before loading").
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tsp_core
 from tests.support import launch
@@ -284,3 +287,56 @@ def one_file_never_half_applies() -> list[str]:
 def test_lightning_one_file_resume_never_half_applies(pools):
     per_rank = pools.of(2).run(one_file_never_half_applies)
     assert all(m == per_rank[0] for m in per_rank), per_rank
+
+
+def trainer_resume_never_half_applies(root: str) -> None:
+    """TSPTrainer's resume loads the weights (``_load_from_checkpoint``) before the optimizer
+    exists, then the optimizer and the scheduler (``_load_optimizer_and_scheduler``). A checkpoint
+    without its ``scheduler.pt`` cannot resume: each of the two raises on every rank before
+    changing the weights, the optimizer state or the scheduler."""
+    from types import SimpleNamespace
+
+    from tests.support import dist_pool, hf_models
+    from tsp_core.distributed.params import local
+    from tsp_transformers import TSPTrainer
+    from tsp_transformers.trainer import OPTIMIZER_DIR
+
+    mesh = dist_pool.mesh(2)
+    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+
+    def trained(seed: int):
+        model = tsp_core.parallelize(hf_models.build("llama", torch.float64, seed=seed), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return model, opt
+
+    saved, saved_opt = trained(5)  # a checkpoint of other weights and optimizer state
+    ckpt = os.path.join(root, "checkpoint-1")
+    saved.save_pretrained(ckpt)
+    tsp_core.save_checkpoint(os.path.join(ckpt, OPTIMIZER_DIR), saved, saved_opt,
+                             model_state=False)
+    model, opt = trained(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    trainer = SimpleNamespace(_tsp=True, model=model, optimizer=opt, lr_scheduler=sched)
+
+    def snapshot() -> dict:
+        out = {f"weight {k}": local(v).clone() for k, v in model.state_dict().items()}
+        for i, s in opt.state_dict()["state"].items():
+            out.update({f"state {i} {k}": local(v).clone() for k, v in s.items()})
+        return {**out, "scheduler": sched.state_dict()}
+
+    before = snapshot()
+    for load in (TSPTrainer._load_from_checkpoint, TSPTrainer._load_optimizer_and_scheduler):
+        with pytest.raises(FileNotFoundError, match="scheduler.pt"):
+            load(trainer, ckpt)
+        after = snapshot()
+        for k, t in before.items():
+            same = t == after[k] if k == "scheduler" else torch.equal(t, after[k])
+            assert same, f"{load.__name__} raised after changing {k}"
+    dist.barrier()
+
+
+def test_tsp_trainer_resume_never_half_applies(pools, tmp_path):
+    pools.of(2).run(trainer_resume_never_half_applies, str(tmp_path))
