@@ -55,10 +55,12 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self._tsp:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        group = get_mesh(self.model).group
-        with metrics_summed_over(self.accelerator, group):
+        mesh = get_mesh(self.model)
+        with metrics_summed_over(self.accelerator, mesh.group):
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss = out[0] if return_outputs else out
-        # SFT's loss sums this rank's tokens; the backward passes the gradient through
-        loss = comm.sum_over(loss, [group])
+        # SFT's loss sums this rank's tokens: the global sum over the whole mesh, as the TSP
+        # forward's loss (every rank logs it); the backward passes the gradient through, and
+        # tsp_core sums the data-parallel gradients
+        loss = comm.sum_over(loss, mesh.all_groups)
         return (loss, out[1]) if return_outputs else loss

@@ -2,7 +2,7 @@
 order; ``TSPSFTTrainer`` at tsp 2 matches TRL's own ``SFTTrainer`` on one process on the same
 global batch (plain SGD at a constant lr, clipping acting at every step): the loss per step,
 grad_norm, ``mean_token_accuracy``, ``entropy``, ``num_tokens`` and the final weights, on padded
-rows and on completion-only rows; the natural composition ``class (TSPTrainer, SFTTrainer)``
+rows, completion-only rows and TRL's padding-free packed rows, and at dp 2 x tsp 2 on padded rows; the natural composition ``class (TSPTrainer, SFTTrainer)``
 refuses on every rank, naming the class and the supported trainers, before any step, and so
 does TSPTrainer mixed into a Trainer whose loss does not come from the TSP model's forward."""
 
@@ -31,6 +31,10 @@ COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "4", "--op
           "--train_sampling_strategy", "sequential", "--save_strategy", "no", "--logging_steps",
           "1", "--report_to", "none", "--use_cpu", "--bf16", "false", "--gradient_checkpointing",
           "false", "--seed", "0", "--dataset_num_proc", "1"]
+
+# TRL's padding-free packing: the rows packed into one row of at most 48 tokens per batch
+# (position_ids restarting at 0 per document, cu_seq_lens_q/k, max_length_q/k, seq_idx)
+PACKED = "--packing true --max_length 48"
 
 
 def test_config_keeps_sft_defaults_in_either_order():
@@ -86,7 +90,7 @@ def one_process(tmp_path_factory, saved) -> str:
     out = tmp_path_factory.mktemp("sft_one")
     launch.run([sys.executable, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                 "--output_dir", str(out / "o"), "--out", str(out), "--case", "plain",
-                "completion --data completion"], 1, timeout=400)
+                "completion --data completion", f"packed {PACKED}"], 1, timeout=400)
     return str(out)
 
 
@@ -99,6 +103,7 @@ def two_processes(tmp_path_factory, saved) -> str:
                                "--output_dir", str(out / "o"), "--out", str(out), "--case",
                                "plain --mode tsp --tsp_size 2",
                                "completion --mode tsp --tsp_size 2 --data completion",
+                               f"packed --mode tsp --tsp_size 2 {PACKED}",
                                "natural --mode natural --tsp_size 2",
                                "logits_loss --mode logits_loss --tsp_size 2"), 2, timeout=400)
     return str(out)
@@ -137,7 +142,18 @@ def assert_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None
         assert_close(weights[name], w, 1e-5, f"{what}: {name}")
 
 
-@pytest.mark.parametrize("data", ["plain", "completion"])
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory, saved) -> str:
+    """dp 2 x tsp 2: each data-parallel replica takes 2 of each step's 4 rows."""
+    out = tmp_path_factory.mktemp("sft_dp2")
+    launch.run(launch.torchrun(4, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
+                               "--output_dir", str(out / "o"), "--out", str(out), "--mode",
+                               "tsp", "--tsp_size", "2", "--per_device_train_batch_size", "2"),
+               4, timeout=400)
+    return str(out)
+
+
+@pytest.mark.parametrize("data", ["plain", "completion", "packed"])
 def test_sft_tsp2_matches_one_process(two_processes, one_process, data):
     assert_as_one_process(os.path.join(two_processes, data), os.path.join(one_process, data),
                           2, f"tsp 2, {data} rows")
@@ -165,3 +181,24 @@ def test_a_loss_not_from_the_tsp_forward_refuses_on_every_rank(two_processes):
         assert error.startswith("LogitsLossTrainer: its loss did not come from the TSP model's "
                                 "forward with labels"), (r, error)
         assert "tsp_trl.TSPSFTTrainer / tsp_trl.TSPDPOTrainer" in error, (r, error)
+
+
+def test_sft_dp2_tsp2_matches_one_process(four_processes, one_process):
+    assert_as_one_process(four_processes, os.path.join(one_process, "plain"), 4,
+                          "dp 2 x tsp 2, plain rows")
+
+
+def test_padding_free_keys_must_match_the_position_ids():
+    from tsp_core.models.parallelize import check_padding_free
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    good = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    check_padding_free({"cu_seq_lens_q": good, "cu_seq_lens_k": good, "seq_idx": None},
+                       {"position_ids": pos})
+    with pytest.raises(ValueError, match=r"cu_seq_lens_k \[0, 2, 5, 6\] does not match the "
+                                         r"documents of position_ids \(they restart at "
+                                         r"\[0, 3, 5\], row length 6\)"):
+        check_padding_free({"cu_seq_lens_q": good,
+                            "cu_seq_lens_k": torch.tensor([0, 2, 5, 6])}, {"position_ids": pos})
+    with pytest.raises(ValueError, match="without position_ids"):
+        check_padding_free({"cu_seq_lens_q": good}, {})
