@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import transformers
 import transformers.trainer as hf_trainer
+from packaging.version import Version
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -49,9 +51,15 @@ from tsp_core.distributed.params import ShardedModule
 from tsp_core.layers.vocab import TSPEmbedding
 from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
+from tsp_core.state.checkpoint import check_full_state_dict
 from tsp_core.state.resharding import MARKER as RESHARDABLE_MARKER
+from tsp_core.state.resharding import check_checkpoint
 
 OPTIMIZER_DIR = "optimizer_dcp"
+# The oldest transformers whose Trainer sizes batches by the data-parallel replicas (it divides
+# the processes by get_tp_size()); with an older one TSPTrainer's batch sizes, step counts and
+# evaluation losses would be wrong, so it refuses instead (docs/transformers.md)
+MIN_TRANSFORMERS = "5.24.0"
 SCHEDULER_NAME = "scheduler.pt"
 
 
@@ -144,6 +152,18 @@ def non_embedding_parameters(model: nn.Module) -> int:
     return total
 
 
+def require_transformers(found: str | None = None) -> None:
+    """Raise unless this transformers is at least :data:`MIN_TRANSFORMERS` (before any
+    collective: the same on every rank)."""
+    found = found or transformers.__version__
+    if Version(found) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(f"TSPTrainer with tsp_size > 1 needs transformers >= "
+                           f"{MIN_TRANSFORMERS}; this is transformers {found}, whose Trainer "
+                           f"counts every process as a model replica (batch sizes, step counts "
+                           f"and evaluation losses would be wrong under TSP): pip install "
+                           f"'transformers>={MIN_TRANSFORMERS}'")
+
+
 def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
     """The degree ``TSPTrainer`` builds its mesh with: ``args.tsp_size``, or for "auto" the
     planner's choice for ``model``'s config, ``args.tsp_seq_len`` (or ``TSP_SEQ_LEN`` / the
@@ -204,6 +224,9 @@ class TSPTrainer(Trainer):
             self.tsp_choice = resolve_tsp_size(args, model)  # before any collective, every rank
             log_choice(self.tsp_choice)
         self._tsp = self.tsp_choice is not None and self.tsp_choice.size > 1
+        if self._tsp:
+            require_transformers()
+        self._pending_weights: tuple[str, Any] | None = None  # see _load_from_checkpoint
         self._flops_parameters: int | None = None
         self._choice_to_log = self.tsp_choice if self._tsp and self.tsp_choice.auto else None
         self._tsp_fsdp = self._tsp and getattr(args, "fsdp_plugin_args", None) is not None
@@ -275,6 +298,10 @@ class TSPTrainer(Trainer):
         if not self._tsp:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         refuse_bypassed_forward(self, self.model)
+        if self._pending_weights is not None:
+            raise RuntimeError(f"the weights of {self._pending_weights[0]} were checked but never "
+                               f"loaded: the Trainer did not load that checkpoint's optimizer "
+                               f"state (_load_optimizer_and_scheduler)")
         losses_before = getattr(self.model, "_tsp_loss_calls", 0)
         out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.model.training and getattr(self.model, "_tsp_loss_calls", 0) == losses_before:
@@ -444,10 +471,15 @@ class TSPTrainer(Trainer):
             os.path.join(checkpoint, OPTIMIZER_DIR, RESHARDABLE_MARKER))
         if not tsp_state and (not self._tsp or checkpoint is None):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if tsp_state:  # the scheduler's file is read first: without it nothing changes
+        if tsp_state:  # scheduler, optimizer state and weights checked before any changes
             scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=False)
-            tsp_core.load_checkpoint(os.path.join(checkpoint, OPTIMIZER_DIR), self.model,
-                                     self.optimizer, model_state=False)
+            optimizer_dir = os.path.join(checkpoint, OPTIMIZER_DIR)
+            check_checkpoint(optimizer_dir, self.model, self.optimizer, model_state=False)
+            if self._pending_weights is not None:  # checked by _load_from_checkpoint
+                tsp_core.load_full_state_dict(self._pending_weights[1], self._pending_weights[0])
+                self._pending_weights = None
+            tsp_core.load_checkpoint(optimizer_dir, self.model, self.optimizer,
+                                     model_state=False)
             self.lr_scheduler.load_state_dict(scheduler)
             return
         elif os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR)):  # older: local, same degree
@@ -475,9 +507,10 @@ class TSPTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights, each rank reading its own slices (checked whole before any changes).
-        The Trainer loads the optimizer later, once it exists; what can be checked now is that
-        the rest of the resume is there, so a resume that must fail fails before the weights
-        change."""
+        The Trainer loads the optimizer later, once it exists: with a TSP optimizer checkpoint
+        the weights are checked now and copied only in :meth:`_load_optimizer_and_scheduler`,
+        after the optimizer's state has been checked too, so a resume that must fail fails
+        before the weights change."""
         if not self._tsp:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         scheduler = os.path.join(resume_from_checkpoint, SCHEDULER_NAME)
@@ -486,4 +519,9 @@ class TSPTrainer(Trainer):
             raise FileNotFoundError(f"{resume_from_checkpoint} holds {OPTIMIZER_DIR} but no "
                                     f"{SCHEDULER_NAME}: it cannot resume training; nothing was "
                                     f"loaded")
+        check_full_state_dict(model or self.model, resume_from_checkpoint)
+        if os.path.isfile(os.path.join(resume_from_checkpoint, OPTIMIZER_DIR,
+                                       RESHARDABLE_MARKER)):
+            self._pending_weights = (resume_from_checkpoint, model or self.model)
+            return
         tsp_core.load_full_state_dict(model or self.model, resume_from_checkpoint)

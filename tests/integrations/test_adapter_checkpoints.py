@@ -293,19 +293,23 @@ def trainer_resume_never_half_applies(root: str) -> None:
     """TSPTrainer's resume loads the weights (``_load_from_checkpoint``) before the optimizer
     exists, then the optimizer and the scheduler (``_load_optimizer_and_scheduler``). A checkpoint
     without its ``scheduler.pt`` cannot resume: each of the two raises on every rank before
-    changing the weights, the optimizer state or the scheduler."""
+    changing the weights, the optimizer state or the scheduler. Neither does a checkpoint whose
+    weights fit but whose optimizer state does not (its last tensors of another vocabulary):
+    the weights wait for the optimizer state's check."""
     from types import SimpleNamespace
 
     from tests.support import dist_pool, hf_models
     from tsp_core.distributed.params import local
     from tsp_transformers import TSPTrainer
-    from tsp_transformers.trainer import OPTIMIZER_DIR
+    from tsp_transformers.trainer import OPTIMIZER_DIR, SCHEDULER_NAME
 
     mesh = dist_pool.mesh(2)
     ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(1))
 
-    def trained(seed: int):
-        model = tsp_core.parallelize(hf_models.build("llama", torch.float64, seed=seed), mesh)
+    def trained(seed: int, vocab: int = 96):
+        hf = hf_models.build("llama", torch.float64, seed=seed)
+        hf.resize_token_embeddings(vocab)
+        model = tsp_core.parallelize(hf, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.backward()
         opt.step()
@@ -319,7 +323,8 @@ def trainer_resume_never_half_applies(root: str) -> None:
                              model_state=False)
     model, opt = trained(0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    trainer = SimpleNamespace(_tsp=True, model=model, optimizer=opt, lr_scheduler=sched)
+    trainer = SimpleNamespace(_tsp=True, model=model, optimizer=opt, lr_scheduler=sched,
+                              _pending_weights=None)
 
     def snapshot() -> dict:
         out = {f"weight {k}": local(v).clone() for k, v in model.state_dict().items()}
@@ -335,6 +340,22 @@ def trainer_resume_never_half_applies(root: str) -> None:
         for k, t in before.items():
             same = t == after[k] if k == "scheduler" else torch.equal(t, after[k])
             assert same, f"{load.__name__} raised after changing {k}"
+
+    other, other_opt = trained(7, vocab=95)
+    bad = os.path.join(root, "checkpoint-2")
+    saved.save_pretrained(bad)
+    tsp_core.save_checkpoint(os.path.join(bad, OPTIMIZER_DIR), other, other_opt,
+                             model_state=False)
+    if dist.get_rank() == 0:
+        torch.save(sched.state_dict(), os.path.join(bad, SCHEDULER_NAME))
+    dist.barrier()
+    TSPTrainer._load_from_checkpoint(trainer, bad)
+    with pytest.raises(ValueError, match=r"\(95, 64\)"):
+        TSPTrainer._load_optimizer_and_scheduler(trainer, bad)
+    after = snapshot()
+    for k, t in before.items():
+        same = t == after[k] if k == "scheduler" else torch.equal(t, after[k])
+        assert same, f"a resume whose optimizer state does not fit changed {k}"
     dist.barrier()
 
 

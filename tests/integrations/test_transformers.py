@@ -411,3 +411,28 @@ def test_fsdp_options_tsp_cannot_honour_are_refused(monkeypatch, tmp_path):
     finally:
         dist.destroy_process_group()
         AcceleratorState._reset_state(True)
+
+
+def test_older_transformers_is_refused(monkeypatch, tmp_path):
+    """Under an older transformers the Trainer counts every process as a replica (measured with
+    5.17.0: total_train_batch_size 4 instead of 2 at tsp 2, the evaluation loss halved), so
+    TSPTrainer refuses it, naming both versions, before any process group (tsp_size 1 stays the
+    plain Trainer, which needs nothing of TSP)."""
+    import transformers
+
+    from tsp_transformers import TSPTrainer, TSPTrainingArguments
+    from tsp_transformers.trainer import MIN_TRANSFORMERS, require_transformers
+
+    require_transformers(MIN_TRANSFORMERS)
+    with pytest.raises(RuntimeError, match=rf"needs transformers >= {MIN_TRANSFORMERS}; this is "
+                                           r"transformers 5\.17\.0"):
+        require_transformers("5.17.0")
+    args = TSPTrainingArguments(output_dir=str(tmp_path), tsp_size=2, use_cpu=True,
+                                report_to="none")
+    for key, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"),
+                       ("LOCAL_RANK", "0")):  # as torchrun's first rank sees it
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(RuntimeError, match="transformers 5.17.0"):
+        TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
+    assert not dist.is_initialized(), "refused after starting a process group"
