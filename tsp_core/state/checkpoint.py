@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import ExitStack
 from typing import Mapping
 
@@ -248,6 +249,20 @@ def _hub_experts(model: nn.Module, source: FullSource) -> _HubExperts | None:
     return _HubExperts(source, policy, getattr(model.config, policy.moe.num_experts))
 
 
+def _ignored_extra(model: nn.Module, name: str) -> bool:
+    """Whether Hugging Face's ``from_pretrained`` ignores ``name`` when the model has no such
+    tensor: the class's ``_keys_to_ignore_on_load_unexpected`` patterns, and the rotary
+    ``inv_freq`` and ``position_ids`` buffers older checkpoints saved (when the model has such
+    buffers now). Any other tensor the model lacks is refused: nothing is dropped silently."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [n for n, _ in model.named_buffers()]
+    if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(b.endswith("position_ids") for b in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return any(re.search(p, name) for p in patterns)
+
+
 def _check_source(model: nn.Module, source: TensorSource | SafetensorsSource, what: str) -> None:
     """Every tensor a load of ``source`` into ``model`` reads exists with the shape and the kind
     of dtype the model's tensor has, and ``source`` holds nothing else. Raises, naming the
@@ -291,7 +306,7 @@ def _check_source(model: nn.Module, source: TensorSource | SafetensorsSource, wh
     for name, t in model.state_dict(keep_vars=True).items():
         if name not in owners:  # a buffer a checkpoint may leave out keeps its value
             expect(name, tuple(t.shape), t.dtype, not isinstance(t, nn.Parameter))
-    unexpected = sorted(set(names) - expected)
+    unexpected = sorted(n for n in set(names) - expected if not _ignored_extra(model, n))
     if wrong or missing or unexpected:
         found = wrong[:3] + ([f"{len(wrong) - 3} more"] if len(wrong) > 3 else [])
         if missing:
