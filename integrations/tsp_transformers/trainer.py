@@ -239,8 +239,13 @@ class TSPTrainer(Trainer):
                 tsp_core.parallelize(model, mesh)
             shard_full_batches(model)
         # with FSDP2 the model is converted on the accelerator's mesh as soon as the Trainer has
-        # created it (create_accelerator_and_postprocess), before it looks at the model
-        super().__init__(model, args, *rest, **kwargs)
+        # created it (create_accelerator_and_postprocess), before it looks at the model. args by
+        # keyword when it can be: a trainer mixed in may take another second argument (TRL's
+        # DPOTrainer: ref_model)
+        if rest:
+            super().__init__(model, args, *rest, **kwargs)
+        else:
+            super().__init__(model, args=args, **kwargs)
         if self._tsp:
             refuse_bypassed_forward(self, self.model)  # every rank, before the first step
         self._tsp_meter = None

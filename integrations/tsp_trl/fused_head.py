@@ -11,7 +11,7 @@ rank's tokens: what TRL sums (the loss, SFT's metrics) is then summed over the T
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -21,8 +21,8 @@ from accelerate.utils import recursively_apply
 from tsp_core.distributed import comm
 from tsp_core.models.parallelize import TSPCausalLM
 
-# the per-token fields the TSP head computes (TRL's "log_sum_sq_probs", "mean_logits": not yet)
-NATIVE_OUTPUTS = ("log_probs", "entropy", "is_top1")
+# the per-token fields the TSP head computes (TRL's "log_sum_sq_probs": not yet)
+NATIVE_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits")
 
 
 def check_fused_request(model: Any, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
@@ -40,14 +40,19 @@ def check_fused_request(model: Any, temperature: float = 1.0, cast_lm_head_to_fp
 
 
 @contextlib.contextmanager
-def native_fused_head(module: ModuleType) -> Iterator[None]:
+def native_fused_head(module: ModuleType, convert: Callable[[Any], None] | None = None,
+                      full: bool = False) -> Iterator[None]:
     """While a TRL trainer's ``__init__`` runs: its module's ``add_fused_lm_head`` leaves a TSP
-    model's forward alone (the model answers ``fused_lm_head=True`` itself) and patches any
-    other model (a reference model kept off TSP) as TRL does."""
+    model's forward alone (the model answers ``fused_lm_head=True`` itself; ``full``: with
+    full-sequence fields, ``TSPCausalLM._tsp_fused_output``). Any other model (the reference
+    model TRL builds) is first converted by ``convert`` when given, else patched as TRL does."""
     original = module.add_fused_lm_head
 
     def add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(model, TSPCausalLM) and convert is not None:
+            convert(model)
         if isinstance(model, TSPCausalLM):
+            model._tsp_fused_full = full
             return check_fused_request(model, *args, **kwargs)
         return original(model, *args, **kwargs)
 

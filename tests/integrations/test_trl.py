@@ -2,9 +2,13 @@
 order; ``TSPSFTTrainer`` at tsp 2 matches TRL's own ``SFTTrainer`` on one process on the same
 global batch (plain SGD at a constant lr, clipping acting at every step): the loss per step,
 grad_norm, ``mean_token_accuracy``, ``entropy``, ``num_tokens`` and the final weights, on padded
-rows, completion-only rows and TRL's padding-free packed rows, and at dp 2 x tsp 2 on padded rows; the natural composition ``class (TSPTrainer, SFTTrainer)``
-refuses on every rank, naming the class and the supported trainers, before any step, and so
-does TSPTrainer mixed into a Trainer whose loss does not come from the TSP model's forward."""
+rows, completion-only rows and TRL's padding-free packed rows, and at dp 2 x tsp 2 on padded
+rows. ``TSPDPOTrainer`` (its reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches
+``DPOTrainer`` on one process: the loss, rewards (chosen, rejected, margins, accuracies),
+log-probs, mean logits, entropy, token accuracy and count per step, grad_norm and the final
+weights. The natural composition ``class (TSPTrainer, SFTTrainer)`` refuses on every rank,
+naming the class and the supported trainers, before any step, and so does TSPTrainer mixed into
+a Trainer whose loss does not come from the TSP model's forward."""
 
 from __future__ import annotations
 
@@ -72,15 +76,17 @@ def test_config_keeps_sft_defaults_in_either_order():
 def saved(tmp_path_factory) -> str:
     """A tiny Llama (vocabulary 96, 2 key/value heads) and a word-level tokenizer over its
     ids (0..2 special), saved as SFTTrainer loads them."""
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     path = str(tmp_path_factory.mktemp("llama_sft"))
     model = hf_models.build("llama", torch.float32)
     model.save_pretrained(path)
     vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                            unk_token="t0", pad_token="t1", eos_token="t2").save_pretrained(path)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "t5 t17" -> 5, 17
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t1",
+                            eos_token="t2").save_pretrained(path)
     return path
 
 
@@ -90,7 +96,8 @@ def one_process(tmp_path_factory, saved) -> str:
     out = tmp_path_factory.mktemp("sft_one")
     launch.run([sys.executable, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                 "--output_dir", str(out / "o"), "--out", str(out), "--case", "plain",
-                "completion --data completion", f"packed {PACKED}"], 1, timeout=400)
+                "completion --data completion", f"packed {PACKED}", "dpo --mode dpo_plain"], 1,
+               timeout=400)
     return str(out)
 
 
@@ -104,6 +111,7 @@ def two_processes(tmp_path_factory, saved) -> str:
                                "plain --mode tsp --tsp_size 2",
                                "completion --mode tsp --tsp_size 2 --data completion",
                                f"packed --mode tsp --tsp_size 2 {PACKED}",
+                               "dpo --mode dpo_tsp --tsp_size 2",
                                "natural --mode natural --tsp_size 2",
                                "logits_loss --mode logits_loss --tsp_size 2"), 2, timeout=400)
     return str(out)
@@ -144,11 +152,12 @@ def assert_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory, saved) -> str:
-    """dp 2 x tsp 2: each data-parallel replica takes 2 of each step's 4 rows."""
+    """dp 2 x tsp 2: each data-parallel replica takes 2 of each step's 4 rows (pairs)."""
     out = tmp_path_factory.mktemp("sft_dp2")
     launch.run(launch.torchrun(4, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
-                               "--output_dir", str(out / "o"), "--out", str(out), "--mode",
-                               "tsp", "--tsp_size", "2", "--per_device_train_batch_size", "2"),
+                               "--per_device_train_batch_size", "2", "--output_dir",
+                               str(out / "o"), "--out", str(out), "--case",
+                               "plain --mode tsp --tsp_size 2", "dpo --mode dpo_tsp --tsp_size 2"),
                4, timeout=400)
     return str(out)
 
@@ -184,8 +193,52 @@ def test_a_loss_not_from_the_tsp_forward_refuses_on_every_rank(two_processes):
 
 
 def test_sft_dp2_tsp2_matches_one_process(four_processes, one_process):
-    assert_as_one_process(four_processes, os.path.join(one_process, "plain"), 4,
-                          "dp 2 x tsp 2, plain rows")
+    assert_as_one_process(os.path.join(four_processes, "plain"),
+                          os.path.join(one_process, "plain"), 4, "dp 2 x tsp 2, plain rows")
+
+
+# DPO's figures: rewards = beta x (sum of ~50 float32 log-probs - the reference's), a difference
+# of numbers of ~50 whose float32 rounding (~3e-6) times beta 0.1 is ~3e-7: held to 1e-6
+# absolute (measured 2e-7), as are the mean logits (~1e-2); the rest as SFT's
+DPO_RELATIVE = ("loss", "grad_norm", "entropy", "logps/chosen", "logps/rejected")
+DPO_ABSOLUTE = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logits/chosen",
+                "logits/rejected")
+DPO_EXACT = ("rewards/accuracies", "mean_token_accuracy", "num_tokens")
+
+
+def assert_dpo_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None:
+    (ref,) = runs(ref_out, 1)
+    assert len(ref["rows"]) == STEPS, ref
+    assert min(row["grad_norm"] for row in ref["rows"]) > 0.5, ("clipping must act", ref)
+    assert ref["rows"][-1]["rewards/margins"] > 0.05, ("the preference must be learnt", ref)
+    for r, run in enumerate(runs(out, ranks)):
+        assert run["ref_is_tsp"], (what, r, "the reference model must be a TSP model")
+        assert len(run["rows"]) == STEPS, (what, r, run)
+        for step, (got, want) in enumerate(zip(run["rows"], ref["rows"])):
+            assert set(got) == set(want) == {*DPO_RELATIVE, *DPO_ABSOLUTE, *DPO_EXACT}, \
+                (what, r, step, sorted(got), sorted(want))
+            for key in DPO_RELATIVE:
+                assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), \
+                    f"{what} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+            for key in DPO_ABSOLUTE:
+                assert abs(got[key] - want[key]) <= 1e-6, \
+                    f"{what} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+            for key in DPO_EXACT:
+                assert got[key] == want[key], \
+                    f"{what} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+    weights = torch.load(os.path.join(out, "weights.pt"))
+    for name, w in torch.load(os.path.join(ref_out, "weights.pt")).items():
+        assert_close(weights[name], w, 1e-5, f"{what}: {name}")
+
+
+def test_dpo_tsp2_matches_one_process(two_processes, one_process):
+    assert_dpo_as_one_process(os.path.join(two_processes, "dpo"),
+                              os.path.join(one_process, "dpo"), 2, "DPO at tsp 2")
+
+
+def test_dpo_dp2_tsp2_matches_one_process(four_processes, one_process):
+    assert_dpo_as_one_process(os.path.join(four_processes, "dpo"),
+                              os.path.join(one_process, "dpo"), 4, "DPO at dp 2 x tsp 2")
 
 
 def test_padding_free_keys_must_match_the_position_ids():

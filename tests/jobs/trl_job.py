@@ -3,9 +3,13 @@ TRL's own ``SFTTrainer`` (``--mode plain``, one process: the reference), ``tsp_t
 (``--mode tsp`` under torchrun, with ``--tsp_size``) or the natural composition a user would
 write, ``class (TSPTrainer, SFTTrainer)`` with ``TSPSFTConfig`` (``--mode natural``: it must
 refuse), or ``TSPTrainer`` mixed into a Trainer whose loss is built from the logits
-(``--mode logits_loss``: it must refuse at the first step). Every rank writes every training log row (loss, grad_norm, mean_token_accuracy,
-entropy, num_tokens) to ``rank<R>.json`` in --out, or the error it raised; rank 0 the final full
+(``--mode logits_loss``: it must refuse at the first step). Every rank writes every training
+log row (loss, grad_norm, mean_token_accuracy, entropy, num_tokens, DPO's rewards, log-probs
+and mean logits) to ``rank<R>.json`` in --out, or the error it raised; rank 0 the final full
 weights (``weights.pt``).
+
+``--mode dpo_plain`` / ``dpo_tsp``: TRL's ``DPOTrainer`` / ``tsp_trl.TSPDPOTrainer`` on
+preference pairs (the reference model built by the trainer from the policy's path).
 
 ``--data``: ``plain`` (rows of different lengths, padded), ``completion`` (the same rows with
 the loss on their second half only: labels -100 on the prompt). ``--case "NAME ARGS..."``
@@ -28,15 +32,17 @@ from transformers import (
     Trainer,
     TrainerCallback,
 )
-from trl import SFTTrainer
+from trl import DPOTrainer, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import tsp_core
 from tsp_core.models.parallelize import TSPCausalLM
 from tsp_transformers import TSPTrainer
-from tsp_trl import TSPSFTConfig, TSPSFTTrainer
+from tsp_trl import TSPDPOConfig, TSPDPOTrainer, TSPSFTConfig, TSPSFTTrainer
 
-LOGGED = ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens")
+LOGGED = ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens", "rewards/chosen",
+          "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+          "logps/rejected", "logits/chosen", "logits/rejected")
 REFUSED = ("natural", "logits_loss")  # modes whose ValueError is the result
 
 
@@ -93,11 +99,30 @@ class LogitsLossTrainer(TSPTrainer, LogitsLoss):
     """TSPTrainer mixed into it: the guard must refuse at the first step."""
 
 
-def train(job: JobArgs, args: TSPSFTConfig) -> None:
+def preference_rows(vocab: int, n: int) -> list[dict]:
+    """``n`` preference pairs: a prompt of 3..11 tokens, a chosen and a rejected completion of
+    2..13 tokens each (text of the tokenizer's words; DPO tokenizes it and adds EOS)."""
+    gen = torch.Generator().manual_seed(6)
+
+    def ids(lo: int, hi: int) -> list[int]:
+        k = int(torch.randint(lo, hi, (1,), generator=gen))
+        return torch.randint(3, vocab, (k,), generator=gen).tolist()
+
+    def text(lo: int, hi: int) -> str:  # the word-level tokenizer's words: "t<id>"
+        return " ".join(f"t{i}" for i in ids(lo, hi))
+
+    return [{"prompt": text(3, 12), "chosen": text(2, 14), "rejected": text(2, 14)}
+            for _ in range(n)]
+
+
+def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
     model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(job.model_path)
-    data = Dataset.from_list(sft_rows(model.config.vocab_size, job.rows,
-                                      job.data == "completion"))
+    if job.mode.startswith("dpo"):
+        data = Dataset.from_list(preference_rows(model.config.vocab_size, job.rows))
+    else:
+        data = Dataset.from_list(sft_rows(model.config.vocab_size, job.rows,
+                                          job.data == "completion"))
     log = Rows()
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(job.out, exist_ok=True)
@@ -108,7 +133,8 @@ def train(job: JobArgs, args: TSPSFTConfig) -> None:
                 data_collator=DataCollatorForLanguageModeling(tokenizer.pad_token_id))
         else:
             trainer_class = {"plain": SFTTrainer, "tsp": TSPSFTTrainer,
-                             "natural": NaturalSFTTrainer}[job.mode]
+                             "natural": NaturalSFTTrainer, "dpo_plain": DPOTrainer,
+                             "dpo_tsp": TSPDPOTrainer}[job.mode]
             trainer = trainer_class(model=model, args=args, train_dataset=data,
                                     processing_class=tokenizer, callbacks=[log])
         trainer.train()
@@ -121,24 +147,35 @@ def train(job: JobArgs, args: TSPSFTConfig) -> None:
     model = trainer.model
     weights = (tsp_core.full_state_dict(model, rank0_only=True) if isinstance(model, TSPCausalLM)
                else {k: v.detach().clone() for k, v in model.state_dict().items()})
+    extra = {}
+    if getattr(trainer, "ref_model", None) is not None:
+        extra["ref_is_tsp"] = isinstance(trainer.ref_model, TSPCausalLM)
     with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rows": log.rows}, f)
+        json.dump({"rows": log.rows, **extra}, f)
     if rank == 0:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
 
 
+def parse(argv: list[str]):
+    """JobArgs and the trainer's config: TSPDPOConfig for the ``dpo_*`` modes, else
+    TSPSFTConfig."""
+    modes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--mode"]
+    dpo = bool(modes) and modes[-1].startswith("dpo")
+    parser = HfArgumentParser((JobArgs, TSPDPOConfig if dpo else TSPSFTConfig))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
 def main() -> None:
-    parser = HfArgumentParser((JobArgs, TSPSFTConfig))
     argv = sys.argv[1:]
-    job, args = parser.parse_args_into_dataclasses(args=argv)
+    job, args = parse(argv[:argv.index("--case") + 2] if "--case" in argv else argv)
     if not job.case:
         return train(job, args)
     base = argv[:argv.index("--case")]  # --case takes the rest of the command line
-    for spec in job.case:
+    for spec in argv[argv.index("--case") + 1:]:
         from accelerate.state import AcceleratorState
 
         name, *extra = shlex.split(spec)
-        case, case_args = parser.parse_args_into_dataclasses(args=[*base, *extra])
+        case, case_args = parse([*base, *extra])
         case.out = os.path.join(job.out, name)
         case_args.output_dir = os.path.join(args.output_dir, name)
         AcceleratorState._reset_state(False)  # a new TSP size needs a new parallelism config

@@ -139,7 +139,8 @@ def test_loss_never_holds_the_local_logits(pool):
 def run_token_stats(tsp: int, vocab: int, softcap: float | None) -> dict:
     """``TSPLMHead.token_stats`` against plain float64 math on the full logits: per token the
     label's log-probability (and its gradient, through a per-token weighting, to the hidden
-    states and the head), the entropy and the top-1 hit, zero on ignored labels."""
+    states and the head), the entropy, the top-1 hit and the mean logit, zero on ignored
+    labels."""
     mesh = dist_pool.mesh(tsp)
     D, p = mesh.size, mesh.rank
     gen = torch.Generator().manual_seed(7)
@@ -169,13 +170,15 @@ def run_token_stats(tsp: int, vocab: int, softcap: float | None) -> dict:
     ref_logp = torch.where(keep, logp_all.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0)
     ref_entropy = torch.where(keep, -(logp_all.exp() * logp_all).sum(-1), 0).detach()
     ref_top1 = keep & (logits.argmax(-1) == labels)
+    ref_mean = torch.where(keep, logits.mean(-1), 0).detach()
     (ref_logp * weights).sum().backward()
 
     x = shard_sequence(hidden, p, D).clone().requires_grad_()
-    logp, entropy, top1 = head.token_stats(x, shard_sequence(labels, p, D))
+    logp, entropy, top1, mean = head.token_stats(x, shard_sequence(labels, p, D))
     (logp * shard_sequence(weights, p, D)).sum().backward()
     assert_close(logp.detach(), shard_sequence(ref_logp.detach(), p, D), 1e-12, "log-probs")
     assert_close(entropy, shard_sequence(ref_entropy, p, D), 1e-12, "entropy")
+    assert_close(mean, shard_sequence(ref_mean, p, D), 1e-12, "mean logits")
     assert torch.equal(top1, shard_sequence(ref_top1, p, D)), (top1, shard_sequence(ref_top1, p, D))
     assert_close(x.grad, shard_sequence(ref_x.grad, p, D), 1e-10, "hidden grad")
     assert_close(head.full_tensors(grads=True)["weight"], ref_h.grad, 1e-10, "head grad")

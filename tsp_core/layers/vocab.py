@@ -205,7 +205,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
     ``argmax``), each zero where the label is ignored. Entropy and top-1 come from two more
     running sums in the same pass as the log-sum-exp (sum of exp(l - m) x l, and the largest
     logit before the label's column), so no rank ever holds another's shard's logits beyond a
-    chunk, nor the whole head."""
+    chunk, nor the whole head. Also the mean logit over the vocabulary (a fourth sum)."""
 
     @staticmethod
     def forward(ctx, hidden, labels, weight, vocab_size: int, group, cap: float | None = None):
@@ -216,6 +216,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         xsum = hidden.new_zeros(n, dtype=acc)  # sum of exp(l - m) x l: the mean logit under p
         target = hidden.new_zeros(n, dtype=acc)
         before = hidden.new_full((n,), float("-inf"), dtype=acc)  # max logit left of the label
+        zsum = hidden.new_zeros(n, dtype=acc)  # sum of the logits
         chunk = max(1, LOSS_CHUNK_ELEMENTS // per)
 
         def compute(owner: int, shard: torch.Tensor) -> None:
@@ -233,6 +234,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 ssum[sl] = ssum[sl] * decay + e.sum(-1)
                 xsum[sl] = xsum[sl] * decay + (e * logits).sum(-1)
                 m[sl] = m_new
+                zsum[sl] += logits.sum(-1)
                 inside, col = _in_shard(labels[sl], lo, valid)
                 picked = logits.gather(1, col[:, None]).squeeze(1)
                 target[sl] = torch.where(inside, picked, target[sl])
@@ -246,13 +248,14 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         log_probs = torch.where(keep, target - lse, 0)
         entropy = torch.where(keep, lse - xsum / ssum, 0)
         top1 = keep & (target >= m) & (target > before)
+        mean_logits = torch.where(keep, zsum / vocab_size, 0)
         ctx.vocab_size, ctx.group, ctx.cap = vocab_size, group, cap
         ctx.save_for_backward(hidden, labels, weight, lse)
-        ctx.mark_non_differentiable(entropy, top1)
-        return log_probs, entropy, top1
+        ctx.mark_non_differentiable(entropy, top1, mean_logits)
+        return log_probs, entropy, top1, mean_logits
 
     @staticmethod
-    def backward(ctx, g, _entropy, _top1):
+    def backward(ctx, g, _entropy, _top1, _mean_logits):
         hidden, labels, weight, lse = ctx.saved_tensors
         if g is None:
             return None, None, None, None, None, None
@@ -315,9 +318,10 @@ class TSPLMHead(ShardedModule):
                                           self.mesh.group, self.logits_softcap)
 
     def token_stats(self, hidden: torch.Tensor, shift_labels: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per local token: the label's log-probability (differentiable), the entropy of the
-        next-token distribution and whether the label is its top-1 token, each zero where the
+        next-token distribution, whether the label is its top-1 token and the mean logit over
+        the vocabulary, each zero where the
         label is -100, shaped like ``shift_labels`` (what TRL's fused LM head returns; float32,
         float64 for a float64 model); never materialises the local [tokens, V] logits at once."""
         if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):

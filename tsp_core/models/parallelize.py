@@ -32,7 +32,8 @@ from ..layers.moe import (
 )
 from ..layers.norm import TSPRMSNorm
 from ..layers.vocab import TSPEmbedding, TSPLMHead
-from ..sequence.layout import IGNORE_INDEX, shard_batch
+from ..inference.logits import token_index
+from ..sequence.layout import IGNORE_INDEX, document_lengths, shard_batch
 from ..state.checkpoint import save_pretrained
 from .input_checks import check_model_inputs
 from .policies import DecoderPolicy, find_policy
@@ -114,6 +115,7 @@ class TSPCausalLM:
                            kwargs.get("tsp_docs"), tsp_rope_len, tsp_fingerprint)
         router = kwargs.pop("output_router_logits", None)
         fused = kwargs.pop("fused_lm_head", False)
+        full_docs = kwargs.pop("tsp_full_docs", None)
         if fused and shift_labels is None:
             raise ValueError("fused_lm_head=True scores the labels: pass labels (TRL's trainers "
                              "do) so that the model shards them into shift_labels")
@@ -132,7 +134,8 @@ class TSPCausalLM:
             return CausalLMOutputWithPast(logits=head(hidden))
         self._tsp_loss_calls = getattr(self, "_tsp_loss_calls", 0) + 1  # TSPTrainer's guard
         if fused:
-            return self._tsp_fused_output(head, hidden, shift_labels, num_items_in_batch, aux)
+            return self._tsp_fused_output(head, hidden, shift_labels, num_items_in_batch, aux,
+                                          None if full_docs is None else (tsp_docs, full_docs))
         loss_sum = head.loss_sum(hidden, shift_labels)
         if num_items_in_batch is None:
             count = (shift_labels != IGNORE_INDEX).sum().to(loss_sum.dtype)
@@ -155,18 +158,25 @@ class TSPCausalLM:
     def _tsp_fused_output(self, head: TSPLMHead, hidden: torch.Tensor,
                           shift_labels: torch.Tensor,
                           num_items_in_batch: torch.Tensor | int | None,
-                          aux: torch.Tensor | None):
+                          aux: torch.Tensor | None, full: tuple | None = None):
         """What TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``) returns for
         ``fused_lm_head=True``, from the vocabulary-parallel head: per local token (shaped like
         ``shift_labels``) the label's log-probability, the entropy and the top-1 hit, zero where
         the label is -100. A trainer that sums them gets this rank's share: sum it over the TSP
         group (tsp_trl's trainers do). ``loss`` is already global: the sum over the whole mesh
         divided by ``num_items_in_batch`` (else the global count of labels), plus the weighted
-        MoE auxiliary loss."""
+        MoE auxiliary loss.
+
+        With ``_tsp_fused_full`` set on the model (tsp_trl's DPO: its loss is not a sum over
+        tokens), every per-token field is gathered instead into the full sequence in the original
+        order, ``[batch, seq - 1]`` as TRL's own head returns it, the same on every rank of the
+        group (``full``: shard_batch's ``tsp_docs`` and the rows' own document lengths); the
+        log-probabilities' backward takes this rank's positions of the gradient (every rank
+        computes the same loss from them)."""
         from trl.trainer.utils import FusedCausalLMOutput
 
         mesh = self._tsp_mesh
-        log_probs, entropy, top1 = head.token_stats(hidden, shift_labels)
+        log_probs, entropy, top1, mean_logits = head.token_stats(hidden, shift_labels)
         mask = shift_labels != IGNORE_INDEX
         if num_items_in_batch is None:
             count = mask.sum().to(log_probs.dtype)
@@ -178,8 +188,15 @@ class TSPCausalLM:
         loss = comm.sum_over(-log_probs.sum(), mesh.all_groups) / count
         if aux is not None:
             loss = loss + self.config.router_aux_loss_coef * aux
+        if full is not None:
+            tsp_docs, docs = full
+            index = token_index(tsp_docs, mesh.size, mesh.layout, docs)[:, :-1]
+            log_probs = gather_tokens(log_probs, index, mesh.group)
+            entropy, top1, mean_logits, mask = (
+                gather_tokens(t, index, mesh.group) for t in (entropy, top1, mean_logits, mask))
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
-                                   is_top1=top1, label_mask=mask, aux_loss=aux)
+                                   mean_logits=mean_logits, is_top1=top1, label_mask=mask,
+                                   aux_loss=aux)
 
     def _tsp_aux_loss(self, output_router_logits: bool | None,
                       attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -216,6 +233,34 @@ class TSPCausalLM:
     def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> None:
         """An ordinary Hugging Face checkpoint (full shapes); every rank must call it."""
         save_pretrained(self, save_directory)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Every rank's local per-token values ``[B, L]`` in ``index``'s order ``[B, S]`` (an
+    all-gather), identical on every rank of the group; the backward keeps this rank's positions
+    of the gradient, since every rank computes the same result from them."""
+
+    @staticmethod
+    def forward(ctx, x, index, group):
+        d, (b, n) = group.size(), x.shape[:2]
+        buf = x.new_empty((d, *x.shape))
+        comm.all_gather(buf, x.contiguous(), group)
+        ctx.index, ctx.shape, ctx.rank = index, (d, *x.shape), group.rank()
+        return buf[index // n, torch.arange(b, device=x.device)[:, None], index % n]
+
+    @staticmethod
+    def backward(ctx, g):
+        d, b, n = ctx.shape[:3]
+        full = g.new_zeros(ctx.shape)
+        full[ctx.index // n, torch.arange(b, device=g.device)[:, None], ctx.index % n] = g
+        return full[ctx.rank], None, None
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor, group) -> torch.Tensor:
+    """:class:`_GatherTokens` (a bool tensor travels as uint8)."""
+    if x.dtype == torch.bool:
+        return _GatherTokens.apply(x.to(torch.uint8), index, group).bool()
+    return _GatherTokens.apply(x, index, group)
 
 
 _TSP_CLASSES: dict[type, type] = {}
@@ -523,6 +568,9 @@ def shard_full_batches(model: nn.Module) -> nn.Module:
         padding_free = {k: kwargs.pop(k) for k in PADDING_FREE_KEYS if k in kwargs}
         if padding_free:
             check_padding_free(padding_free, batch)
+        if kwargs.get("fused_lm_head") and getattr(_module, "_tsp_fused_full", False):
+            ids = batch["input_ids"]  # the rows' documents, for the full-sequence fused fields
+            kwargs["tsp_full_docs"] = document_lengths(batch, ids.shape[1], ids.shape[0])
         return args, {**kwargs, **shard_batch(batch, mesh)}
 
     model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,0 +1,72 @@
+"""``TSPDPOConfig`` and ``TSPDPOTrainer``: TRL's DPOTrainer under TSP (``tsp_size``).
+
+DPO's loss is not a sum over tokens: each sequence's summed log-probability goes through a
+sigmoid. So the TSP model returns TRL's fused fields for the full sequence, gathered over the
+group in the original order (``TSPCausalLM._tsp_fused_output``, ``[batch, seq - 1]`` floats per
+field, never the head or the logits); every rank of the group then computes the same loss,
+rewards and metrics as one process on the replica's rows, and each backpropagates through its
+own tokens. The reference model is a TSP model on the same mesh (TRL builds it from the
+policy's path, or pass ``ref_model=``), or its log-probabilities are precomputed
+(``precompute_ref_log_probs``) by the TSP policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import trl.trainer.dpo_trainer as trl_dpo
+from torch import nn
+from trl import DPOConfig, DPOTrainer
+
+import tsp_core
+from tsp_core.distributed.mesh import get_mesh
+from tsp_core.models.parallelize import shard_full_batches
+from tsp_transformers import TSPTrainer, TSPTrainingArguments
+
+from .fused_head import native_fused_head
+from .sft import check_model_object
+
+
+@dataclass
+class TSPDPOConfig(DPOConfig, TSPTrainingArguments):
+    """``DPOConfig`` (its own defaults) plus ``tsp_size`` and TSP's other fields."""
+
+
+class TSPDPOTrainer(TSPTrainer, DPOTrainer):
+    """``DPOTrainer`` with TSP when ``args.tsp_size`` > 1 (``TSPDPOConfig``); otherwise exactly
+    ``DPOTrainer``."""
+
+    def __init__(self, model: Any = None, ref_model: Any = None,
+                 args: TSPDPOConfig | None = None, **kwargs: Any) -> None:
+        check_model_object(model, args, type(self).__name__)
+        tsp = args is not None and str(getattr(args, "tsp_size", 1)) != "1"
+        with native_fused_head(trl_dpo, self._to_tsp if tsp else None, full=True):
+            super().__init__(model, args=args, ref_model=ref_model, **kwargs)
+        if not self._tsp:
+            return
+        if self.aux_loss_enabled:
+            raise ValueError(f"{type(self).__name__}: the MoE auxiliary loss "
+                             f"(config.output_router_logits) is not yet supported under TSP by "
+                             f"tsp_trl; set model.config.output_router_logits = False")
+        # the fused fields are the full sequences, the same on every rank of the group: the
+        # data-parallel gather of TSPAccelerator counts each token once
+        self._tp_size = 1
+
+    def _to_tsp(self, model: nn.Module) -> None:
+        """The reference model, on the policy's mesh (every rank, before any step)."""
+        tsp_core.parallelize(model, get_mesh(self.model))
+        shard_full_batches(model)
+        model.requires_grad_(False)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self._tsp:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # DPO's loss is a mean over this replica's sequences (DPO takes no num_items_in_batch)
+        out = super().compute_loss(model, inputs, return_outputs, None)
+        loss = out[0] if return_outputs else out
+        dp = get_mesh(self.model).dp_size
+        if dp > 1 and self.model.training:
+            # DDP would average the replicas' gradients, tsp_core sums them: the gradient of the
+            # mean, the value (what the Trainer logs) unchanged
+            loss = loss / dp + (loss - loss / dp).detach()
+        return (loss, out[1]) if return_outputs else loss
