@@ -1,14 +1,15 @@
-"""TRL under TSP (tsp_trl): ``TSPSFTConfig`` keeps SFTConfig's defaults in either composition
-order; ``TSPSFTTrainer`` at tsp 2 matches TRL's own ``SFTTrainer`` on one process on the same
-global batch (plain SGD at a constant lr, clipping acting at every step): the loss per step,
-grad_norm, ``mean_token_accuracy``, ``entropy``, ``num_tokens`` and the final weights, on padded
-rows, completion-only rows and TRL's padding-free packed rows, and at dp 2 x tsp 2 on padded
-rows. ``TSPDPOTrainer`` (its reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches
-``DPOTrainer`` on one process: the loss, rewards (chosen, rejected, margins, accuracies),
-log-probs, mean logits, entropy, token accuracy and count per step, grad_norm and the final
-weights. The natural composition ``class (TSPTrainer, SFTTrainer)`` refuses on every rank,
-naming the class and the supported trainers, before any step, and so does TSPTrainer mixed into
-a Trainer whose loss does not come from the TSP model's forward."""
+"""TRL under TSP (tsp_trl): ``TSPSFTConfig`` keeps SFTConfig's defaults in either composition order;
+``TSPSFTTrainer`` at tsp 2 matches TRL's own ``SFTTrainer`` on one process on the same global batch
+(plain SGD at a constant lr, clipping acting at every step): the loss per step, grad_norm,
+``mean_token_accuracy``, ``entropy``, ``num_tokens`` and the final weights, on padded rows,
+completion-only rows (labels -100 on the prompt, and a prompt/completion dataset TRL masks itself)
+and TRL's padding-free packed rows, and at dp 2 x tsp 2 on padded rows. ``TSPDPOTrainer`` (its
+reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches ``DPOTrainer`` on one process:
+the loss, rewards (chosen, rejected, margins, accuracies), log-probs, mean logits, entropy, token
+accuracy and count per step, grad_norm and the final weights. The natural composition ``class
+(TSPTrainer, SFTTrainer)`` refuses on every rank, naming the class and the supported trainers,
+before any step, and so does TSPTrainer mixed into a Trainer whose loss does not come from the TSP
+model's forward."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def one_process(tmp_path_factory, saved) -> str:
     out = tmp_path_factory.mktemp("sft_one")
     launch.run([sys.executable, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                 "--output_dir", str(out / "o"), "--out", str(out), "--case", "plain",
-                "completion --data completion", f"packed {PACKED}", "dpo --mode dpo_plain"], 1,
+                "completion --data completion", "prompt_completion --data prompt_completion",
+                f"packed {PACKED}", "dpo --mode dpo_plain"], 1,
                timeout=400)
     return str(out)
 
@@ -110,6 +112,8 @@ def two_processes(tmp_path_factory, saved) -> str:
                                "--output_dir", str(out / "o"), "--out", str(out), "--case",
                                "plain --mode tsp --tsp_size 2",
                                "completion --mode tsp --tsp_size 2 --data completion",
+                               "prompt_completion --mode tsp --tsp_size 2 --data "
+                               "prompt_completion",
                                f"packed --mode tsp --tsp_size 2 {PACKED}",
                                "dpo --mode dpo_tsp --tsp_size 2",
                                "natural --mode natural --tsp_size 2",
@@ -162,7 +166,7 @@ def four_processes(tmp_path_factory, saved) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("data", ["plain", "completion", "packed"])
+@pytest.mark.parametrize("data", ["plain", "completion", "prompt_completion", "packed"])
 def test_sft_tsp2_matches_one_process(two_processes, one_process, data):
     assert_as_one_process(os.path.join(two_processes, data), os.path.join(one_process, data),
                           2, f"tsp 2, {data} rows")

@@ -1,19 +1,21 @@
-"""A TRL SFTTrainer job on a tiny Llama saved with save_pretrained (and a word-level tokenizer):
+"""A TRL SFT or DPO job on a tiny Llama saved with save_pretrained (and a word-level tokenizer):
 TRL's own ``SFTTrainer`` (``--mode plain``, one process: the reference), ``tsp_trl.TSPSFTTrainer``
-(``--mode tsp`` under torchrun, with ``--tsp_size``) or the natural composition a user would
-write, ``class (TSPTrainer, SFTTrainer)`` with ``TSPSFTConfig`` (``--mode natural``: it must
-refuse), or ``TSPTrainer`` mixed into a Trainer whose loss is built from the logits
-(``--mode logits_loss``: it must refuse at the first step). Every rank writes every training
-log row (loss, grad_norm, mean_token_accuracy, entropy, num_tokens, DPO's rewards, log-probs
-and mean logits) to ``rank<R>.json`` in --out, or the error it raised; rank 0 the final full
-weights (``weights.pt``).
+(``--mode tsp`` under torchrun, with ``--tsp_size``) or the natural composition a user would write,
+``class (TSPTrainer, SFTTrainer)`` with ``TSPSFTConfig`` (``--mode natural``: it must refuse), or
+``TSPTrainer`` mixed into a Trainer whose loss is built from the logits (``--mode logits_loss``: it
+must refuse at the first step). Every rank writes every training log row (loss, grad_norm,
+mean_token_accuracy, entropy, num_tokens, DPO's rewards, log-probs and mean logits) to
+``rank<R>.json`` in --out, or the error it raised; rank 0 the final full weights (``weights.pt``).
 
-``--mode dpo_plain`` / ``dpo_tsp``: TRL's ``DPOTrainer`` / ``tsp_trl.TSPDPOTrainer`` on
-preference pairs (the reference model built by the trainer from the policy's path).
+``--mode dpo_plain`` / ``dpo_tsp``: TRL's ``DPOTrainer`` / ``tsp_trl.TSPDPOTrainer`` on preference
+pairs (the reference model built by the trainer from the policy's path).
 
-``--data``: ``plain`` (rows of different lengths, padded), ``completion`` (the same rows with
-the loss on their second half only: labels -100 on the prompt). ``--case "NAME ARGS..."``
-(repeatable): one more run in the same processes with ARGS added, results in --out/NAME."""
+``--data``: ``plain`` (rows of different lengths, padded), ``completion`` (the same rows with the
+loss on their second half only: labels -100 on the prompt), ``prompt_completion`` (the same halves
+as a prompt/completion text dataset, which TRL tokenizes and masks itself).
+
+``--case "NAME ARGS..."`` (repeatable): one more run in the same processes with ARGS added,
+results in --out/NAME."""
 
 from __future__ import annotations
 
@@ -120,6 +122,14 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(job.model_path)
     if job.mode.startswith("dpo"):
         data = Dataset.from_list(preference_rows(model.config.vocab_size, job.rows))
+    elif job.data == "prompt_completion":  # TRL tokenizes them; loss on the completion only
+        def words(ids: list[int]) -> str:
+            return " ".join(f"t{i}" for i in ids)
+
+        data = Dataset.from_list([
+            {"prompt": words(r["input_ids"][:len(r["input_ids"]) // 2]),
+             "completion": words(r["input_ids"][len(r["input_ids"]) // 2:])}
+            for r in sft_rows(model.config.vocab_size, job.rows, False)])
     else:
         data = Dataset.from_list(sft_rows(model.config.vocab_size, job.rows,
                                           job.data == "completion"))
