@@ -3,7 +3,8 @@
 (plain SGD at a constant lr, clipping acting at every step): the loss per step, grad_norm,
 ``mean_token_accuracy``, ``entropy``, ``num_tokens`` and the final weights, on padded rows,
 completion-only rows (labels -100 on the prompt, and a prompt/completion dataset TRL masks itself)
-and TRL's padding-free packed rows, and at dp 2 x tsp 2 on padded rows. ``TSPDPOTrainer`` (its
+and TRL's padding-free packed rows, at dp 2 x tsp 2 on padded rows, and in float64 against the
+math itself (grad_norm, entropy and weights to 1e-10). ``TSPDPOTrainer`` (its
 reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches ``DPOTrainer`` on one process:
 the loss, rewards (chosen, rejected, margins, accuracies), log-probs, mean logits, entropy, token
 accuracy and count per step, grad_norm and the final weights. The natural composition ``class
@@ -116,6 +117,7 @@ def two_processes(tmp_path_factory, saved) -> str:
                                "prompt_completion",
                                f"packed --mode tsp --tsp_size 2 {PACKED}",
                                "dpo --mode dpo_tsp --tsp_size 2",
+                               "float64 --mode tsp --tsp_size 2 --dtype float64",
                                "natural --mode natural --tsp_size 2",
                                "logits_loss --mode logits_loss --tsp_size 2"), 2, timeout=400)
     return str(out)
@@ -259,3 +261,58 @@ def test_padding_free_keys_must_match_the_position_ids():
                             "cu_seq_lens_k": torch.tensor([0, 2, 5, 6])}, {"position_ids": pos})
     with pytest.raises(ValueError, match="without position_ids"):
         check_padding_free({"cu_seq_lens_q": good}, {})
+
+
+def float64_reference() -> dict:
+    """One process in float64 on the plain rows: each step's 4 rows right-padded as SFT's
+    collator pads them (labels -100 on the padding), the mean cross-entropy over the global
+    batch's labelled tokens, and SFT's metrics from the full logits (entropy and top-1 per
+    labelled position, the token count from the rows' lengths); gradients clipped at 0.5, SGD
+    at lr 0.5 (COMMON's)."""
+    import torch.nn.functional as F
+
+    from tests.jobs.trl_job import sft_rows
+
+    model = hf_models.build("llama", torch.float32).double()
+    rows = [r["input_ids"] for r in sft_rows(model.config.vocab_size, 12, False)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    out, tokens = [], 0
+    for step in range(STEPS):
+        batch = rows[4 * step: 4 * step + 4]
+        width = max(map(len, batch))
+        ids = torch.tensor([r + [1] * (width - len(r)) for r in batch])
+        labels = torch.tensor([r + [-100] * (width - len(r)) for r in batch])[:, 1:]
+        logits = model(input_ids=ids).logits[:, :-1]
+        keep = labels != -100
+        logp = torch.log_softmax(logits, -1)
+        loss = F.nll_loss(logp[keep], labels[keep])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        tokens += sum(map(len, batch))
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)[keep].mean()
+            top1 = (logits.argmax(-1) == labels)[keep].double().mean()
+        out.append({"loss": loss.item(), "grad_norm": norm.item(), "entropy": entropy.item(),
+                    "mean_token_accuracy": top1.item(), "num_tokens": float(tokens)})
+    return {"rows": out, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def test_sft_tsp2_float64_matches_exact_math(two_processes):
+    # TRL's own kernel accumulates in float32 even for a float64 model, so the float64 reference
+    # is the math itself. The logged loss to 1e-7 (the Trainer sums it in float32), the token
+    # accuracy to 1e-7 (SFT divides two integer counts in float32: the counts are equal)
+    ref = float64_reference()
+    assert min(row["grad_norm"] for row in ref["rows"]) > 0.5, ("clipping must act", ref["rows"])
+    out = os.path.join(two_processes, "float64")
+    for r, run in enumerate(runs(out, 2)):
+        assert len(run["rows"]) == STEPS, (r, run)
+        for step, (got, want) in enumerate(zip(run["rows"], ref["rows"])):
+            for key, tol in (("loss", 1e-7), ("grad_norm", 1e-10), ("entropy", 1e-10),
+                             ("mean_token_accuracy", 1e-7), ("num_tokens", 0)):
+                assert abs(got[key] - want[key]) <= tol * abs(want[key]), \
+                    f"float64 rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+    weights = torch.load(os.path.join(out, "weights.pt"))
+    for name, w in ref["weights"].items():
+        assert_close(weights[name], w, 1e-10, f"float64: {name}")

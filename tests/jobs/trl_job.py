@@ -55,6 +55,7 @@ class JobArgs:
     mode: str = field(default="plain")
     data: str = field(default="plain")
     rows: int = field(default=12)
+    dtype: str = field(default="float32")
     case: list[str] = field(default_factory=list)
 
 
@@ -118,7 +119,7 @@ def preference_rows(vocab: int, n: int) -> list[dict]:
 
 
 def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
-    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=getattr(torch, job.dtype))
     tokenizer = AutoTokenizer.from_pretrained(job.model_path)
     if job.mode.startswith("dpo"):
         data = Dataset.from_list(preference_rows(model.config.vocab_size, job.rows))
