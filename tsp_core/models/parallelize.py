@@ -19,6 +19,7 @@ from ..distributed.data_parallel import install_gradient_sync
 from ..distributed.fsdp import apply_fsdp
 from ..distributed.mesh import TSPMesh, get_mesh
 from ..inference.generation import hf_generate
+from ..inference.logits import token_index
 from ..layers import rope
 from ..layers.attention import TSPAttention, check_attention_shape
 from ..layers.mlp import TSPGatedMLP
@@ -32,7 +33,6 @@ from ..layers.moe import (
 )
 from ..layers.norm import TSPRMSNorm
 from ..layers.vocab import TSPEmbedding, TSPLMHead
-from ..inference.logits import token_index
 from ..sequence.layout import IGNORE_INDEX, document_lengths, shard_batch
 from ..state.checkpoint import save_pretrained
 from .input_checks import check_model_inputs
@@ -173,7 +173,7 @@ class TSPCausalLM:
         group (``full``: shard_batch's ``tsp_docs`` and the rows' own document lengths); the
         log-probabilities' backward takes this rank's positions of the gradient (every rank
         computes the same loss from them)."""
-        from trl.trainer.utils import FusedCausalLMOutput
+        from .outputs import FusedLMOutput
 
         mesh = self._tsp_mesh
         log_probs, entropy, top1, mean_logits = head.token_stats(hidden, shift_labels)
@@ -194,9 +194,8 @@ class TSPCausalLM:
             log_probs = gather_tokens(log_probs, index, mesh.group)
             entropy, top1, mean_logits, mask = (
                 gather_tokens(t, index, mesh.group) for t in (entropy, top1, mean_logits, mask))
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
-                                   mean_logits=mean_logits, is_top1=top1, label_mask=mask,
-                                   aux_loss=aux)
+        return FusedLMOutput(loss=loss, log_probs=log_probs, entropy=entropy,
+                             mean_logits=mean_logits, is_top1=top1, label_mask=mask, aux_loss=aux)
 
     def _tsp_aux_loss(self, output_router_logits: bool | None,
                       attention_mask: torch.Tensor | None) -> torch.Tensor | None:
