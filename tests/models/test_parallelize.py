@@ -107,8 +107,8 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['gemma', 'gemma2', 'gemma3', 'granite', 'llama', 'mistral', 'mixtral', 'olmo2', "
-         r"'phi3', 'qwen2', 'qwen3', 'qwen3_moe'\]\. "
+         r"\['exaone4', 'gemma', 'gemma2', 'gemma3', 'granite', 'llama', 'mistral', 'mixtral', "
+         r"'olmo2', 'olmo3', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe', 'seed_oss'\]\. "
          r"Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
@@ -132,6 +132,20 @@ def bad_models() -> list[str]:
     cases.append((Gemma3ForCausalLM(Gemma3TextConfig(use_bidirectional_attention=True, **small)),
                   r"Gemma3ForCausalLM: config\.use_bidirectional_attention=True \(bidirectional "
                   r"attention\) not implemented by TSP; set it to None/False"))
+    # Seed-OSS's dropout on the attention output (on by default) is not applied by TSP attention
+    from transformers import SeedOssConfig, SeedOssForCausalLM
+
+    cases.append((SeedOssForCausalLM(SeedOssConfig(attention_dropout=0.0, residual_dropout=0.1,
+                                                   **small)),
+                  r"SeedOssForCausalLM: config\.residual_dropout=0\.1 \(dropout on the attention "
+                  r"output\) not implemented by TSP"))
+    # EXAONE 4's hybrid layout: its full layers apply no RoPE, which TSP attention always applies
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    cases.append((Exaone4ForCausalLM(Exaone4Config(sliding_window=8, sliding_window_pattern=2,
+                                                   **small)),
+                  r"Exaone4ForCausalLM: config\.sliding_window=8 \(hybrid attention: its full "
+                  r"layers apply no rotary \(NoPE\)\) not implemented by TSP"))
     # experts that cannot be owned whole, 1/D each (docs/moe.md)
     from transformers import MixtralConfig, MixtralForCausalLM
 

@@ -150,6 +150,34 @@ def test_model_presets_and_config_files(tmp_path):
         model_config("nope")
 
 
+@pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4"])
+def test_newer_families_config_files(tmp_path, family):
+    # `tsp plan` and `tsp simulate` take a newer family's config.json: its shape (head_dim of its
+    # own, a sliding layer cut with layer_types) and a TSP simulation of the model it describes
+    import torch
+
+    from tests.support import hf_models
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.simulate import model_config
+
+    hf_models.build(family, torch.float32).config.save_pretrained(tmp_path)
+    config = model_config(str(tmp_path / "config.json"), layers=1)
+    assert (config.model_type, config.num_hidden_layers) == (family, 1)
+    shape = model_shape(str(tmp_path), None)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // 4
+    assert (shape.num_layers, shape.num_kv_heads, shape.kv_width) == (2, 2, 2 * head_dim)
+    out = tmp_path / "sim.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--model",
+                          str(tmp_path), "--seq", "512", "--degree", "2", "--layouts", "tsp",
+                          "--json", str(out)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())
+    assert (rec["layout"], rec["degree"], rec["seq"]) == ("tsp", 2, 512)
+    assert rec["breakdown"]["parameters"] > 0
+
+
 # ------------------------------------------------------------------ mixture of experts
 # (docs/moe.md)
 

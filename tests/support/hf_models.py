@@ -9,7 +9,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-            "granite", "olmo2", "phi3")
+            "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4")
 # the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
 BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 # float32 runs (a sanity check beside the float64 exactness runs): one family per feature set.
@@ -89,11 +89,31 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         model = Phi3ForCausalLM(Phi3Config(vocab_size=96, sliding_window=7,
                                            partial_rotary_factor=0.5, pad_token_id=0,
                                            eos_token_id=2, **common))
+    elif family == "olmo3":        # OLMo 2's layout plus a sliding layer (layer_types)
+        from transformers import Olmo3Config, Olmo3ForCausalLM
+
+        model = Olmo3ForCausalLM(Olmo3Config(
+            vocab_size=96, attention_bias=True, sliding_window=9,
+            layer_types=["sliding_attention", "full_attention"], **common))
+    elif family == "seed_oss":     # q/k/v biases and an o_proj bias, head_dim 24; its dropouts
+        from transformers import SeedOssConfig, SeedOssForCausalLM  # (0.1 by default) off
+
+        model = SeedOssForCausalLM(SeedOssConfig(
+            vocab_size=96, head_dim=24, attention_bias=True, attention_out_bias=True,
+            attention_dropout=0.0, residual_dropout=0.0, **common))
+    elif family == "exaone4":      # per-head q/k norms, norms after attention and MLP, head_dim
+        from transformers import Exaone4Config, Exaone4ForCausalLM  # 24, every layer global
+
+        # (the hybrid layout, whose full layers skip RoPE, is refused: policies/exaone4.py)
+        model = Exaone4ForCausalLM(Exaone4Config(
+            vocab_size=96, head_dim=24, sliding_window=None,
+            layer_types=["full_attention", "full_attention"], **common))
     else:
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
-    if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3"):
+    if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
+                  "seed_oss", "exaone4"):
         # norms and biases away from their initial ones/zeros: a weight applied the wrong way
         # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():

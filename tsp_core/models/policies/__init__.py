@@ -3,16 +3,19 @@ family. A policy is found by the model's class name or ``config.model_type``; re
 with :func:`register_policy`."""
 
 from . import (  # noqa: F401  (each registers its family)
+    exaone4,
     gemma,
     granite,
     llama,
     mistral,
     mixtral,
     olmo2,
+    olmo3,
     phi3,
     qwen2,
     qwen3,
     qwen3_moe,
+    seed_oss,
 )
 from .base import DecoderPolicy, ExpertsPolicy, find_policy, register_policy, supported
 
