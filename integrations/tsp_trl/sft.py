@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import trl.trainer.sft_trainer as trl_sft
 from trl import SFTConfig, SFTTrainer
 
@@ -56,11 +57,42 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
         if not self._tsp:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mesh = get_mesh(self.model)
+        counted = num_items_in_batch is not None
+        if not counted:
+            if self.model.training:
+                raise ValueError(f"{type(self).__name__}: the Trainer passed no "
+                                 f"num_items_in_batch to a training step (model_accepts_loss_"
+                                 f"kwargs={self.model_accepts_loss_kwargs}); under TSP the loss "
+                                 f"needs the global batch's token count: use a model class "
+                                 f"whose accepts_loss_kwargs is not False")
+            # evaluation (SFT's prediction_step counts nothing): SFT would divide this rank's
+            # tokens by this rank's count; the count of the replica's whole batch (every rank
+            # of the group holds it) makes the sum over the group the replica's mean, as SFT's
+            # on one process
+            num_items_in_batch = label_count(inputs)
         with metrics_summed_over(self.accelerator, mesh.group):
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss = out[0] if return_outputs else out
-        # SFT's loss sums this rank's tokens: the global sum over the whole mesh, as the TSP
-        # forward's loss (every rank logs it); the backward passes the gradient through, and
-        # tsp_core sums the data-parallel gradients
-        loss = comm.sum_over(loss, mesh.all_groups)
+        if counted:
+            # SFT's loss sums this rank's tokens: the global sum over the whole mesh, as the
+            # TSP forward's loss (every rank logs it); the backward passes the gradient
+            # through, and tsp_core sums the data-parallel gradients
+            loss = comm.sum_over(loss, mesh.all_groups)
+        else:
+            if self.args.average_tokens_across_devices and not (
+                    self.model_accepts_loss_kwargs or self.compute_loss_func):
+                # SFT scaled the loss by the data-parallel size for DDP's averaging of a
+                # global count; TSPTrainer undoes that only for a model taking loss kwargs
+                loss = loss / mesh.dp_size
+            loss = comm.sum_over(loss, [mesh.group])  # this replica's mean
         return (loss, out[1]) if return_outputs else loss
+
+
+def label_count(inputs: dict[str, Any]) -> torch.Tensor:
+    """The labelled tokens of a batch every rank of the TSP group holds whole: what SFT's
+    ``label_mask`` counts over the full sequences (the Trainer's own count, before it sums over
+    data parallel)."""
+    labels = inputs.get("shift_labels")
+    if labels is None:
+        labels = inputs["labels"][..., 1:]
+    return labels.ne(-100).sum()

@@ -41,6 +41,14 @@ COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "4", "--op
 # TRL's padding-free packing: the rows packed into one row of at most 48 tokens per batch
 # (position_ids restarting at 0 per document, cu_seq_lens_q/k, max_length_q/k, seq_idx)
 PACKED = "--packing true --max_length 48"
+# for dp 2: 19 rows pack into 8 rows of 31..48 tokens, so each of the 3 steps takes 4 whole
+# packed rows (12 rows pack into 5: a step of 1 row, which data parallel would fill up with rows
+# repeated from the start, a global batch one process never sees)
+PACKED_DP = f"--rows 19 {PACKED}"
+# gradient accumulation: 2 micro-batches of 2 rows a step (the same 4 rows a step)
+ACCUM = "--gradient_accumulation_steps 2 --per_device_train_batch_size 2"
+# trainer.evaluate() after training on 6 other rows, in batches of 4 (the last one uneven)
+EVAL = "--eval_rows 6 --per_device_eval_batch_size 4"
 
 
 def test_config_keeps_sft_defaults_in_either_order():
@@ -94,24 +102,27 @@ def saved(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, saved) -> str:
-    """TRL's own SFTTrainer on one process: padded rows, completion-only rows."""
+    """TRL's own SFTTrainer (and DPOTrainer) on one process: every case the TSP runs check."""
     out = tmp_path_factory.mktemp("sft_one")
     launch.run([sys.executable, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
-                "--output_dir", str(out / "o"), "--out", str(out), "--case", "plain",
+                "--output_dir", str(out / "o"), "--out", str(out), "--case", f"plain {EVAL}",
                 "completion --data completion", "prompt_completion --data prompt_completion",
-                f"packed {PACKED}", "dpo --mode dpo_plain"], 1,
+                f"packed {PACKED}", f"packed_dp {PACKED_DP}", f"accum {ACCUM}",
+                "dpo --mode dpo_plain"], 1,
                timeout=400)
     return str(out)
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, saved) -> str:
-    """One 2-process launch: TSPSFTTrainer at tsp 2 on both datasets, then the natural
-    composition and a Trainer whose loss is built from the logits."""
+    """One 2-process launch: TSPSFTTrainer at tsp 2 on every dataset (the plain one then
+    evaluated), with gradient accumulation, DPO, float64, then the natural composition and a
+    Trainer whose loss is built from the logits."""
     out = tmp_path_factory.mktemp("sft_tsp2")
     launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                                "--output_dir", str(out / "o"), "--out", str(out), "--case",
-                               "plain --mode tsp --tsp_size 2",
+                               f"plain --mode tsp --tsp_size 2 {EVAL}",
+                               f"accum --mode tsp --tsp_size 2 {ACCUM}",
                                "completion --mode tsp --tsp_size 2 --data completion",
                                "prompt_completion --mode tsp --tsp_size 2 --data "
                                "prompt_completion",
@@ -158,20 +169,44 @@ def assert_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory, saved) -> str:
-    """dp 2 x tsp 2: each data-parallel replica takes 2 of each step's 4 rows (pairs)."""
+    """dp 2 x tsp 2: each data-parallel replica takes 2 of each step's 4 rows (pairs, packed
+    rows)."""
     out = tmp_path_factory.mktemp("sft_dp2")
     launch.run(launch.torchrun(4, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                                "--per_device_train_batch_size", "2", "--output_dir",
                                str(out / "o"), "--out", str(out), "--case",
-                               "plain --mode tsp --tsp_size 2", "dpo --mode dpo_tsp --tsp_size 2"),
+                               "plain --mode tsp --tsp_size 2",
+                               "prompt_completion --mode tsp --tsp_size 2 --data "
+                               "prompt_completion",
+                               f"packed_dp --mode tsp --tsp_size 2 {PACKED_DP}",
+                               "dpo --mode dpo_tsp --tsp_size 2"),
                4, timeout=400)
     return str(out)
 
 
-@pytest.mark.parametrize("data", ["plain", "completion", "prompt_completion", "packed"])
+@pytest.mark.parametrize("data", ["plain", "completion", "prompt_completion", "packed", "accum"])
 def test_sft_tsp2_matches_one_process(two_processes, one_process, data):
     assert_as_one_process(os.path.join(two_processes, data), os.path.join(one_process, data),
                           2, f"tsp 2, {data} rows")
+
+
+def test_sft_evaluate_tsp2_matches_one_process(two_processes, one_process):
+    # trainer.evaluate() after the plain run's training: SFT evaluates with no
+    # num_items_in_batch, each batch's loss the mean over its own labelled tokens
+    (ref,) = runs(os.path.join(one_process, "plain"), 1)
+    want = {k: v for k, v in ref["eval"].items() if "runtime" not in k and "per_second" not in k}
+    assert set(want) == {"eval_loss", "eval_entropy", "eval_mean_token_accuracy",
+                         "eval_num_tokens"}, want
+    assert want["eval_mean_token_accuracy"] > 0, want
+    for r, run in enumerate(runs(os.path.join(two_processes, "plain"), 2)):
+        got = {k: v for k, v in run["eval"].items() if k in want}
+        assert set(got) == set(want), (r, run["eval"])
+        for key in ("eval_loss", "eval_entropy"):
+            assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), \
+                f"evaluate at tsp 2, rank {r}: {key} {got[key]} vs {want[key]}"
+        for key in ("eval_mean_token_accuracy", "eval_num_tokens"):
+            assert got[key] == want[key], \
+                f"evaluate at tsp 2, rank {r}: {key} {got[key]} vs {want[key]}"
 
 
 def test_natural_composition_refuses_on_every_rank(two_processes):
@@ -198,9 +233,10 @@ def test_a_loss_not_from_the_tsp_forward_refuses_on_every_rank(two_processes):
         assert "tsp_trl.TSPSFTTrainer / tsp_trl.TSPDPOTrainer" in error, (r, error)
 
 
-def test_sft_dp2_tsp2_matches_one_process(four_processes, one_process):
-    assert_as_one_process(os.path.join(four_processes, "plain"),
-                          os.path.join(one_process, "plain"), 4, "dp 2 x tsp 2, plain rows")
+@pytest.mark.parametrize("data", ["plain", "prompt_completion", "packed_dp"])
+def test_sft_dp2_tsp2_matches_one_process(four_processes, one_process, data):
+    assert_as_one_process(os.path.join(four_processes, data), os.path.join(one_process, data),
+                          4, f"dp 2 x tsp 2, {data} rows")
 
 
 # DPO's figures: rewards = beta x (sum of ~50 float32 log-probs - the reference's), a difference

@@ -15,7 +15,10 @@ loss on their second half only: labels -100 on the prompt), ``prompt_completion`
 as a prompt/completion text dataset, which TRL tokenizes and masks itself).
 
 ``--case "NAME ARGS..."`` (repeatable): one more run in the same processes with ARGS added,
-results in --out/NAME."""
+results in --out/NAME.
+
+``--eval_rows N``: after training, ``trainer.evaluate()`` on N more rows of the same kind (another
+seed); its metrics go to ``rank<R>.json`` under "eval"."""
 
 from __future__ import annotations
 
@@ -56,13 +59,14 @@ class JobArgs:
     data: str = field(default="plain")
     rows: int = field(default=12)
     dtype: str = field(default="float32")
+    eval_rows: int = field(default=0)
     case: list[str] = field(default_factory=list)
 
 
-def sft_rows(vocab: int, n: int, completion: bool) -> list[dict]:
+def sft_rows(vocab: int, n: int, completion: bool, seed: int = 5) -> list[dict]:
     """``n`` pre-tokenized rows of lengths 9..29 (ids from 3: 0..2 are the tokenizer's special
     tokens); ``completion``: labels -100 on each row's first half (the prompt)."""
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(9, 30, (n,), generator=gen).tolist()
     out = []
     for k in lengths:
@@ -118,25 +122,32 @@ def preference_rows(vocab: int, n: int) -> list[dict]:
             for _ in range(n)]
 
 
-def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
-    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=getattr(torch, job.dtype))
-    tokenizer = AutoTokenizer.from_pretrained(job.model_path)
-    if job.mode.startswith("dpo"):
-        data = Dataset.from_list(preference_rows(model.config.vocab_size, job.rows))
-    elif job.data == "prompt_completion":  # TRL tokenizes them; loss on the completion only
+def sft_dataset(job: JobArgs, vocab: int, n: int, seed: int) -> Dataset:
+    """``n`` SFT rows of the kind ``--data`` names."""
+    if job.data == "prompt_completion":  # TRL tokenizes them; loss on the completion only
         def words(ids: list[int]) -> str:
             return " ".join(f"t{i}" for i in ids)
 
-        data = Dataset.from_list([
+        return Dataset.from_list([
             {"prompt": words(r["input_ids"][:len(r["input_ids"]) // 2]),
              "completion": words(r["input_ids"][len(r["input_ids"]) // 2:])}
-            for r in sft_rows(model.config.vocab_size, job.rows, False)])
+            for r in sft_rows(vocab, n, False, seed)])
+    return Dataset.from_list(sft_rows(vocab, n, job.data == "completion", seed))
+
+
+def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
+    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=getattr(torch, job.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(job.model_path)
+    vocab = model.config.vocab_size
+    if job.mode.startswith("dpo"):
+        data = Dataset.from_list(preference_rows(vocab, job.rows))
     else:
-        data = Dataset.from_list(sft_rows(model.config.vocab_size, job.rows,
-                                          job.data == "completion"))
+        data = sft_dataset(job, vocab, job.rows, 5)
+    eval_data = sft_dataset(job, vocab, job.eval_rows, 7) if job.eval_rows else None
     log = Rows()
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(job.out, exist_ok=True)
+    extra = {}
     try:
         if job.mode == "logits_loss":
             trainer = LogitsLossTrainer(
@@ -147,8 +158,12 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
                              "natural": NaturalSFTTrainer, "dpo_plain": DPOTrainer,
                              "dpo_tsp": TSPDPOTrainer}[job.mode]
             trainer = trainer_class(model=model, args=args, train_dataset=data,
-                                    processing_class=tokenizer, callbacks=[log])
+                                    eval_dataset=eval_data, processing_class=tokenizer,
+                                    callbacks=[log])
         trainer.train()
+        if eval_data is not None:
+            extra["eval"] = {k: v for k, v in trainer.evaluate().items()
+                             if k.startswith("eval_") and isinstance(v, (int, float))}
     except ValueError as e:
         if job.mode not in REFUSED:
             raise
@@ -158,7 +173,6 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
     model = trainer.model
     weights = (tsp_core.full_state_dict(model, rank0_only=True) if isinstance(model, TSPCausalLM)
                else {k: v.detach().clone() for k, v in model.state_dict().items()})
-    extra = {}
     if getattr(trainer, "ref_model", None) is not None:
         extra["ref_is_tsp"] = isinstance(trainer.ref_model, TSPCausalLM)
     with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
