@@ -10,6 +10,9 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
             "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4")
+# every family runs Hugging Face's SDPA attention, float64 throughout: the eager attention of
+# OLMo 3, Seed-OSS, EXAONE 4 and SmolLM3 computes its softmax in float32 even in a float64 model
+# (only Gemma 2, whose soft-capping exists only in eager, runs a float64 copy: use_exact_eager)
 # the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
 BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 # float32 runs (a sanity check beside the float64 exactness runs): one family per feature set.
