@@ -3,14 +3,15 @@
 (plain SGD at a constant lr, clipping acting at every step): the loss per step, grad_norm,
 ``mean_token_accuracy``, ``entropy``, ``num_tokens`` and the final weights, on padded rows,
 completion-only rows (labels -100 on the prompt, and a prompt/completion dataset TRL masks itself)
-and TRL's padding-free packed rows, at dp 2 x tsp 2 on padded rows, and in float64 against the
-math itself (grad_norm, entropy and weights to 1e-10). ``TSPDPOTrainer`` (its
-reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches ``DPOTrainer`` on one process:
-the loss, rewards (chosen, rejected, margins, accuracies), log-probs, mean logits, entropy, token
-accuracy and count per step, grad_norm and the final weights. The natural composition ``class
-(TSPTrainer, SFTTrainer)`` refuses on every rank, naming the class and the supported trainers,
-before any step, and so does TSPTrainer mixed into a Trainer whose loss does not come from the TSP
-model's forward."""
+and TRL's padding-free packed rows, with gradient accumulation, at dp 2 x tsp 2 on padded,
+prompt/completion and packed rows, and in float64 against the math itself (grad_norm, entropy and
+weights to 1e-10); ``trainer.evaluate()`` at tsp 2 and dp 2 x tsp 2 matches one process's.
+``TSPDPOTrainer`` (its reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches
+``DPOTrainer`` on one process: the loss, rewards (chosen, rejected, margins, accuracies),
+log-probs, mean logits, entropy, token accuracy and count per step, grad_norm and the final
+weights. The natural composition ``class (TSPTrainer, SFTTrainer)`` refuses on every rank,
+naming the class and the supported trainers, before any step, and so does TSPTrainer mixed into a
+Trainer whose loss does not come from the TSP model's forward."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ PACKED = "--packing true --max_length 48"
 PACKED_DP = f"--rows 19 {PACKED}"
 # gradient accumulation: 2 micro-batches of 2 rows a step (the same 4 rows a step)
 ACCUM = "--gradient_accumulation_steps 2 --per_device_train_batch_size 2"
-# trainer.evaluate() after training on 6 other rows, in batches of 4 (the last one uneven)
-EVAL = "--eval_rows 6 --per_device_eval_batch_size 4"
+# trainer.evaluate() after training on 5 other rows, 2 a batch per replica (the last batch
+# uneven: at dp 2 the data loader fills it up with rows repeated from the start)
+EVAL = "--eval_rows 5 --per_device_eval_batch_size 2"
 
 
 def test_config_keeps_sft_defaults_in_either_order():
@@ -170,12 +172,12 @@ def assert_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory, saved) -> str:
     """dp 2 x tsp 2: each data-parallel replica takes 2 of each step's 4 rows (pairs, packed
-    rows)."""
+    rows); the plain run then evaluated."""
     out = tmp_path_factory.mktemp("sft_dp2")
     launch.run(launch.torchrun(4, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                                "--per_device_train_batch_size", "2", "--output_dir",
                                str(out / "o"), "--out", str(out), "--case",
-                               "plain --mode tsp --tsp_size 2",
+                               f"plain --mode tsp --tsp_size 2 {EVAL}",
                                "prompt_completion --mode tsp --tsp_size 2 --data "
                                "prompt_completion",
                                f"packed_dp --mode tsp --tsp_size 2 {PACKED_DP}",
@@ -190,23 +192,41 @@ def test_sft_tsp2_matches_one_process(two_processes, one_process, data):
                           2, f"tsp 2, {data} rows")
 
 
-def test_sft_evaluate_tsp2_matches_one_process(two_processes, one_process):
-    # trainer.evaluate() after the plain run's training: SFT evaluates with no
-    # num_items_in_batch, each batch's loss the mean over its own labelled tokens
-    (ref,) = runs(os.path.join(one_process, "plain"), 1)
+def assert_evaluate_as_one_process(out: str, ref_out: str, ranks: int, what: str,
+                                   relative: tuple[str, ...], exact: tuple[str, ...]) -> None:
+    """``trainer.evaluate()`` after the plain run's training against one process's: SFT
+    evaluates with no num_items_in_batch, each batch's loss the mean over its own labelled
+    tokens."""
+    (ref,) = runs(ref_out, 1)
     want = {k: v for k, v in ref["eval"].items() if "runtime" not in k and "per_second" not in k}
     assert set(want) == {"eval_loss", "eval_entropy", "eval_mean_token_accuracy",
                          "eval_num_tokens"}, want
     assert want["eval_mean_token_accuracy"] > 0, want
-    for r, run in enumerate(runs(os.path.join(two_processes, "plain"), 2)):
+    for r, run in enumerate(runs(out, ranks)):
         got = {k: v for k, v in run["eval"].items() if k in want}
-        assert set(got) == set(want), (r, run["eval"])
-        for key in ("eval_loss", "eval_entropy"):
+        assert set(got) == set(want), (what, r, run["eval"])
+        for key in relative:
             assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), \
-                f"evaluate at tsp 2, rank {r}: {key} {got[key]} vs {want[key]}"
-        for key in ("eval_mean_token_accuracy", "eval_num_tokens"):
-            assert got[key] == want[key], \
-                f"evaluate at tsp 2, rank {r}: {key} {got[key]} vs {want[key]}"
+                f"{what}, rank {r}: {key} {got[key]} vs {want[key]}"
+        for key in exact:
+            assert got[key] == want[key], f"{what}, rank {r}: {key} {got[key]} vs {want[key]}"
+
+
+def test_sft_evaluate_tsp2_matches_one_process(two_processes, one_process):
+    assert_evaluate_as_one_process(
+        os.path.join(two_processes, "plain"), os.path.join(one_process, "plain"), 2,
+        "evaluate at tsp 2", ("eval_loss", "eval_entropy"),
+        ("eval_mean_token_accuracy", "eval_num_tokens"))
+
+
+def test_sft_evaluate_dp2_tsp2_matches_one_process(four_processes, one_process):
+    # each replica's batch of 2 is one process's batch of 2 (rows 0-1 | 2-3, then 4 and a
+    # repeated row the TSP loss ignores), so eval_loss is one process's. SFT's eval entropy and
+    # accuracy are per step over every replica's rows (the repeated ones too, as under DDP):
+    # not one process's by construction, so not compared
+    assert_evaluate_as_one_process(
+        os.path.join(four_processes, "plain"), os.path.join(one_process, "plain"), 4,
+        "evaluate at dp 2 x tsp 2", ("eval_loss",), ("eval_num_tokens",))
 
 
 def test_natural_composition_refuses_on_every_rank(two_processes):
