@@ -1,11 +1,11 @@
 """Generation on a TSP model (tsp_core.inference.decode, tsp_core.inference.generation) against the
 unmodified Hugging Face model in one process: greedy tokens identical to HF ``generate`` and every
 step's logits equal to HF's float64 logits to 1e-8 (left-padded batches of prompts of 7, 33 and 100
-tokens; Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Granite, OLMo 2, Phi-3, OLMo 3, Seed-OSS and
-EXAONE 4, each family's features switched on (tests/support/hf_models.py); world sizes 2 and 4);
-sampling draws the same tokens as HF with the same random state; every rank's KV cache, measured
-by MemTracker, is 1/D of HF's cache measured the same way; decode issues only the small per-layer
-activation collectives, no weight collective."""
+tokens; Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Granite, OLMo 2, Phi-3, OLMo 3, Seed-OSS,
+EXAONE 4, SmolLM3 and GLM-4, each family's features switched on (tests/support/hf_models.py); world
+sizes 2 and 4); sampling draws the same tokens as HF with the same random state; every rank's KV
+cache, measured by MemTracker, is 1/D of HF's cache measured the same way; decode issues only the
+small per-layer activation collectives, no weight collective."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def greedy_parity(family: str, tsp: int, lengths: list[int], new: int) -> list[l
 @pytest.mark.parametrize("tsp", [2, 4])
 def test_greedy_matches_hf(pools, tsp):
     for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite",
-                   "olmo2", "phi3", "olmo3", "seed_oss", "exaone4"):
+                   "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4"):
         outs = pools.of(tsp).run(greedy_parity, family, tsp, [7, 33, 100], 32)
         assert all(o == outs[0] for o in outs), f"{family}: ranks generated different tokens"
 

@@ -280,3 +280,22 @@ def test_per_layer_type_rope_uses_the_global_length():
                 for g, w in zip(got, want):
                     assert torch.equal(g, w[:, pos[0]]), (seq, layer_type, rank)
                 assert torch.equal(mine.full_attention_inv_freq, ref.full_attention_inv_freq)
+
+
+@pytest.mark.parametrize("rotary_dim", [8, 16])
+def test_interleaved_rope_is_glm4s_forward_and_backward(rotary_dim):
+    """``rope.apply(..., interleaved=True)`` equals GLM-4's ``apply_rotary_pos_emb`` (channel pairs
+    (2i, 2i+1), partial and full rotary) in float64, and ``apply_backward`` is its gradient."""
+    from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 5, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    pos = torch.arange(5)[None].expand(2, -1)
+    cos, sin = rope.cos_sin(pos, rope.default_inv_freq(rotary_dim), 1.0, torch.float64)
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    got = rope.apply(q, cos, sin, interleaved=True)
+    assert_close(got, want, 1e-12, "forward")
+    assert not torch.allclose(rope.apply(q, cos, sin), want)  # the half-split convention differs
+    g = torch.randn(want.shape, dtype=torch.float64, generator=gen)
+    (want_grad,) = torch.autograd.grad(want, q, g)
+    assert_close(rope.apply_backward(g, cos, sin, interleaved=True), want_grad, 1e-12, "backward")

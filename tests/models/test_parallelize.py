@@ -107,8 +107,9 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['exaone4', 'gemma', 'gemma2', 'gemma3', 'granite', 'llama', 'mistral', 'mixtral', "
-         r"'olmo2', 'olmo3', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe', 'seed_oss'\]\. "
+         r"\['exaone4', 'gemma', 'gemma2', 'gemma3', 'glm4', 'granite', 'llama', 'mistral', "
+         r"'mixtral', 'olmo2', 'olmo3', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe', 'seed_oss', "
+         r"'smollm3'\]\. "
          r"Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
@@ -139,13 +140,6 @@ def bad_models() -> list[str]:
                                                    **small)),
                   r"SeedOssForCausalLM: config\.residual_dropout=0\.1 \(dropout on the attention "
                   r"output\) not implemented by TSP"))
-    # EXAONE 4's hybrid layout: its full layers apply no RoPE, which TSP attention always applies
-    from transformers import Exaone4Config, Exaone4ForCausalLM
-
-    cases.append((Exaone4ForCausalLM(Exaone4Config(sliding_window=8, sliding_window_pattern=2,
-                                                   **small)),
-                  r"Exaone4ForCausalLM: config\.sliding_window=8 \(hybrid attention: its full "
-                  r"layers apply no rotary \(NoPE\)\) not implemented by TSP"))
     # experts that cannot be owned whole, 1/D each (docs/moe.md)
     from transformers import MixtralConfig, MixtralForCausalLM
 

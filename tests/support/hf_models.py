@@ -9,7 +9,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-            "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4")
+            "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4")
 # every family runs Hugging Face's SDPA attention, float64 throughout: the eager attention of
 # OLMo 3, Seed-OSS, EXAONE 4 and SmolLM3 computes its softmax in float32 even in a float64 model
 # (only Gemma 2, whose soft-capping exists only in eager, runs a float64 copy: use_exact_eager)
@@ -105,18 +105,29 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
             vocab_size=96, head_dim=24, attention_bias=True, attention_out_bias=True,
             attention_dropout=0.0, residual_dropout=0.0, **common))
     elif family == "exaone4":      # per-head q/k norms, norms after attention and MLP, head_dim
-        from transformers import Exaone4Config, Exaone4ForCausalLM  # 24, every layer global
+        from transformers import Exaone4Config, Exaone4ForCausalLM  # 24, the hybrid layout: a
 
-        # (the hybrid layout, whose full layers skip RoPE, is refused: policies/exaone4.py)
+        # sliding layer with RoPE and a full one without (global NoPE)
         model = Exaone4ForCausalLM(Exaone4Config(
-            vocab_size=96, head_dim=24, sliding_window=None,
-            layer_types=["full_attention", "full_attention"], **common))
+            vocab_size=96, head_dim=24, sliding_window=9,
+            layer_types=["sliding_attention", "full_attention"], **common))
+    elif family == "smollm3":      # a NoPE layer (no_rope_layers 0: no rotary at all) and a
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM  # sliding one with RoPE
+
+        model = SmolLM3ForCausalLM(SmolLM3Config(
+            vocab_size=96, pad_token_id=None, no_rope_layers=[1, 0], use_sliding_window=True,
+            sliding_window=9, layer_types=["sliding_attention", "full_attention"], **common))
+    elif family == "glm4":         # interleaved partial rotary, fused gate_up_proj, q/k/v biases,
+        from transformers import Glm4Config, Glm4ForCausalLM  # four norms per layer
+
+        model = Glm4ForCausalLM(Glm4Config(vocab_size=96, head_dim=24, pad_token_id=None,
+                                           **common))
     else:
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
     if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
-                  "seed_oss", "exaone4"):
+                  "seed_oss", "exaone4", "smollm3", "glm4"):
         # norms and biases away from their initial ones/zeros: a weight applied the wrong way
         # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():

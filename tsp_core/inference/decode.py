@@ -353,8 +353,8 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
             return norm(t.reshape(B, -1), weight, spec.qk_norm_eps).view(t.shape)
 
         q_all, k_all = normed(q_all, w["q_norm.weight"]), normed(k_all, w["k_norm.weight"])
-    q_all = rope.apply(q_all, cos, sin)[:, :, 0]                      # [B, nq_total, d]
-    k_all = rope.apply(k_all, cos, sin)[:, :, 0]
+    q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)[:, :, 0]  # [B, nq_total, d]
+    k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)[:, :, 0]
     v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
     if slot is not None:                                              # this rank's turn
         cache.keys[i][:, :, slot] = k_all

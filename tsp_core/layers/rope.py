@@ -29,25 +29,49 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved convention's rotate_half (GLM-4, Ernie 4.5): channel pairs (2i, 2i+1)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _interleave(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``cat(freqs, freqs)`` cos/sin in the interleaved convention: each frequency twice."""
+    half = cos.shape[-1] // 2
+    return (cos[..., :half].repeat_interleave(2, dim=-1),
+            sin[..., :half].repeat_interleave(2, dim=-1))
+
+
+def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          interleaved: bool = False) -> torch.Tensor:
     """Rotate x [B, H, L, d] with cos, sin [B, L, r]: the first r <= d channels of each head
-    (r < d: partial rotary, ``partial_rotary_factor``; the rest pass unchanged, as in HF)."""
+    (r < d: partial rotary, ``partial_rotary_factor``; the rest pass unchanged, as in HF).
+    ``interleaved``: rotate channel pairs (2i, 2i+1) instead of (i, i + r/2), as GLM-4's and
+    Ernie 4.5's ``apply_rotary_pos_emb`` do with the same cos/sin."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    turn = rotate_half
+    if interleaved:
+        cos, sin = _interleave(cos, sin)
+        turn = rotate_pairs
     r = cos.shape[-1]
     if r == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + turn(x) * sin
     rot, rest = x[..., :r], x[..., r:]
-    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+    return torch.cat([rot * cos + turn(rot) * sin, rest], dim=-1)
 
 
-def apply_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   interleaved: bool = False) -> torch.Tensor:
     """Gradient through :func:`apply` (the rotation's transpose)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    turn = rotate_half
+    if interleaved:
+        cos, sin = _interleave(cos, sin)
+        turn = rotate_pairs
     r = cos.shape[-1]
     if r == g.shape[-1]:
-        return g * cos - rotate_half(g * sin)
+        return g * cos - turn(g * sin)
     rot, rest = g[..., :r], g[..., r:]
-    return torch.cat([rot * cos - rotate_half(rot * sin), rest], dim=-1)
+    return torch.cat([rot * cos - turn(rot * sin), rest], dim=-1)
 
 
 # ------------------------------------------------ rope whose frequencies depend on the length

@@ -46,6 +46,8 @@ ATTN_IMPLEMENTATION = "tsp"
 class HFTSPAttention(TSPAttention):
     """:class:`TSPAttention` with the call signature of a Hugging Face attention module."""
 
+    rotary: bool = True  # False: a NoPE layer (DecoderPolicy.rotary)
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 cache=None, **kwargs: Any):
         if cache is not None:
@@ -53,6 +55,9 @@ class HFTSPAttention(TSPAttention):
                                       "model.generate(...) or tsp_core.generate "
                                       "(tsp_core.inference.decode keeps its own "
                                       "sequence-sharded cache)")
+        if not self.rotary and position_embeddings is not None:
+            # rope.apply rotates the first cos.shape[-1] channels: none, exactly the identity
+            position_embeddings = tuple(t[..., :0] for t in position_embeddings)
         state = self.tsp_decode  # tsp_core.inference.decode: a decode step, or prefill's K/V sink
         if state is not None and state.decoding:
             return state.attention(self, hidden_states, position_embeddings), None
@@ -499,13 +504,16 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     replace(base, policy.embed, embed)
     for layer in getattr(base, policy.layers):
         attn = getattr(layer, policy.attention)
-        replace(layer, policy.attention, HFTSPAttention(
+        new_attn = HFTSPAttention(
             mesh, c.hidden_size, nq, nkv, head_dim,
             qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
             o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
             scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn),
             qk_norm_kind=policy.norm, softcap=_softcap(policy.attn_softcap, c),
-            qk_norm_all_heads=policy.qk_norm_all_heads, init_seed=None, **opts))
+            qk_norm_all_heads=policy.qk_norm_all_heads,
+            rope_interleaved=policy.rope_interleaved, init_seed=None, **opts)
+        new_attn.rotary = bool(policy.rotary(c, attn))
+        replace(layer, policy.attention, new_attn)
         mlp = getattr(layer, policy.mlp)
         if policy.sparse_mlp(mlp):
             spec = _moe_spec(c, policy, mesh)

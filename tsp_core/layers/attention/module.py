@@ -65,7 +65,8 @@ class TSPAttention(ShardedModule):
                  causal: bool = True, sliding_window: int | None = None,
                  scale: float | None = None, qk_norm_eps: float | None = None,
                  qk_norm_kind: str = "llama", softcap: float | None = None,
-                 qk_norm_all_heads: bool = False, dtype: torch.dtype | None = None,
+                 qk_norm_all_heads: bool = False, rope_interleaved: bool = False,
+                 dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -79,7 +80,8 @@ class TSPAttention(ShardedModule):
         self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
                                   mesh.layout, causal, sliding_window, scale, qk_norm_eps,
                                   qk_norm_kind, softcap=softcap,
-                                  qk_norm_all_heads=qk_norm_all_heads)
+                                  qk_norm_all_heads=qk_norm_all_heads,
+                                  rope_interleaved=rope_interleaved)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim

@@ -63,11 +63,12 @@ class PerGroupAttentionFn(torch.autograd.Function):
             """Round r's queries and, in the first round of its key/value head, that head's K/V,
             whose gather starts at once; returns the round's output projection."""
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
-            q_all[r] = rope.apply(_head_norm(_heads(F.linear(x, wq, bq), nq), qn, spec), cos, sin)
+            q_all[r] = rope.apply(_head_norm(_heads(F.linear(x, wq, bq), nq), qn, spec), cos, sin,
+                                  spec.rope_interleaved)
             if r % R == 0:
                 j = r // R
                 kv_all[j, 0] = rope.apply(_head_norm(_heads(F.linear(x, wk, bk), nkv), kn, spec),
-                                          cos, sin)
+                                          cos, sin, spec.rope_interleaved)
                 kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
                 kvs.start(j)
             return wo
@@ -114,7 +115,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             on their way to the owner."""
             if dkv is not None:
                 dkv = dkv()
-                dk = rope.apply_backward(dkv[0], cos, sin)
+                dk = rope.apply_backward(dkv[0], cos, sin, spec.rope_interleaved)
                 if kn is not None:
                     dk, g = _head_norm_backward(_heads(F.linear(x, wk, bk), nkv), kn, spec, dk)
                     norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
@@ -132,7 +133,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
             dq, dkv = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
-            dq = rope.apply_backward(dq, cos, sin)
+            dq = rope.apply_backward(dq, cos, sin, spec.rope_interleaved)
             if qn is not None:
                 dq, g = _head_norm_backward(_heads(F.linear(x, wq, bq), nq), qn, spec, dq)
                 norm_grads[0] = g if norm_grads[0] is None else norm_grads[0] + g

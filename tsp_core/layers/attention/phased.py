@@ -51,7 +51,7 @@ def normed_heads(raw: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch
     flat = raw.permute(1, 2, 0, 3).reshape(B, L, -1)           # [B, L, all heads * d]: HF's q
     normed = NORMS[spec.qk_norm_kind](flat, weight, spec.qk_norm_eps)
     heads_first = normed.view(B, L, G, heads, -1).permute(2, 0, 3, 1, 4)
-    return rope.apply(heads_first, cos, sin).contiguous()
+    return rope.apply(heads_first, cos, sin, spec.rope_interleaved).contiguous()
 
 
 class PhasedAttentionFn(torch.autograd.Function):

@@ -40,6 +40,7 @@ class AttentionSpec:
     softcap: float | None = None       # scores tanh(s / softcap) * softcap (Gemma 2; flash.py)
     # the q/k norms span all heads of a token (OLMo 2), not each head: phased.py
     qk_norm_all_heads: bool = False
+    rope_interleaved: bool = False     # RoPE on channel pairs (2i, 2i+1): GLM-4, Ernie 4.5
 
     @property
     def local_heads(self) -> int:

@@ -5,6 +5,7 @@ with :func:`register_policy`."""
 from . import (  # noqa: F401  (each registers its family)
     exaone4,
     gemma,
+    glm4,
     granite,
     llama,
     mistral,
@@ -16,6 +17,7 @@ from . import (  # noqa: F401  (each registers its family)
     qwen3,
     qwen3_moe,
     seed_oss,
+    smollm3,
 )
 from .base import DecoderPolicy, ExpertsPolicy, find_policy, register_policy, supported
 

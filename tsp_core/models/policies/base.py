@@ -19,6 +19,10 @@ def _always(config: Any) -> bool:
     return True
 
 
+def _rotary(config: Any, attention: nn.Module) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class ExpertsPolicy:
     """Where a family keeps its sparse mixture-of-experts blocks and how they route
@@ -75,6 +79,10 @@ class DecoderPolicy:
     mlp: str = "mlp"
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     sliding_window: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
+    # whether a layer's attention rotates q and k (False: a NoPE layer, SmolLM3's
+    # no_rope_layers, EXAONE 4's hybrid full layers): read from the HF attention module
+    rotary: Callable[[Any, nn.Module], bool] = field(default=_rotary)
+    rope_interleaved: bool = False  # RoPE on channel pairs (2i, 2i+1): GLM-4, Ernie 4.5
     head_norms: tuple[str, str] | None = None  # the attention's per-head q/k RMSNorms (Qwen3)
     qk_norm_all_heads: bool = False            # ... over all heads of a token instead (OLMo 2)
     norm: str = "llama"                        # every RMSNorm's numerics (layers.norm.NORMS)
