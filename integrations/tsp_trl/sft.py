@@ -1,7 +1,8 @@
 """``TSPSFTConfig`` and ``TSPSFTTrainer``: TRL's SFTTrainer under TSP (``tsp_size``), exact
 against one process: the loss from the vocabulary-parallel head's per-token log-probabilities
 summed over the TSP group, SFT's metrics (``mean_token_accuracy``, ``entropy``, ``num_tokens``)
-over the global batch."""
+over the global batch. With ``average_tokens_across_devices=False`` each replica's loss is the
+mean over its own tokens and the gradient the mean over replicas, as SFTTrainer's under DDP."""
 
 from __future__ import annotations
 
@@ -70,10 +71,23 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
             # of the group holds it) makes the sum over the group the replica's mean, as SFT's
             # on one process
             num_items_in_batch = label_count(inputs)
+        per_replica = counted and not self.args.average_tokens_across_devices
+        if per_replica:
+            # the Trainer counted this replica's tokens (every rank of the group holds them
+            # whole) and divided the count by its tp size, D: the replica's count again, so the
+            # sum over the group is the replica's own mean, as SFT's on each DDP replica
+            count = torch.as_tensor(num_items_in_batch) * self.get_tp_size()
+            num_items_in_batch = torch.round(count)
         with metrics_summed_over(self.accelerator, mesh.group):
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss = out[0] if return_outputs else out
-        if counted:
+        if per_replica:
+            loss = comm.sum_over(loss, [mesh.group])  # this replica's mean
+            if mesh.dp_size > 1:
+                # DDP averages the replicas' gradients, tsp_core sums them: the gradient of
+                # the mean over replicas, the value (what the Trainer averages and logs) kept
+                loss = loss / mesh.dp_size + (loss - loss / mesh.dp_size).detach()
+        elif counted:
             # SFT's loss sums this rank's tokens: the global sum over the whole mesh, as the
             # TSP forward's loss (every rank logs it); the backward passes the gradient
             # through, and tsp_core sums the data-parallel gradients

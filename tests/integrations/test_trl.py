@@ -5,13 +5,17 @@
 completion-only rows (labels -100 on the prompt, and a prompt/completion dataset TRL masks itself)
 and TRL's padding-free packed rows, with gradient accumulation, at dp 2 x tsp 2 on padded,
 prompt/completion and packed rows, and in float64 against the math itself (grad_norm, entropy and
-weights to 1e-10); ``trainer.evaluate()`` at tsp 2 and dp 2 x tsp 2 matches one process's.
+weights to 1e-10); ``trainer.evaluate()`` at tsp 2 and dp 2 x tsp 2 matches one process's. With
+``average_tokens_across_devices=False`` it matches one process at tsp 2 and, at dp 2 x tsp 2, TRL's
+own SFTTrainer under DDP on 2 replicas (each replica's loss its own tokens' mean).
 ``TSPDPOTrainer`` (its reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches
 ``DPOTrainer`` on one process: the loss, rewards (chosen, rejected, margins, accuracies),
 log-probs, mean logits, entropy, token accuracy and count per step, grad_norm and the final
-weights. The natural composition ``class (TSPTrainer, SFTTrainer)`` refuses on every rank,
-naming the class and the supported trainers, before any step, and so does TSPTrainer mixed into a
-Trainer whose loss does not come from the TSP model's forward."""
+weights; its ``evaluate()`` at tsp 2 matches ``DPOTrainer.evaluate()`` on one process (the loss,
+rewards, log-probs, mean logits, entropy, token accuracy and count). The natural composition
+``class (TSPTrainer, SFTTrainer)`` refuses on every rank, naming the class and the supported
+trainers, before any step, and so does TSPTrainer mixed into a Trainer whose loss does not come
+from the TSP model's forward."""
 
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ ACCUM = "--gradient_accumulation_steps 2 --per_device_train_batch_size 2"
 # trainer.evaluate() after training on 5 other rows, 2 a batch per replica (the last batch
 # uneven: at dp 2 the data loader fills it up with rows repeated from the start)
 EVAL = "--eval_rows 5 --per_device_eval_batch_size 2"
+# each replica's loss the mean over its own tokens (DDP then averages the replicas' gradients)
+NO_AVG = "--average_tokens_across_devices false"
 
 
 def test_config_keeps_sft_defaults_in_either_order():
@@ -110,7 +116,7 @@ def one_process(tmp_path_factory, saved) -> str:
                 "--output_dir", str(out / "o"), "--out", str(out), "--case", f"plain {EVAL}",
                 "completion --data completion", "prompt_completion --data prompt_completion",
                 f"packed {PACKED}", f"packed_dp {PACKED_DP}", f"accum {ACCUM}",
-                "dpo --mode dpo_plain"], 1,
+                f"dpo --mode dpo_plain {EVAL}"], 1,
                timeout=400)
     return str(out)
 
@@ -118,8 +124,10 @@ def one_process(tmp_path_factory, saved) -> str:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, saved) -> str:
     """One 2-process launch: TSPSFTTrainer at tsp 2 on every dataset (the plain one then
-    evaluated), with gradient accumulation, DPO, float64, then the natural composition and a
-    Trainer whose loss is built from the logits."""
+    evaluated), with gradient accumulation, DPO (then evaluated), with
+    ``average_tokens_across_devices=False``, float64, TRL's own SFTTrainer under DDP on 2
+    replicas of 2 rows with that setting (the reference of dp 2 x tsp 2), then the natural
+    composition and a Trainer whose loss is built from the logits."""
     out = tmp_path_factory.mktemp("sft_tsp2")
     launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                                "--output_dir", str(out / "o"), "--out", str(out), "--case",
@@ -129,7 +137,9 @@ def two_processes(tmp_path_factory, saved) -> str:
                                "prompt_completion --mode tsp --tsp_size 2 --data "
                                "prompt_completion",
                                f"packed --mode tsp --tsp_size 2 {PACKED}",
-                               "dpo --mode dpo_tsp --tsp_size 2",
+                               f"dpo --mode dpo_tsp --tsp_size 2 {EVAL}",
+                               f"no_avg --mode tsp --tsp_size 2 {NO_AVG}",
+                               f"ddp_no_avg --mode plain --per_device_train_batch_size 2 {NO_AVG}",
                                "float64 --mode tsp --tsp_size 2 --dtype float64",
                                "natural --mode natural --tsp_size 2",
                                "logits_loss --mode logits_loss --tsp_size 2"), 2, timeout=400)
@@ -172,7 +182,7 @@ def assert_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory, saved) -> str:
     """dp 2 x tsp 2: each data-parallel replica takes 2 of each step's 4 rows (pairs, packed
-    rows); the plain run then evaluated."""
+    rows); the plain run then evaluated; with ``average_tokens_across_devices=False``."""
     out = tmp_path_factory.mktemp("sft_dp2")
     launch.run(launch.torchrun(4, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                                "--per_device_train_batch_size", "2", "--output_dir",
@@ -181,6 +191,7 @@ def four_processes(tmp_path_factory, saved) -> str:
                                "prompt_completion --mode tsp --tsp_size 2 --data "
                                "prompt_completion",
                                f"packed_dp --mode tsp --tsp_size 2 {PACKED_DP}",
+                               f"no_avg --mode tsp --tsp_size 2 {NO_AVG}",
                                "dpo --mode dpo_tsp --tsp_size 2"),
                4, timeout=400)
     return str(out)
@@ -259,6 +270,29 @@ def test_sft_dp2_tsp2_matches_one_process(four_processes, one_process, data):
                           4, f"dp 2 x tsp 2, {data} rows")
 
 
+def test_sft_tsp2_without_token_averaging_matches_one_process(two_processes, one_process):
+    # average_tokens_across_devices=False at dp 1: the replica's mean is the global batch's, so
+    # one process's run (it was twice the loss and grad_norm at tsp 2: each rank's sum divided
+    # by the Trainer's count over D, then summed over the group)
+    assert_as_one_process(os.path.join(two_processes, "no_avg"),
+                          os.path.join(one_process, "plain"), 2,
+                          "tsp 2, average_tokens_across_devices=False")
+
+
+def test_sft_dp2_tsp2_without_token_averaging_matches_ddp(four_processes, two_processes,
+                                                          one_process):
+    # average_tokens_across_devices=False at dp 2: each replica's loss the mean over its own
+    # tokens, the gradient the mean over the replicas, as TRL's SFTTrainer under DDP on 2
+    # replicas of the same 2 rows each (its rank 0's log rows and weights); a mean of two means
+    # is not the global mean, so that reference must differ from one process's
+    ddp = os.path.join(two_processes, "ddp_no_avg")
+    (ref,), (one,) = runs(ddp, 1), runs(os.path.join(one_process, "plain"), 1)
+    assert all(abs(a["loss"] - b["loss"]) > 1e-5 * abs(b["loss"])
+               for a, b in zip(ref["rows"], one["rows"])), (ref["rows"], one["rows"])
+    assert_as_one_process(os.path.join(four_processes, "no_avg"), ddp, 4,
+                          "dp 2 x tsp 2, average_tokens_across_devices=False")
+
+
 # DPO's figures: rewards = beta x (sum of ~50 float32 log-probs - the reference's), a difference
 # of numbers of ~50 whose float32 rounding (~3e-6) times beta 0.1 is ~3e-7: held to 1e-6
 # absolute (measured 2e-7), as are the mean logits (~1e-2); the rest as SFT's
@@ -301,6 +335,26 @@ def test_dpo_tsp2_matches_one_process(two_processes, one_process):
 def test_dpo_dp2_tsp2_matches_one_process(four_processes, one_process):
     assert_dpo_as_one_process(os.path.join(four_processes, "dpo"),
                               os.path.join(one_process, "dpo"), 4, "DPO at dp 2 x tsp 2")
+
+
+def test_dpo_evaluate_tsp2_matches_one_process(two_processes, one_process):
+    # trainer.evaluate() after training, on 5 other pairs, 2 a batch (the last one uneven):
+    # eval_loss and DPO's eval metrics against DPOTrainer.evaluate() on one process, with the
+    # training rows' tolerances
+    (ref,) = runs(os.path.join(one_process, "dpo"), 1)
+    keys = {f"eval_{k}" for k in (*DPO_RELATIVE, *DPO_ABSOLUTE, *DPO_EXACT) if k != "grad_norm"}
+    want = {k: v for k, v in ref["eval"].items() if "runtime" not in k and "per_second" not in k}
+    assert set(want) == keys, sorted(set(want) ^ keys)
+    assert 0 < want["eval_rewards/accuracies"] < 1, want
+    for r, run in enumerate(runs(os.path.join(two_processes, "dpo"), 2)):
+        got = {k: v for k, v in run["eval"].items() if k in want}
+        assert set(got) == keys, (r, run["eval"])
+        for key in want:
+            bare = key[len("eval_"):]
+            tol = (0 if bare in DPO_EXACT else 1e-6 if bare in DPO_ABSOLUTE
+                   else 1e-5 * abs(want[key]))
+            assert abs(got[key] - want[key]) <= tol, \
+                f"DPO evaluate at tsp 2, rank {r}: {key} {got[key]} vs {want[key]}"
 
 
 def test_padding_free_keys_must_match_the_position_ids():

@@ -1,6 +1,7 @@
 """A TRL SFT or DPO job on a tiny Llama saved with save_pretrained (and a word-level tokenizer):
-TRL's own ``SFTTrainer`` (``--mode plain``, one process: the reference), ``tsp_trl.TSPSFTTrainer``
-(``--mode tsp`` under torchrun, with ``--tsp_size``) or the natural composition a user would write,
+TRL's own ``SFTTrainer`` (``--mode plain``, one process: the reference; under torchrun: DDP),
+``tsp_trl.TSPSFTTrainer`` (``--mode tsp`` under torchrun, with ``--tsp_size``) or the natural
+composition a user would write,
 ``class (TSPTrainer, SFTTrainer)`` with ``TSPSFTConfig`` (``--mode natural``: it must refuse), or
 ``TSPTrainer`` mixed into a Trainer whose loss is built from the logits (``--mode logits_loss``: it
 must refuse at the first step). Every rank writes every training log row (loss, grad_norm,
@@ -17,8 +18,8 @@ as a prompt/completion text dataset, which TRL tokenizes and masks itself).
 ``--case "NAME ARGS..."`` (repeatable): one more run in the same processes with ARGS added,
 results in --out/NAME.
 
-``--eval_rows N``: after training, ``trainer.evaluate()`` on N more rows of the same kind (another
-seed); its metrics go to ``rank<R>.json`` under "eval"."""
+``--eval_rows N``: after training, ``trainer.evaluate()`` on N more rows (or preference pairs) of
+the same kind (another seed); its metrics go to ``rank<R>.json`` under "eval"."""
 
 from __future__ import annotations
 
@@ -106,10 +107,10 @@ class LogitsLossTrainer(TSPTrainer, LogitsLoss):
     """TSPTrainer mixed into it: the guard must refuse at the first step."""
 
 
-def preference_rows(vocab: int, n: int) -> list[dict]:
+def preference_rows(vocab: int, n: int, seed: int = 6) -> list[dict]:
     """``n`` preference pairs: a prompt of 3..11 tokens, a chosen and a rejected completion of
     2..13 tokens each (text of the tokenizer's words; DPO tokenizes it and adds EOS)."""
-    gen = torch.Generator().manual_seed(6)
+    gen = torch.Generator().manual_seed(seed)
 
     def ids(lo: int, hi: int) -> list[int]:
         k = int(torch.randint(lo, hi, (1,), generator=gen))
@@ -143,7 +144,10 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
         data = Dataset.from_list(preference_rows(vocab, job.rows))
     else:
         data = sft_dataset(job, vocab, job.rows, 5)
-    eval_data = sft_dataset(job, vocab, job.eval_rows, 7) if job.eval_rows else None
+    eval_data = None
+    if job.eval_rows:
+        eval_data = (Dataset.from_list(preference_rows(vocab, job.eval_rows, 8))
+                     if job.mode.startswith("dpo") else sft_dataset(job, vocab, job.eval_rows, 7))
     log = Rows()
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(job.out, exist_ok=True)
