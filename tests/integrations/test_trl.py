@@ -139,6 +139,7 @@ def two_processes(tmp_path_factory, saved) -> str:
                                f"packed --mode tsp --tsp_size 2 {PACKED}",
                                f"dpo --mode dpo_tsp --tsp_size 2 {EVAL}",
                                f"no_avg --mode tsp --tsp_size 2 {NO_AVG}",
+                               f"no_avg_accum --mode tsp --tsp_size 2 {ACCUM} {NO_AVG}",
                                f"ddp_no_avg --mode plain --per_device_train_batch_size 2 {NO_AVG}",
                                "float64 --mode tsp --tsp_size 2 --dtype float64",
                                "natural --mode natural --tsp_size 2",
@@ -270,13 +271,15 @@ def test_sft_dp2_tsp2_matches_one_process(four_processes, one_process, data):
                           4, f"dp 2 x tsp 2, {data} rows")
 
 
-def test_sft_tsp2_without_token_averaging_matches_one_process(two_processes, one_process):
+@pytest.mark.parametrize("case, ref", [("no_avg", "plain"), ("no_avg_accum", "accum")])
+def test_sft_tsp2_without_token_averaging_matches_one_process(two_processes, one_process, case,
+                                                              ref):
     # average_tokens_across_devices=False at dp 1: the replica's mean is the global batch's, so
-    # one process's run (it was twice the loss and grad_norm at tsp 2: each rank's sum divided
-    # by the Trainer's count over D, then summed over the group)
-    assert_as_one_process(os.path.join(two_processes, "no_avg"),
-                          os.path.join(one_process, "plain"), 2,
-                          "tsp 2, average_tokens_across_devices=False")
+    # one process's run, also with gradient accumulation (the count spans the step's
+    # micro-batches). It was twice the loss and grad_norm at tsp 2: each rank's sum divided by
+    # the Trainer's count over D, then summed over the group
+    assert_as_one_process(os.path.join(two_processes, case), os.path.join(one_process, ref), 2,
+                          f"tsp 2, average_tokens_across_devices=False, {case}")
 
 
 def test_sft_dp2_tsp2_without_token_averaging_matches_ddp(four_processes, two_processes,
