@@ -155,12 +155,27 @@ def bad_models() -> list[str]:
     cases.append((MixtralForCausalLM(MixtralConfig(num_local_experts=4, **small)),
                   r"MixtralForCausalLM is a mixture-of-experts model \(config\.num_local_experts"
                   r"=4\) and the policy 'mistral' describes no experts", MISTRAL))
+    # a policy that leaves out tensors of a module it replaces (Qwen3's per-head q/k norms) is
+    # refused, naming them, instead of running another model
+    import dataclasses
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tsp_core.models.policies.qwen3 import POLICY as QWEN3
+
+    cases.append((Qwen3ForCausalLM(Qwen3Config(**small)),
+                  r"policy 'qwen3-without-norms': Qwen3DecoderLayer\.self_attn holds \['k_norm\."
+                  r"weight', 'q_norm\.weight'\], which its TSP replacement \(HFTSPAttention\) "
+                  r"does not take",
+                  dataclasses.replace(QWEN3, name="qwen3-without-norms", head_norms=None)))
     for model, pattern, *policy in cases:
-        before = dict(model.state_dict())
+        before = dict(model.state_dict(keep_vars=True))
         with tsp_core.comm.track() as stats, pytest.raises(ValueError, match=pattern) as e:
             tsp_core.parallelize(model, mesh, policy=policy[0] if policy else None)
         assert not stats.calls, "a collective ran before the error"
-        assert model.state_dict().keys() == before.keys(), "the model was changed before the error"
+        after = model.state_dict(keep_vars=True)
+        assert after.keys() == before.keys() and all(after[k] is v for k, v in before.items()), \
+            "the model was changed before the error"
         msgs.append(str(e.value))
     # OLMo 2's q/k norms span all heads of a token (one statistic over every head group): a
     # policy naming them as per-head norms (qk_norm_all_heads left False) is refused, naming the

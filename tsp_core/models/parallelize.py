@@ -18,6 +18,7 @@ from ..distributed import comm
 from ..distributed.data_parallel import install_gradient_sync
 from ..distributed.fsdp import apply_fsdp
 from ..distributed.mesh import TSPMesh, get_mesh
+from ..distributed.params import ShardedModule
 from ..inference.generation import hf_generate
 from ..inference.logits import token_index
 from ..layers import rope
@@ -484,14 +485,19 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     nkv = getattr(c, "num_key_value_heads", None) or nq
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
 
+    # (parent, name, TSP module, the replaced module's state): applied once every one is checked
+    planned: list[tuple[nn.Module, str, nn.Module, dict[str, torch.Tensor] | None]] = []
+
     def replace(parent: nn.Module, name: str, new: nn.Module, old: nn.Module | None = None) -> None:
         role = ("attention" if isinstance(new, TSPAttention) else
                 "mlp" if isinstance(new, TSPGatedMLP) else None)
         if role is not None and policy.fused_in(role):  # Hugging Face's fused projections
             new.fuse(policy.fused_in(role))
+        state = None
         if not empty:
-            new.load_full((old or getattr(parent, name)).state_dict())
-        setattr(parent, name, new)
+            state = (old or getattr(parent, name)).state_dict()
+            _refuse_left_out(policy, f"{parent.__class__.__name__}.{name}", state, new)
+        planned.append((parent, name, new, state))
 
     base = getattr(model, policy.base_model)
     old_embed = getattr(base, policy.embed)
@@ -534,10 +540,15 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     replace(base, policy.final_norm,
             TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))
     if tied:
-        setattr(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size, tied_to=embed))
+        planned.append((model, policy.lm_head,
+                        TSPLMHead(mesh, c.vocab_size, c.hidden_size, tied_to=embed), None))
     else:
         replace(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size,
                                                  init_seed=None, **opts), old_head)
+    for parent, name, new, state in planned:  # every replacement checked: the model changes now
+        if state is not None:
+            new.load_full(state)
+        setattr(parent, name, new)
     if policy.logits_divisor is not None:
         getattr(model, policy.lm_head).logits_divisor = float(policy.logits_divisor(c))
     getattr(model, policy.lm_head).logits_softcap = _softcap(policy.logits_softcap, c)
@@ -555,6 +566,20 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     else:
         install_gradient_sync(model, mesh)
     return model
+
+
+def _refuse_left_out(policy: DecoderPolicy, where: str, state: dict[str, torch.Tensor],
+                     new: nn.Module) -> None:
+    """Raise when the TSP module that replaces a Hugging Face module would not take all of its
+    tensors (a policy that leaves out, say, the q/k norms would otherwise run another model,
+    silently). Raised before the model changes: every replacement is checked first."""
+    takes = set(new.hf_shapes()) if isinstance(new, ShardedModule) else set(new.state_dict())
+    left_out = sorted(set(state) - takes)
+    if left_out:
+        raise ValueError(f"policy {policy.name!r}: {where} holds {left_out}, which its TSP "
+                         f"replacement ({type(new).__name__}) does not take, so they would be "
+                         f"dropped silently; describe them in the policy (e.g. head_norms for "
+                         f"per-head q/k norms, layer_norms for norms the layer applies)")
 
 
 def shard_full_batches(model: nn.Module) -> nn.Module:
