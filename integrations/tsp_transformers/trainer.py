@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import transformers
 import transformers.trainer as hf_trainer
 from packaging.version import Version
 from torch import nn
@@ -155,7 +154,10 @@ def non_embedding_parameters(model: nn.Module) -> int:
 def require_transformers(found: str | None = None) -> None:
     """Raise unless this transformers is at least :data:`MIN_TRANSFORMERS` (before any
     collective: the same on every rank)."""
-    found = found or transformers.__version__
+    if found is None:
+        import transformers  # the module imported now (a test may stand in another version)
+
+        found = transformers.__version__
     if Version(found) < Version(MIN_TRANSFORMERS):
         raise RuntimeError(f"TSPTrainer with tsp_size > 1 needs transformers >= "
                            f"{MIN_TRANSFORMERS}; this is transformers {found}, whose Trainer "
@@ -226,6 +228,7 @@ class TSPTrainer(Trainer):
         self._tsp = self.tsp_choice is not None and self.tsp_choice.size > 1
         if self._tsp:
             require_transformers()
+            self._refuse_per_replica_token_counts(args)
         self._pending_weights: tuple[str, Any] | None = None  # see _load_from_checkpoint
         self._flops_parameters: int | None = None
         self._choice_to_log = self.tsp_choice if self._tsp and self.tsp_choice.auto else None
@@ -321,6 +324,22 @@ class TSPTrainer(Trainer):
             # loss is already the global mean and tsp_core sums data-parallel gradients
             loss = loss / (self.accelerator.num_processes // self.get_tp_size())
         return (loss, out[1]) if return_outputs else loss
+
+    # a subclass whose loss handles the Trainer's per-replica token counts sets this
+    # (tsp_trl.TSPSFTTrainer)
+    _tsp_per_replica_token_counts = False
+
+    def _refuse_per_replica_token_counts(self, args: TSPTrainingArguments) -> None:
+        """``average_tokens_across_devices=False`` (each replica's loss over its own tokens, as
+        under DDP) is refused before any collective: the TSP loss divides the whole mesh's sum
+        by the count the Trainer passes, which is then this replica's over the TSP degree, so
+        the loss and gradients would be tsp_size x dp_size too large."""
+        if not args.average_tokens_across_devices and not self._tsp_per_replica_token_counts:
+            raise ValueError(f"{type(self).__name__}: average_tokens_across_devices=False is not "
+                             f"supported with tsp_size {self.tsp_choice.size} (the loss would be "
+                             f"{self.tsp_choice.size} x the data-parallel size too large); leave "
+                             f"it True, the default: the loss is then the mean over the global "
+                             f"batch's tokens")
 
     # ------------------------------------------------------------------ what the Trainer reports
     @property

@@ -41,6 +41,8 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
     from this rank's tokens is summed over the TSP group, and so are the sums behind its
     metrics before TRL gathers them over data parallel."""
 
+    _tsp_per_replica_token_counts = True  # compute_loss: average_tokens_across_devices=False
+
     def __init__(self, model: Any = None, args: TSPSFTConfig | None = None, *rest: Any,
                  **kwargs: Any) -> None:
         check_model_object(model, args, type(self).__name__)

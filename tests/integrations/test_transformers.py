@@ -436,3 +436,22 @@ def test_older_transformers_is_refused(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="transformers 5.17.0"):
         TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
     assert not dist.is_initialized(), "refused after starting a process group"
+
+
+def test_per_replica_token_averaging_is_refused(monkeypatch, tmp_path):
+    """average_tokens_across_devices=False made TSPTrainer's loss, grad_norm and eval_loss
+    tsp_size x dp_size too large (measured at tsp 2 in float64: training loss 9.1085 against
+    4.5543, grad_norm 4.353 against 2.176, eval_loss 8.533 against 4.267): refused before any
+    process group, naming the option (tsp_trl.TSPSFTTrainer supports it: tests/integrations/
+    test_trl.py)."""
+    from tsp_transformers import TSPTrainer, TSPTrainingArguments
+
+    args = TSPTrainingArguments(output_dir=str(tmp_path), tsp_size=2, use_cpu=True,
+                                report_to="none", average_tokens_across_devices=False)
+    for key, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"),
+                       ("LOCAL_RANK", "0")):  # as torchrun's first rank sees it
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"average_tokens_across_devices=False is not supported "
+                                         r"with tsp_size 2"):
+        TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
+    assert not dist.is_initialized(), "refused after starting a process group"
