@@ -225,7 +225,7 @@ def missing_length() -> list[str]:
             model(**local)
         assert dict(stats.calls) == {"all_gather": 1}, dict(stats.calls)
         msgs.append(str(info.value).split(". This rank")[0])
-    assert f"TSP rank(s) [0, 1]: no tsp_rope_len, which this model's rotary embedding (dynamic" \
+    assert "TSP rank(s) [0, 1]: no tsp_rope_len, which this model's rotary embedding (dynamic" \
         in msgs[0], msgs[0]
     assert "TSP rank(s) [1]: no tsp_rope_len" in msgs[1], msgs[1]
     with pytest.raises(ValueError, match="computes its frequencies from the sequence length"):
