@@ -23,7 +23,7 @@ from tsp_core.distributed.mesh import get_mesh
 from tsp_core.models.parallelize import shard_full_batches
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
-from .fused_head import native_fused_head
+from .fused_head import native_fused_head, refuse_aux_loss
 from .sft import check_model_object
 
 
@@ -44,10 +44,7 @@ class TSPDPOTrainer(TSPTrainer, DPOTrainer):
             super().__init__(model, args=args, ref_model=ref_model, **kwargs)
         if not self._tsp:
             return
-        if self.aux_loss_enabled:
-            raise ValueError(f"{type(self).__name__}: the MoE auxiliary loss "
-                             f"(config.output_router_logits) is not yet supported under TSP by "
-                             f"tsp_trl; set model.config.output_router_logits = False")
+        refuse_aux_loss(self)
         # the fused fields are the full sequences, the same on every rank of the group: the
         # data-parallel gather of TSPAccelerator counts each token once
         self._tp_size = 1

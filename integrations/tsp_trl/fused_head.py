@@ -85,3 +85,12 @@ def metrics_summed_over(accelerator: Any, group: Any) -> Iterator[None]:
         yield
     finally:
         del accelerator.gather_for_metrics
+
+
+def refuse_aux_loss(trainer: Any) -> None:
+    """The MoE auxiliary loss is not summed over the TSP group by tsp_trl's trainers yet: refuse
+    it by name (every rank, before the first step) rather than train with a wrong one."""
+    if trainer.aux_loss_enabled:
+        raise ValueError(f"{type(trainer).__name__}: the MoE auxiliary loss "
+                         f"(config.output_router_logits) is not yet supported under TSP by "
+                         f"tsp_trl; set model.config.output_router_logits = False")

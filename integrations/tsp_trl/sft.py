@@ -17,7 +17,7 @@ from tsp_core.distributed import comm
 from tsp_core.distributed.mesh import get_mesh
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
-from .fused_head import metrics_summed_over, native_fused_head
+from .fused_head import metrics_summed_over, native_fused_head, refuse_aux_loss
 
 
 @dataclass
@@ -50,10 +50,7 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
             super().__init__(model, args, *rest, **kwargs)
         if not self._tsp:
             return
-        if self.aux_loss_enabled:
-            raise ValueError(f"{type(self).__name__}: the MoE auxiliary loss "
-                             f"(config.output_router_logits) is not yet supported under TSP by "
-                             f"tsp_trl; set model.config.output_router_logits = False")
+        refuse_aux_loss(self)
         self._tp_size = get_mesh(self.model).size  # see metrics_summed_over
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -41,17 +41,21 @@ def _interleave(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
             sin[..., :half].repeat_interleave(2, dim=-1))
 
 
+def _convention(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
+    """cos, sin [B, L, r] broadcast over heads, and the rotation, for either convention."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if interleaved:
+        return (*_interleave(cos, sin), rotate_pairs)
+    return cos, sin, rotate_half
+
+
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           interleaved: bool = False) -> torch.Tensor:
     """Rotate x [B, H, L, d] with cos, sin [B, L, r]: the first r <= d channels of each head
     (r < d: partial rotary, ``partial_rotary_factor``; the rest pass unchanged, as in HF).
     ``interleaved``: rotate channel pairs (2i, 2i+1) instead of (i, i + r/2), as GLM-4's and
     Ernie 4.5's ``apply_rotary_pos_emb`` do with the same cos/sin."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    turn = rotate_half
-    if interleaved:
-        cos, sin = _interleave(cos, sin)
-        turn = rotate_pairs
+    cos, sin, turn = _convention(cos, sin, interleaved)
     r = cos.shape[-1]
     if r == x.shape[-1]:
         return x * cos + turn(x) * sin
@@ -62,11 +66,7 @@ def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def apply_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    interleaved: bool = False) -> torch.Tensor:
     """Gradient through :func:`apply` (the rotation's transpose)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    turn = rotate_half
-    if interleaved:
-        cos, sin = _interleave(cos, sin)
-        turn = rotate_pairs
+    cos, sin, turn = _convention(cos, sin, interleaved)
     r = cos.shape[-1]
     if r == g.shape[-1]:
         return g * cos - turn(g * sin)
