@@ -1,6 +1,8 @@
 """Folded tensor-and-sequence parallelism (TSP) for PyTorch: every rank of a TSP group holds 1/D
 of each weight matrix and 1/D of the tokens."""
 
+__version__ = "0.1.0"
+
 from .distributed import comm, guard, metrics
 from .distributed.mesh import TSPMesh, get_mesh, init_mesh
 from .distributed.shutdown import run_cleanly, shutdown
