@@ -304,14 +304,20 @@ class TSPLMHead(ShardedModule):
         """What the head does to its logits after the product: ``logits_softcap``'s soft-cap."""
         return softcap(logits, self.logits_softcap)
 
-    def loss_sum(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
-        """Sum of the local tokens' cross-entropy (ignore index -100), float32 (float64 for a
-        float64 model); never materialises the local [tokens, V] logits at once."""
+    def _loss_inputs(self, hidden: torch.Tensor, shift_labels: torch.Tensor):
+        """The hidden states, this rank's weight shard and the schedule's context that both
+        losses start from, after checking that the labels are the local tokens'."""
         if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):
             raise ValueError(f"shift_labels of shape {tuple(shift_labels.shape)} do not match the "
                              f"local tokens {tuple(hidden.shape[:-1])}; shard with "
                              f"tsp_core.shard_batch")
         hidden, (weight,), context = schedule_inputs(self, ["weight"], hidden)
+        return hidden, weight, context
+
+    def loss_sum(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        """Sum of the local tokens' cross-entropy (ignore index -100), float32 (float64 for a
+        float64 model); never materialises the local [tokens, V] logits at once."""
+        hidden, weight, context = self._loss_inputs(hidden, shift_labels)
         with context:
             return _VocabParallelCE.apply(hidden.reshape(-1, hidden.shape[-1]),
                                           shift_labels.reshape(-1), weight, self.vocab_size,
@@ -324,11 +330,7 @@ class TSPLMHead(ShardedModule):
         the vocabulary, each zero where the
         label is -100, shaped like ``shift_labels`` (what TRL's fused LM head returns; float32,
         float64 for a float64 model); never materialises the local [tokens, V] logits at once."""
-        if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):
-            raise ValueError(f"shift_labels of shape {tuple(shift_labels.shape)} do not match the "
-                             f"local tokens {tuple(hidden.shape[:-1])}; shard with "
-                             f"tsp_core.shard_batch")
-        hidden, (weight,), context = schedule_inputs(self, ["weight"], hidden)
+        hidden, weight, context = self._loss_inputs(hidden, shift_labels)
         with context:
             out = _VocabParallelTokenStats.apply(
                 hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1), weight,
