@@ -1,12 +1,16 @@
 """The installed ``tsp`` console script (the venv's ``bin/tsp``, as a user runs it, not
 ``python -m``): ``plan``, ``simulate`` and ``bench`` once each on the tiny model, their output
-checked against numbers computed here from the model's shape."""
+checked against numbers computed here from the model's shape; ``--version`` and every ``--help``
+(the whole description, each option's default)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
+import sys
+import tomllib
 
 from tests.support import launch
 
@@ -95,3 +99,72 @@ def test_simulate_a_config_json(tmp_path):
     proc = subprocess.run([TSP, "simulate", "--model", str(tmp_path / "none.json")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown model" in proc.stderr and "config.json" in proc.stderr
+
+
+def cli_module(*args: str) -> subprocess.CompletedProcess:
+    """``python -m tsp_core.tools.cli ARGS``, the entry point the console script calls."""
+    proc = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", *args], capture_output=True,
+                          text=True, timeout=120, cwd=launch.ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and not proc.stderr, (args, proc.returncode, proc.stderr[-3000:])
+    return proc
+
+
+def test_version_is_the_package_version():
+    # one version everywhere: tsp_core.__version__, which pyproject reads as the distribution's
+    # version (so the installed metadata says the same), and `tsp --version` prints
+    import tsp_core
+
+    project = tomllib.loads(open(os.path.join(launch.ROOT, "pyproject.toml")).read())
+    assert "version" in project["project"]["dynamic"], project["project"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "tsp_core.__version__"}
+    installed = importlib.metadata.version("tsp-parallel")
+    assert installed == tsp_core.__version__, (
+        f"installed metadata says {installed}, tsp_core.__version__ is {tsp_core.__version__}: "
+        "reinstall (pip install -e .)")
+    expected = f"tsp {tsp_core.__version__}\n"
+    assert cli_module("--version").stdout == expected
+    assert tsp("--version").stdout == expected  # the installed console script
+
+
+def help_blocks(text: str) -> dict[str, str]:
+    """An argparse help's "options:" section: each option's first flag -> its whole entry."""
+    section = text.split("\noptions:\n", 1)[1]
+    blocks: dict[str, str] = {}
+    for line in section.splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            blocks[flag] = line
+        elif line.startswith("   "):
+            blocks[flag] += " " + line.strip()
+    return {flag: " ".join(entry.split()) for flag, entry in blocks.items()}
+
+
+def test_help_shows_the_whole_description_and_every_default():
+    # `tsp --help` prints the module's whole description, line by line; every subcommand's help
+    # names each option's default: the value when there is one (as the user would type it), in
+    # words when there is none (None means "not given")
+    from tsp_core.tools import cli
+
+    top = cli_module("--help").stdout
+    for line in cli.__doc__.strip('"').splitlines():
+        assert line in top, (line, top)
+    commands = cli.parser()._subparsers._group_actions[0].choices
+    assert set(commands) == {"simulate", "bench", "plan"}, commands
+    for name, sub in commands.items():
+        text = cli_module(name, "--help").stdout
+        assert " ".join(sub.description.split()) in " ".join(text.split()), (name, text)
+        blocks = help_blocks(text)
+        for action in sub._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            entry = blocks[action.option_strings[0]]
+            default = action.default
+            if default is None:
+                assert "default" in entry, (name, entry)
+                continue
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+            assert f"(default: {shown})" in entry, (name, entry)
+            if name == "simulate" and action.dest in ("seq", "model"):
+                assert entry.endswith({"seq": "(default: 131072)", "model": "(default: 7b)"}[
+                    action.dest]), entry

@@ -36,16 +36,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
                    "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-70b, mixtral-8x7b, "
                    "qwen3-30b-a3b, small, tiny) or the path of a config.json")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--layers", type=int, default=None,
+                   help="override the model's layer count (default: the model's)")
+    p.add_argument("--seq", type=int, default=131072, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per replica per micro-step")
     p.add_argument("--gpus", type=int, default=None, help="total GPUs (default: detected)")
-    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default: detected)")
     p.add_argument("--gpu", default=None, help="mi300x | h100 | h200 | a100 (default: detected)")
-    p.add_argument("--inter-node-gbps", type=float, default=None, help="Gb/s per GPU between nodes")
-    p.add_argument("--intra-gbps", type=float, default=None, help="GB/s per GPU inside a node")
-    p.add_argument("--memory-gb", type=float, default=None, help="override the GPU's memory")
-    p.add_argument("--hardware", default=None, help="JSON file of overrides (also TSP_HARDWARE)")
+    p.add_argument("--inter-node-gbps", type=float, default=None, help="Gb/s per GPU between nodes "
+                   "(default: the hardware file's, else 400)")
+    p.add_argument("--intra-gbps", type=float, default=None,
+                   help="GB/s per GPU inside a node (default: the detected link's, else the GPU's)")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="override the GPU's memory (default: detected, else the GPU's)")
+    p.add_argument("--hardware", default=None,
+                   help="JSON file of overrides (default: $TSP_HARDWARE if set)")
     p.add_argument("--headroom", type=float, default=0.1, help="memory fraction kept free")
     p.add_argument("--global-batch-tokens", type=int, default=GLOBAL_BATCH_TOKENS,
                    help="tokens per optimizer step; replicas beyond it idle")
@@ -53,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="FSDP2 shard sizes to rank too (comma-separated; 1: no FSDP2): each "
                         "rank's model state is sharded over N data-parallel ranks (tsp, tp, tp-sp)")
     p.add_argument("--top", type=int, default=20, help="rows printed")
-    p.add_argument("--json", default=None, help="write the ranking to this file")
+    p.add_argument("--json", default=None,
+                   help="write the ranking to this file (default: none written)")
     p.set_defaults(func=main)
 
 

@@ -1,15 +1,36 @@
-"""The ``tsp`` command: ``tsp simulate`` (per-rank memory of every layout under fake tensors) and
-``tsp bench`` (real multi-process runs of every layout) and ``tsp plan`` (the cost model's
-ranking)."""
+"""The tsp command: measure and plan folded tensor-and-sequence parallelism (TSP) next to
+tensor, sequence and context parallelism on the same model.
+
+  tsp simulate  per-rank memory of every layout under fake tensors (no GPU, no download)
+  tsp bench     real multi-process training or generation runs of every layout: time, memory
+                and bytes sent
+  tsp plan      the cost model's ranking of layouts and degrees for a cluster, and its choice
+
+`tsp COMMAND --help` lists a command's options with their defaults."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import textwrap
 import time
 
 GIB = 1024 ** 3
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps a description's line breaks and ends every option's help with its default. A default
+    of None means "not given": such an option's help says in words what happens then."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
+                or "default" in text):
+            return text
+        default = action.default
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -117,35 +138,51 @@ def bench_generate_main(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from .. import __version__
     from ..baselines import LAYOUTS
 
-    ap = argparse.ArgumentParser(prog="tsp", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tsp", description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--version", action="version", version=f"tsp {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     layouts_help = f"comma-separated, from {', '.join(LAYOUTS)}"
 
-    sim = sub.add_parser("simulate", help="per-rank memory of each layout (fake tensors)")
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=textwrap.fill(summary, 79),
+                              formatter_class=HelpFormatter)
+
+    sim = command("simulate", "per-rank memory of each layout under fake tensors: parameters, "
+                  "gradients, optimizer states, activations and temporaries of rank 0 of each "
+                  "world (no GPU needed)")
     sim.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
                      "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-70b, mixtral-8x7b, "
                      "qwen3-30b-a3b, small, tiny) or the path of a config.json (any supported "
                      "family)")
-    sim.add_argument("--layers", type=int, default=None, help="override the model's layer count")
-    sim.add_argument("--seq", type=_ints, default=(131072,), help="sequence lengths")
-    sim.add_argument("--degree", type=_ints, default=(8,), help="ranks per model replica")
+    sim.add_argument("--layers", type=int, default=None,
+                     help="override the model's layer count (default: the model's)")
+    sim.add_argument("--seq", type=_ints, default=(131072,),
+                     help="sequence lengths (comma-separated)")
+    sim.add_argument("--degree", type=_ints, default=(8,),
+                     help="ranks per model replica (comma-separated)")
     sim.add_argument("--layouts", default=None,
                      help=f"{layouts_help} (default all; with --dp-shard > 1: tsp, tp, tp-sp)")
     sim.add_argument("--dp-shard", type=_ints, default=(1,),
                      help="FSDP2 shard sizes: the model state of each rank is sharded over N "
                           "data-parallel ranks, world = degree x N (1: no FSDP2; > 1 for tsp, tp, "
                           "tp-sp)")
-    sim.add_argument("--batch", type=int, default=1)
-    sim.add_argument("--recompute", default="full", choices=["none", "selective", "full"])
-    sim.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])
-    sim.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    sim.add_argument("--batch", type=int, default=1, help="sequences per replica")
+    sim.add_argument("--recompute", default="full", choices=["none", "selective", "full"],
+                     help="activation recomputation")
+    sim.add_argument("--optimizer", default="adamw", choices=["adamw", "none"],
+                     help="optimizer states counted")
+    sim.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                     help="parameter and activation dtype")
     sim.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
-    sim.add_argument("--json", default=None, help="write the records to this file")
+    sim.add_argument("--json", default=None,
+                     help="write the records to this file (default: none written)")
     sim.set_defaults(func=simulate_main)
 
-    b = sub.add_parser("bench", help="real multi-process runs of each layout")
+    b = command("bench", "real multi-process runs of each layout on this machine's devices: "
+                "seconds per step, tokens/s, peak memory and bytes sent per layer")
     b.add_argument("--mode", default="train", choices=["train", "generate"],
                    help="train: training steps; generate: prefill + greedy decode (--seq is the "
                         "prompt length, --steps the timed repeats)")
@@ -156,17 +193,21 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--degree", type=int, default=2, help="processes (ranks per replica)")
     b.add_argument("--seq", type=_ints, default=(2048,), help="sequence lengths")
     b.add_argument("--model", default="tiny", help="tiny | small (Llama family)")
-    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--batch", type=int, default=1, help="sequences per replica")
     b.add_argument("--steps", type=int, default=4, help="timed steps after warm-up")
-    b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    b.add_argument("--json", default=None, help="write the records to this file")
-    b.add_argument("--plot", default=None, help="write a PNG of memory and tokens/s vs seq")
+    b.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
+                   help="parameter and activation dtype")
+    b.add_argument("--json", default=None,
+                   help="write the records to this file (default: none written)")
+    b.add_argument("--plot", default=None,
+                   help="write a PNG of memory and tokens/s vs seq (default: none written)")
     b.set_defaults(func=bench_main)
 
     from ..plan.command import add_arguments as plan_arguments
 
-    plan_arguments(sub.add_parser("plan", help="rank layouts and degrees for a cluster (cost model)"))
+    plan_arguments(command("plan", "rank layouts and degrees for a cluster with the cost model "
+                           "(detected here, or described by the options) and print the choice"))
     return ap
 
 
