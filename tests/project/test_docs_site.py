@@ -1,13 +1,15 @@
 """The documentation site builds with ``mkdocs build --strict`` (what ``./run docs`` runs): every
 page of docs/ is in the nav, every link and ``#anchor`` resolves in the site, and every ``:::``
 block of docs/api.md names a real object whose docstring renders without a warning. A copy of the
-docs with a broken link, anchor or reference fails that build (so strict really catches them), and
-docs/api.md names every option of ``tsp simulate``, ``tsp plan`` and ``tsp bench`` and every model
+docs with a broken link, anchor or reference fails that build (so strict really catches them);
+docs/api.md has a ``:::`` block for every public name of ``tsp_core`` and of each adapter, and names
+every option of ``tsp simulate``, ``tsp plan`` and ``tsp bench`` and every model
 preset, which the code defines."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -105,3 +107,23 @@ def test_api_names_every_command_option_and_preset():
     absent = [name for name in MODELS if f"`{name}`" not in presets]
     assert not absent, \
         f"docs/api.md's --model presets lack {absent} (tsp_core.plan.simulate.MODELS)"
+
+
+PACKAGES = {"tsp_core": ROOT / "tsp_core", **{p.name: p for p in sorted(
+    (ROOT / "integrations").glob("tsp_*")) if (p / "__init__.py").exists()}}
+
+
+def public_names(package: Path) -> list[str]:
+    """The package's ``__all__``, read without importing it (the adapters import frameworks)."""
+    tree = ast.parse((package / "__init__.py").read_text(encoding="utf-8"))
+    return next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "__all__" for t in node.targets))
+
+
+def test_api_has_a_block_for_every_public_name():
+    blocks = re.findall(r"^::: ([\w.]+)", API.read_text(encoding="utf-8"), re.MULTILINE)
+    missing = [f"{pkg}.{name}" for pkg, folder in PACKAGES.items()
+               for name in public_names(folder)
+               if not any(b == f"{pkg}.{name}" or b.startswith(f"{pkg}.{name}.") for b in blocks)]
+    assert len(PACKAGES) == 6 and not missing, \
+        f"docs/api.md has no ::: block for {missing} (packages {sorted(PACKAGES)})"
