@@ -6,7 +6,8 @@
   of docs/ (``docs/design.md#code-map`` in README.md) points at that page, a link to README.md or
   CHANGELOG.md at the page that shows it, and a link to another file of the repository
   (``../examples/train_llama.py``, ``LICENSE``) at a copy of it under ``files/``. Links to files
-  that do not exist are left as written, so ``mkdocs build --strict`` still fails on them.
+  that do not exist, and to other .md files outside docs/, are left as written, so
+  ``mkdocs build --strict`` fails on them.
 - The code's docstrings cite names the Sphinx way (``:func:`parallelize` ``); the API reference
   shows them as plain code (``parallelize``).
 """
@@ -21,7 +22,8 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 INCLUDE = re.compile(r'^--8<-- "([^"]+)"\s*$')
-LINK = re.compile(r"(!?\[(?:[^\[\]]|\[[^\]]*\])*\]\()(<?)([^)\s>]+)")
+# a link's start, then its target (groups 1-3); or inline code (no groups), which holds no link
+LINK = re.compile(r"(!?\[(?:[^\[\]]|\[[^\]]*\])*\]\()(<?)([^)\s>]+)|`[^`]*`")
 FENCE = re.compile(r"^\s*(```|~~~)")
 ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc|obj):<code>~?\.?")
 COPIES = "files"  # where copies of repository files outside docs/ live in the site
@@ -67,11 +69,20 @@ def _target(link: str, base: Path, config) -> str | None:
         site = dest.relative_to(docs).as_posix()
     elif rel in _shown(config):
         site = _shown(config)[rel]
-    elif dest.is_file():
+    elif dest.is_file() and dest.suffix != ".md":  # a copied .md would become a page
         site = f"{COPIES}/{rel}"
     else:
         return None
     return site + hash_ + anchor
+
+
+def _relink(m: re.Match, base: Path, page_uri: str, config) -> str:
+    site = m.group(3) and _target(m.group(3), base, config)
+    if site is None:
+        return m.group(0)
+    path, _, anchor = site.partition("#")
+    rel = posixpath.relpath(path, posixpath.dirname(page_uri) or ".")
+    return m.group(1) + m.group(2) + rel + ("#" + anchor if anchor else "")
 
 
 def _rewrite(text: str, base: Path, page_uri: str, config) -> str:
@@ -80,14 +91,7 @@ def _rewrite(text: str, base: Path, page_uri: str, config) -> str:
         if FENCE.match(line):
             fenced = not fenced
         if not fenced:
-            def repl(m):
-                site = _target(m.group(3), base, config)
-                if site is None:
-                    return m.group(0)
-                path, _, anchor = site.partition("#")
-                rel = posixpath.relpath(path, posixpath.dirname(page_uri) or ".")
-                return m.group(1) + m.group(2) + rel + ("#" + anchor if anchor else "")
-            line = LINK.sub(repl, line)
+            line = LINK.sub(lambda m: _relink(m, base, page_uri, config), line)
         out.append(line)
     return "".join(out)
 
@@ -98,7 +102,7 @@ def on_files(files, config):
     for page in sorted(docs.glob("*.md")):
         text, base = _source(page.read_text(encoding="utf-8"), config)
         for m in LINK.finditer(text):
-            site = _target(m.group(3), base, config)
+            site = m.group(3) and _target(m.group(3), base, config)
             if site and site.startswith(COPIES + "/"):
                 uri = site.partition("#")[0]
                 if files.get_file_from_path(uri) is None:
