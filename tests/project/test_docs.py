@@ -1,7 +1,7 @@
 """The docs stand alone: every relative link in README.md, CHANGELOG.md and docs/ resolves to a
 file that ships (and an ``#anchor`` to a heading of it, by GitHub's slug rule); every citation
 ``docs/design.md "Heading"`` in the code and docs names a heading of docs/design.md; nothing
-points at files users do not have."""
+points at files users do not have; no page speaks of the development machine or process."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 CITATION = re.compile(r'docs/design\.md,? "([^"]+)"')
 NOT_SHIPPED = re.compile(r"DESIGN\.md|INTEGRATION_NOTES|\.\./shared|\bDESIGN \d|\bDESIGN §")
+# Notes about the development machine or process, which mean nothing to a user: a figure says
+# what it was measured on ("on a 2-core x86 CPU"), not "this machine". A space in a phrase matches
+# any whitespace, so a phrase broken across lines is found too.
+DEV_NOTES = re.compile("|".join(p.replace(" ", r"\s+") for p in [
+    r"\bthis (?:2|two)-core\b", r"\bthis machine\b", r"\bon this CPU\b",
+    r"\bshared (?:test )?machine\b", r"\b(?:2|two) shared (?:CPU )?cores\b", r"\bload average\b",
+    r"\bbeside other (?:work|processes)\b", r"\bthe issue'?s\b", r"\bissue #\d+",
+    r"\bother engineers\b", r"\bthe lead\b(?! time)",
+    r"\b(?:another|other|this|our|a previous) session\b", r"\bno GPU was available\b",
+    r"\bwas at hand\b", r"\bas in CI\b", r"\(in CI\)", r"\bwe ran\b",
+]), re.IGNORECASE)
 
 
 def prose(text: str) -> list[str]:
@@ -29,6 +40,12 @@ def prose(text: str) -> list[str]:
         else:
             lines.append("" if fenced else line)
     return lines
+
+
+def dev_notes(text: str) -> list[tuple[int, str]]:
+    """(line, phrase) of each note about the development machine or process in ``text``."""
+    return [(text.count("\n", 0, m.start()) + 1, " ".join(m.group(0).split()))
+            for m in DEV_NOTES.finditer(text)]
 
 
 def slug(heading: str) -> str:
@@ -83,6 +100,28 @@ def test_docs_cite_only_what_ships(page):
             for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
             if NOT_SHIPPED.search(line)]
     assert not hits, "citations of files users do not have:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_speak_to_users(page):
+    hits = [f"{page.relative_to(ROOT)}:{line}: {phrase!r}"
+            for line, phrase in dev_notes(page.read_text(encoding="utf-8"))]
+    assert not hits, ("notes about the development machine or process; say what a figure was "
+                      "measured on (\"on a 2-core x86 CPU\") instead:\n" + "\n".join(hits))
+
+
+def test_the_dev_note_check_sees_each_phrase():
+    notes = ["on this 2-core machine", "on this\n  machine", "on this CPU",
+             "the shared test machine", "on two shared cores", "load average 10-20",
+             "2 at a time beside other work",
+             "the issue's figure", "issue #30", "other engineers' test runs", "the lead asked",
+             "another session was editing", "no GPU was available", "no 3.12 was at hand",
+             "(as in CI)", "the CPU run (in CI)", "the restarts we ran"]
+    for note in notes:
+        assert [phrase for _, phrase in dev_notes(f"Measured {note}, then.")], note
+    assert dev_notes("a\nb on this 2-core\nmachine") == [(2, "this 2-core")]
+    assert dev_notes("Measured on a 2-core x86 CPU while other processes ran; an issue of the "
+                     "lead time, a Slurm session, a machine with network, a CI job.") == []
 
 
 def test_design_citations_name_real_sections():
