@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from torch import nn
 
 import tsp_core
-from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape
+from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
 from tsp_core.models.parallelize import TSPCausalLM
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
 
@@ -111,8 +111,22 @@ class TSPMeshMixin:
 
     @property
     def tsp_mesh(self) -> TSPMesh:
+        """The TSP mesh, built in ``setup_environment``: with the Trainer when ``fit`` (or
+        ``validate``, ``test``, ``predict``) starts, before the LightningModule's
+        ``prepare_data``, ``setup`` and ``configure_model`` hooks; with Fabric in
+        ``fabric.launch()``."""
         if self._tsp_mesh is None:
-            raise RuntimeError("the TSP mesh exists once the processes are set up")
+            raise RuntimeError(
+                f"{type(self).__name__}.tsp_mesh was read before the strategy built it. The "
+                f"strategy builds the TSP mesh in setup_environment, once the processes are "
+                f"started: with the Trainer when trainer.fit (or validate, test, predict) starts, "
+                f"so it exists from the LightningModule's prepare_data(), setup() and "
+                f"configure_model() hooks on; with Fabric once fabric.launch() has run. It was "
+                f"probably read in the LightningModule's __init__ or before trainer.fit / "
+                f"fabric.launch(). Read it in configure_model (e.g. "
+                f"tsp_core.parallelize(self.model, self.trainer.strategy.tsp_mesh)) or later, or "
+                f"let the strategy convert the model: it does so itself when configure_model "
+                f"leaves it unconverted")
         return self._tsp_mesh
 
     def _model_config(self) -> Any:
@@ -141,3 +155,6 @@ class TSPMeshMixin:
         self._tsp_mesh = TSPMesh.from_device_mesh(
             self.device_mesh, "tensor_parallel", self._layout,
             shard_dim="data_parallel" if self._fsdp else None)
+        timeout = getattr(self, "_timeout", None)
+        if timeout is not None:  # Lightning gives it to the default process group only
+            set_timeout(self._tsp_mesh, timeout)

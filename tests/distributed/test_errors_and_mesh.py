@@ -1,7 +1,11 @@
 """Bad input fails on every rank before any collective, with a message naming the numbers; the
-mesh puts TSP groups on consecutive ranks and wraps framework-made meshes."""
+mesh puts TSP groups on consecutive ranks and wraps framework-made meshes; ``init_mesh(timeout=)``
+bounds every group's collectives."""
 
 from __future__ import annotations
+
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -9,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.support import dist_pool
-from tsp_core import TSPAttention, TSPGatedMLP, TSPMesh, comm, init_mesh
+from tsp_core import TSPAttention, TSPGatedMLP, TSPMesh, comm, guard, init_mesh
 from tsp_core.distributed.mesh import check_mesh_shape
 
 
@@ -100,3 +104,57 @@ def test_mesh_groups_are_consecutive(pool):
         assert (f["rank"], f["size"], f["dp"]) == (r % 2, 2, 2)
         assert (f["next"], f["prev"]) == ((r + 1) % 2, (r + 1) % 2)
         assert f["wrapped"] == (2, r % 2, ("dp_shard",))
+
+
+def group_timeout(group: dist.ProcessGroup) -> float:
+    """The seconds a gloo group's collectives wait for the other ranks."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def mesh_timeout(seconds: float) -> dict:
+    # dp 2 x tsp 2: rank 0 starts a collective on its TSP group {0, 1} that rank 1 never joins,
+    # then one on its data-parallel group {0, 2} that rank 2 never joins; each raises after
+    # `seconds` (torch's default is 30 minutes)
+    world = dist.group.WORLD
+    before = group_timeout(world)
+    mesh = init_mesh(2, timeout=seconds)
+    groups = {"tsp": mesh.group, "dp": mesh.device_mesh.get_group("dp")}
+    out = {"timeouts": {name: group_timeout(g) for name, g in {"world": world, **groups}.items()}}
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=before), world)  # the pool's, again
+    if dist.get_rank() == 0 and set(out["timeouts"].values()) == {seconds}:  # else it would hang
+        for name, group in groups.items():
+            guard.reset()
+            start = time.monotonic()
+            with pytest.raises(guard.CollectiveError) as info:
+                comm.all_reduce(torch.ones(4), group)
+            out[name] = (time.monotonic() - start, str(info.value))
+    dist.barrier()
+    return out
+
+
+def test_init_mesh_timeout_bounds_every_group(pool):
+    seconds = 2.0
+    per_rank = pool.run(mesh_timeout, seconds)
+    for facts in per_rank:  # the default group too: init_mesh sets it when it exists already
+        assert facts["timeouts"] == {"world": seconds, "tsp": seconds, "dp": seconds}, facts
+    for name, ranks in (("tsp", "[0, 1]"), ("dp", "[0, 2]")):
+        waited, message = per_rank[0][name]
+        assert seconds <= waited < seconds + 20, (name, waited)
+        assert message.startswith(f"TSP collective all_reduce (call #1 on this group of 2 ranks, "
+                                  f"global ranks {ranks}"), message
+        assert f"Timed out waiting {seconds * 1000:.0f}ms" in message, message
+
+
+def test_a_bad_timeout_fails_before_any_process_group():
+    def groups() -> int:
+        return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
+
+    before = groups()
+    for bad in (0, -5, 0.0, timedelta(0), timedelta(seconds=-1), float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"timeout \(.*\) must be a positive duration: "
+                                             r"how long a collective may wait for the other"):
+            init_mesh(1, timeout=bad)
+    with pytest.raises(TypeError, match=r"timeout must be a datetime.timedelta or a number of "
+                                        r"seconds, got str '600'"):
+        init_mesh(1, timeout="600")
+    assert groups() == before

@@ -109,11 +109,15 @@ def mean_batch_loss(model, ids: torch.Tensor) -> float:
 
 def test_trainer_matches_one_process(tmp_path):
     # tsp 2 with 1 key/value head (each rank holds half of its rows), processes started by
-    # Lightning; then validate / test / predict, and export_hf
+    # Lightning; then validate / test / predict, and export_hf. TSPStrategy(timeout=...) reaches
+    # every group of the mesh, not only the default one Lightning gives it to
     run_job(str(tmp_path), "--devices", "2", "--kv-heads", "1", *SGD, "--evaluate",
-            "--export", str(tmp_path / "hf"))
+            "--export", str(tmp_path / "hf"), "--timeout", "123")
     runs = full_run(str(tmp_path))
     assert len(runs) == 2
+    for run in runs:
+        assert run["group_timeouts"] == {"world": 123, "data_parallel": 123,
+                                         "tensor_parallel": 123}, run["group_timeouts"]
     ref = reference(kv_heads=1, rows=4, dp=1, shuffle=True)
     assert_every_rank(runs, ref, "tsp 2, 1 kv head")
     # validate and test see sharded batches too; predict returns the local tokens' logits
@@ -344,6 +348,26 @@ def test_packed_batches(tmp_path):
     res, _ = result(str(tmp_path))
     want = doc_by_doc_loss(Documents(2).docs, build_llama())
     assert abs(res["losses"][0] - want) <= 1e-5 * want, (res["losses"], want)
+
+
+def test_reading_the_mesh_too_early_says_when_it_exists():
+    # the mesh is built in setup_environment; read before (in __init__, before trainer.fit or
+    # fabric.launch) the error says from which hook on it exists and what to do
+    import tsp_lightning
+
+    for cls in (tsp_lightning.TSPStrategy, tsp_lightning.TSPFabricStrategy):
+        with pytest.raises(RuntimeError) as info:
+            cls(tsp_size=2).tsp_mesh
+        message = str(info.value)
+        for words in (f"{cls.__name__}.tsp_mesh was read before the strategy built it",
+                      "builds the TSP mesh in setup_environment",
+                      "when trainer.fit (or validate, test, predict) starts",
+                      "from the LightningModule's prepare_data(), setup() and configure_model() "
+                      "hooks on", "once fabric.launch() has run",
+                      "probably read in the LightningModule's __init__ or before trainer.fit",
+                      "Read it in configure_model (e.g. tsp_core.parallelize(self.model, "
+                      "self.trainer.strategy.tsp_mesh)) or later"):
+            assert words in message, (words, message)
 
 
 def test_fsdp_options_fail_before_processes():

@@ -104,18 +104,33 @@ class Documents(Dataset):
 
 
 def strategy_name(a) -> str:
-    """``--strategy``, or with ``--tsp-size D`` the TSP strategy registered under a name with that
-    size: the Trainer refuses precision="64-true" for a ``ModelParallelStrategy`` *instance* (it
-    checks the flag before the strategy is set up), not for a registered name such as "tsp"."""
-    if not a.tsp_size:
+    """``--strategy``, or with ``--tsp-size D`` (or ``--timeout``) the TSP strategy registered
+    under a name with that size: the Trainer refuses precision="64-true" for a
+    ``ModelParallelStrategy`` *instance* (it checks the flag before the strategy is set up), not
+    for a registered name such as "tsp"."""
+    if not a.tsp_size and a.timeout is None:
         return a.strategy
+    from datetime import timedelta
+
     from lightning.pytorch.strategies import StrategyRegistry
 
-    name = (f"tsp_size_{a.tsp_size}" + ("_no_metrics" if a.metrics_off else "")
-            + ("_fsdp" if a.fsdp else "") + (f"_mp_{a.fsdp_mp}" if a.fsdp_mp else ""))
+    name = (f"tsp_size_{a.tsp_size or 'all'}" + ("_no_metrics" if a.metrics_off else "")
+            + ("_fsdp" if a.fsdp else "") + (f"_mp_{a.fsdp_mp}" if a.fsdp_mp else "")
+            + (f"_timeout_{a.timeout}" if a.timeout else ""))
+    timeout = {} if a.timeout is None else {"timeout": timedelta(seconds=a.timeout)}
     StrategyRegistry.register(name, tsp_lightning.TSPStrategy, override=True, tsp_size=a.tsp_size,
-                              metrics=not a.metrics_off, fsdp=a.fsdp, **fsdp_options(a))
+                              metrics=not a.metrics_off, fsdp=a.fsdp, **fsdp_options(a), **timeout)
     return name
+
+
+def group_timeouts(strategy) -> dict[str, float]:
+    """The seconds each process group of the strategy's mesh (and the default group) waits for
+    the other ranks in a collective."""
+    dm = strategy.tsp_mesh.device_mesh
+    groups = {"world": torch.distributed.group.WORLD,
+              **{name: dm.get_group(name) for name in dm.mesh_dim_names}}
+    return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, g in groups.items()}
 
 
 def fsdp_options(a) -> dict:
@@ -263,6 +278,8 @@ def run_trainer(a) -> dict:
     weights = full_weights(module.model)
     res = dict(losses=module.losses, logged=module.logged, norms=norms, weights=weights,
                grads0=module.grads0, rank=trainer.global_rank, grad_numel=module.grad_numel,
+               group_timeouts=group_timeouts(trainer.strategy)
+               if isinstance(trainer.strategy, tsp_lightning.TSPStrategy) else None,
                **storage(module.model))
     if a.metrics:
         res["metric_rows"], res["step_counts"] = recorder.rows, recorder.counters.steps
@@ -335,6 +352,8 @@ def parser() -> argparse.ArgumentParser:
                     help="TSPMonitor into a CSVLogger (out/csv), validation each epoch, a "
                          "checkpoint at step 3; record each step's counters")
     ap.add_argument("--tsp-size", type=int, default=None)
+    ap.add_argument("--timeout", type=int, default=None,
+                    help="TSPStrategy(timeout=timedelta(seconds=N))")
     ap.add_argument("--fsdp", action="store_true",
                     help="TSPStrategy(fsdp=True): FSDP2 over the data-parallel dim too")
     ap.add_argument("--fsdp-mp", choices=["bf16"], default=None,

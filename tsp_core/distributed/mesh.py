@@ -8,8 +8,10 @@ the data-parallel axis"). Code always names the dim it uses instead of assuming 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -113,9 +115,38 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group_from_env() -> None:
+def check_timeout(timeout: timedelta | float | None) -> timedelta | None:
+    """``timeout`` as a timedelta (a number is seconds), None left as is; raises unless it is a
+    positive duration."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got "
+                        f"{type(timeout).__name__} {timeout!r}")
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout ({timeout!r}) must be a positive duration: how long a "
+                         f"collective may wait for the other ranks before it raises, e.g. "
+                         f"timeout=600 or datetime.timedelta(minutes=10)")
+    return timedelta(seconds=seconds)
+
+
+def set_timeout(mesh: TSPMesh | DeviceMesh, timeout: timedelta | float) -> None:
+    """Give every process group of ``mesh`` (one per dim, on every rank) and the default process
+    group ``timeout``: a collective on one of them that the other ranks do not join within it
+    raises on gloo (NCCL's watchdog aborts the process). For a mesh a framework built, with
+    groups that kept torch's default (30 minutes on gloo, 10 on NCCL)."""
+    timeout = check_timeout(timeout)
+    device_mesh = mesh.device_mesh if isinstance(mesh, TSPMesh) else mesh
+    groups = [device_mesh.get_group(name) for name in device_mesh.mesh_dim_names]
+    for group in [dist.group.WORLD, *groups]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def init_process_group_from_env(timeout: timedelta | None = None) -> None:
     """Initialise the default process group from the launcher's environment (torchrun sets RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Without a launcher this is a one-process world."""
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Without a launcher this is a one-process world.
+    ``timeout``: the group's (None: torch's default)."""
     if dist.is_initialized():
         return
     backend = _default_backend()
@@ -130,11 +161,12 @@ def init_process_group_from_env() -> None:
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
             int(os.environ["WORLD_SIZE"]), is_master=False))
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     elif "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
 
 
 def check_mesh_shape(world_size: int, tsp_size: int, dp_size: int | None) -> int:
@@ -181,28 +213,43 @@ def check_dp_shard(dp_size: int, dp_shard: int) -> int:
 
 
 def init_mesh(tsp_size: int, dp_size: int | None = None, *, dp_shard: int | None = None,
-              layout: Layout = "zigzag") -> TSPMesh:
+              layout: Layout = "zigzag", timeout: timedelta | float | None = None) -> TSPMesh:
     """Build the mesh over all processes, TSP innermost, initialising the default process group
     first when needed (gloo on CPU, NCCL on CUDA). Without ``dp_shard`` it is ("dp", "tsp"), data
     parallel replicating each TSP group. With ``dp_shard`` it is ("dp_replicate", "dp_shard",
     "tsp"): the ``dp_size`` data-parallel ranks split into ``dp_size / dp_shard`` replicas of
     ``dp_shard`` ranks each, and :func:`tsp_core.parallelize` applies FSDP2 over "dp_shard" when
-    it is larger than 1 (HSDP when there are replicas too)."""
+    it is larger than 1 (HSDP when there are replicas too).
+
+    ``timeout`` (a ``datetime.timedelta`` or seconds; None: torch's default, 30 minutes on gloo
+    and 10 on NCCL) bounds how long a collective waits for the other ranks: it is passed to the
+    default process group when ``init_mesh`` creates it and set on every group of the mesh, so a
+    rank that died or took another code path makes the others fail after ``timeout`` instead of
+    the default. On gloo the collective raises (``tsp_core.guard.CollectiveError``, naming it);
+    on NCCL the watchdog aborts the process. If the default process group already exists (your
+    launcher or framework made it), it is kept and its timeout is set to ``timeout`` too (a mesh
+    dim that spans every process is that group). A bad ``timeout`` (zero, negative) raises
+    ``ValueError`` before any process group is made."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    timeout = check_timeout(timeout)
     if dp_shard is not None and dp_shard > 1:
         require(FSDP2_SPMD)  # before the process group and any collective
-    init_process_group_from_env()
+    init_process_group_from_env(timeout)
     dp_size = check_mesh_shape(dist.get_world_size(), tsp_size, dp_size)
     replicas = None if dp_shard is None else check_dp_shard(dp_size, dp_shard)
     warn_if_spanning_nodes(tsp_size)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if replicas is None:
-        mesh = init_device_mesh(device_type, (dp_size, tsp_size), mesh_dim_names=("dp", "tsp"))
-        return TSPMesh(mesh, "tsp", layout)
-    mesh = init_device_mesh(device_type, (replicas, dp_shard, tsp_size),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tsp"))
-    return TSPMesh(mesh, "tsp", layout, "dp_shard")
+        mesh = TSPMesh(init_device_mesh(device_type, (dp_size, tsp_size),
+                                        mesh_dim_names=("dp", "tsp")), "tsp", layout)
+    else:
+        mesh = TSPMesh(init_device_mesh(device_type, (replicas, dp_shard, tsp_size),
+                                        mesh_dim_names=("dp_replicate", "dp_shard", "tsp")),
+                       "tsp", layout, "dp_shard")
+    if timeout is not None:
+        set_timeout(mesh, timeout)
+    return mesh
 
 
 def get_mesh(model: torch.nn.Module) -> TSPMesh:
