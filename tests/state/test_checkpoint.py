@@ -335,14 +335,22 @@ def load_never_half_applies(tsp: int, root: str) -> list[str]:
         ({**want, "lm_head.bias": want[last][:, 0]},
          r"1 tensors this model does not have \(e.g. \['lm_head\.bias'\]\)"),
     ]
-    before = {k: local(v).clone() for k, v in model.state_dict().items()}
+    def every_tensor() -> dict[str, torch.Tensor]:
+        """Every parameter and buffer (non-persistent ones too) and the state dict's entries."""
+        return {**dict(model.named_parameters()), **dict(model.named_buffers()),
+                **model.state_dict()}
+
+    before = {k: local(v).clone() for k, v in every_tensor().items()}
+    assert any("inv_freq" in k for k in before), sorted(before)  # the rotary buffers are in
     msgs = []
     for source, pattern in cases:
         for load in (tsp_core.load_full_state_dict, check_full_state_dict):
             with pytest.raises(ValueError, match=pattern) as info:
                 load(model, source)
             msgs.append(str(info.value))
-            for k, v in model.state_dict().items():
+            now = every_tensor()
+            assert now.keys() == before.keys(), sorted(now.keys() ^ before.keys())
+            for k, v in now.items():
                 assert torch.equal(local(v), before[k]), \
                     f"{load.__name__} raised ({pattern}) after changing {k} " \
                     f"(rank {dist.get_rank()})"
@@ -352,7 +360,8 @@ def load_never_half_applies(tsp: int, root: str) -> list[str]:
                                   torch.ones(12, dtype=torch.float64)})
     tsp_core.load_full_state_dict(model, want)  # the good one changes every shard but the norms
     changed = {k for k, v in model.state_dict().items() if not torch.equal(local(v), before[k])}
-    assert changed == {k for k in before if "norm" not in k}, sorted(set(before) - changed)
+    assert changed == {k for k in model.state_dict() if "norm" not in k}, \
+        sorted(set(model.state_dict()) - changed)
     got = tsp_core.full_state_dict(model)
     assert all(torch.equal(got[k], t) for k, t in want.items())
     dist.barrier()
