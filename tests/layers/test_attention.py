@@ -284,3 +284,46 @@ def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads):
         assert bwd_bytes["reduce"] == pytest.approx(D * frac * shard * 8)
         assert bwd_bytes["reduce_scatter"] == pytest.approx(
             (heads_gathered * kv + kv_weights) * frac * 8)
+
+
+def test_size_errors_list_exactly_the_sizes_that_work():
+    # each check names the sizes that would pass it, exactly those it accepts (raised before
+    # any collective: these checks need no process group)
+    from types import SimpleNamespace
+
+    from tsp_core.layers.attention import check_attention_shape
+    from tsp_core.layers.mlp import TSPGatedMLP
+    from tsp_core.layers.moe import check_moe_shape
+    from tsp_core.layers.sizes import valid_tsp_sizes
+
+    with pytest.raises(ValueError, match=r"^tsp_size \(8\) must divide num_attention_heads "
+                                         r"\(12\); valid tsp_size values for 12 query and 12 "
+                                         r"key/value heads: 1, 2, 3, 4, 6, 12$"):
+        check_attention_shape(8, 768, 12, 12, 64)
+    with pytest.raises(ValueError, match=r"^num_key_value_heads \(4\) and tsp_size \(6\): one "
+                                         r"must divide the other, .*; valid tsp_size values for "
+                                         r"12 query and 4 key/value heads: 1, 2, 4, 12$"):
+        check_attention_shape(6, 768, 12, 4, 64)
+    for nq, nkv, want in ((12, 12, [1, 2, 3, 4, 6, 12]), (12, 4, [1, 2, 4, 12]),
+                          (32, 8, [1, 2, 4, 8, 16, 32]), (8, 1, [1, 2, 4, 8]), (6, 3, [1, 3, 6])):
+        assert valid_tsp_sizes(nq, nkv) == want, (nq, nkv)
+        for d in range(1, 2 * nq + 1):
+            try:
+                check_attention_shape(d, 8 * nq, nq, nkv, 8)
+                accepted = True
+            except ValueError as e:
+                accepted = False
+                assert str(e).endswith(f"{nkv} key/value heads: {', '.join(map(str, want))}"), e
+            assert accepted == (d in want), (nq, nkv, d)
+    with pytest.raises(ValueError, match=r"^tsp_size \(4\) must divide intermediate_size \(66\); "
+                                         r"valid tsp_size values for intermediate_size 66: 1, 2, "
+                                         r"3, 6, 11, 22, 33, 66$"):
+        TSPGatedMLP(SimpleNamespace(size=4), 64, 66)
+    for d in range(1, 13):  # experts owned whole: the divisors of 6
+        try:
+            check_moe_shape(d, 6, 2)
+            accepted = True
+        except ValueError as e:
+            accepted = False
+            assert "; valid tsp_size values for 6 experts: 1, 2, 3, 6; or moe_schedule" in str(e)
+        assert accepted == (d in (1, 2, 3, 6)), d

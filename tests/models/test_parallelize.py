@@ -114,11 +114,13 @@ def bad_models() -> list[str]:
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
                                       num_key_value_heads=6)),
-         r"tsp_size \(4\) must divide num_attention_heads \(6\)"),
+         r"tsp_size \(4\) must divide num_attention_heads \(6\); valid tsp_size values for "
+         r"this model: 1, 2$"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=66,
                                       num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=4)),
-         r"tsp_size \(4\) must divide intermediate_size \(66\)"),
+         r"tsp_size \(4\) must divide intermediate_size \(66\); valid tsp_size values for "
+         r"this model: 1, 2$"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=4, attention_dropout=0.1)),
@@ -144,7 +146,8 @@ def bad_models() -> list[str]:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cases.append((MixtralForCausalLM(MixtralConfig(num_local_experts=6, **small)),
-                  r"tsp_size \(4\) must divide the number of experts \(6\)"))
+                  r"tsp_size \(4\) must divide the number of experts \(6\).*; valid "
+                  r"tsp_size values for this model: 1, 2; or moe_schedule=\"ring\""))
     # a soft-cap of 0 (HF would divide by it) is refused, naming it
     cases.append((Gemma2ForCausalLM(Gemma2Config(attn_logit_softcapping=0.0, **small)),
                   r"Gemma2ForCausalLM: the attention soft-cap \(0\.0\) must be positive"))
@@ -206,6 +209,27 @@ def bad_models() -> list[str]:
         model(input_ids=ids[:, :4])
     with pytest.raises(ValueError, match="was not parallelized"):
         tsp_core.get_mesh(hf_models.build("llama", torch.float64))
+    # a plain model built from the config object a parallelized model shares (parallelize set
+    # "tsp" on it): its attention module says what happened and what to do instead
+    from transformers import AutoModelForCausalLM
+
+    config = LlamaConfig(vocab_size=96, **hf_models.COMMON)
+    plain = LlamaForCausalLM(config)
+    tsp_core.parallelize(LlamaForCausalLM(config), mesh)
+    with tsp_core.comm.track() as stats, pytest.raises(
+            RuntimeError, match=r'LlamaAttention called the "tsp" attention implementation, which '
+                                r"only tsp_core\.parallelize's attention modules \(HFTSPAttention\) "
+                                r"run: this LlamaAttention belongs to a model that was not "
+                                r"parallelized.* built from the same config object as a model "
+                                r"later given to tsp_core\.parallelize .*AutoModelForCausalLM\."
+                                r'from_config\(copy\.deepcopy\(config\), attn_implementation='
+                                r'"sdpa"\)') as e:
+        plain(input_ids=ids[:, :4])
+    assert not stats.calls
+    msgs.append(str(e.value))
+    # and the fix it names runs
+    AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")(
+        input_ids=ids[:, :4])
     return msgs
 
 
@@ -229,3 +253,37 @@ def test_gemma2_softcaps_change_the_loss():
                 layer.self_attn.attn_logit_softcapping = model.config.attn_logit_softcapping
             plain = hf_models.reference_loss(model, ids, ids).item()
             assert abs(plain - capped) > 1e-3 * abs(capped), (field, plain, capped)
+
+
+@pytest.mark.parametrize("intermediate, valid", [(24, [1, 2, 4, 12]), (18, [1, 2])])
+def test_size_errors_list_exactly_the_sizes_that_work(intermediate, valid):
+    # 12 query heads, 4 key/value heads: 3 and 6 divide the heads but split key/value heads
+    # unevenly; the intermediate size rules out more. Every refusal lists the sizes parallelize
+    # accepts and no other, and the planner (tsp plan) refuses exactly the same sizes
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tsp_core.baselines.layouts import LayoutSpec
+    from tsp_core.models.parallelize import _check
+    from tsp_core.models.policies import find_policy
+    from tsp_core.plan.cost import check_layout
+    from tsp_core.plan.traffic import ModelShape
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, num_hidden_layers=1,
+                                         intermediate_size=intermediate, num_attention_heads=12,
+                                         num_key_value_heads=4))
+    policy, shape = find_policy(model), ModelShape.from_config(model.config)
+    hint = "; valid tsp_size values for this model: " + ", ".join(map(str, valid))
+    accepted = []
+    for d in range(1, 25):
+        try:
+            _check(model, SimpleNamespace(size=d), policy, "expert")
+            accepted.append(d)
+        except ValueError as e:
+            assert str(e).startswith((f"tsp_size ({d}) must divide",
+                                      f"num_key_value_heads (4) and tsp_size ({d})")), str(e)
+            assert str(e).endswith(hint), (d, str(e))
+        planned = check_layout(shape, LayoutSpec("tsp", d))
+        assert (planned is None) == (d in accepted), (d, planned)
+    assert accepted == valid

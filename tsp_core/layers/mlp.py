@@ -27,6 +27,7 @@ from ..distributed.params import (
     local_replicated,
     schedule_inputs,
 )
+from .sizes import valid_sizes_hint, valid_tsp_sizes
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -119,8 +120,10 @@ class TSPGatedMLP(ShardedModule):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
         if intermediate_size % mesh.size:
+            hint = valid_sizes_hint(valid_tsp_sizes(None, None, intermediate_size),
+                                    f"intermediate_size {intermediate_size}")
             raise ValueError(f"tsp_size ({mesh.size}) must divide intermediate_size "
-                             f"({intermediate_size})")
+                             f"({intermediate_size}); {hint}")
         self.mesh = mesh
         self.spec = MLPSpec(hidden_size, intermediate_size, mesh.size, activation)
         f, h = intermediate_size, hidden_size

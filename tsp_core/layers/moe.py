@@ -50,6 +50,7 @@ from ..distributed.params import (
     schedule_inputs,
 )
 from .mlp import ACTIVATIONS, _act, _act_grad, check_local_input
+from .sizes import valid_sizes_hint, valid_tsp_sizes
 
 
 @dataclass(frozen=True)
@@ -69,18 +70,21 @@ class MoESpec:
 
 
 def check_moe_shape(tsp_size: int, num_experts: int, top_k: int,
-                    schedule: str = "expert") -> None:
-    """Raise, naming the numbers, when the routing is impossible or (schedule "expert") the
-    experts cannot be owned whole, 1/D each."""
+                    schedule: str = "expert", valid: Sequence[int] | None = None) -> None:
+    """Raise, naming the numbers and the sizes that would work, when the routing is impossible
+    or (schedule "expert") the experts cannot be owned whole, 1/D each. ``valid``: the whole
+    model's valid sizes (``parallelize`` passes them), else those of the experts."""
     if num_experts < 1 or not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of "
                          f"experts ({num_experts})")
     if schedule == "expert" and num_experts % tsp_size:
+        hint = (valid_sizes_hint(valid) if valid is not None else
+                valid_sizes_hint(valid_tsp_sizes(None, None, num_experts),
+                                 f"{num_experts} experts"))
         raise ValueError(f"tsp_size ({tsp_size}) must divide the number of experts "
                          f"({num_experts}): each rank owns E/D whole experts (uneven ownership "
-                         f"would break the 1/D memory rule); pick tsp_size from the divisors of "
-                         f"{num_experts}, or moe_schedule=\"ring\" (every expert's channels "
-                         f"split instead)")
+                         f"would break the 1/D memory rule); {hint}; or moe_schedule=\"ring\" "
+                         f"(every expert's channels split instead)")
 
 
 def recomputing() -> bool:
@@ -329,8 +333,10 @@ class TSPMoE(ShardedModule):
             raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
         check_moe_shape(mesh.size, num_experts, top_k, schedule)
         if schedule == "ring" and intermediate_size % mesh.size:
+            hint = valid_sizes_hint(valid_tsp_sizes(None, None, intermediate_size),
+                                    f"the experts' intermediate size {intermediate_size}")
             raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
-                             f"({intermediate_size}) under the ring schedule")
+                             f"({intermediate_size}) under the ring schedule; {hint}")
         self.mesh, self.schedule = mesh, schedule
         self.spec = MoESpec(hidden_size, intermediate_size, num_experts, top_k, mesh.size,
                             activation, norm_topk, weights_in_logits_dtype)

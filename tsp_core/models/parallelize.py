@@ -33,6 +33,7 @@ from ..layers.moe import (
     load_balancing_loss,
 )
 from ..layers.norm import TSPRMSNorm
+from ..layers.sizes import valid_sizes_hint, valid_tsp_sizes
 from ..layers.vocab import TSPEmbedding, TSPLMHead
 from ..sequence.layout import IGNORE_INDEX, document_lengths, shard_batch
 from ..state.checkpoint import save_pretrained
@@ -278,13 +279,33 @@ def _tsp_class(cls: type) -> type:
     return _TSP_CLASSES[cls]
 
 
+def unreplaced_attention_message(module: Any) -> str:
+    """Why a Hugging Face attention module called the "tsp" implementation, and the fix. Only a
+    model that ``parallelize`` did not convert does: ``parallelize`` replaces every attention
+    module and sets ``config._attn_implementation = "tsp"`` on the model's config object, which
+    every model built from that same object shares (transformers keeps it, it does not copy
+    it), and on which a model built from ``tsp_model.config`` starts."""
+    name = type(module).__name__
+    return (f"{name} called the \"{ATTN_IMPLEMENTATION}\" attention implementation, which only "
+            f"tsp_core.parallelize's attention modules (HFTSPAttention) run: this {name} belongs "
+            f"to a model that was not parallelized, whose config says "
+            f"attn_implementation=\"{ATTN_IMPLEMENTATION}\". That happens when a plain model is "
+            f"built from the same config object as a model later given to tsp_core.parallelize "
+            f"(parallelize sets config._attn_implementation = \"{ATTN_IMPLEMENTATION}\" on it) "
+            f"or from a TSP model's config, or given attn_implementation=\""
+            f"{ATTN_IMPLEMENTATION}\". Give the plain model a config of its own, e.g. "
+            f"AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="
+            f"\"sdpa\"); to run this model with TSP, call tsp_core.parallelize(model, mesh)")
+
+
 def _register_attention_implementation() -> None:
     """Register "tsp" with transformers so that the model builds no attention mask (the TSP
-    modules compute the causal pattern themselves)."""
+    modules compute the causal pattern themselves). A module that calls it was not replaced
+    (:func:`unreplaced_attention_message`)."""
     from transformers import AttentionInterface
 
-    def never_called(*args: Any, **kwargs: Any):
-        raise RuntimeError("TSP attention runs inside the replaced attention modules")
+    def never_called(module: Any = None, *args: Any, **kwargs: Any):
+        raise RuntimeError(unreplaced_attention_message(module))
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, never_called)
 
@@ -297,18 +318,22 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
     nq = c.num_attention_heads
     nkv = getattr(c, "num_key_value_heads", None) or nq
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
-    check_attention_shape(mesh.size, c.hidden_size, nq, nkv, head_dim)
     layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
     sparse = [policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers]
-    if any(sparse):
-        spec = _moe_spec(c, policy, mesh)
-        check_moe_shape(mesh.size, spec.num_experts, spec.top_k, moe_schedule)
+    spec = _moe_spec(c, policy, mesh) if any(sparse) else None
+    divided = [] if all(sparse) else [c.intermediate_size]  # what is cut into tsp_size slices
+    if spec is not None:
+        divided.append(spec.num_experts if moe_schedule == "expert" else spec.intermediate_size)
+    hint = valid_sizes_hint(valid := valid_tsp_sizes(nq, nkv, *divided))
+    check_attention_shape(mesh.size, c.hidden_size, nq, nkv, head_dim, valid)
+    if spec is not None:
+        check_moe_shape(mesh.size, spec.num_experts, spec.top_k, moe_schedule, valid)
         if moe_schedule == "ring" and spec.intermediate_size % mesh.size:
             raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
-                             f"({spec.intermediate_size}) under the ring schedule")
+                             f"({spec.intermediate_size}) under the ring schedule; {hint}")
     if not all(sparse) and c.intermediate_size % mesh.size:
         raise ValueError(f"tsp_size ({mesh.size}) must divide intermediate_size "
-                         f"({c.intermediate_size})")
+                         f"({c.intermediate_size}); {hint}")
     refused = [f"config.{name}={getattr(c, name)!r} ({what})" for name, what in policy.unsupported
                if getattr(c, name, None)]
     if refused:

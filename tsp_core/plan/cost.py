@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..baselines.layouts import LAYOUTS, LayoutSpec, layout_specs
+from ..layers.sizes import valid_tsp_sizes
 from .fsdp_sim import FSDP_LAYOUTS  # FSDP2 over context parallel is neither simulated nor planned
 from .hardware import Cluster
 from .memory import _param_counts, estimate
@@ -74,15 +75,20 @@ def candidates(degrees: list[int]) -> list[LayoutSpec]:
 
 def check_layout(shape: ModelShape, lay: LayoutSpec) -> str | None:
     """Why ``lay`` cannot run this model, or None."""
-    if lay.name == "tsp":
+    if lay.name == "tsp":  # tsp_core.parallelize's rule (valid_tsp_sizes), schedule (a) for MoE
         d = lay.tp
+        divided = [shape.intermediate_size] if shape.num_dense_layers else []
+        divided += [shape.num_experts] if shape.is_moe else []  # E/D whole experts per rank
+        if d in valid_tsp_sizes(shape.num_heads, shape.num_kv_heads, *divided):
+            return None
         if shape.num_heads % d:
             return f"D ({d}) must divide num_attention_heads ({shape.num_heads})"
-        if shape.num_kv_heads >= d and shape.num_kv_heads % d:
-            return f"D ({d}) must divide num_key_value_heads ({shape.num_kv_heads}) when it is below it"
-        if shape.is_moe and shape.num_experts % d:  # schedule (a): E/D whole experts per rank
+        if shape.num_kv_heads % d and d % shape.num_kv_heads:
+            return (f"D ({d}) and num_key_value_heads ({shape.num_kv_heads}): one must divide "
+                    f"the other")
+        if shape.is_moe and shape.num_experts % d:
             return f"D ({d}) must divide the number of experts ({shape.num_experts})"
-        return None
+        return f"D ({d}) must divide intermediate_size ({shape.intermediate_size})"
     sizes = [("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads)]
     if shape.num_dense_layers:
         sizes.append(("intermediate_size", shape.intermediate_size))

@@ -21,24 +21,36 @@ from ...distributed.params import (
     schedule_inputs,
 )
 from .. import rope
+from ..sizes import valid_sizes_hint, valid_tsp_sizes
 from .per_group import PerGroupAttentionFn
 from .phased import PhasedAttentionFn
 from .rounds import AttentionSpec
 
 
 def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> None:
-    """Raise, naming the numbers, when the heads cannot be split over ``tsp_size`` ranks."""
-    if num_heads % tsp_size:
-        raise ValueError(f"tsp_size ({tsp_size}) must divide num_attention_heads ({num_heads})")
+                          head_dim: int, valid: Sequence[int] | None = None) -> None:
+    """Raise, naming the numbers and the sizes that would work, when the heads cannot be split
+    over ``tsp_size`` ranks. ``valid``: the whole model's valid sizes (``parallelize`` passes
+    them), else those of these heads."""
     if num_kv_heads < 1 or num_heads % num_kv_heads:
+        if num_heads % tsp_size:
+            raise ValueError(f"tsp_size ({tsp_size}) must divide num_attention_heads "
+                             f"({num_heads})")
         raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide "
                          f"num_attention_heads ({num_heads})")
+    if valid is None:
+        valid = valid_tsp_sizes(num_heads, num_kv_heads)
+        what = f"{num_heads} query and {num_kv_heads} key/value heads"
+    else:
+        what = "this model"
+    hint = valid_sizes_hint(valid, what)
+    if num_heads % tsp_size:
+        raise ValueError(f"tsp_size ({tsp_size}) must divide num_attention_heads ({num_heads}); "
+                         f"{hint}")
     if num_kv_heads % tsp_size and tsp_size % num_kv_heads:
         raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tsp_size ({tsp_size}): one "
                          f"must divide the other, so that each rank's query heads share whole "
-                         f"key/value heads; pick tsp_size from the divisors or multiples of "
-                         f"{num_kv_heads}")
+                         f"key/value heads; {hint}")
     if hidden_size < 1 or head_dim < 1:
         raise ValueError(f"hidden_size ({hidden_size}) and head_dim ({head_dim}) must be positive")
 
