@@ -1,5 +1,7 @@
-"""``TSPTrainingArguments`` and ``TSPTrainer``: the transformers Trainer with TSP switched on by
-one argument (``tsp_size``, also ``--tsp_size`` through ``HfArgumentParser``).
+"""``TSPTrainingArguments`` and ``TSPTrainer``: the transformers Trainer with TSP, switched on by
+using ``TSPTrainer`` in place of ``Trainer`` (its ``args`` may stay a plain ``TrainingArguments``).
+The degree is ``tsp_size`` (also ``--tsp_size`` through ``HfArgumentParser``); unset, it is
+``TSP_SIZE`` from the environment, else every process of a node, as for the other adapters.
 
 The Trainer's model is converted before the Trainer sees it; its Accelerator is a
 :class:`tsp_accelerate.TSPAccelerator` (so every rank of a TSP group gets the same batches and no
@@ -43,13 +45,14 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler
 
 import tsp_core
 from tsp_accelerate import TSPAccelerator
+from tsp_accelerate.accelerator import _tsp_size as accelerate_tsp_size
 from tsp_accelerate.accelerator import check_fsdp_plugin, check_fsdp_version, fsdp_sizes
 from tsp_core.distributed.mesh import get_mesh
 from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.distributed.params import ShardedModule
 from tsp_core.layers.vocab import TSPEmbedding
 from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
-from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
+from tsp_core.plan.auto import TSPChoice, is_auto, log_choice
 from tsp_core.state.checkpoint import check_full_state_dict
 from tsp_core.state.resharding import MARKER as RESHARDABLE_MARKER
 from tsp_core.state.resharding import check_checkpoint
@@ -96,10 +99,12 @@ def _keep_other_defaults(cls: type) -> None:
 
 @dataclass
 class TSPTrainingArguments(TrainingArguments):
-    tsp_size: str = field(default="1", metadata={
+    tsp_size: str | None = field(default=None, metadata={
         "help": "TSP degree: how many processes share each weight matrix and each sequence "
                 "(1 = off). Must divide the number of processes; data parallel takes the rest. "
-                "'auto': the smallest degree inside a node that fits in memory (the planner)."})
+                "Unset: TSP_SIZE from the environment, else every process of a node "
+                "(LOCAL_WORLD_SIZE), as TSPAccelerator and TSPStrategy. 'auto': the smallest "
+                "degree inside a node that fits in memory (the planner)."})
     tsp_seq_len: int | None = field(default=None, metadata={
         "help": "sequence length tsp_size='auto' plans for (default: TSP_SEQ_LEN, else the "
                 "model's max_position_embeddings)"})
@@ -116,7 +121,7 @@ class TSPTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not is_auto(self.tsp_size):
+        if self.tsp_size is not None and not is_auto(self.tsp_size):
             self.tsp_size = int(self.tsp_size)  # "2" from the command line, 2 from code
         self._tsp_replicas: int | None = None
 
@@ -167,14 +172,42 @@ def require_transformers(found: str | None = None) -> None:
 
 
 def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
-    """The degree ``TSPTrainer`` builds its mesh with: ``args.tsp_size``, or for "auto" the
-    planner's choice for ``model``'s config, ``args.tsp_seq_len`` (or ``TSP_SEQ_LEN`` / the
-    config's max_position_embeddings) and ``per_device_train_batch_size`` sequences per step,
-    inside the node's processes (``LOCAL_WORLD_SIZE``). The same on every rank."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return choose_tsp_size(args.tsp_size, model_config=getattr(model, "config", None),
-                           local_processes=local, seq_len=args.tsp_seq_len,
-                           memory_gb=args.tsp_memory_gb, batch=args.per_device_train_batch_size)
+    """The degree ``TSPTrainer`` builds its mesh with, by ``TSPAccelerator``'s rule (the Trainer's
+    accelerator is one): ``args.tsp_size``; unset, ``TSP_SIZE`` from the environment, else every
+    process of the node (``LOCAL_WORLD_SIZE``); for "auto" the planner's choice for ``model``'s
+    config, ``args.tsp_seq_len`` (or ``TSP_SEQ_LEN`` / the config's max_position_embeddings) and
+    ``per_device_train_batch_size`` sequences per step, inside the node's processes. The same on
+    every rank, before any collective."""
+    return accelerate_tsp_size(args.tsp_size, None, getattr(model, "config", None),
+                               args.tsp_seq_len, args.tsp_memory_gb,
+                               args.per_device_train_batch_size)
+
+
+def requested_tsp_size(args: Any) -> int | str:
+    """The TSP degree ``args`` ask for before the model is known: the resolved size, or "auto"
+    (which needs the model's config); 1 without arguments (the trainer's own then: no TSP)."""
+    if args is None:
+        return 1
+    size = getattr(args, "tsp_size", None)
+    if size is None and is_auto(os.environ.get("TSP_SIZE")):
+        return "auto"
+    return "auto" if is_auto(size) else accelerate_tsp_size(size, None).size
+
+
+def with_tsp_fields(args: TrainingArguments, cls: type) -> TSPTrainingArguments:
+    """``args`` as ``cls`` (``TSPTrainingArguments`` or a composition of it with ``args``'s
+    class, such as ``tsp_trl.TSPSFTConfig``): every field ``args`` has, TSP's at their defaults,
+    so a plain ``TrainingArguments`` given to ``TSPTrainer`` means TSP with its defaults (as TRL's
+    SFTTrainer turns a ``TrainingArguments`` into an ``SFTConfig``). Another subclass is refused
+    with the class to compose."""
+    if isinstance(args, TSPTrainingArguments):
+        return args
+    if not isinstance(args, TrainingArguments) or not issubclass(cls, type(args)):
+        raise TypeError(f"TSP trainers take {cls.__name__} or a class it extends, got "
+                        f"{type(args).__name__}; for your own arguments class compose it with "
+                        f"TSP's fields: @dataclass class MyArgs({type(args).__name__}, "
+                        f"TSPTrainingArguments)")
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
 
 
 def bypass_message(trainer: Any, what: str) -> str:
@@ -214,15 +247,23 @@ class _OpenMetricsWindow(TrainerCallback):
 
 class TSPTrainer(Trainer):
     """``Trainer`` with TSP when the resolved ``args.tsp_size`` exceeds 1 (``tsp_choice``);
-    otherwise exactly ``Trainer``. With ``args.tsp_metrics`` every training log (each
-    ``logging_steps``) also carries TSP's per-step figures since the previous one
-    (``tsp_core.metrics``; evaluation and checkpoint saving left out), so every ``report_to``
-    integration receives them."""
+    otherwise exactly ``Trainer``. ``args`` may be a plain ``TrainingArguments`` (or none, as
+    for ``Trainer``): TSP's fields then take their defaults, so every process of a node forms
+    one TSP group. With ``args.tsp_metrics`` every training log (each ``logging_steps``) also
+    carries TSP's per-step figures since the previous one (``tsp_core.metrics``; evaluation and
+    checkpoint saving left out), so every ``report_to`` integration receives them."""
 
-    def __init__(self, model=None, args: TSPTrainingArguments | None = None, *rest: Any,
+    # what plain arguments become (a trainer mixed in sets its config's TSP composition)
+    tsp_args_class: type = TSPTrainingArguments
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *rest: Any,
                  **kwargs: Any) -> None:
+        if args is None and self.tsp_args_class is TSPTrainingArguments:
+            args = TSPTrainingArguments(output_dir="tmp_trainer")  # Trainer's own default
+        elif args is not None:
+            args = with_tsp_fields(args, self.tsp_args_class)
         self.tsp_choice = None
-        if args is not None and hasattr(args, "tsp_size"):
+        if args is not None:
             self.tsp_choice = resolve_tsp_size(args, model)  # before any collective, every rank
             log_choice(self.tsp_choice)
         self._tsp = self.tsp_choice is not None and self.tsp_choice.size > 1

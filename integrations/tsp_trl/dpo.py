@@ -39,8 +39,7 @@ class TSPDPOTrainer(TSPTrainer, DPOTrainer):
     def __init__(self, model: Any = None, ref_model: Any = None,
                  args: TSPDPOConfig | None = None, **kwargs: Any) -> None:
         check_model_object(model, args, type(self).__name__)
-        tsp = args is not None and str(getattr(args, "tsp_size", 1)) != "1"
-        with native_fused_head(trl_dpo, self._to_tsp if tsp else None, full=True):
+        with native_fused_head(trl_dpo, self._to_tsp, full=True):
             super().__init__(model, args=args, ref_model=ref_model, **kwargs)
         if not self._tsp:
             return
@@ -49,8 +48,13 @@ class TSPDPOTrainer(TSPTrainer, DPOTrainer):
         # data-parallel gather of TSPAccelerator counts each token once
         self._tp_size = 1
 
+    tsp_args_class = TSPDPOConfig  # what a plain DPOConfig / TrainingArguments becomes
+
     def _to_tsp(self, model: nn.Module) -> None:
-        """The reference model, on the policy's mesh (every rank, before any step)."""
+        """The reference model, on the policy's mesh (every rank, before any step); without
+        TSP (the resolved size is 1) left as it is."""
+        if not self._tsp:
+            return
         tsp_core.parallelize(model, get_mesh(self.model))
         shard_full_batches(model)
         model.requires_grad_(False)

@@ -16,6 +16,7 @@ from trl import SFTConfig, SFTTrainer
 from tsp_core.distributed import comm
 from tsp_core.distributed.mesh import get_mesh
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
+from tsp_transformers.trainer import requested_tsp_size
 
 from .fused_head import metrics_summed_over, native_fused_head, refuse_aux_loss
 
@@ -28,8 +29,9 @@ class TSPSFTConfig(SFTConfig, TSPTrainingArguments):
 def check_model_object(model: Any, args: Any, trainer: str) -> None:
     """TSP converts the model object it is given: a model name or path is refused (before any
     collective) with the fix."""
-    if isinstance(model, str) and str(getattr(args, "tsp_size", 1)) != "1":
-        raise ValueError(f"{trainer} with tsp_size={args.tsp_size} converts the model it is "
+    size = requested_tsp_size(args)
+    if isinstance(model, str) and size != 1:
+        raise ValueError(f"{trainer} with tsp_size={size} converts the model it is "
                          f"given: load {model!r} first (AutoModelForCausalLM.from_pretrained, "
                          f"or tsp_transformers.load_pretrained to read it shard by shard)")
 
@@ -42,6 +44,7 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
     metrics before TRL gathers them over data parallel."""
 
     _tsp_per_replica_token_counts = True  # compute_loss: average_tokens_across_devices=False
+    tsp_args_class = TSPSFTConfig  # what a plain SFTConfig / TrainingArguments becomes
 
     def __init__(self, model: Any = None, args: TSPSFTConfig | None = None, *rest: Any,
                  **kwargs: Any) -> None:

@@ -124,7 +124,7 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
     """One 2-process launch: TSPTrainer at tsp 2; the plain Trainer at dp 2 (what dp 2 x tsp 2
     must report); both again with batch_rebalance; tsp_size="auto" under run_clm.py's logging
     (planned for 24 tokens x 2 rows in 0.6 MB: 0.94 MB at D=1 does not fit 0.9 x 0.6 MB, 0.46 MB
-    at D=2 does), one step."""
+    at D=2 does), one step; TSPTrainer given a plain TrainingArguments (the one switch)."""
     out = tmp_path_factory.mktemp("two_processes")
     proc = launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"),
                                       *SGD, "--out", str(out), "--case",
@@ -133,7 +133,8 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
                                       f"rebalance --tsp_size 2 {REBALANCE}",
                                       f"rebalance_plain_dp2 --plain true --rows 16 {REBALANCE}",
                                       "auto --tsp_size auto --tsp_seq_len 24 --tsp_memory_gb "
-                                      "0.0006 --max_steps 1 --clm_logging true"),
+                                      "0.0006 --max_steps 1 --clm_logging true",
+                                      "switch --plain_args true"),
                       2, timeout=400)
     with open(out / "output.txt", "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -201,6 +202,11 @@ def test_tsp_trainer_matches_one_process(two_processes, one_process):
     sequential = ref["losses"]
     assert any(abs(a - b) > 1e-4 for a, b in zip(rebalanced["losses"], sequential)), \
         ("batch_rebalance must take other rows than the sequential order", sequential)
+    # the one switch: Trainer replaced by TSPTrainer, the arguments a plain TrainingArguments
+    # (no tsp_size): TSP over every process of the node, one process's losses and weights
+    switch = full_run(os.path.join(two_processes, "switch"))
+    assert [run["tsp_size"] for run in runs + switch] == [2, 2, 2, 2], "the TSP degree"
+    assert_every_rank(switch, ref, "TSPTrainer(args=TrainingArguments(...)), 2 processes")
 
 
 def test_auto_choice_is_said_under_run_clm_logging(two_processes):
@@ -455,3 +461,57 @@ def test_per_replica_token_averaging_is_refused(monkeypatch, tmp_path):
                                          r"with tsp_size 2"):
         TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
     assert not dist.is_initialized(), "refused after starting a process group"
+
+
+def test_unset_tsp_size_is_every_process_of_a_node(monkeypatch, tmp_path):
+    """TSPTrainer's degree follows the other adapters' rule: tsp_size, else TSP_SIZE, else every
+    process of a node; a plain TrainingArguments (or TRL's SFTConfig) becomes TSP's class with
+    every field kept and TSP's at their defaults; another arguments class is refused with the
+    class to compose. No process group starts."""
+    from transformers import TrainingArguments
+    from trl import SFTConfig
+
+    from tsp_transformers.trainer import (
+        TSPTrainingArguments,
+        requested_tsp_size,
+        resolve_tsp_size,
+        with_tsp_fields,
+    )
+    from tsp_trl import TSPSFTConfig
+    from tsp_trl.sft import check_model_object
+
+    for key in ("TSP_SIZE", "ACCELERATE_USE_PARALLELISM_CONFIG", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a node's processes (as torchrun sets it)
+    out = str(tmp_path)
+    args = TSPTrainingArguments(output_dir=out, use_cpu=True)
+    assert args.tsp_size is None
+    choice = resolve_tsp_size(args, None)
+    assert (choice.size, choice.reason) == (4, "tsp_size unset: every process of a node (4)")
+    plain = TrainingArguments(output_dir=out, use_cpu=True, learning_rate=0.5, optim="sgd",
+                              lr_scheduler_type="constant", max_grad_norm=0.5,
+                              report_to="none", seed=3)
+    converted = with_tsp_fields(plain, TSPTrainingArguments)
+    assert type(converted) is TSPTrainingArguments and converted.tsp_size is None
+    want = {**plain.to_dict(), "tsp_size": None, "tsp_seq_len": None, "tsp_memory_gb": None,
+            "tsp_metrics": True}
+    assert converted.to_dict() == want
+    assert resolve_tsp_size(converted, None).size == requested_tsp_size(plain) == 4
+    with pytest.raises(ValueError, match=r"TSPSFTTrainer with tsp_size=4 converts the model"):
+        check_model_object("some/model", plain, "TSPSFTTrainer")
+    monkeypatch.setenv("TSP_SIZE", "2")
+    assert resolve_tsp_size(converted, None).size == requested_tsp_size(plain) == 2
+    assert resolve_tsp_size(TSPTrainingArguments(output_dir=out, use_cpu=True, tsp_size=1),
+                            None).size == 1
+    monkeypatch.setenv("TSP_SIZE", "1")
+    check_model_object("some/model", plain, "TSPSFTTrainer")  # no TSP: a path is fine
+    sft = with_tsp_fields(SFTConfig(output_dir=out, use_cpu=True), TSPSFTConfig)
+    assert type(sft) is TSPSFTConfig and (sft.learning_rate, sft.tsp_size) == (2e-5, None)
+
+    class MyArgs(TrainingArguments):
+        pass
+
+    with pytest.raises(TypeError, match=r"got MyArgs; .*@dataclass class MyArgs\(MyArgs, "
+                                        r"TSPTrainingArguments\)"):
+        with_tsp_fields(MyArgs(output_dir=out, use_cpu=True), TSPTrainingArguments)
+    assert not dist.is_initialized()

@@ -8,6 +8,8 @@ clipping (``grads0.pt``).
 with ARGS added to the command line's, results in --out/NAME, output_dir/NAME.
 
 ``--plain true``: transformers' own ``Trainer`` (the reference for what the Trainer reports).
+``--plain_args true``: ``TSPTrainer`` given a plain ``TrainingArguments`` (the one switch: TSP's
+fields take their defaults); every rank records the TSP degree the trainer chose (``tsp_size``).
 ``--figures true``: every rank also records what the Trainer derived from the number of processes
 (``figures``: the training arithmetic, the batches and samples behind each ``*_per_second``
 of training, evaluation and a final ``predict()`` on the evaluation rows,
@@ -41,12 +43,14 @@ from transformers import (
     HfArgumentParser,
     Trainer,
     TrainerCallback,
+    TrainingArguments,
 )
 
 import tsp_core
 from tests.jobs.accelerate_job import fsdp_units
 from tests.support.hf_models import full_grads, storage_bytes
 from tests.support.metrics_check import StepCounters
+from tsp_core.distributed.mesh import get_mesh
 from tsp_core.models.parallelize import TSPCausalLM
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
@@ -62,6 +66,7 @@ class JobArgs:
     dtype: str = field(default="float32")
     eval_first: bool = field(default=False)
     plain: bool = field(default=False)
+    plain_args: bool = field(default=False)
     figures: bool = field(default=False)
     clm_logging: bool = field(default=False)
     case: list[str] = field(default_factory=list)
@@ -235,7 +240,9 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
     os.makedirs(job.out, exist_ok=True)
     with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
         json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"],
-                   "metric_rows": log.metric_rows, "step_counts": log.counters.steps, **extra}, f)
+                   "metric_rows": log.metric_rows, "step_counts": log.counters.steps,
+                   "tsp_size": get_mesh(model).size if isinstance(model, TSPCausalLM) else 1,
+                   **extra}, f)
     if rank == 0:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
         if first:
@@ -249,6 +256,7 @@ def main() -> None:
     job, args = parser.parse_args_into_dataclasses(args=argv)
     if not job.case:
         return train(job, args)
+    plain_parser = HfArgumentParser((JobArgs, TrainingArguments))  # no --tsp_* flags
     base = argv[:argv.index("--case")]  # --case takes the rest of the command line
     fsdp = False
     for spec in job.case:
@@ -259,6 +267,9 @@ def main() -> None:
         # case's Accelerator build one
         os.environ.pop("ACCELERATE_USE_FSDP", None)
         case, case_args = parser.parse_args_into_dataclasses(args=[*base, *extra])
+        if case.plain_args:
+            case, case_args = plain_parser.parse_args_into_dataclasses(args=[*base, *extra])
+            assert type(case_args) is TrainingArguments, type(case_args)
         case.out = os.path.join(job.out, name)
         case_args.output_dir = os.path.join(args.output_dir, name)
         # the Trainer's Accelerator keeps its parallelism config in a process-wide state: a new
