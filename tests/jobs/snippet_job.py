@@ -30,7 +30,7 @@ FRESH_PORT_KEY = "tsp_snippets/port/{}"
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
