@@ -38,12 +38,27 @@ from tsp_core.models.parallelize import TSPCausalLM
 from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
 
 
+def check_mesh(mesh: TSPMesh) -> None:
+    """DeepSpeed takes one data-parallel group, and its ZeRO partitions the model state over it
+    itself: any other mesh is refused, the same on every rank, before anything changes."""
+    if mesh.shard_dim is not None:
+        raise ValueError(
+            f"tsp_deepspeed got a mesh with dp_shard={mesh.fsdp_size} (dims "
+            f"{mesh.device_mesh.mesh_dim_names}): DeepSpeed's ZeRO shards the model and optimizer "
+            f"state over the data-parallel ranks itself, so the mesh must not shard them too. "
+            f"Build it without dp_shard, tsp_core.init_mesh(tsp_size={mesh.size}) (data parallel "
+            f"{mesh.dp_size}), and parallelize with that (or pass the unconverted model); choose "
+            f"how much ZeRO shards with zero_optimization.stage in the DeepSpeed config")
+    if len(mesh.other_dims) != 1:
+        raise ValueError(f"DeepSpeed takes one data-parallel dim; the mesh has {mesh.other_dims}: "
+                         f"build it with tsp_core.init_mesh(tsp_size={mesh.size})")
+
+
 class TSPMPU:
     """The model-parallel unit DeepSpeed asks for: data-parallel and TSP groups."""
 
     def __init__(self, mesh: TSPMesh) -> None:
-        if len(mesh.other_dims) != 1:
-            raise ValueError(f"DeepSpeed takes one data-parallel dim; the mesh has {mesh.other_dims}")
+        check_mesh(mesh)
         self.mesh, self._dm, (self._dp_dim,) = mesh, mesh.device_mesh, mesh.other_dims
 
     def get_data_parallel_group(self):
@@ -143,6 +158,7 @@ def initialize(model: nn.Module, config: dict | str | None = None, tsp_size: int
     given = None if model_parameters is None else list(model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
     tsp_model, mesh = _convert(model, tsp_size or section.get("size"), section, config)
+    check_mesh(mesh)  # before the model changes
     _count_data_parallel_ranks(config, mesh)
     remove_gradient_sync(tsp_model)
     tsp_model._tsp_grad_scale = mesh.dp_size

@@ -90,10 +90,23 @@ def test_zero_stages_match_one_process(tmp_path, procs, stage, tsp, kv_heads):
 
 
 def test_zero1_keeps_a_quarter_of_the_optimizer_state(tmp_path):
-    res, weights = run_job(tmp_path, 4, "--stage", "1", "--tsp", "2")
+    # first, in the same processes: a model parallelized with a dp_shard mesh (FSDP2 over the 2
+    # data-parallel ranks) is refused on every rank before any collective, with the model left
+    # as it was, saying what to do
+    res, weights = run_job(tmp_path, 4, "--stage", "1", "--tsp", "2", "--refuse-dp-shard")
     ref = reference(4)
     assert_matches(res, weights, ref)
-    assert_zero1_quarter(ranks(tmp_path), ref[2])
+    runs = ranks(tmp_path)
+    assert_zero1_quarter(runs, ref[2])
+    for run in runs:
+        refusal = run["dp_shard_refusal"]
+        assert refusal["collectives"] == {} and refusal["unchanged"], refusal
+        assert refusal["message"].startswith(
+            "tsp_deepspeed got a mesh with dp_shard=2 (dims ('dp_replicate', 'dp_shard', "
+            "'tsp')): DeepSpeed's ZeRO shards the model and optimizer state over the "
+            "data-parallel ranks itself"), refusal
+        assert ("Build it without dp_shard, tsp_core.init_mesh(tsp_size=2) (data parallel 2)"
+                in refusal["message"]), refusal
 
 
 def assert_zero1_quarter(runs: list[dict], one_process_bytes: int) -> None:

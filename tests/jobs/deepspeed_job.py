@@ -51,6 +51,26 @@ def record_zero0_norms() -> list[float]:
     return norms
 
 
+def refuse_dp_shard(tsp: int, kv_heads: int) -> dict:
+    """tsp_deepspeed.initialize on a model parallelized with a dp_shard mesh (FSDP2 over data
+    parallel): the error, the TSP collectives issued before it and whether the model's parameters
+    are still the DTensors parallelize made."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = tsp_core.init_mesh(tsp, dp_shard=int(os.environ["WORLD_SIZE"]) // tsp)
+    model = tsp_core.parallelize(build("llama", torch.float32, kv_heads=kv_heads), mesh)
+    before = {n: p for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    message = None
+    with tsp_core.comm.track() as stats:
+        try:
+            tsp_deepspeed.initialize(model=model, config=config(1))
+        except ValueError as e:
+            message = str(e)
+    return {"message": message, "collectives": dict(stats.calls),
+            "unchanged": len(before) > 0 and {n: id(p) for n, p in model.named_parameters()}
+            == {n: id(p) for n, p in before.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, default=1)
@@ -62,8 +82,11 @@ def main() -> None:
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--refuse-dp-shard", action="store_true",
+                    help="first: a model parallelized with dp_shard, refused (refuse_dp_shard)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    refusal = refuse_dp_shard(a.tsp, a.kv_heads) if a.refuse_dp_shard else None
     zero0_norms = record_zero0_norms()
     model = build("llama", torch.float32, kv_heads=a.kv_heads)
     # the config's "tsp" section works like tsp_size
@@ -100,7 +123,8 @@ def main() -> None:
     weights = tsp_core.full_state_dict(engine.module, rank0_only=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"losses": losses, "norms": norms, "optimizer_bytes": opt_bytes}, f)
+        json.dump({"losses": losses, "norms": norms, "optimizer_bytes": opt_bytes,
+                   "dp_shard_refusal": refusal}, f)
     if dist.get_rank() == 0:
         torch.save(weights, os.path.join(a.out, "weights.pt"))
         with open(os.path.join(a.out, "result.json"), "w") as f:
