@@ -24,7 +24,7 @@ from tsp_core.models.parallelize import shard_full_batches
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
 from .fused_head import native_fused_head, refuse_aux_loss
-from .sft import check_model_object
+from .sft import check_model_object, default_config
 
 
 @dataclass
@@ -38,6 +38,7 @@ class TSPDPOTrainer(TSPTrainer, DPOTrainer):
 
     def __init__(self, model: Any = None, ref_model: Any = None,
                  args: TSPDPOConfig | None = None, **kwargs: Any) -> None:
+        args = default_config(model, TSPDPOConfig, "DPO") if args is None else args
         check_model_object(model, args, type(self).__name__)
         with native_fused_head(trl_dpo, self._to_tsp, full=True):
             super().__init__(model, args=args, ref_model=ref_model, **kwargs)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import trl.trainer.sft_trainer as trl_sft
 from trl import SFTConfig, SFTTrainer
+from trl.trainer.utils import get_config_model_id
 
 from tsp_core.distributed import comm
 from tsp_core.distributed.mesh import get_mesh
@@ -24,6 +25,13 @@ from .fused_head import metrics_summed_over, native_fused_head, refuse_aux_loss
 @dataclass
 class TSPSFTConfig(SFTConfig, TSPTrainingArguments):
     """``SFTConfig`` (its own defaults) plus ``tsp_size`` and TSP's other fields."""
+
+
+def default_config(model: Any, cls: type, suffix: str) -> TSPTrainingArguments:
+    """What TRL's trainer builds when given no arguments (``<model name>-SFT``), as ``cls``:
+    leaving the arguments out still means TSP with its defaults, as it does for TSPTrainer."""
+    name = model if isinstance(model, str) else get_config_model_id(model.config)
+    return cls(f"{name.split('/')[-1]}-{suffix}")
 
 
 def check_model_object(model: Any, args: Any, trainer: str) -> None:
@@ -48,6 +56,7 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
 
     def __init__(self, model: Any = None, args: TSPSFTConfig | None = None, *rest: Any,
                  **kwargs: Any) -> None:
+        args = default_config(model, TSPSFTConfig, "SFT") if args is None else args
         check_model_object(model, args, type(self).__name__)
         with native_fused_head(trl_sft):
             super().__init__(model, args, *rest, **kwargs)

@@ -507,6 +507,21 @@ def test_unset_tsp_size_is_every_process_of_a_node(monkeypatch, tmp_path):
     check_model_object("some/model", plain, "TSPSFTTrainer")  # no TSP: a path is fine
     sft = with_tsp_fields(SFTConfig(output_dir=out, use_cpu=True), TSPSFTConfig)
     assert type(sft) is TSPSFTConfig and (sft.learning_rate, sft.tsp_size) == (2e-5, None)
+    # no arguments at all: TRL's own default (<model name>-SFT), still with TSP's defaults.
+    # TRL's configs default to bf16, which TrainingArguments refuses without a GPU: as on one
+    import transformers.training_args
+
+    from tsp_trl import TSPDPOConfig, TSPDPOTrainer, TSPSFTTrainer
+    from tsp_trl.sft import default_config
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    for cls, suffix in ((TSPSFTConfig, "SFT"), (TSPDPOConfig, "DPO")):
+        made = default_config("org/some-model", cls, suffix)
+        assert type(made) is cls and made.output_dir == f"some-model-{suffix}"
+        assert resolve_tsp_size(made, None).size == 1  # TSP_SIZE=1 above
+    monkeypatch.setenv("TSP_SIZE", "2")
+    for trainer in (TSPSFTTrainer, TSPDPOTrainer):
+        with pytest.raises(ValueError, match=rf"{trainer.__name__} with tsp_size=2 converts"):
+            trainer("org/some-model")
 
     class MyArgs(TrainingArguments):
         pass
