@@ -67,7 +67,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import tsp_core
-from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape
+from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
 from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.inference.logits import gather_data_parallel
 from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
@@ -328,6 +328,10 @@ class TSPAccelerator(Accelerator):
             self.tsp_mesh = TSPMesh.from_device_mesh(mesh, "tp", layout, shard_dim=shard_dim)
         else:  # one process: Accelerate builds no mesh
             self.tsp_mesh = tsp_core.init_mesh(size, layout=layout)
+        timeout = next((h.timeout for h in kwargs.get("kwargs_handlers") or []
+                        if isinstance(h, InitProcessGroupKwargs) and h.timeout is not None), None)
+        if timeout is not None:  # Accelerate gives it to the default process group only
+            set_timeout(self.tsp_mesh, timeout)
         self._tsp_meter = StepMetrics(self.tsp_mesh)
         self._tsp_steps: dict[int, int] = {}  # optimizer steps taken, per prepared optimizer
 

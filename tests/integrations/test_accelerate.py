@@ -108,7 +108,7 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
     accelerate = os.path.join(launch.BIN, "accelerate")
     stdout = run([accelerate, "launch", "--config_file", FSDP2_YAML, "--num_processes", "4",
                   launch.EXIT_CLEANLY, JOB, "--out", str(tmp_path),
-                  "--case", f"dp2 {sgd} --kv-heads 1 --metrics --round-trip",
+                  "--case", f"dp2 {sgd} --kv-heads 1 --metrics --round-trip --timeout 123",
                   "--case", f"tsp4 {sgd} --tsp-size 4 --kv-heads 1,2",
                   "--case", f"granite {sgd} --tsp-size 4 --kv-heads 2 --family granite "
                   f"--clip 0.2",
@@ -148,6 +148,12 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
             assert floor <= fsdp["storage"] <= 1.01 * floor, (name, r, fsdp)
             assert fsdp["units"] == 3 and fsdp["reshard"] == [reshard] * 2, (name, r, fsdp)
             assert fsdp["reduce_dtype"] == [reduce], (name, r, fsdp)
+    # InitProcessGroupKwargs(timeout=...) reaches every group of the TSP mesh (dp 2 x tsp 2), not
+    # only the default one Accelerate gives it to
+    for r, fn in enumerate(sorted((tmp_path / "dp2").glob("rank*.json"))):
+        with open(fn) as f:
+            timeouts = json.load(f)["group_timeouts"]
+        assert set(timeouts.values()) == {123} and len(timeouts) >= 3, (r, timeouts)
     with open(tmp_path / "fsdp_yaml" / "rank0.json") as f:  # the degree too (no TSP_SIZE there)
         assert json.load(f)["tsp_reason"] == "tp_size=2 of the ParallelismConfig"
     for r, fn in enumerate(sorted((tmp_path / "dp2").glob("rank*.json"))):  # and dp2 is not

@@ -71,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
                     help="FSDP2 over DP_SHARD data-parallel ranks, configured in code")
     ap.add_argument("--launch-fsdp", action="store_true",
                     help="(--case) this case sees the launcher's FSDP configuration")
+    ap.add_argument("--timeout", type=int, default=0,
+                    help="InitProcessGroupKwargs(timeout=timedelta(seconds=N))")
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", action="append", default=[])
     return ap
@@ -85,6 +87,16 @@ def fsdp_units(model) -> dict:
     return {"units": len(layers) + isinstance(model, FSDPModule),
             "reshard": [s._fsdp_param_group.post_forward_mesh_info is not None for s in states],
             "reduce_dtype": sorted({str(s._mp_policy.reduce_dtype) for s in states})}
+
+
+def group_timeouts(mesh) -> dict[str, float]:
+    """The seconds each process group of ``mesh`` (and the default group) waits for the other
+    ranks in a collective."""
+    dm = mesh.device_mesh
+    groups = {"world": torch.distributed.group.WORLD,
+              **{name: dm.get_group(name) for name in dm.mesh_dim_names}}
+    return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, g in groups.items()}
 
 
 def train(a) -> Accelerator:
@@ -102,6 +114,12 @@ def train(a) -> Accelerator:
                             fsdp_version=2, mixed_precision_policy=MixedPrecisionPolicy(
                                 reduce_dtype=getattr(torch, a.dtype))))
             a.tsp_size = None  # the ParallelismConfig's tp_size
+        if a.timeout:
+            from datetime import timedelta
+
+            from accelerate.utils import InitProcessGroupKwargs
+
+            fsdp["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=a.timeout))]
         accelerator = TSPAccelerator(tsp_size=a.tsp_size, log_with=trackers, **fsdp)
         if a.metrics:
             accelerator.init_trackers("job")
@@ -170,7 +188,8 @@ def train(a) -> Accelerator:
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "metric_rows": metric_rows,
                    "step_counts": counters.steps, "fsdp": fsdp_info,
-                   "tsp_reason": getattr(getattr(accelerator, "tsp_choice", None), "reason", "")},
+                   "tsp_reason": getattr(getattr(accelerator, "tsp_choice", None), "reason", ""),
+                   "group_timeouts": None if a.plain else group_timeouts(accelerator.tsp_mesh)},
                   f)
     for k, model in zip(kv_heads, models):
         unwrapped = accelerator.unwrap_model(model)
