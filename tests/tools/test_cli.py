@@ -168,3 +168,15 @@ def test_help_shows_the_whole_description_and_every_default():
             if name == "simulate" and action.dest in ("seq", "model"):
                 assert entry.endswith({"seq": "(default: 131072)", "model": "(default: 7b)"}[
                     action.dest]), entry
+
+
+def test_a_missing_extra_is_named():
+    # the base install is torch alone: `tsp plan` without transformers says which extra to install
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from tsp_core.tools.cli import main\n"
+            "sys.exit(main(['plan', '--model', 'tiny', '--gpu', 'h100', '--gpus-per-node', '8']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=launch.ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr == ("tsp plan: error: it needs transformers, which is not installed: "
+                           "pip install 'tsp-parallel[transformers]'\n"), proc.stderr

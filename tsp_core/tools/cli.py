@@ -17,6 +17,8 @@ import textwrap
 import time
 
 GIB = 1024 ** 3
+# what the commands import that the base install (torch) lacks -> the extra that installs it
+EXTRAS = {"transformers": "transformers", "safetensors": "transformers", "matplotlib": "bench"}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -217,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as e:  # bad requests: one line, no traceback
         print(f"tsp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an extra that is not installed
+        missing = (e.name or "").split(".")[0]
+        if missing not in EXTRAS:
+            raise
+        print(f"tsp {args.command}: error: it needs {missing}, which is not installed: "
+              f"pip install 'tsp-parallel[{EXTRAS[missing]}]'", file=sys.stderr)
         return 2
 
 
