@@ -19,6 +19,7 @@ import csv
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -138,3 +139,26 @@ def test_recipe_trains_saves_and_resumes(setup, tmp_path, name):
         assert math.isfinite(row["loss"]), row
         assert abs(row["loss"] - expected) <= tol * abs(expected), \
             f"{name} step {row['step']}: printed loss {row['loss']!r}, one process {expected!r}"
+
+
+def test_rope_frequencies_stay_float32(setup):
+    """Lightning's bf16-true and DeepSpeed's bf16 cast the whole module, rotary frequencies too;
+    the Lightning and DeepSpeed recipes put the float32 ones back (common.restore_rope) after the
+    cast. Here on the plain model (no process group in this process): cast as those frameworks
+    do, restore."""
+    sys.path.insert(0, RECIPES)
+    try:
+        from common import restore_rope, rope_buffers
+    finally:
+        sys.path.remove(RECIPES)
+    from transformers import AutoModelForCausalLM
+
+    root, _ = setup
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.bfloat16)
+    saved = rope_buffers(model)
+    assert len(saved) >= 2 and all(b.dtype == torch.float32 for b in saved.values()), saved
+    model.to(torch.bfloat16)                             # what the frameworks do
+    restore_rope(model, saved)
+    for name, buffer in model.named_buffers():
+        if name.endswith("inv_freq"):
+            assert buffer.dtype == torch.float32 and torch.equal(buffer, saved[name]), name
