@@ -79,7 +79,8 @@ class TokenRows(Dataset):
             ids = torch.randint(0, self.vocab, (self.seq,),
                                 generator=torch.Generator().manual_seed(row))
         else:
-            ids = torch.from_numpy(self.tokens[row * self.seq:(row + 1) * self.seq].astype(np.int64))
+            part = self.tokens[row * self.seq:(row + 1) * self.seq]
+            ids = torch.from_numpy(part.astype(np.int64))
         return {"input_ids": ids, "labels": ids}
 
 
