@@ -59,7 +59,7 @@ TOLERANCE = {"trainer": 1e-6, "deepspeed": 1e-7}
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def trained(tmp_path_factory):
     """The tiny pretrained model, its token file and the one-process losses of steps 1-4."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -108,8 +108,8 @@ def run(name: str, root, out: str) -> list[dict]:
 def assert_figures(rows: list[dict]) -> None:
     """TSP's figures of one step of 2 x 64 tokens that sent something, peak memory included."""
     for row in rows:
-        assert row["tsp/steps"] == 1.0 and row["tsp/tokens"] == BATCH * SEQ, row
-        assert row["tsp/comm_mib"] > 0 and row["tsp/tokens_per_s"] > 0, row
+        assert row.get("tsp/steps") == 1.0 and row.get("tsp/tokens") == BATCH * SEQ, row
+        assert row.get("tsp/comm_mib", 0) > 0 and row.get("tsp/tokens_per_s", 0) > 0, row
         assert row.get("tsp/peak_rss_mib", row.get("tsp/peak_rss_mib_since_start", 0)) > 0, row
 
 
@@ -122,8 +122,8 @@ def logged_comm(path: str) -> list[float]:
 
 
 @pytest.mark.parametrize("name", ["pytorch", "trainer", "lightning", "accelerate", "deepspeed"])
-def test_recipe_trains_saves_and_resumes(setup, tmp_path, name):
-    root, ref = setup
+def test_recipe_trains_saves_and_resumes(trained, tmp_path, name):
+    root, ref = trained
     out = str(tmp_path / "out")
     tol = TOLERANCE.get(name, 1e-10)
 
@@ -133,7 +133,8 @@ def test_recipe_trains_saves_and_resumes(setup, tmp_path, name):
     assert [row["step"] for row in rows] == [1, 2, 3, 4], rows
     assert os.path.exists(os.path.join(out, CHECKPOINT[name])), sorted(os.listdir(out))
     assert_figures(rows)
-    assert len(logged_comm(os.path.join(out, LOG_FILE.get(name, "metrics.jsonl")))) >= 1
+    # at least the resumed run's 2 steps (Accelerate's JSONLinesTracker starts its file anew)
+    assert len(logged_comm(os.path.join(out, LOG_FILE.get(name, "metrics.jsonl")))) >= 2
 
     for row, expected in zip(rows, ref):
         assert math.isfinite(row["loss"]), row
@@ -141,7 +142,7 @@ def test_recipe_trains_saves_and_resumes(setup, tmp_path, name):
             f"{name} step {row['step']}: printed loss {row['loss']!r}, one process {expected!r}"
 
 
-def test_rope_frequencies_stay_float32(setup):
+def test_rope_frequencies_stay_float32(trained):
     """Lightning's bf16-true and DeepSpeed's bf16 cast the whole module, rotary frequencies too;
     the Lightning and DeepSpeed recipes put the float32 ones back (common.restore_rope) after the
     cast. Here on the plain model (no process group in this process): cast as those frameworks
@@ -153,7 +154,7 @@ def test_rope_frequencies_stay_float32(setup):
         sys.path.remove(RECIPES)
     from transformers import AutoModelForCausalLM
 
-    root, _ = setup
+    root, _ = trained
     model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.bfloat16)
     saved = rope_buffers(model)
     assert len(saved) >= 2 and all(b.dtype == torch.float32 for b in saved.values()), saved
