@@ -72,7 +72,7 @@ from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.inference.logits import gather_data_parallel
 from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.models.policies import find_policy
-from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
+from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
 from tsp_core.state.resharding import check_checkpoint
 
 
@@ -86,18 +86,16 @@ def _tsp_size(tsp_size: int | str | None, config: ParallelismConfig | None,
     """Explicit argument > ``TSP_SIZE`` in the environment (``accelerate launch`` passes the
     environment to its workers) > a tp size given to Accelerate > every process of the node.
     ``"auto"`` (argument or ``TSP_SIZE=auto``) asks the planner (``tsp_core.plan.auto``)."""
-    given = tsp_size if tsp_size is not None else (os.environ.get("TSP_SIZE") or None)
-    if given is not None:
-        return choose_tsp_size(given, model_config=model_config, local_processes=_local_processes(),
-                               seq_len=seq_len, memory_gb=memory_gb, batch=batch)
+    planning = dict(model_config=model_config, seq_len=seq_len, memory_gb=memory_gb, batch=batch)
+    if tsp_size is not None or os.environ.get("TSP_SIZE"):
+        return resolve_degree(tsp_size, local_processes=_local_processes(), **planning)
     if config is not None and config.tp_size > 1:
         return TSPChoice(config.tp_size, f"tp_size={config.tp_size} of the ParallelismConfig")
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true":
         launched = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
         if launched > 1:
             return TSPChoice(launched, f"--parallelism_config_tp_size {launched}")
-    n = _local_processes()
-    return TSPChoice(n, f"tsp_size unset: every process of a node ({n})")
+    return resolve_degree(None, local_processes=_local_processes(), **planning)
 
 
 def _model_dir(i: int) -> str:

@@ -35,7 +35,7 @@ from tsp_core.distributed.data_parallel import remove_gradient_sync
 from tsp_core.distributed.mesh import TSPMesh, get_mesh
 from tsp_core.distributed.params import ShardedModule
 from tsp_core.models.parallelize import TSPCausalLM
-from tsp_core.plan.auto import TSPChoice, choose_tsp_size, is_auto, log_choice
+from tsp_core.plan.auto import TSPChoice, is_auto, log_choice, resolve_degree
 
 
 def check_mesh(mesh: TSPMesh) -> None:
@@ -100,18 +100,16 @@ def _plain_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def resolve_tsp_size(model: nn.Module, size: Any, section: dict, config: dict) -> TSPChoice:
-    """The degree to convert with: ``size`` (argument or ``"tsp": {"size": ...}``); None = every
-    process of the node; ``"auto"`` = the planner's smallest degree inside a node that fits in
+    """The degree to convert with: ``size`` (argument or ``"tsp": {"size": ...}``); None = ``TSP_SIZE``
+    from the environment, else every process of the node; ``"auto"`` = the planner's smallest degree inside a node that fits in
     memory, for the model's config, ``"tsp": {"seq_len": S, "memory_gb": M}`` (or ``TSP_SEQ_LEN`` /
     the config's max_position_embeddings, ``TSP_MEMORY_GB`` / detected) and
     ``train_micro_batch_size_per_gpu`` sequences. The same on every rank, before any collective."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    if size is None:
-        return TSPChoice(local, f"tsp_size unset: every process of a node ({local})")
     micro = config.get("train_micro_batch_size_per_gpu")
-    return choose_tsp_size(size, model_config=getattr(model, "config", None), local_processes=local,
-                           seq_len=section.get("seq_len"), memory_gb=section.get("memory_gb"),
-                           batch=micro if isinstance(micro, int) else 1)
+    return resolve_degree(size, local_processes=local, model_config=getattr(model, "config", None),
+                          seq_len=section.get("seq_len"), memory_gb=section.get("memory_gb"),
+                          batch=micro if isinstance(micro, int) else 1)
 
 
 def _convert(model: nn.Module, size: Any, section: dict, config: dict) -> tuple[nn.Module, TSPMesh]:

@@ -9,7 +9,7 @@ from torch import nn
 import tsp_core
 from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
 from tsp_core.models.parallelize import TSPCausalLM
-from tsp_core.plan.auto import TSPChoice, choose_tsp_size, log_choice
+from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 
@@ -18,14 +18,11 @@ def resolve_sizes(tsp_size: Any, data_parallel_size: Any, num_nodes: int, num_pr
                   model_config: Any = None, seq_len: int | None = None,
                   memory_gb: float | None = None) -> tuple[int, TSPChoice]:
     """(dp, the TSP choice), checked against the number of processes before any process group
-    exists. ``tsp_size``: None = every process of a node; "auto" = the planner's smallest degree
+    exists. ``tsp_size``: None = ``TSP_SIZE`` from the environment, else every process of a node; "auto" = the planner's smallest degree
     inside a node that fits in memory (``tsp_core.plan.auto``); an int as given. dp: the rest."""
     world = num_nodes * num_processes
-    if tsp_size is None:
-        choice = TSPChoice(num_processes, f"tsp_size unset: every process of a node ({num_processes})")
-    else:
-        choice = choose_tsp_size(tsp_size, model_config=model_config, local_processes=num_processes,
-                                 seq_len=seq_len, memory_gb=memory_gb)
+    choice = resolve_degree(tsp_size, local_processes=num_processes, model_config=model_config,
+                            seq_len=seq_len, memory_gb=memory_gb)
     dp = None if data_parallel_size == "auto" else int(data_parallel_size)
     return check_mesh_shape(world, choice.size, dp), choice
 

@@ -152,6 +152,31 @@ def test_deepspeed_resolution(monkeypatch):
     assert resolve_tsp_size(model, None, {}, {}).size == 8
 
 
+def test_every_adapter_shares_one_default_rule(monkeypatch, tmp_path):
+    """The argument > TSP_SIZE > every process of a node, in all four adapters alike
+    (tsp_core.plan.auto.resolve_degree): the same environment gives the same degree."""
+    from tsp_accelerate.accelerator import _tsp_size
+    from tsp_deepspeed.engine import resolve_tsp_size as deepspeed_size
+    from tsp_lightning.common import resolve_sizes
+    from tsp_transformers.trainer import TSPTrainingArguments
+    from tsp_transformers.trainer import resolve_tsp_size as trainer_size
+
+    for key in ("TSP_SIZE", "ACCELERATE_USE_PARALLELISM_CONFIG", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    model = SimpleNamespace(config=SimpleNamespace(**LLAMA_7B))
+
+    def degrees(given):
+        args = TSPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, tsp_size=given)
+        return (resolve_sizes(given, "auto", 1, 8)[1].size, _tsp_size(given, None).size,
+                trainer_size(args, model).size, deepspeed_size(model, given, {}, {}).size)
+
+    assert degrees(None) == (8, 8, 8, 8)
+    monkeypatch.setenv("TSP_SIZE", "2")
+    assert degrees(None) == (2, 2, 2, 2)
+    assert degrees(4) == (4, 4, 4, 4)  # the argument wins over TSP_SIZE
+
+
 def _torchrun(ok: bool, **env: str) -> subprocess.CompletedProcess:
     # a run that should work ends through tests/support/exit_cleanly.py and must end cleanly on both
     # ranks (tests/support/launch.py); one that should fail exits the ordinary way, so that the

@@ -147,6 +147,19 @@ def choose_tsp_size(requested: Any, *, model_config: Any = None, local_processes
     return TSPChoice(d, reason, auto=True)
 
 
+def resolve_degree(given: Any, *, local_processes: int, env: Mapping[str, str] | None = None,
+                   **planning: Any) -> TSPChoice:
+    """The rule every adapter shares for its TSP degree: ``given`` (an int, its string or
+    ``"auto"``) > ``TSP_SIZE`` in the environment (launchers pass it to every worker) > every
+    process of a node. ``planning``: what :func:`choose_tsp_size` takes for ``"auto"``."""
+    env = os.environ if env is None else env
+    requested = given if given is not None else (env.get("TSP_SIZE") or None)
+    if requested is None:
+        return TSPChoice(local_processes,
+                         f"tsp_size unset: every process of a node ({local_processes})")
+    return choose_tsp_size(requested, local_processes=local_processes, env=env, **planning)
+
+
 def log_choice(choice: TSPChoice, env: Mapping[str, str] | None = None) -> None:
     """Say the degree "auto" chose, once, on global rank 0 (``RANK``): a warning of the
     ``tsp_core.auto`` logger when logging is configured (a script such as Hugging Face's
