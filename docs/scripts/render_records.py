@@ -30,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Callable
 
@@ -102,6 +103,12 @@ def code(text: str) -> str:
     return f"```\n{text}\n```\n"
 
 
+def para(text: str) -> str:
+    """A paragraph of prose, wrapped at the docs' line length."""
+    return textwrap.fill(" ".join(text.split()), 100, break_long_words=False,
+                         break_on_hyphens=False) + "\n"
+
+
 def simulate_7b(load: Loader) -> str:
     """README: the 7B peaks per layout at both lengths."""
     rows = sim_rows(load, "simulate-7b")
@@ -119,12 +126,12 @@ def simulate_7b_summary(load: Loader) -> str:
     """design.md "What TSP buys": the 128K peaks in one sentence."""
     rows, seq = sim_rows(load, "simulate-7b"), 131072
     g = {k: gib(sim(rows, k, seq)) for k in ("tsp", "tp", "tp-sp")}
-    return (f"Measured with `tsp simulate` (7B shape, bf16, AdamW, full activation "
+    return para(f"Measured with `tsp simulate` (7B shape, bf16, AdamW, full activation "
             f"checkpointing,\ndegree 8, {seq} tokens): {g['tsp']:.2f} GiB per rank under TSP "
             f"against {g['tp']:.2f} under `tp`, {g['tp-sp']:.2f}\nunder `tp-sp` and "
             f"{gib(best(rows, 'tp+cp', seq)):.2f} / {gib(best(rows, 'tp-sp+cp', seq)):.2f} for "
-            f"the best `tp+cp` / `tp-sp+cp` meshes\n([benchmarks.md](benchmarks.md#memory-at-the-"
-            f"papers-scale-tsp-simulate)).\n")
+            f"the best `tp+cp` / `tp-sp+cp` meshes ([benchmarks.md](benchmarks.md#memory-at-the-"
+            f"papers-scale-tsp-simulate)).")
 
 
 def simulate_7b_full(load: Loader) -> str:
@@ -142,7 +149,8 @@ def simulate_7b_ratios(load: Loader) -> str:
     p = PAPER_128K
     lines = ["| TSP against | peak | TSP / it | paper |", "|---|---|---|---|"]
     for label, r, target, paper in (
-            ("`tp`", sim(rows, "tp", 131072), 0.6, f"{p['tsp']} / {p['tp']} = {p['tsp'] / p['tp']:.2f}"),
+            ("`tp`", sim(rows, "tp", 131072), 0.6,
+             f"{p['tsp']} / {p['tp']} = {p['tsp'] / p['tp']:.2f}"),
             (None, best(rows, "tp+cp", 131072), 0.5,
              f"{p['tsp']} / {p['tp+cp']} = {p['tsp'] / p['tp+cp']:.2f}"),
             (None, best(rows, "tp-sp+cp", 131072), None, "-"),
@@ -154,10 +162,10 @@ def simulate_7b_ratios(load: Loader) -> str:
         shown = f"**{ratio:.2f}** (target <= {target})" if target else f"{ratio:.2f}"
         lines.append(f"| {label} | {gib(r):.2f} GiB | {shown} | {paper} |")
     s = {k: gib(sim(rows, k, 16384)) for k in ("tsp", "tp", "tp-sp")}
-    return ("\n".join(lines) + "\n\nAt 16384 tokens model state dominates, as in the paper: TSP "
-            f"{s['tsp']:.2f} GiB, `tp` {s['tp']:.2f} GiB ({s['tsp'] / s['tp']:.2f}), `tp-sp` "
-            f"{s['tp-sp']:.2f} GiB ({s['tsp'] / s['tp-sp']:.2f}); the paper found TSP 31.0 GB and "
-            "TP 31.5 GB.\n")
+    return ("\n".join(lines) + "\n\n" + para(
+        f"At 16384 tokens model state dominates, as in the paper: TSP {s['tsp']:.2f} GiB, `tp` "
+        f"{s['tp']:.2f} GiB ({s['tsp'] / s['tp']:.2f}), `tp-sp` {s['tp-sp']:.2f} GiB "
+        f"({s['tsp'] / s['tp-sp']:.2f}); the paper found TSP 31.0 GB and TP 31.5 GB."))
 
 
 def simulate_7b_none(load: Loader) -> str:
@@ -165,8 +173,8 @@ def simulate_7b_none(load: Loader) -> str:
     rows = sim_rows(load, "simulate-7b-none")
     a = {k: gib(sim(rows, k, 131072), "activations") for k in ("tsp", "tp-sp")}
     return (code(f"$ {command(load, 'simulate-7b-none')}\n" + sim_table(rows))
-            + f"\nHere `tp-sp` keeps {a['tp-sp'] / a['tsp']:.1f}x TSP's activations at 131072 "
-            "tokens.\n")
+            + "\n" + para(f"Here `tp-sp` keeps {a['tp-sp'] / a['tsp']:.1f}x TSP's activations at "
+                           "131072 tokens."))
 
 
 PAPER_ACCOUNTING = (38.8, 70.0, 85.0, 140.0, 31.0, 31.5)  # TSP, TP, TP+SP x2 at 128K; TSP, TP 16K
@@ -178,7 +186,8 @@ def paper_accounting(load: Loader) -> str:
         rows = sim_rows(load, name)
 
         def gb(r: dict) -> float:  # + 8 bytes per local bf16 parameter: fp32 master and moments
-            return (r["peak_bytes"] + (4 * r["breakdown"].get("parameters", 0) if master else 0)) / GB
+            extra = 4 * r["breakdown"].get("parameters", 0) if master else 0
+            return (r["peak_bytes"] + extra) / GB
         big = sorted((r for r in rows if r["layout"].startswith("tp+cp(") and r["seq"] == 131072),
                      key=lambda r: r["peak_bytes"])  # the smaller first
         return [gb(sim(rows, "tsp", 131072)), gb(sim(rows, "tp", 131072)), *map(gb, big),
@@ -194,7 +203,8 @@ def paper_accounting(load: Loader) -> str:
         return f"{100 * abs(ours - paper) / paper:.0f}% {'below' if ours < paper else 'above'}"
 
     p = PAPER_ACCOUNTING
-    lines = ["| accounting | TSP 128K | TP 128K | TP+SP 128K | TSP 16K | TP 16K | mean / max error |",
+    lines = ["| accounting | TSP 128K | TP 128K | TP+SP 128K | TSP 16K | TP 16K "
+             "| mean / max error |",
              "|---|---|---|---|---|---|---|",
              f"| paper | {p[0]} | {p[1]} | {p[2]} / {p[3]} | {p[4]} | {p[5]} | |"]
     for label, name, master in (
@@ -202,29 +212,30 @@ def paper_accounting(load: Loader) -> str:
             ("**full recompute, fp32 master + moments**", "simulate-7b", True),
             ("no recompute, bf16 AdamW (simulated)", "simulate-7b-none", False),
             ("no recompute, fp32 master + moments", "simulate-7b-none", True)):
-        lines.append(f"| {label} | {fmt(figures(name, master), master and name == 'simulate-7b')} |")
+        bold = master and name == "simulate-7b"
+        lines.append(f"| {label} | {fmt(figures(name, master), bold)} |")
     v = figures("simulate-7b", True)
-    return ("\n".join(lines) + "\n\n(TP+SP: our (2x4) and (4x2) `tp+cp` meshes, smaller first, "
-            "against the paper's 85.0 / 140.0; the paper\ndoes not say which of its meshes gave "
-            "which.) Full recompute with mixed-precision optimizer state\ncomes closest: `tp` at "
-            f"131072 tokens {against(v[1], p[1])} ({v[1]:.1f} vs {p[1]} GB), TSP "
-            f"{against(v[0], p[0])} the paper's\n{p[0]} GB, the 2-D layouts {against(v[2], p[2])} "
-            f"and {against(v[3], p[3])}. The paper's TSP figure is higher than ours by more\nthan "
-            "any transient we can account for (allocator caching, NCCL buffers and the optimizer "
-            "step are\nnot simulated), so our TSP/TP ratio "
-            f"({v[0] / v[1]:.2f} in this accounting) is better than the paper's "
-            f"{p[0] / p[1]:.2f};\nwe report ours and do not tune toward theirs.\n")
+    return ("\n".join(lines) + "\n\n" + para(
+        "(TP+SP: our (2x4) and (4x2) `tp+cp` meshes, smaller first, against the paper's 85.0 / "
+        "140.0; the paper does not say which of its meshes gave which.) Full recompute with "
+        f"mixed-precision optimizer state comes closest: `tp` at 131072 tokens "
+        f"{against(v[1], p[1])} ({v[1]:.1f} vs {p[1]} GB), TSP {against(v[0], p[0])} the paper's "
+        f"{p[0]} GB, the 2-D layouts {against(v[2], p[2])} and {against(v[3], p[3])}. The "
+        "paper's TSP figure is higher than ours by more than any transient we can account for "
+        "(allocator caching, NCCL buffers and the optimizer step are not simulated), so our "
+        f"TSP/TP ratio ({v[0] / v[1]:.2f} in this accounting) is better than the paper's "
+        f"{p[0] / p[1]:.2f}; we report ours and do not tune toward theirs."))
 
 
 def simulate_7b_1layer(load: Loader) -> str:
     """memory.md: the one-layer step's peak at both degrees."""
     rows = sim_rows(load, "simulate-7b-1layer")
     by_d = {r["degree"]: gib(r) for r in rows}
-    return ("The peak of the whole step is the sum of what was alive at one moment; at this shape it "
-            "falls in\nthe final norm's float32 backward, with every layer's saved activations "
-            "still\nalive (1 layer, 131072 tokens: "
-            + ", ".join(f"{v:.2f} GiB at D={d}" for d, v in sorted(by_d.items()))
-            + ").\n\nRun it yourself (about 20 s; the phases are in the JSON):\n\n"
+    return (para("The peak of the whole step is the sum of what was alive at one moment; at this "
+                 "shape it falls in the final norm's float32 backward, with every layer's saved "
+                 "activations still alive (1 layer, 131072 tokens: "
+                 + ", ".join(f"{v:.2f} GiB at D={d}" for d, v in sorted(by_d.items())) + ").")
+            + "\nRun it yourself (about 20 s; the phases are in the JSON):\n\n"
             + code(command(load, "simulate-7b-1layer")))
 
 
@@ -288,15 +299,15 @@ def plan_7b_paper(load: Loader) -> str:
     split = next(c for c in ranking if c["label"] == "tp+cp(8x2)")
     cp = top("cp", 8)
     gap = abs(tsp["tokens_per_s"] - cp["tokens_per_s"]) / cp["tokens_per_s"]
-    return (plan_table(load, "plan-7b-paper", 30)
-            + f"\nThe model gives TSP D=8 {ratios[two_d]:.2f}x the best tp+cp on 16 GPUs "
+    return (plan_table(load, "plan-7b-paper", 30) + "\n" + para(
+            f"The model gives TSP D=8 {ratios[two_d]:.2f}x the best tp+cp on 16 GPUs "
             f"({best2['label'][len('tp+cp'):].strip('()')}; "
             f"{tsp['tokens_per_s'] / split['tokens_per_s']:.1f}x the paper's split, TP 8 x SP 2) "
             f"and {ratios[one_d]:.2f}x tp-sp on 8 GPUs. The paper reports 2.0-2.6x against "
             "matched TP+SP for *forward* throughput with its own kernels; the model predicts "
             "training steps, no constant was set to reproduce that ratio. TSP and cp at D=8 are "
             f"{100 * gap:.1f}% apart: both expose the same K/V volume and the model hides TSP's "
-            "weight traffic; if the prefetch hides less than the model assumes, cp wins.\n")
+            "weight traffic; if the prefetch hides less than the model assumes, cp wins."))
 
 
 # ------------------------------------------------------------------ tsp bench records
@@ -314,13 +325,18 @@ def bench_small_d2(load: Loader) -> str:
     fwd = ", ".join(f"{mib[('tsp', s)]:.1f} vs {mib[('tp', s)]:.1f} at {s}" for s in seqs)
     t_hi, sp_hi = by[("tsp", hi)], by[("tp-sp", hi)]
     peak = max(t_hi.peak_bytes) / max(sp_hi.peak_bytes)
-    return (code(f"$ {command(load, 'bench-small-d2')}\n" + bench.table(rs))
-            + f"\nMeasured here (MiB per layer forward, TSP vs `tp`): {fwd}. Whole step at {hi} "
-            f"tokens: TSP {t_hi.step_bytes / MIB:.0f} MiB, `tp-sp` {sp_hi.step_bytes / MIB:.0f}. "
-            f"TSP's wait: {100 * by[('tsp', lo)].wait_fraction:.1f}% at {lo} tokens, "
-            f"{100 * t_hi.wait_fraction:.1f}% at {hi}. Peak per rank at {hi} tokens: TSP "
-            f"{max(t_hi.peak_bytes) / MIB:.0f} MiB, `tp-sp` {max(sp_hi.peak_bytes) / MIB:.0f} "
-            f"({100 * peak:.0f}%).\n")
+    ran = {r.name for r in rs}
+    skipped = [f"skipped {n}: degree {rs[0].degree} has no split T x S with T and S > 1"
+               for n in rec["config"]["layouts"].split(",") if n not in ran]
+    return (code("\n".join([f"$ {command(load, 'bench-small-d2')}", *skipped, bench.table(rs)]))
+            + "\n" + para(
+                f"In this run (MiB per layer forward, TSP vs `tp`): {fwd}. Whole step at {hi} "
+                f"tokens: TSP {t_hi.step_bytes / MIB:.0f} MiB, `tp-sp` "
+                f"{sp_hi.step_bytes / MIB:.0f}. TSP's wait: "
+                f"{100 * by[('tsp', lo)].wait_fraction:.1f}% at {lo} tokens, "
+                f"{100 * t_hi.wait_fraction:.1f}% at {hi}. Peak per rank at {hi} tokens: TSP "
+                f"{max(t_hi.peak_bytes) / MIB:.0f} MiB, `tp-sp` {max(sp_hi.peak_bytes) / MIB:.0f} "
+                f"({100 * peak:.0f}%)."))
 
 
 RENDERERS: dict[str, Callable[[Loader], str]] = {
@@ -384,7 +400,7 @@ def run_command(cmd: str) -> dict:
         argv[argv.index("--json") + 1] = str(out)
         tsp = Path(sys.executable).with_name("tsp")
         subprocess.run([str(tsp) if tsp.exists() else "tsp", *argv[1:]], check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                       env={"OMP_NUM_THREADS": "1", **os.environ})
         return json.loads(out.read_text(encoding="utf-8"))
 
 
