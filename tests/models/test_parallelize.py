@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import tsp_core
 from tests.support import dist_pool, hf_models
@@ -287,3 +288,33 @@ def test_size_errors_list_exactly_the_sizes_that_work(intermediate, valid):
         planned = check_layout(shape, LayoutSpec("tsp", d))
         assert (planned is None) == (d in accepted), (d, planned)
     assert accepted == valid
+
+
+def rope_stays_float32() -> None:
+    """``.to(bfloat16)`` / ``.bfloat16()`` / ``.half()`` of a TSP model (or of a module holding
+    it, as Lightning's bf16-true and DeepSpeed's bf16 do) cast the weights but keep every rotary
+    frequency buffer float32 and bit for bit; a device move or a wider type still applies."""
+    mesh = dist_pool.mesh(2)
+    model = tsp_core.parallelize(hf_models.build("llama", torch.float32), mesh)
+    attention = tsp_core.TSPAttention(mesh, 32, 4, 2, rope_theta=500000.0)
+    holder = nn.ModuleDict({"model": model, "attention": attention})  # a LightningModule, say
+    frequencies = {n: b.clone() for n, b in holder.named_buffers() if n.endswith("inv_freq")}
+    assert any(n.startswith("model.") for n in frequencies), sorted(frequencies)
+    assert "attention.inv_freq" in frequencies
+    for name, cast, dtype in (("to", lambda m: m.to(torch.bfloat16), torch.bfloat16),
+                              ("bfloat16", lambda m: m.bfloat16(), torch.bfloat16),
+                              ("half", lambda m: m.half(), torch.float16)):
+        cast(holder)
+        weight = model.model.layers[0].mlp.gate_proj.weight
+        assert weight.dtype == dtype, (name, weight.dtype)  # the cast happened
+        now = dict(holder.named_buffers())
+        for n, want in frequencies.items():
+            assert now[n].dtype == torch.float32 and torch.equal(now[n], want), (name, n, now[n])
+        holder.float()
+    holder.double()  # wider: the frequencies follow
+    assert all(b.dtype == torch.float64 for n, b in holder.named_buffers() if n.endswith("inv_freq"))
+    dist.barrier()
+
+
+def test_rope_frequencies_stay_float32_under_a_bf16_cast(pools):
+    pools.of(2).run(rope_stays_float32)

@@ -6,7 +6,7 @@ longrope)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -14,6 +14,22 @@ from torch import nn
 
 def default_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def keep_frequencies(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
+    """Run ``apply`` (the module's ``Module._apply``: ``.to(dtype)``, ``.bfloat16()``, ``.half()``)
+    without lowering the precision of its rotary frequency buffers (``inv_freq``): rounded to
+    bfloat16 a frequency is off by up to 0.4%, so the angle at position 131071 is off by
+    hundreds of radians. Lightning's ``bf16-true`` and DeepSpeed's ``bf16`` cast the whole module
+    that way; device moves and casts to a wider type still apply."""
+    kept = [(m, name, b) for m in module.modules() for name, b in m._buffers.items()
+            if name.endswith("inv_freq") and b is not None and b.is_floating_point()]
+    out = apply()
+    for m, name, old in kept:
+        new = m._buffers[name]
+        if new is not None and torch.finfo(new.dtype).bits < torch.finfo(old.dtype).bits:
+            m._buffers[name] = old.to(new.device)
+    return out
 
 
 def cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float,

@@ -77,6 +77,10 @@ class TSPCausalLM:
     _tsp_policy: DecoderPolicy
     tsp_step: int | None = None  # set by a training loop: input errors then name the step
 
+    def _apply(self, fn, recurse=True):
+        # the rotary frequencies stay float32 under .to(bfloat16) (tsp_core.layers.rope)
+        return rope.keep_frequencies(self, lambda: super(TSPCausalLM, self)._apply(fn, recurse))
+
     def forward(self, input_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None,

@@ -112,6 +112,9 @@ class TSPAttention(ShardedModule):
             full[n].zero_()
         self._create(full)
 
+    def _apply(self, fn, recurse=True):
+        return rope.keep_frequencies(self, lambda: super(TSPAttention, self)._apply(fn, recurse))
+
     def extra_repr(self) -> str:
         s = self.spec
         return (f"hidden_size={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
