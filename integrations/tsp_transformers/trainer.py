@@ -177,7 +177,15 @@ def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
     process of the node (``LOCAL_WORLD_SIZE``); for "auto" the planner's choice for ``model``'s
     config, ``args.tsp_seq_len`` (or ``TSP_SEQ_LEN`` / the config's max_position_embeddings) and
     ``per_device_train_batch_size`` sequences per step, inside the node's processes. The same on
-    every rank, before any collective."""
+    every rank, before any collective. A model ``parallelize`` already converted (e.g. by
+    ``load_pretrained``) keeps its degree, which a given size must equal."""
+    if isinstance(model, TSPCausalLM):
+        size = get_mesh(model).size
+        given = args.tsp_size if args.tsp_size is not None else os.environ.get("TSP_SIZE") or None
+        if given is not None and not is_auto(given) and int(given) != size:
+            raise ValueError(f"tsp_size ({given}) differs from the TSP degree ({size}) the model "
+                             f"was converted with; leave tsp_size unset or convert with {given}")
+        return TSPChoice(size, f"the model was converted with tsp_size {size}")
     return accelerate_tsp_size(args.tsp_size, None, getattr(model, "config", None),
                                args.tsp_seq_len, args.tsp_memory_gb,
                                args.per_device_train_batch_size)
@@ -278,8 +286,8 @@ class TSPTrainer(Trainer):
             self._check_fsdp(args, model)  # before any collective, every rank
         if self._tsp and not self._tsp_fsdp:
             _ = args.world_size  # initialises the process group from the launcher's environment
-            mesh = tsp_core.init_mesh(self.tsp_choice.size)
-            if not isinstance(model, TSPCausalLM):
+            if not isinstance(model, TSPCausalLM):  # else its own mesh: no second set of groups
+                mesh = tsp_core.init_mesh(self.tsp_choice.size, timeout=args.ddp_timeout)
                 tsp_core.parallelize(model, mesh)
             shard_full_batches(model)
         # with FSDP2 the model is converted on the accelerator's mesh as soon as the Trainer has

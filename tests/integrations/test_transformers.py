@@ -134,7 +134,7 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
                                       f"rebalance_plain_dp2 --plain true --rows 16 {REBALANCE}",
                                       "auto --tsp_size auto --tsp_seq_len 24 --tsp_memory_gb "
                                       "0.0006 --max_steps 1 --clm_logging true",
-                                      "switch --plain_args true"),
+                                      "switch --plain_args true --ddp_timeout 123"),
                       2, timeout=400)
     with open(out / "output.txt", "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -206,6 +206,9 @@ def test_tsp_trainer_matches_one_process(two_processes, one_process):
     # (no tsp_size): TSP over every process of the node, one process's losses and weights
     switch = full_run(os.path.join(two_processes, "switch"))
     assert [run["tsp_size"] for run in runs + switch] == [2, 2, 2, 2], "the TSP degree"
+    # the Trainer's ddp_timeout reaches every process group of the mesh it builds
+    assert [run["mesh_timeouts"] for run in runs + switch] == \
+        [{"dp": 1800.0, "tsp": 1800.0}] * 2 + [{"dp": 123.0, "tsp": 123.0}] * 2, "ddp_timeout"
     assert_every_rank(switch, ref, "TSPTrainer(args=TrainingArguments(...)), 2 processes")
 
 
@@ -530,3 +533,35 @@ def test_unset_tsp_size_is_every_process_of_a_node(monkeypatch, tmp_path):
                                         r"TSPTrainingArguments\)"):
         with_tsp_fields(MyArgs(output_dir=out, use_cpu=True), TSPTrainingArguments)
     assert not dist.is_initialized()
+
+
+def converted_model_keeps_its_degree(out: str) -> None:
+    """A model parallelize already converted (load_pretrained does) keeps its mesh: its degree
+    is the choice, whatever the node's process count; a tsp_size or TSP_SIZE that differs is
+    refused, naming both."""
+    import tsp_core
+    from tsp_transformers.trainer import TSPTrainingArguments, resolve_tsp_size
+
+    model = tsp_core.parallelize(hf_models.build("llama", torch.float32), dist_pool.mesh(2))
+    saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "TSP_SIZE")}
+    try:
+        os.environ["LOCAL_WORLD_SIZE"] = "4"
+        os.environ.pop("TSP_SIZE", None)
+        args = TSPTrainingArguments(output_dir=out, use_cpu=True, report_to="none")
+        choice = resolve_tsp_size(args, model)
+        assert (choice.size, choice.reason) == (2, "the model was converted with tsp_size 2")
+        args.tsp_size = 4
+        with pytest.raises(ValueError, match=r"tsp_size \(4\) differs from the TSP degree \(2\)"):
+            resolve_tsp_size(args, model)
+        args.tsp_size = None
+        os.environ["TSP_SIZE"] = "1"
+        with pytest.raises(ValueError, match=r"tsp_size \(1\) differs from the TSP degree \(2\)"):
+            resolve_tsp_size(args, model)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    dist.barrier()
+
+
+def test_a_converted_model_keeps_its_degree(pools, tmp_path):
+    pools.of(2).run(converted_model_keeps_its_degree, str(tmp_path))

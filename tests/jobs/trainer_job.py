@@ -204,6 +204,15 @@ def configure_logging_as_run_clm(args: TSPTrainingArguments) -> None:
     transformers.utils.logging.enable_explicit_format()
 
 
+def mesh_timeouts(model) -> dict[str, float] | None:
+    """The seconds each process group of the TSP model's mesh waits in a collective."""
+    if not isinstance(model, TSPCausalLM):
+        return None
+    dm = get_mesh(model).device_mesh
+    return {name: dm.get_group(name)._get_backend(torch.device("cpu")).options._timeout
+            .total_seconds() for name in dm.mesh_dim_names}
+
+
 def train(job: JobArgs, args: TSPTrainingArguments) -> None:
     if job.clm_logging:
         configure_logging_as_run_clm(args)
@@ -242,6 +251,7 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
         json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"],
                    "metric_rows": log.metric_rows, "step_counts": log.counters.steps,
                    "tsp_size": get_mesh(model).size if isinstance(model, TSPCausalLM) else 1,
+                   "mesh_timeouts": mesh_timeouts(model),
                    **extra}, f)
     if rank == 0:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
