@@ -118,22 +118,6 @@ def report(a: argparse.Namespace, step: int, loss: float, figures: dict[str, flo
         f.write(row + "\n")
 
 
-def rope_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of the model's rotary frequencies (``*inv_freq`` buffers), float32 as loaded.
-    Lightning's ``bf16-true`` and DeepSpeed's ``bf16`` cast the whole module, buffers included:
-    in bf16 (8 bits of mantissa) a frequency is off by up to 0.4%, which at position 131072 turns
-    the rotation angle of a slow channel by hundreds of radians."""
-    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
-
-
-def restore_rope(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    """Put the float32 frequencies of :func:`rope_buffers` back after the framework's cast."""
-    for name, value in saved.items():
-        owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner)
-        module._buffers[leaf] = value.to(module._buffers[leaf].device)
-
-
 def device() -> torch.device:
     """This process's device: its GPU under a launcher, else the CPU."""
     if torch.cuda.is_available():

@@ -22,8 +22,7 @@ from torch.utils.data import DataLoader
 
 import tsp_core
 import tsp_deepspeed
-from common import (TokenRows, data_parallel_sampler, device, parse_args, report, restore_rope,
-                    rope_buffers)
+from common import TokenRows, data_parallel_sampler, device, parse_args, report
 from tsp_transformers import load_pretrained
 
 
@@ -39,9 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     config = {"train_micro_batch_size_per_gpu": a.batch, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0}},
               "zero_optimization": {"stage": a.stage}, "bf16": {"enabled": bf16}}
-    rope = rope_buffers(model)                            # float32, as loaded
     engine, _, _, _ = tsp_deepspeed.initialize(model=model, config=config)   # <- the switch
-    restore_rope(model, rope)                             # DeepSpeed's bf16 cast them too
     mesh = tsp_core.get_mesh(model)
 
     start = 0

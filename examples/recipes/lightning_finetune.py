@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 import tsp_core
 import tsp_lightning  # registers strategy="tsp"
-from common import TokenRows, data_parallel_sampler, parse_args, report, restore_rope, rope_buffers
+from common import TokenRows, data_parallel_sampler, parse_args, report
 from tsp_transformers import load_pretrained
 
 PRECISION = {"bfloat16": "bf16-true", "float32": "32-true", "float64": "64-true"}
@@ -35,7 +35,7 @@ PRECISION = {"bfloat16": "bf16-true", "float32": "32-true", "float64": "64-true"
 class FineTune(L.LightningModule):
     def __init__(self, a) -> None:
         super().__init__()
-        self.a, self.model, self.rope = a, None, {}
+        self.a, self.model = a, None
 
     def configure_model(self) -> None:
         if self.model is None:  # the strategy's mesh exists from here on; the strategy leaves
@@ -44,10 +44,6 @@ class FineTune(L.LightningModule):
             self.model.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": False})
             self.model.train()
-            self.rope = rope_buffers(self.model)          # float32, as loaded
-
-    def on_fit_start(self) -> None:
-        restore_rope(self.model, self.rope)              # after bf16-true cast the module
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss                  # batch already sharded by the strategy

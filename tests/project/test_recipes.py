@@ -19,7 +19,6 @@ import csv
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -28,12 +27,9 @@ import torch
 from tests.support import launch
 from tests.support.hf_models import reference_loss
 
-RECIPES = os.path.join(launch.ROOT, "examples", "recipes")
 SEQ, BATCH, LR, CLIP = 64, 2, 1e-2, 1.0
 CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-
-
 JOB = os.path.join(launch.JOBS, "recipe_job.py")
 
 
@@ -140,26 +136,3 @@ def test_recipe_trains_saves_and_resumes(trained, tmp_path, name):
         assert math.isfinite(row["loss"]), row
         assert abs(row["loss"] - expected) <= tol * abs(expected), \
             f"{name} step {row['step']}: printed loss {row['loss']!r}, one process {expected!r}"
-
-
-def test_rope_frequencies_stay_float32(trained):
-    """Lightning's bf16-true and DeepSpeed's bf16 cast the whole module, rotary frequencies too;
-    the Lightning and DeepSpeed recipes put the float32 ones back (common.restore_rope) after the
-    cast. Here on the plain model (no process group in this process): cast as those frameworks
-    do, restore."""
-    sys.path.insert(0, RECIPES)
-    try:
-        from common import restore_rope, rope_buffers
-    finally:
-        sys.path.remove(RECIPES)
-    from transformers import AutoModelForCausalLM
-
-    root, _ = trained
-    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.bfloat16)
-    saved = rope_buffers(model)
-    assert len(saved) >= 2 and all(b.dtype == torch.float32 for b in saved.values()), saved
-    model.to(torch.bfloat16)                             # what the frameworks do
-    restore_rope(model, saved)
-    for name, buffer in model.named_buffers():
-        if name.endswith("inv_freq"):
-            assert buffer.dtype == torch.float32 and torch.equal(buffer, saved[name]), name
