@@ -39,8 +39,8 @@ def latest_state(out: str) -> tuple[int, str | None]:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(__doc__, argv)
-    accelerator = TSPAccelerator(tsp_size=a.tsp,            # <- was Accelerator()
-                                 log_with=[JSONLinesTracker(os.path.join(a.out, "metrics.jsonl"))])
+    tracker = JSONLinesTracker(os.path.join(a.out, "metrics.jsonl"), append=a.resume)
+    accelerator = TSPAccelerator(tsp_size=a.tsp, log_with=[tracker])  # <- was Accelerator()
     accelerator.init_trackers("recipe")
     model = load_pretrained(a.model, mesh=accelerator.tsp_mesh, dtype=a.torch_dtype)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
