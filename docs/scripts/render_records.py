@@ -239,6 +239,38 @@ def simulate_7b_1layer(load: Loader) -> str:
             + code(command(load, "simulate-7b-1layer")))
 
 
+def fsdp_table(rows: list[dict]) -> str:
+    """The table ``tsp simulate --dp-shard`` prints (tsp_core/tools/cli.py), from its JSON."""
+    from tsp_core.plan.fsdp_sim import FSDP_WORKING_SET
+
+    head = (f"{'layout':<15} {'seq':>7} {'D':>3} {'dp':>3} {'GPUs':>5} {'peak GiB':>9} "
+            + " ".join(f"{k[:11]:>11}" for k in KINDS) + f" {'fsdp':>11}")
+    return "\n".join([head] + [
+        f"{r['layout']:<15} {r['seq']:>7} {r['degree']:>3} {r['dp_shard']:>3} {r['gpus']:>5} "
+        f"{gib(r):>9.2f} " + " ".join(f"{gib(r, k):>11.2f}" for k in KINDS)
+        + f" {sum(r['breakdown'].get(k, 0) for k in FSDP_WORKING_SET) / GIB:>11.2f}"
+        for r in rows])
+
+
+def fsdp_row(rows: list[dict], layout: str, dp: int) -> dict | None:
+    return next((r for r in rows if r["layout"] == layout and r["dp_shard"] == dp), None)
+
+
+def simulate_70b_fsdp(load: Loader) -> str:
+    """benchmarks.md: the Llama-2-70B table under FSDP2 and the peaks side by side."""
+    rows = sim_rows(load, "simulate-70b-fsdp")
+    out = ["| GPUs (8 x dp_shard) | dp_shard | TSP | tp-sp | TSP / tp-sp | tp "
+           "| model state (both) |",
+           "|---|---|---|---|---|---|---|"]
+    for dp in sorted({r["dp_shard"] for r in rows}):
+        t, sp, tp = (fsdp_row(rows, k, dp) for k in ("tsp", "tp-sp", "tp"))
+        state = gib(t, "parameters") + gib(t, "optimizer_states")
+        out.append(f"| {t['gpus']} | {dp} | {gib(t):.2f} | {gib(sp):.2f} | "
+                   f"{gib(t) / gib(sp):.2f} | {f'{gib(tp):.2f}' if tp else '-'} | {state:.1f} |")
+    return (code(f"$ {command(load, 'simulate-70b-fsdp')}\n" + fsdp_table(rows))
+            + "\nPer-rank peaks side by side (GiB = 2^30 bytes):\n\n" + "\n".join(out) + "\n")
+
+
 # ------------------------------------------------------------------ tsp plan records
 
 def plan_rows(load: Loader, name: str) -> list[dict]:
@@ -257,6 +289,23 @@ def planner_check_7b(load: Loader) -> str:
         s = gib(r)
         out.append(f"| {r['layout']} | {r['seq']} | {s:.2f} | {p['memory_gib']:.2f} | "
                    f"{100 * (p['memory_gib'] - s) / s:+.1f}% | {p['peak_moment']} |")
+    return "\n".join(out) + "\n"
+
+
+def planner_check_70b(load: Loader) -> str:
+    """planning.md: the planner's peaks against ``tsp simulate --dp-shard``'s (Llama-2-70B, D=8)."""
+    rows = sim_rows(load, "simulate-70b-fsdp")
+    plans = plan_rows(load, "plan-70b")
+    out = ["| layout | dp_shard | GPUs | `tsp simulate` GiB | planner GiB | error | planner's peak "
+           "moment |", "|---|---|---|---|---|---|---|"]
+    order = ("tsp", "tp", "tp-sp")
+    for r in sorted(rows, key=lambda r: (order.index(r["layout"]), r["dp_shard"])):
+        p = next(c for c in plans if c["label"] == r["layout"] and c["degree"] == 8
+                 and c["dp_shard"] == r["dp_shard"])
+        s = gib(r)
+        out.append(f"| {r['layout']} | {r['dp_shard']} | {r['gpus']} | {s:.2f} | "
+                   f"{p['memory_gib']:.2f} | {100 * (p['memory_gib'] - s) / s:+.1f}% | "
+                   f"{p['peak_moment']} |")
     return "\n".join(out) + "\n"
 
 
@@ -348,6 +397,8 @@ RENDERERS: dict[str, Callable[[Loader], str]] = {
     "paper-accounting": paper_accounting,
     "simulate-7b-1layer": simulate_7b_1layer,
     "planner-check-7b": planner_check_7b,
+    "simulate-70b-fsdp": simulate_70b_fsdp,
+    "planner-check-70b": planner_check_70b,
     "plan-7b-paper": plan_7b_paper,
     "bench-small-d2": bench_small_d2,
 }
