@@ -318,3 +318,43 @@ def rope_stays_float32() -> None:
 
 def test_rope_frequencies_stay_float32_under_a_bf16_cast(pools):
     pools.of(2).run(rope_stays_float32)
+
+
+def replicas_must_agree() -> None:
+    """dp 2 x tsp 2: replicas built from different seeds are refused on every rank, naming the
+    first tensor, before the model changes; the same seed converts, with one all-gather of the
+    sums over the data-parallel dim; a mesh without data parallelism adds no collective."""
+    from tsp_core.models.parallelize import TSPCausalLM
+
+    mesh = dist_pool.mesh(2)
+    dp_rank = mesh.device_mesh.get_coordinate()[0]
+    differing = hf_models.build("llama", torch.float32, seed=dp_rank)
+    with pytest.raises(ValueError, match=r"data-parallel replicas \(mesh dim 'dp', 2 ranks\) "
+                                         r"hold different weights, model\.embed_tokens\.weight "
+                                         r"first: build the model from the same seed"):
+        tsp_core.parallelize(differing, mesh)
+    assert not isinstance(differing, TSPCausalLM)
+    assert not any(isinstance(m, tsp_core.TSPAttention) for m in differing.modules())
+    # only a later tensor differs (the final norm): found too
+    late = hf_models.build("llama", torch.float32)
+    with torch.no_grad():
+        late.model.norm.weight.add_(1e-3 * dp_rank)
+    with pytest.raises(ValueError, match=r"hold different weights, model\.norm\.weight first"):
+        tsp_core.parallelize(late, mesh)
+    with tsp_core.comm.track() as stats:
+        tsp_core.parallelize(hf_models.build("llama", torch.float32), mesh)
+    assert dict(stats.calls) == {"all_gather": 1}, stats.calls
+    dist.barrier()
+
+
+def no_replicas_no_collective() -> None:
+    with tsp_core.comm.track() as stats:
+        tsp_core.parallelize(hf_models.build("llama", torch.float32, seed=dist.get_rank()),
+                             dist_pool.mesh(2))
+    assert not stats.calls, stats.calls  # tsp 2 alone: each rank's slices, nothing to compare
+    dist.barrier()
+
+
+def test_data_parallel_replicas_must_start_equal(pools):
+    pools.of(4).run(replicas_must_agree)
+    pools.of(2).run(no_replicas_no_collective)

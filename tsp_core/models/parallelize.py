@@ -39,6 +39,7 @@ from ..sequence.layout import IGNORE_INDEX, document_lengths, shard_batch
 from ..state.checkpoint import save_pretrained
 from .input_checks import check_model_inputs
 from .policies import DecoderPolicy, find_policy
+from .replicas import check_replicas_agree
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_tanh": "gelu_tanh"}
@@ -484,6 +485,11 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     bf16 parameters, float32 gradient reduction) and ``reshard_after_forward`` its option of that
     name. Build the optimizer after this call.
 
+    With data parallelism every replica must hold the same weights (build the model from the
+    same seed on every rank, or load it): checked with one small all-gather before the model
+    changes (:mod:`tsp_core.models.replicas`), since DDP's broadcast of rank 0's weights does not
+    happen here.
+
     Mixture-of-experts layers (:mod:`tsp_core.layers.moe`) run ``moe_schedule`` "expert" (whole
     experts per rank, routed tokens move) or "ring" (every expert's channels split, weights move);
     "auto" picks per layer the one that moves fewer bytes for ``moe_tokens_per_rank`` (batch x
@@ -574,6 +580,11 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     else:
         replace(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size,
                                                  init_seed=None, **opts), old_head)
+    if not empty:  # before any change: every rank raises together
+        where = {id(m): n for n, m in model.named_modules()}
+        check_replicas_agree(mesh, [(f"{where[id(parent)]}.{name}.{k}".lstrip("."), t)
+                                    for parent, name, _, state in planned
+                                    for k, t in sorted((state or {}).items())])
     for parent, name, new, state in planned:  # every replacement checked: the model changes now
         if state is not None:
             new.load_full(state)
