@@ -309,6 +309,46 @@ def planner_check_70b(load: Loader) -> str:
     return "\n".join(out) + "\n"
 
 
+MOE_SECTION = ("planning.md#mixture-of-experts-mixtral-8x7b-qwen3-30b-a3b-any-mixtral--qwen3-moe"
+               "-config")
+MOE = (("Mixtral-8x7B", 32, "simulate-mixtral-128k", "plan-mixtral-128k"),
+       ("Qwen3-30B-A3B", 48, "simulate-qwen3-moe-128k", "plan-qwen3-moe-128k"))
+
+
+def planner_check_moe(load: Loader) -> str:
+    """planning.md: the planner's peaks against ``tsp simulate``'s for the whole MoE models at
+    128K tokens (D=8)."""
+    out = ["| model | layers | tokens | layout | `tsp simulate` GiB | planner GiB | error | "
+           "planner's peak moment |", "|---|---|---|---|---|---|---|---|"]
+    for model, layers, simulated, planned in MOE:
+        plans = plan_rows(load, planned)
+        for r in sim_rows(load, simulated):
+            p = next(c for c in plans if c["label"] == r["layout"] and c["degree"] == 8
+                     and c["dp_shard"] == 1)
+            s = gib(r)
+            out.append(f"| {model} | {layers} | {r['seq']} | {r['layout']} | {s:.2f} | "
+                       f"{p['memory_gib']:.2f} | {100 * (p['memory_gib'] - s) / s:+.1f}% | "
+                       f"{p['peak_moment']} |")
+    return "\n".join(out) + "\n"
+
+
+def simulate_mixtral_128k(load: Loader) -> str:
+    """moe.md: the Mixtral-8x7B simulation at 128K tokens and TSP's share of the others' peaks."""
+    rows = sim_rows(load, "simulate-mixtral-128k")
+    g = {r["layout"]: gib(r) for r in rows}
+    return (code(f"$ {command(load, 'simulate-mixtral-128k')}\n" + sim_table(rows)) + "\n"
+            + para(f"TSP's peak is {g['tsp'] / g['tp']:.2f} of `tp`'s and "
+                   f"{g['tsp'] / g['tp-sp']:.2f} of `tp-sp`'s; the planner's estimates beside "
+                   f"these: [planning.md]({MOE_SECTION})."))
+
+
+def simulate_qwen3_moe_128k(load: Loader) -> str:
+    """moe.md: Qwen3-30B-A3B's TSP peak at 128K tokens, in one sentence."""
+    r = sim(sim_rows(load, "simulate-qwen3-moe-128k"), "tsp", 131072)
+    return para(f"Qwen3-30B-A3B (48 layers, 128K, D = 8): {gib(r):.2f} GiB "
+                f"(`{command(load, 'simulate-qwen3-moe-128k')}`).")
+
+
 def plan_table(load: Loader, name: str, top: int) -> str:
     """What ``tsp plan`` prints (tsp_core/plan/command.py), from its JSON, as a table."""
     d = load(name)["output"]
@@ -401,6 +441,9 @@ RENDERERS: dict[str, Callable[[Loader], str]] = {
     "planner-check-70b": planner_check_70b,
     "plan-7b-paper": plan_7b_paper,
     "bench-small-d2": bench_small_d2,
+    "planner-check-moe": planner_check_moe,
+    "simulate-mixtral-128k": simulate_mixtral_128k,
+    "simulate-qwen3-moe-128k": simulate_qwen3_moe_128k,
 }
 
 
