@@ -241,28 +241,28 @@ def test_sft_evaluate_dp2_tsp2_matches_one_process(four_processes, one_process):
         "evaluate at dp 2 x tsp 2", ("eval_loss",), ("eval_num_tokens",))
 
 
-def test_natural_composition_refuses_on_every_rank(two_processes):
-    found = runs(os.path.join(two_processes, "natural"), 2)
+def assert_refused_on_every_rank(found: list[dict], message: str) -> None:
+    """Every rank raised before its first optimizer step, with ``message`` first and the
+    trainers that work named."""
     for r, run in enumerate(found):
         assert "error" in run, f"rank {r} trained instead of refusing: {run}"
         assert run["steps"] == 0, (r, run)
-        error = run["error"]
-        assert error.startswith("NaturalSFTTrainer: the model's forward was replaced by "
-                                "_fused_forward of trl/trainer/utils.py"), (r, error)
-        assert "tsp_trl.TSPSFTTrainer / tsp_trl.TSPDPOTrainer" in error, (r, error)
+        assert run["error"].startswith(message), (r, run["error"])
+        assert "tsp_trl.TSPSFTTrainer / tsp_trl.TSPDPOTrainer" in run["error"], (r, run["error"])
+
+
+def test_natural_composition_refuses_on_every_rank(two_processes):
+    assert_refused_on_every_rank(runs(os.path.join(two_processes, "natural"), 2),
+                                 "NaturalSFTTrainer: the model's forward was replaced by "
+                                 "_fused_forward of trl/trainer/utils.py")
 
 
 def test_a_loss_not_from_the_tsp_forward_refuses_on_every_rank(two_processes):
     # TSPTrainer mixed into a Trainer that builds its loss from the logits (its forward is not
     # replaced): the first step raises on every rank, before any optimizer step
-    found = runs(os.path.join(two_processes, "logits_loss"), 2)
-    for r, run in enumerate(found):
-        assert "error" in run, f"rank {r} trained instead of refusing: {run}"
-        assert run["steps"] == 0, (r, run)
-        error = run["error"]
-        assert error.startswith("LogitsLossTrainer: its loss did not come from the TSP model's "
-                                "forward with labels"), (r, error)
-        assert "tsp_trl.TSPSFTTrainer / tsp_trl.TSPDPOTrainer" in error, (r, error)
+    assert_refused_on_every_rank(runs(os.path.join(two_processes, "logits_loss"), 2),
+                                 "LogitsLossTrainer: its loss did not come from the TSP model's "
+                                 "forward with labels")
 
 
 @pytest.mark.parametrize("data", ["plain", "prompt_completion", "packed_dp"])

@@ -7,13 +7,13 @@ code."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 from pathlib import Path
 
 import pytest
 
+from tests.support import launch
 from tsp_core.plan.simulate import SimulationRequest, record_dict, simulate_many
 from tsp_core.tools import cli
 
@@ -24,10 +24,7 @@ RERUN = ("simulate-7b-1layer", 8)  # the cheapest record's row at this degree (a
 
 @pytest.fixture(scope="module")
 def records():
-    spec = importlib.util.spec_from_file_location("render_records", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return launch.load_script(SCRIPT, "render_records")
 
 
 def test_the_docs_equal_the_records(records, capsys):

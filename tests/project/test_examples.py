@@ -18,7 +18,6 @@ within bfloat16's rounding of a float32 reference, and not equal to it); its arg
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -304,10 +303,7 @@ def test_main_job_in_bfloat16():
 
 def train_llama():
     """examples/train_llama.py as a module (its main runs only as a script)."""
-    spec = importlib.util.spec_from_file_location("train_llama", example("train_llama.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return launch.load_script(example("train_llama.py"), "train_llama")
 
 
 BAD_ARGS = [  # (arguments, processes, what the message says)

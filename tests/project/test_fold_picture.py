@@ -9,7 +9,6 @@ The committed PNG is not compared byte for byte: matplotlib's output differs acr
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.support import launch
 from tsp_core.distributed import comm
 from tsp_core.layers.attention import rounds
 from tsp_core.sequence.layout import shard_sequence
@@ -28,10 +28,7 @@ D = 4
 
 @pytest.fixture(scope="module")
 def draw_fold():
-    spec = importlib.util.spec_from_file_location("draw_fold", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return launch.load_script(SCRIPT, "draw_fold")
 
 
 def png_chunks(data: bytes) -> list[bytes]:

@@ -22,6 +22,17 @@ UNCLEAN = ("Traceback (most recent call last)", "terminate called", "core dumped
            "Fatal Python error")
 
 
+def load_script(path: str | os.PathLike, name: str):
+    """A script of the repository (an example, a docs tool) as a module, without running its
+    ``main`` (that runs only when it is a script)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def torchrun(procs: int, *args: str) -> list[str]:
     """``torchrun --standalone --nproc_per_node procs ARGS`` (the venv's console script)."""
     return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", str(procs), *args]
