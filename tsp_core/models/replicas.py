@@ -7,6 +7,7 @@ over each data-parallel dim finds that and refuses, naming the first tensor that
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..distributed import comm
 from ..distributed.mesh import TSPMesh
@@ -33,8 +34,8 @@ def check_replicas_agree(mesh: TSPMesh, tensors: list[tuple[str, torch.Tensor]])
     dm = mesh.device_mesh
     dims = [(n, dm.size(dm.mesh_dim_names.index(n))) for n in mesh.other_dims]
     dims = [(n, size) for n, size in dims if size > 1]
-    if not dims:
-        return
+    if not dims or any(is_fake(t) for _, t in tensors):
+        return  # no data parallelism, or the memory simulation (fake tensors hold no values)
     names, local = fingerprint(tensors)
     device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
               else torch.device("cpu"))
