@@ -34,10 +34,12 @@ from ..layers.moe import (
 )
 from ..layers.norm import TSPRMSNorm
 from ..layers.sizes import valid_sizes_hint, valid_tsp_sizes
+from ..layers.tiles import check_tile_tokens
 from ..layers.vocab import TSPEmbedding, TSPLMHead
 from ..sequence.layout import IGNORE_INDEX, document_lengths, shard_batch
 from ..state.checkpoint import save_pretrained
 from .input_checks import check_model_inputs
+from .offload import install_activation_offload
 from .policies import DecoderPolicy, find_policy
 from .replicas import check_replicas_agree
 
@@ -475,7 +477,8 @@ def _check_head_norms(model: nn.Module, policy: DecoderPolicy, q_width: int, k_w
 
 def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None,
                 moe_schedule: str = "auto", moe_tokens_per_rank: int | None = None,
-                mp_policy: Any = None, reshard_after_forward: bool = True) -> nn.Module:
+                mp_policy: Any = None, reshard_after_forward: bool = True,
+                tile_tokens: int | None = None, activation_offload: bool = False) -> nn.Module:
     """Convert ``model`` in place to TSP on ``mesh`` and return it. A model whose parameters are
     all on the meta device gets uninitialised shards (fill them with load_full_state_dict).
 
@@ -493,11 +496,19 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     Mixture-of-experts layers (:mod:`tsp_core.layers.moe`) run ``moe_schedule`` "expert" (whole
     experts per rank, routed tokens move) or "ring" (every expert's channels split, weights move);
     "auto" picks per layer the one that moves fewer bytes for ``moe_tokens_per_rank`` (batch x
-    sequence / tsp_size of the run), "expert" when that is not given."""
+    sequence / tsp_size of the run), "expert" when that is not given.
+
+    Long context (docs/long-context.md): the MLP, the experts and the loss run over a rank's
+    tokens ``tile_tokens`` at a time (None: chosen from the model's sizes so that a tile's working
+    set stays under :data:`tsp_core.layers.tiles.TILE_BYTES`); ``activation_offload`` keeps each
+    checkpointed decoder layer's saved input in host memory between its forward and its backward
+    (:mod:`tsp_core.models.offload`; needs activation checkpointing:
+    ``model.gradient_checkpointing_enable()``)."""
     if mp_policy is not None and mesh.fsdp_size == 1:
         raise ValueError("mp_policy is FSDP2's and needs a mesh that shards data parallel "
                          f"(dp_shard > 1; this mesh's is {mesh.fsdp_size}); without FSDP2 train "
                          "in mixed precision with autocast (Lightning's bf16-mixed)")
+    check_tile_tokens(tile_tokens)
     if moe_schedule not in ("auto", *SCHEDULES):
         raise ValueError(f"moe_schedule {moe_schedule!r} is not one of "
                          f"{('auto', *SCHEDULES)}")
@@ -600,6 +611,11 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     rope.use_global_length(model._tsp_ropes)
     _register_attention_implementation()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for module in model.modules():  # the MLPs, the experts and the loss
+        if hasattr(module, "tile_tokens"):
+            module.tile_tokens = tile_tokens
+    if activation_offload:
+        install_activation_offload(model, list(getattr(base, policy.layers)))
     if mesh.fsdp_size > 1:  # FSDP2 sums data-parallel gradients itself
         apply_fsdp(model, mesh, list(getattr(base, policy.layers)), mp_policy=mp_policy,
                    reshard_after_forward=reshard_after_forward)
