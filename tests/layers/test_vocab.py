@@ -107,31 +107,26 @@ def test_bad_ids_fail_on_every_rank(pool):
     assert "this rank has 0...10" in msgs[2]
 
 
-def loss_peak(tsp: int, chunk_elements: int) -> tuple[int, int]:
+def loss_peak(tsp: int, tile_tokens: int) -> tuple[int, int]:
     from torch.distributed._tools.mem_tracker import MemTracker
-
-    from tsp_core.layers import vocab
 
     mesh = dist_pool.mesh(tsp)
     tokens, V, h = 1024, 4096, 16
-    head = TSPLMHead(mesh, V, h, dtype=torch.float32)
+    head = TSPLMHead(mesh, V, h, dtype=torch.float32, tile_tokens=tile_tokens)
     hidden = torch.randn(1, tokens, h, requires_grad=True)
     labels = torch.randint(0, V, (1, tokens))
-    vocab.LOSS_CHUNK_ELEMENTS, saved = chunk_elements, vocab.LOSS_CHUNK_ELEMENTS
-    try:
-        tracker = MemTracker()
-        tracker.track_external(head, hidden)
-        with tracker:
-            head.loss_sum(hidden, labels).backward()
-    finally:
-        vocab.LOSS_CHUNK_ELEMENTS = saved
+    tracker = MemTracker()
+    tracker.track_external(head, hidden)
+    with tracker:
+        head.loss_sum(hidden, labels).backward()
     (snap,) = tracker.get_tracker_snapshot("peak").values()
     dist.barrier()
     return int(snap["Total"]), tokens * V * 4
 
 
 def test_loss_never_holds_the_local_logits(pool):
-    for rank, (peak, logits_bytes) in enumerate(pool.run(loss_peak, 2, 1 << 14)):
+    # tiles of 8 tokens (tests/layers/test_tiles.py holds the working set per tile)
+    for rank, (peak, logits_bytes) in enumerate(pool.run(loss_peak, 2, 8)):
         # inputs and the weight shard are tracked too (~0.3 MiB); [tokens, V] float32 is 16 MiB
         assert peak < 0.1 * logits_bytes, (rank, peak, logits_bytes)
 

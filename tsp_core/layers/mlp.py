@@ -28,6 +28,7 @@ from ..distributed.params import (
     schedule_inputs,
 )
 from .sizes import valid_sizes_hint, valid_tsp_sizes
+from .tiles import TokenTiled, grad_accumulator, mlp_tile_tokens, token_tiles
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -37,14 +38,19 @@ def _act(g: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _act_grad(g: torch.Tensor, kind: str) -> torch.Tensor:
-    """d act(g) / d g, elementwise."""
+    """d act(g) / d g, elementwise, the same operations in the same order as the formulas
+    ``s (1 + g (1 - s))`` (SiLU, s = sigmoid(g)) and ``0.5 (1 + t) + 0.5 g (1 - t^2) c (1 + 3 k
+    g^2)`` (tanh-GELU, t = tanh(c (g + k g^3))), but in place: at most three tensors the size
+    of ``g`` exist at once, result included (:data:`tiles.MLP_TILE_TENSORS` counts them)."""
     if kind == "silu":
         s = torch.sigmoid(g)
-        return s * (1 + g * (1 - s))
-    c = 0.7978845608028654  # sqrt(2 / pi)
-    inner = c * (g + 0.044715 * g ** 3)
-    t = torch.tanh(inner)
-    return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g)
+        return (1 - s).mul_(g).add_(1).mul_(s)
+    c, k = 0.7978845608028654, 0.044715  # sqrt(2 / pi), tanh-GELU's cubic coefficient
+    t = (g ** 3).mul_(k).add_(g).mul_(c).tanh_()
+    q = (t * t).neg_().add_(1)              # 1 - t^2
+    q = (g * 0.5).mul_(q).mul_(c)           # 0.5 g (1 - t^2) c
+    q.mul_((g * (3 * k)).mul_(g).add_(1))   # ... (1 + 3 k g^2)
+    return t.add_(1).mul_(0.5).add_(q)      # 0.5 (1 + t) + ...
 
 
 def check_local_input(x: torch.Tensor, hidden_size: int) -> None:
@@ -63,21 +69,31 @@ class MLPSpec:
 
 
 class _TSPGatedMLPFn(torch.autograd.Function):
+    """The ring schedule over this rank's tokens in tiles of ``tile`` (docs/design.md "Long
+    context"): for each weight shard, one tile's gate, up and activation at a time in the
+    forward; the backward recomputes them a tile at a time and sums the shard's weight gradient
+    over the tiles, so the working set is a few [tile, F/D] tensors (:mod:`.tiles`), whatever
+    the number of local tokens."""
+
     @staticmethod
-    def forward(ctx, x, spec: MLPSpec, group, *weights):
+    def forward(ctx, x, spec: MLPSpec, group, tile: int, *weights):
         pack = FlatPack([w.shape for w in weights])
         B, L, h = x.shape
         x2 = x.reshape(B * L, h)
         y = torch.zeros_like(x2)
+        tiles = token_tiles(B * L, tile)
 
         def compute(_owner: int, shard: torch.Tensor) -> None:
             wg, wu, wd, *b = pack.unpack(shard)
             bg, bu = b if b else (None, None)
-            m = _act(F.linear(x2, wg, bg), spec.activation) * F.linear(x2, wu, bu)
-            y.addmm_(m, wd.t())
+            for sl in tiles:
+                xt = x2[sl]
+                m = _act(F.linear(xt, wg, bg), spec.activation) * F.linear(xt, wu, bu)
+                y[sl].addmm_(m, wd.t())
+                del m  # before the next tile's
 
         comm.ring_over_shards(pack.pack(weights), group, compute)
-        ctx.spec, ctx.group, ctx.pack = spec, group, pack
+        ctx.spec, ctx.group, ctx.pack, ctx.tile = spec, group, pack, tile
         ctx.save_for_backward(x, *weights)
         return y.view(B, L, h)
 
@@ -88,37 +104,53 @@ class _TSPGatedMLPFn(torch.autograd.Function):
         B, L, h = x.shape
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
         dx = torch.zeros_like(x2)
+        tiles = token_tiles(B * L, ctx.tile)
 
         def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
             wg, wu, wd, *b = pack.unpack(shard)
             bg, bu = b if b else (None, None)
-            g = F.linear(x2, wg, bg)  # recomputed: only the input is kept for backward
-            u = F.linear(x2, wu, bu)
-            a = _act(g, spec.activation)
-            dm = dy2 @ wd
-            d_wd = dy2.t() @ (a * u)
-            du = dm * a
-            dg = dm.mul_(u).mul_(_act_grad(g, spec.activation))
-            del g, u, a
-            dx.addmm_(dg, wg).addmm_(du, wu)
-            grads = [dg.t() @ x2, du.t() @ x2, d_wd] + ([dg.sum(0), du.sum(0)] if b else [])
-            return pack.pack(grads)
+            grads = grad_accumulator(pack.numel, shard.dtype, shard.device, len(tiles))
+            d_wg, d_wu, d_wd, *d_b = pack.unpack(grads)
+            for sl in tiles:
+                xt, dyt = x2[sl], dy2[sl]
+                g = F.linear(xt, wg, bg)  # recomputed: only the input is kept for backward
+                u = F.linear(xt, wu, bu)
+                a = _act(g, spec.activation)
+                d_wd.add_(dyt.t() @ (a * u))
+                dm = dyt @ wd
+                du = dm * a
+                del a
+                dg = dm.mul_(u)
+                del u
+                dg.mul_(_act_grad(g, spec.activation))
+                del g
+                dx[sl].addmm_(dg, wg).addmm_(du, wu)
+                d_wg.add_(dg.t() @ xt)
+                d_wu.add_(du.t() @ xt)
+                if d_b:
+                    d_b[0].add_(dg.sum(0))
+                    d_b[1].add_(du.sum(0))
+                del dg, du  # before the next tile's
+            return grads.to(shard.dtype)
 
         grad = comm.ring_over_shards_with_grads(pack.pack(weights), group, contribute)
-        return (dx.view(B, L, h), None, None, *pack.unpack(grad))
+        return (dx.view(B, L, h), None, None, None, *pack.unpack(grad))
 
 
-class TSPGatedMLP(ShardedModule):
+class TSPGatedMLP(TokenTiled, ShardedModule):
     """Gated MLP ``down(act(gate(x)) * up(x))`` with TSP: rank p owns intermediate channels
     [p*F/D, (p+1)*F/D) of ``gate_proj`` and ``up_proj`` and the same columns of ``down_proj``
-    (Hugging Face names and shapes); down's bias is replicated."""
+    (Hugging Face names and shapes); down's bias is replicated. ``tile_tokens``: the local tokens
+    are processed that many at a time (None: :func:`tiles.mlp_tile_tokens` of the sizes)."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, intermediate_size: int, *,
                  activation: str = "silu", bias: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
+                 device: torch.device | str | None = None, init_seed: int | None = 0,
+                 tile_tokens: int | None = None) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+        self.tile_tokens = tile_tokens
         if intermediate_size % mesh.size:
             hint = valid_sizes_hint(valid_tsp_sizes(None, None, intermediate_size),
                                     f"intermediate_size {intermediate_size}")
@@ -154,8 +186,9 @@ class TSPGatedMLP(ShardedModule):
         if "gate_proj.bias" in self.full_shapes:
             names += ["gate_proj.bias", "up_proj.bias"]
         x, weights, context = schedule_inputs(self, names, x)
+        tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size, x.dtype)
         with context:
-            y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, *weights)
+            y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, tile, *weights)
         if "down_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.down_proj.bias, self.mesh)
         return y

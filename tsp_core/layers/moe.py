@@ -51,6 +51,7 @@ from ..distributed.params import (
 )
 from .mlp import ACTIVATIONS, _act, _act_grad, check_local_input
 from .sizes import valid_sizes_hint, valid_tsp_sizes
+from .tiles import TokenTiled, grad_accumulator, mlp_tile_tokens, token_tiles
 
 
 @dataclass(frozen=True)
@@ -252,13 +253,14 @@ def _by_expert(experts: torch.Tensor, num_experts: int) -> list[tuple[torch.Tens
 class _RingExpertsFn(torch.autograd.Function):
     """Schedule "ring": every expert's channel slices travel around the TSP ring
     (:func:`comm.ring_over_shards`); each rank applies each slice to its own tokens routed to
-    that expert and adds the weighted partial outputs. The backward circulates the slices again,
-    recomputing the activations, with each slice's gradient accumulator following it
-    (:func:`comm.ring_over_shards_with_grads`). Kept for backward: the input, the routing and
-    this rank's own slices."""
+    that expert, ``tile`` of them at a time, and adds the weighted partial outputs. The backward
+    circulates the slices again, recomputing the activations a tile at a time, with each slice's
+    gradient accumulator following it (:func:`comm.ring_over_shards_with_grads`). Kept for
+    backward: the input, the routing and this rank's own slices; the working set is a few
+    [tile, F/D] tensors (:mod:`.tiles`) and the tile's rows, whatever the number of tokens."""
 
     @staticmethod
-    def forward(ctx, x, weights, experts, spec: MoESpec, group, gate, up, down):
+    def forward(ctx, x, weights, experts, spec: MoESpec, group, tile, gate, up, down):
         pack = FlatPack([gate.shape, up.shape, down.shape])
         routed = _by_expert(experts, spec.num_experts)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -266,19 +268,22 @@ class _RingExpertsFn(torch.autograd.Function):
 
         def compute(_owner: int, shard: torch.Tensor) -> None:
             wg, wu, wd = pack.unpack(shard)
-            for e, (tok, slot) in enumerate(routed):
-                xe = x[tok]
-                m = _act(F.linear(xe, wg[e]), spec.activation) * F.linear(xe, wu[e])
-                y.index_add_(0, tok, F.linear(m, wd[e]).to(acc) * weights[tok, slot, None])
+            for e, (tokens, slots) in enumerate(routed):
+                for sl in token_tiles(len(tokens), tile):
+                    tok, slot = tokens[sl], slots[sl]
+                    xe = x[tok]
+                    m = _act(F.linear(xe, wg[e]), spec.activation) * F.linear(xe, wu[e])
+                    y.index_add_(0, tok, F.linear(m, wd[e]).to(acc) * weights[tok, slot, None])
+                    del xe, m  # before the next tile's
 
         comm.ring_over_shards(pack.pack([gate, up, down]), group, compute)
-        ctx.spec, ctx.group, ctx.pack, ctx.routed = spec, group, pack, routed
+        ctx.spec, ctx.group, ctx.pack, ctx.routed, ctx.tile = spec, group, pack, routed, tile
         ctx.save_for_backward(x, weights, gate, up, down)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        spec, pack, routed = ctx.spec, ctx.pack, ctx.routed
+        spec, pack, routed, tile = ctx.spec, ctx.pack, ctx.routed, ctx.tile
         x, weights, *own = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.zeros_like(x)
@@ -286,33 +291,42 @@ class _RingExpertsFn(torch.autograd.Function):
         # weights are float32 even for a bf16 or float64 model, Mixtral)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         dw = torch.zeros(weights.shape, dtype=acc, device=x.device)
+        most = max((len(token_tiles(len(tokens), tile)) for tokens, _ in routed), default=1)
 
         def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
             wg, wu, wd = pack.unpack(shard)
-            grads = torch.zeros_like(shard)
+            grads = grad_accumulator(shard.numel(), shard.dtype, shard.device, most)
             gg, gu, gd = pack.unpack(grads)
-            for e, (tok, slot) in enumerate(routed):
-                xe, dye = x[tok], dy[tok]
-                g, u = F.linear(xe, wg[e]), F.linear(xe, wu[e])  # recomputed
-                a = _act(g, spec.activation)
-                m = a * u
-                dw.index_put_((tok, slot), (F.linear(m, wd[e]) * dye).sum(-1).to(acc),
-                              accumulate=True)
-                dpart = (dye * weights[tok, slot, None]).to(x.dtype)
-                dm = dpart @ wd[e]
-                gd[e] += dpart.t() @ m
-                du = dm * a
-                dg = dm * u * _act_grad(g, spec.activation)
-                dx.index_add_(0, tok, dg @ wg[e] + du @ wu[e])
-                gg[e] += dg.t() @ xe
-                gu[e] += du.t() @ xe
-            return grads
+            for e, (tokens, slots) in enumerate(routed):
+                for sl in token_tiles(len(tokens), tile):
+                    tok, slot = tokens[sl], slots[sl]
+                    xe, dye = x[tok], dy[tok]
+                    g, u = F.linear(xe, wg[e]), F.linear(xe, wu[e])  # recomputed
+                    a = _act(g, spec.activation)
+                    m = a * u
+                    dw.index_put_((tok, slot), (F.linear(m, wd[e]) * dye).sum(-1).to(acc),
+                                  accumulate=True)
+                    dpart = (dye * weights[tok, slot, None]).to(x.dtype)
+                    dm = dpart @ wd[e]
+                    gd[e] += dpart.t() @ m
+                    del m
+                    du = dm * a
+                    del a
+                    dg = dm.mul_(u)
+                    del u
+                    dg.mul_(_act_grad(g, spec.activation))
+                    del g
+                    dx.index_add_(0, tok, dg @ wg[e] + du @ wu[e])
+                    gg[e] += dg.t() @ xe
+                    gu[e] += du.t() @ xe
+                    del xe, dye, dpart, dg, du  # before the next tile's
+            return grads.to(shard.dtype)
 
         grad = comm.ring_over_shards_with_grads(pack.pack(own), ctx.group, contribute)
-        return (dx, dw.to(weights.dtype), None, None, None, *pack.unpack(grad))
+        return (dx, dw.to(weights.dtype), None, None, None, None, *pack.unpack(grad))
 
 
-class TSPMoE(ShardedModule):
+class TSPMoE(TokenTiled, ShardedModule):
     """A sparse mixture-of-experts block with Hugging Face's names and shapes: the router
     ``gate.weight`` [E, h] (replicated), ``experts.gate_up_proj`` [E, 2F, h] (gate rows, then up
     rows) and ``experts.down_proj`` [E, h, F]. ``schedule`` "expert": split by whole experts over
@@ -325,8 +339,9 @@ class TSPMoE(ShardedModule):
                  top_k: int, *, activation: str = "silu", norm_topk: bool = True,
                  weights_in_logits_dtype: bool = False, schedule: str = "expert",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 init_seed: int | None = 0) -> None:
+                 init_seed: int | None = 0, tile_tokens: int | None = None) -> None:
         super().__init__()
+        self.tile_tokens = tile_tokens
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
         if schedule not in SCHEDULES:
@@ -386,7 +401,9 @@ class TSPMoE(ShardedModule):
             if self.schedule == "expert":
                 y = dispatch_combine(x2, weights, experts, *experts_weights, s, self.mesh.group)
             else:
-                y = _RingExpertsFn.apply(x2, weights, experts, s, self.mesh.group,
+                tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size,
+                                                           x.dtype)
+                y = _RingExpertsFn.apply(x2, weights, experts, s, self.mesh.group, tile,
                                          *experts_weights)
         return y.view(x.shape)
 

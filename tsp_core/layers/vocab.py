@@ -5,7 +5,8 @@ Rank p owns rows [p*V'/D, (p+1)*V'/D) of the table, V' = V rounded up to a multi
 padding rows are zeros, never looked up, never predicted). The embedding sends each token id to
 the rank that owns its row and the rows back (all-to-all), so a rank moves S/D x h, never the
 table. The loss circulates the vocabulary shards around the ring and keeps an online
-log-sum-exp per token, in token chunks, so no [S/D, V] float32 logits exist at once.
+log-sum-exp per token, in tiles of tokens (``TSPLMHead.tile_tokens``), so no [S/D, V] float32
+logits exist at once, only a few [tile, V/D] (:mod:`.tiles`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from ..distributed.params import (
     schedule_inputs,
 )
 from ..sequence.layout import IGNORE_INDEX
+from .tiles import TokenTiled, grad_accumulator, loss_tile_tokens, token_tiles
 
-# logits elements per token chunk in the fused loss (64 MiB in float32)
+# logits elements per token chunk of the full logits (tsp_core.inference.logits; 64 MiB in
+# float32); the loss takes its tiles from TSPLMHead.tile_tokens
 LOSS_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -118,39 +121,48 @@ def _in_shard(labels: torch.Tensor, lo: int, valid: int) -> tuple[torch.Tensor, 
     return (labels >= lo) & (labels < lo + valid), (labels - lo).clamp(0, valid - 1)
 
 
+def _tile_logits(hidden: torch.Tensor, shard: torch.Tensor, acc: torch.dtype,
+                 cap: float | None) -> torch.Tensor:
+    """One tile's logits against one shard's valid rows, in ``acc``, soft-capped in place (the
+    operations of :func:`softcap`, without its temporaries)."""
+    logits = (hidden @ shard.t()).to(acc)
+    return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Sum over tokens of cross-entropy against vocabulary shards that circulate in a ring, of
-    the logits soft-capped by ``cap`` (None: not capped)."""
+    the logits soft-capped by ``cap`` (None: not capped), ``tile`` tokens at a time: at most
+    :data:`tiles.LOSS_TILE_TENSORS` [tile, V/D] float32 tensors at once, forward and backward."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, weight, vocab_size: int, group, cap: float | None = None):
+    def forward(ctx, hidden, labels, weight, vocab_size: int, group, cap: float | None = None,
+                tile: int = 1):
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         n, per = hidden.shape[0], weight.shape[0]
         m = hidden.new_full((n,), float("-inf"), dtype=acc)
         ssum = hidden.new_zeros(n, dtype=acc)
         target = hidden.new_zeros(n, dtype=acc)
-        chunk = max(1, LOSS_CHUNK_ELEMENTS // per)
 
         def compute(owner: int, shard: torch.Tensor) -> None:
             lo = owner * per
             valid = max(0, min(per, vocab_size - lo))
             if valid == 0:
                 return
-            for c in range(0, n, chunk):
-                sl = slice(c, c + chunk)
-                logits = softcap((hidden[sl] @ shard[:valid].t()).to(acc), cap)
+            for sl in token_tiles(n, tile):
+                logits = _tile_logits(hidden[sl], shard[:valid], acc, cap)
                 m_new = torch.maximum(m[sl], logits.max(-1).values)
-                ssum[sl] = ssum[sl] * torch.exp(m[sl] - m_new) + torch.exp(
-                    logits - m_new[:, None]).sum(-1)
-                m[sl] = m_new
                 inside, col = _in_shard(labels[sl], lo, valid)
                 picked = logits.gather(1, col[:, None]).squeeze(1)
                 target[sl] = torch.where(inside, picked, target[sl])
+                ssum[sl] = ssum[sl] * torch.exp(m[sl] - m_new) + logits.sub_(
+                    m_new[:, None]).exp_().sum(-1)
+                m[sl] = m_new
+                del logits  # before the next tile's
 
         comm.ring_over_shards(weight.contiguous(), group, compute)
         lse = m + torch.log(ssum)
         keep = labels != IGNORE_INDEX
-        ctx.vocab_size, ctx.group, ctx.cap = vocab_size, group, cap
+        ctx.vocab_size, ctx.group, ctx.cap, ctx.tile = vocab_size, group, cap, tile
         ctx.save_for_backward(hidden, labels, weight, lse)
         return torch.where(keep, lse - target, 0).sum()
 
@@ -159,40 +171,43 @@ class _VocabParallelCE(torch.autograd.Function):
         hidden, labels, weight, lse = ctx.saved_tensors
         scale = (labels != IGNORE_INDEX).to(lse.dtype) * g.to(lse.dtype)
         dh, dw = _ring_backward(hidden, labels, weight, lse, scale, ctx.vocab_size, ctx.group,
-                                ctx.cap)
-        return dh, None, dw, None, None, None
+                                ctx.cap, ctx.tile)
+        return dh, None, dw, None, None, None, None
 
 
 def _ring_backward(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
                    lse: torch.Tensor, scale: torch.Tensor, vocab_size: int, group,
-                   cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   cap: float | None, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of sum_i scale_i x (lse_i - logit_i[label_i]) with respect to the local hidden
     states and this rank's vocabulary shard (``scale`` zero where the label is ignored): the
-    shards circulate again and each one's gradient travels back to its owner."""
+    shards circulate again and each one's gradient travels back to its owner. Per tile of
+    ``tile`` tokens at most two [tile, V/D] float32 tensors (the softmax and, with a cap, its
+    tanh) and the softmax cast to the model's dtype exist at once."""
     n, per = hidden.shape[0], weight.shape[0]
-    chunk = max(1, LOSS_CHUNK_ELEMENTS // per)
+    tiles = token_tiles(n, tile)
     dh = torch.zeros_like(hidden)
 
     def contribute(owner: int, shard: torch.Tensor) -> torch.Tensor:
         lo = owner * per
         valid = max(0, min(per, vocab_size - lo))
-        dw = torch.zeros_like(shard)
-        for c in range(0, n if valid else 0, chunk):
-            sl = slice(c, c + chunk)
+        dw = grad_accumulator(shard.numel(), shard.dtype, shard.device,
+                              len(tiles)).view(shard.shape)
+        for sl in tiles if valid else []:
             raw = (hidden[sl] @ shard[:valid].t()).to(lse.dtype)
-            t = None if cap is None else torch.tanh(raw / cap)
-            p = torch.exp((raw if t is None else t * cap) - lse[sl, None])
+            t = None if cap is None else raw.div_(cap).tanh_()
+            p = (raw if t is None else t * cap).sub_(lse[sl, None]).exp_()
             del raw
             inside, col = _in_shard(labels[sl], lo, valid)
             p.scatter_add_(1, col[:, None], -inside.to(p.dtype)[:, None])
-            p = p * scale[sl, None]
+            p.mul_(scale[sl, None])
             if t is not None:  # through the cap: d(cap tanh(x / cap))/dx = 1 - tanh^2
-                p = p * (1 - t * t)
+                p.mul_(t.mul_(t).neg_().add_(1))
                 del t
             p = p.to(hidden.dtype)
             dh[sl] += p @ shard[:valid]
             dw[:valid] += p.t() @ hidden[sl]
-        return dw
+            del p  # before the next tile's
+        return dw.to(shard.dtype)
 
     dw = comm.ring_over_shards_with_grads(weight.contiguous(), group, contribute)
     return dh, dw
@@ -205,10 +220,12 @@ class _VocabParallelTokenStats(torch.autograd.Function):
     ``argmax``), each zero where the label is ignored. Entropy and top-1 come from two more
     running sums in the same pass as the log-sum-exp (sum of exp(l - m) x l, and the largest
     logit before the label's column), so no rank ever holds another's shard's logits beyond a
-    chunk, nor the whole head. Also the mean logit over the vocabulary (a fourth sum)."""
+    tile of ``tile`` tokens, nor the whole head. Also the mean logit over the vocabulary (a
+    fourth sum)."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, weight, vocab_size: int, group, cap: float | None = None):
+    def forward(ctx, hidden, labels, weight, vocab_size: int, group, cap: float | None = None,
+                tile: int = 1):
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         n, per = hidden.shape[0], weight.shape[0]
         m = hidden.new_full((n,), float("-inf"), dtype=acc)
@@ -217,7 +234,6 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         target = hidden.new_zeros(n, dtype=acc)
         before = hidden.new_full((n,), float("-inf"), dtype=acc)  # max logit left of the label
         zsum = hidden.new_zeros(n, dtype=acc)  # sum of the logits
-        chunk = max(1, LOSS_CHUNK_ELEMENTS // per)
 
         def compute(owner: int, shard: torch.Tensor) -> None:
             lo = owner * per
@@ -225,15 +241,9 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             if valid == 0:
                 return
             columns = torch.arange(lo, lo + valid, device=hidden.device)
-            for c in range(0, n, chunk):
-                sl = slice(c, c + chunk)
-                logits = softcap((hidden[sl] @ shard[:valid].t()).to(acc), cap)
+            for sl in token_tiles(n, tile):
+                logits = _tile_logits(hidden[sl], shard[:valid], acc, cap)
                 m_new = torch.maximum(m[sl], logits.max(-1).values)
-                decay = torch.exp(m[sl] - m_new)
-                e = torch.exp(logits - m_new[:, None])
-                ssum[sl] = ssum[sl] * decay + e.sum(-1)
-                xsum[sl] = xsum[sl] * decay + (e * logits).sum(-1)
-                m[sl] = m_new
                 zsum[sl] += logits.sum(-1)
                 inside, col = _in_shard(labels[sl], lo, valid)
                 picked = logits.gather(1, col[:, None]).squeeze(1)
@@ -241,6 +251,13 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 left = columns[None, :] < labels[sl, None]
                 before[sl] = torch.maximum(before[sl], torch.where(
                     left, logits, float("-inf")).max(-1).values)
+                del left
+                decay = torch.exp(m[sl] - m_new)
+                e = (logits - m_new[:, None]).exp_()
+                ssum[sl] = ssum[sl] * decay + e.sum(-1)
+                xsum[sl] = xsum[sl] * decay + e.mul_(logits).sum(-1)
+                m[sl] = m_new
+                del logits, e  # before the next tile's
 
         comm.ring_over_shards(weight.contiguous(), group, compute)
         lse = m + torch.log(ssum)
@@ -249,7 +266,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         entropy = torch.where(keep, lse - xsum / ssum, 0)
         top1 = keep & (target >= m) & (target > before)
         mean_logits = torch.where(keep, zsum / vocab_size, 0)
-        ctx.vocab_size, ctx.group, ctx.cap = vocab_size, group, cap
+        ctx.vocab_size, ctx.group, ctx.cap, ctx.tile = vocab_size, group, cap, tile
         ctx.save_for_backward(hidden, labels, weight, lse)
         ctx.mark_non_differentiable(entropy, top1, mean_logits)
         return log_probs, entropy, top1, mean_logits
@@ -258,22 +275,25 @@ class _VocabParallelTokenStats(torch.autograd.Function):
     def backward(ctx, g, _entropy, _top1, _mean_logits):
         hidden, labels, weight, lse = ctx.saved_tensors
         if g is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         # d log p(label) / d logits = onehot - p: the loss's gradient with scale -g
         scale = -(labels != IGNORE_INDEX).to(lse.dtype) * g.to(lse.dtype)
         dh, dw = _ring_backward(hidden, labels, weight, lse, scale, ctx.vocab_size, ctx.group,
-                                ctx.cap)
-        return dh, None, dw, None, None, None
+                                ctx.cap, ctx.tile)
+        return dh, None, dw, None, None, None, None
 
 
-class TSPLMHead(ShardedModule):
+class TSPLMHead(TokenTiled, ShardedModule):
     """LM head whose ``weight`` [V, h] is split by rows like :class:`TSPEmbedding` (and may be
-    the embedding's very parameter, for tied embeddings)."""
+    the embedding's very parameter, for tied embeddings). ``tile_tokens``: the losses take the
+    local tokens that many at a time (None: :func:`tiles.loss_tile_tokens` of the sizes)."""
 
     def __init__(self, mesh: TSPMesh, vocab_size: int, hidden_size: int, *,
                  tied_to: TSPEmbedding | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
+                 device: torch.device | str | None = None, init_seed: int | None = 0,
+                 tile_tokens: int | None = None) -> None:
         super().__init__()
+        self.tile_tokens = tile_tokens
         self.mesh, self.vocab_size = mesh, vocab_size
         self.full_shapes = {"weight": (vocab_size, hidden_size)}
         self.tied = tied_to is not None
@@ -314,6 +334,10 @@ class TSPLMHead(ShardedModule):
         hidden, (weight,), context = schedule_inputs(self, ["weight"], hidden)
         return hidden, weight, context
 
+    def loss_tile(self, hidden: torch.Tensor, weight: torch.Tensor) -> int:
+        """The losses' tile: ``tile_tokens``, or chosen from the local vocabulary rows."""
+        return self.tile_tokens or loss_tile_tokens(weight.shape[0], hidden.dtype)
+
     def loss_sum(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         """Sum of the local tokens' cross-entropy (ignore index -100), float32 (float64 for a
         float64 model); never materialises the local [tokens, V] logits at once."""
@@ -321,7 +345,8 @@ class TSPLMHead(ShardedModule):
         with context:
             return _VocabParallelCE.apply(hidden.reshape(-1, hidden.shape[-1]),
                                           shift_labels.reshape(-1), weight, self.vocab_size,
-                                          self.mesh.group, self.logits_softcap)
+                                          self.mesh.group, self.logits_softcap,
+                                          self.loss_tile(hidden, weight))
 
     def token_stats(self, hidden: torch.Tensor, shift_labels: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -334,7 +359,8 @@ class TSPLMHead(ShardedModule):
         with context:
             out = _VocabParallelTokenStats.apply(
                 hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1), weight,
-                self.vocab_size, self.mesh.group, self.logits_softcap)
+                self.vocab_size, self.mesh.group, self.logits_softcap,
+                self.loss_tile(hidden, weight))
         return tuple(t.view(shift_labels.shape) for t in out)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
