@@ -2,7 +2,9 @@
 shapes (every check present and passing, the JSON and the markdown report written into
 ``--out``), on torch 2.11's API (what torch 2.12 added is hidden in every process of the run, as
 the GPU image lacks it: tests/tools/older_torch.py), and its checks can fail: a flash kernel whose
-output is 1% off is caught, and the command then exits 1."""
+output is 1% off is caught, and the command then exits 1; part (e)'s exactness checks catch an
+offload that brings back a wrong layer input or moves none, and tiles that drop tokens or do not
+tile."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from tests.support.launch import ROOT
 from tests.tools import older_torch
 from tsp_core.layers import flash
-from tsp_core.tools.gpu_check import flash_part, runner
+from tsp_core.tools.gpu_check import flash_part, long_context_part, runner
 
 FLASH_CASES = ["mask.causal", "mask.full", "mask.anticausal", "zigzag.D2", "zigzag.D4",
                "zigzag.D8", "window", "packed", "packed.window", "gqa", "mqa"]
@@ -26,6 +28,13 @@ MODEL_CHECKS = [f"b.{what}.{dt}" for dt in ("float32", "bfloat16")
 LAYER_CHECKS = ["c.time", "c.tflops", "c.memory.attention_forward", "c.memory.attention_backward",
                 "c.memory.mlp_forward", "c.memory.mlp_backward", "c.memory.step_peak", "d.time",
                 "d.tflops", "summary.c_vs_d"]
+LONG_CONTEXT_CHECKS = (["e.offload.exact"] +
+                       [f"e.tiles.{kind}.{what}" for kind in ("mlp", "loss")
+                        for what in ("exact", "smaller", "time", "time_untiled", "cost", "peak",
+                                     "peak_untiled")] +
+                       [f"e.offload.{what}" for what in (
+                           "time_off", "time_on", "exposed", "copy_time", "d2h_gbps", "h2d_gbps",
+                           "kept_off", "kept_on", "peak_off", "peak_on")])
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +82,7 @@ def test_cpu_run_has_every_check(cpu_run):
     dtypes = data["config"]["a"]["dtypes"]
     assert {"float32", "bfloat16"} <= set(dtypes), dtypes  # the CPU flash kernel runs both
     want = {f"a.flash.{case}.{dt}" for case in FLASH_CASES for dt in dtypes}
-    missing = (want | set(MODEL_CHECKS) | set(LAYER_CHECKS)) - names
+    missing = (want | set(MODEL_CHECKS) | set(LAYER_CHECKS) | set(LONG_CONTEXT_CHECKS)) - names
     assert not missing, sorted(missing)
     # the layer parts ran the scaled-down shape, recorded
     assert data["config"]["c"]["local_tokens"] == data["config"]["c"]["seq"] // 8
@@ -107,3 +116,57 @@ def test_a_failing_check_exits_1(monkeypatch, tmp_path, capsys):
     failed = [c["name"] for c in data["checks"] if not c["ok"]]
     assert "a.flash.mask.causal.float32" in failed and data["summary"]["failed"] == len(failed)
     assert "FAIL a.flash.mask.causal.float32" in capsys.readouterr().out
+
+
+def test_e_catches_a_wrong_or_idle_offload(monkeypatch):
+    """e.offload.exact passes with offload as written, and fails when the offload brings back
+    a layer input 1% off, or keeps every input where it is (a comparison that proves nothing)."""
+    from tsp_core.models import offload
+    from tsp_core.tools.gpu_check.model_part import one_process_world
+
+    small = long_context_part.SHAPES["cpu"]
+    with one_process_world("cpu") as mesh:
+        models = {on: long_context_part.converted(small, torch.float64, "cpu", mesh, on)
+                  for on in (False, True)}
+        batch = long_context_part.token_batch(small, "cpu", mesh)
+        check = long_context_part.check_offload_exact(models, batch)
+        assert check.ok and check.detail["moved"]["offloaded"] == small.layers, check
+
+        real = offload._to_host
+        monkeypatch.setattr(offload, "_to_host", lambda t: real(t) * (1 + 1e-2))
+        check = long_context_part.check_offload_exact(models, batch)
+        assert not check.ok and check.measured > 100 * check.tolerance, check
+
+        monkeypatch.setattr(offload, "_to_host", real)
+        monkeypatch.setattr(offload.ActivationOffload, "_pack", lambda self, t: t)
+        check = long_context_part.check_offload_exact(models, batch)
+        assert not check.ok and "moved 0 layer inputs" in check.note, check
+
+
+def test_e_catches_wrong_tiles(monkeypatch):
+    """e.tiles.*.exact fails when the tiles leave out the last tokens; e.tiles.*.smaller when
+    the MLP and the loss run all their tokens as one tile."""
+    from tsp_core.layers import mlp, vocab
+    from tsp_core.tools.gpu_check.model_part import one_process_world
+
+    small = long_context_part.SHAPES["cpu"]
+    real = mlp.token_tiles
+    names = [f"e.tiles.{kind}.{what}" for kind in ("mlp", "loss")
+             for what in ("exact", "smaller")]
+    with one_process_world("cpu") as mesh:
+        model = long_context_part.converted(small, torch.float32, "cpu", mesh, False)
+        checks = long_context_part.check_tiles_exact(model, "cpu")
+        assert [c.name for c in checks] == names and all(c.ok for c in checks), checks
+
+        for module in (mlp, vocab):  # tiles smaller than the tokens leave out the last one
+            monkeypatch.setattr(module, "token_tiles",
+                                lambda n, tile: real(n, tile)[:-1] if tile < n else [slice(0, n)])
+        exact = [c for c in long_context_part.check_tiles_exact(model, "cpu")
+                 if c.name.endswith(".exact")]
+        assert len(exact) == 2, exact
+        assert all(not c.ok and c.measured > 1e3 * c.tolerance for c in exact), exact
+
+        for module in (mlp, vocab):  # one tile of every token, whatever the tile size
+            monkeypatch.setattr(module, "token_tiles", lambda n, tile: [slice(0, n)])
+        failed = [c.name for c in long_context_part.check_tiles_exact(model, "cpu") if not c.ok]
+        assert failed == ["e.tiles.mlp.smaller", "e.tiles.loss.smaller"], failed

@@ -4,7 +4,9 @@ it (docs/gpu.md). ``--device cpu`` runs the same checks at small shapes, so CI p
 (a) :mod:`.flash_part`: flash pieces vs a dense float64 reference; (b) :mod:`.model_part`: a whole
 TSP model at tsp 1 vs Hugging Face (training and generation); (c) and (d) :mod:`.layer_part`: one
 rank's compute of a 7B layer at D = 8 (fake process group) and a plain HF layer, timed, with
-memory against ``tsp simulate``. Each check function can be called on its own.
+memory against ``tsp simulate``; (e) :mod:`.long_context_part`: host offload on vs off and tiled
+vs untiled MLP and loss, timed and measured, their exactness checked. Each check function can be
+called on its own.
 """
 
 from .common import Check

@@ -1,9 +1,10 @@
 """The command line: run the parts, write the JSON and the markdown report, exit 1 on a failure.
 
-Parts (a) and (b) run in this process, one after the other ((b) creates and destroys its own
-one-process world); (c) and (d) each run in a fresh ``python -m tsp_core.tools.gpu_check --worker``
-process, because (c) needs the ``fake`` backend's 8-rank world, which cannot share a process with
-(b)'s real one, and a part's timing and memory should not inherit another's allocator state.
+Parts (a), (b) and (e) run in this process, one after the other ((b) and (e) each create and
+destroy their own one-process world); (c) and (d) each run in a fresh
+``python -m tsp_core.tools.gpu_check --worker`` process, because (c) needs the ``fake``
+backend's 8-rank world, which cannot share a process with (b)'s or (e)'s real one, and a part's
+timing and memory should not inherit another's allocator state.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from .common import (
     write_json,
 )
 
-PARTS = ("a", "b", "c", "d")
-# the whole CUDA run must fit in 8 minutes of a lent GPU: (a) and (b) take well under one, then
-# each worker at most 3 (their own estimate: under a minute each, docs/gpu.md "Status")
+PARTS = ("a", "b", "c", "d", "e")
+# the whole CUDA run must fit in 8 minutes of a lent GPU: (a), (b) and (e) take well under one
+# each (an estimate for (e): 10 steps of 4 layers at 16384 tokens, 24 of an MLP or the loss),
+# then each worker at most 3 (their own estimate: under a minute each, docs/gpu.md "Status")
 WORKER_TIMEOUT = {"cuda": 180, "cpu": 240}
 
 
@@ -50,7 +52,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="results (default gpu-check.json, in --out if given)")
     ap.add_argument("--report", default=None,
                     help="markdown report (default: the JSON's name with .md)")
-    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of a,b,c,d")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--worker", choices=["c", "d"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.json is None:
@@ -118,7 +121,7 @@ def run_worker(part: str, device: str) -> tuple[list[Check], dict[str, Any]]:
 
 
 def run_parts(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]]:
-    from . import flash_part, layer_part, model_part
+    from . import flash_part, layer_part, long_context_part, model_part
 
     checks: list[Check] = []
     config: dict[str, Any] = {}
@@ -131,6 +134,14 @@ def run_parts(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]]:
                        f"{model_part.STEPS} SGD steps lr {model_part.LR} on 2 x 64 tokens; "
                        f"{model_part.NEW_TOKENS} greedy tokens; dtypes {model_part.DTYPES}")
         checks += guarded("b", model_part.run, args.device)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if "e" in args.parts:
+        config["e"] = dict(asdict(long_context_part.SHAPES[args.device]),
+                           dtype=str(long_context_part.DTYPE[args.device]).split(".")[-1],
+                           exactness="float32 at the cpu shape",
+                           warmup_timed=long_context_part.ITERS[args.device])
+        checks += guarded("e", long_context_part.run, args.device)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     figures = {}
