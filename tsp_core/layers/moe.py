@@ -25,6 +25,11 @@ count when routing is balanced) and their intermediate activations; under "ring"
 slices, its tokens and their routing (activations recomputed per slice, as the dense MLP). Under
 ``FakeTensorMode`` (``tsp simulate``), where routing has no values, the splits are those of uniform
 routing.
+
+At long context (docs/moe.md "At long context"): "ring" takes each expert's routed rows
+``tile_tokens`` at a time (:mod:`.tiles`), so its working set does not grow with the tokens;
+"expert" is not tiled: the received rows [k T, h], their intermediates (k T x 4F in all) and the
+combined outputs [k T, h] grow linearly with the rank's tokens T.
 """
 
 from __future__ import annotations
