@@ -21,7 +21,6 @@ from tests.support.reference import assert_grads_close
 
 SEQ = 64    # 16 tokens per row at tsp 4, 64 at tsp 1
 TILE = 3    # divides none of 16, 32, 64 or 128 (a row's or a rank's tokens): every last tile short
-OFFLOAD = False  # on once tsp_core.models.offload is written
 
 
 def build(case: str):
@@ -55,7 +54,7 @@ def long_context_parity(case: str, tsp: int) -> float:
     ref, reference_loss, kwargs = build(case)
     model = copy.deepcopy(ref)
     model.gradient_checkpointing_enable()
-    model = tsp_core.parallelize(model, mesh, tile_tokens=TILE, activation_offload=OFFLOAD,
+    model = tsp_core.parallelize(model, mesh, tile_tokens=TILE, activation_offload=True,
                                  **kwargs)
     assert SEQ // tsp >= 4 * TILE, f"{what}: a tile ({TILE}) is not several times smaller " \
                                    f"than a row's tokens ({SEQ // tsp})"
@@ -84,7 +83,7 @@ def long_context_parity(case: str, tsp: int) -> float:
     # (the first the backward needs) started one layer ahead
     count = len(layers)
     want_stats = {"offloaded": count, "brought_back": count, "prefetched": count - 1}
-    assert not OFFLOAD or model._tsp_offload.stats == want_stats, \
+    assert model._tsp_offload.stats == want_stats, \
         f"{what}: offload {model._tsp_offload.stats}, not {want_stats}"
     assert forwards == [2] * count, f"{what}: attention forwards per layer {forwards}, not 2 " \
                                     f"each (forward and recompute)"
