@@ -24,6 +24,7 @@ from ..distributed.data_parallel import install_gradient_sync
 from ..distributed.mesh import TSPMesh, init_mesh, init_process_group_from_env
 from ..layers.moe import load_balancing_loss
 from ..layers.rope import length_dependent_types
+from ..models.offload import install_activation_offload
 from ..models.parallelize import parallelize
 from ..models.policies import find_policy
 from ..sequence.layout import IGNORE_INDEX, shard_batch
@@ -244,9 +245,17 @@ def build_mesh(spec: LayoutSpec) -> TSPMesh:
     return TSPMesh(dm, "cp")
 
 
-def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None) -> ParallelModel:
+def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None, *,
+          tile_tokens: int | None = None, activation_offload: bool = False) -> ParallelModel:
     """Lay ``model`` out as ``spec`` in place (on ``mesh`` from :func:`build_mesh`, built here
-    when not given)."""
+    when not given). ``tile_tokens`` and ``activation_offload`` are :func:`parallelize`'s. Host
+    offload of the checkpointed layer inputs does not depend on the layout, so every layout gets
+    the same one (:func:`tsp_core.models.offload.install_activation_offload`); tiles are TSP's:
+    the baselines' MLP and loss are Hugging Face's, untiled, and ``tile_tokens`` is refused for
+    them."""
+    if spec.name != "tsp" and tile_tokens is not None:
+        raise ValueError(f"tile_tokens ({tile_tokens}) is TSP's: {spec.label}'s MLP and loss are "
+                         f"Hugging Face's, not tiled; leave it None")
     if spec.name != "tsp":
         check_tensor_parallel(model.config, spec.tp)  # before any collective
         if spec.tp > 1:
@@ -267,7 +276,8 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None) -> Pa
                 f"the baselines do not give it the global length (TSP does): use a default rope")
     mesh = mesh or build_mesh(spec)
     if spec.name == "tsp":
-        return ParallelModel(parallelize(model, mesh), spec, mesh)
+        return ParallelModel(parallelize(model, mesh, tile_tokens=tile_tokens,
+                                         activation_offload=activation_offload), spec, mesh)
     policy = find_policy(model)
     dm = mesh.device_mesh
     base = getattr(model, policy.base_model)
@@ -278,4 +288,6 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None) -> Pa
         apply_tensor_parallel(model, dm["tp"], policy, spec.sequence_parallel)
     context_parallel.install(model, layers, policy.attention, mesh.group, mesh.layout, windows)
     install_gradient_sync(model, TSPMesh(dm, "tp"))  # sums every gradient over the cp dim
+    if activation_offload:
+        install_activation_offload(model, layers)
     return ParallelModel(model, spec, mesh)

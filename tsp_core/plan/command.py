@@ -8,6 +8,7 @@ import sys
 
 from .cost import GLOBAL_BATCH_TOKENS, plan
 from .detect import detect
+from .max_seq import HOST_GB, max_seq_main
 from .traffic import ModelShape
 
 PAPER = {"tsp_vs_matched_tp_sp": "2.0-2.6x (173M vs 66.3M-86M tokens/s, forward, 1,024 MI300X)"}
@@ -34,8 +35,8 @@ def _shards(text: str) -> tuple[int, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                   "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-70b, mixtral-8x7b, "
-                   "qwen3-30b-a3b, small, tiny) or the path of a config.json")
+                   "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, "
+                   "mixtral-8x7b, qwen3-30b-a3b, small, tiny) or the path of a config.json")
     p.add_argument("--layers", type=int, default=None,
                    help="override the model's layer count (default: the model's)")
     p.add_argument("--seq", type=int, default=131072, help="tokens per sequence")
@@ -58,16 +59,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-shard", type=_shards, default=(1,),
                    help="FSDP2 shard sizes to rank too (comma-separated; 1: no FSDP2): each "
                         "rank's model state is sharded over N data-parallel ranks (tsp, tp, tp-sp)")
+    p.add_argument("--max-seq", action="store_true",
+                   help="instead of ranking at --seq: per layout on every GPU, the longest sequence "
+                        "whose step fits the GPU (with --headroom) and --host-gb, found with tsp "
+                        "simulate of the whole model (probes at --seq and twice it, then the "
+                        "answer checked), and the planner's step time there")
+    p.add_argument("--activation-offload", action="store_true",
+                   help="--max-seq: each checkpointed layer's input kept in host memory (every "
+                        "layout); the host's bytes count against --host-gb")
+    p.add_argument("--host-gb", type=float, default=None,
+                   help="--max-seq: host memory per node for the offloaded layer inputs, GB "
+                        f"(1e9 bytes; default: 1.5 TiB, {HOST_GB:.0f} GB)")
+    p.add_argument("--layouts", default=None,
+                   help="--max-seq: comma-separated, from tsp, tp, tp-sp, cp, tp+cp, tp-sp+cp "
+                        "(default: all)")
+    p.add_argument("--jobs", type=int, default=2, help="--max-seq: simulations run in parallel")
     p.add_argument("--top", type=int, default=20, help="rows printed")
     p.add_argument("--json", default=None,
                    help="write the ranking to this file (default: none written)")
     p.set_defaults(func=main)
 
 
-def main(args: argparse.Namespace) -> int:
+def detect_cluster(args: argparse.Namespace):
+    """The cluster the options describe, the rest detected (:func:`tsp_core.plan.detect.detect`)."""
     from .detect import load_overrides
 
-    shape = model_shape(args.model, args.layers)
     per = args.gpus_per_node
     nodes = None
     if args.gpus is not None:
@@ -79,8 +95,15 @@ def main(args: argparse.Namespace) -> int:
     over = {**load_overrides(args.hardware), **{k: v for k, v in dict(
         gpu=args.gpu, gpus_per_node=per, nodes=nodes, inter_node_gbps=args.inter_node_gbps,
         intra_gbps=args.intra_gbps, memory_gb=args.memory_gb).items() if v is not None}}
-    found = detect(over)
+    return detect(over)
+
+
+def main(args: argparse.Namespace) -> int:
+    shape = model_shape(args.model, args.layers)
+    found = detect_cluster(args)
     cl = found.cluster
+    if args.max_seq:
+        return max_seq_main(args, shape, found)
     ranked, refused = plan(shape, args.seq, cl, args.batch, headroom=args.headroom,
                            global_batch_tokens=args.global_batch_tokens, dp_shards=args.dp_shard)
     fsdp = any(s > 1 for s in args.dp_shard)

@@ -93,8 +93,8 @@ def tracker(model: "nn.Module", optimizer):
     return FSDPMemTracker(model, optimizer)
 
 
-def categories(snapshot: dict) -> dict[str, int]:
-    """``FSDPMemTracker``'s ``{device: {reftype: bytes, "Total": bytes}}`` -> by category."""
-    (per_kind,) = snapshot.values()
+def categories(per_kind: dict) -> dict[str, int]:
+    """One device's entry of ``FSDPMemTracker``'s ``{device: {reftype: bytes, "Total": bytes}}``
+    -> bytes by category."""
     return {FSDP_CATEGORIES.get(str(getattr(k, "value", k)), str(k)): int(v)
             for k, v in per_kind.items() if str(k) != "Total"}

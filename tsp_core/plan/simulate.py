@@ -19,6 +19,12 @@ N of them (docs/design.md "FSDP2 on the data-parallel axis"): the real ``fully_s
 measured by ``FSDPMemTracker``, which adds FSDP2's own buffers to the split (unsharded parameters
 and gradients, all-gather and reduce-scatter buffers; :mod:`tsp_core.plan.fsdp_sim`).
 
+With ``activation_offload`` every layout gets the same host offload of its checkpointed layer
+inputs (:func:`tsp_core.models.offload.install_activation_offload` works on any Hugging Face
+decoder): the offloaded copies land on the fake ``meta`` device (:data:`HOST`), so ``peak_bytes``
+stays the simulated GPU's peak and ``host_bytes`` is the host's, apart. ``tile_tokens`` is TSP's
+(its MLP, experts and loss run a tile of tokens at a time); the baselines' are not tiled.
+
 Each record owns the default process group of its process; :func:`simulate_many` runs records in
 fresh worker processes, ``jobs`` at a time.
 """
@@ -60,6 +66,13 @@ MODELS = {
     "olmo-2-7b": dict(model_type="olmo2", hidden_size=4096, intermediate_size=11008,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                       vocab_size=100352),
+    # Llama-3.1-8B (untied, GQA with 8 key/value heads, Llama 3's rope scaling)
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         tie_word_embeddings=False, max_position_embeddings=131072,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=8192)),
     "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
     # Llama-2-70B (untied, RMSNorm, GQA with 8 key/value heads)
@@ -83,6 +96,9 @@ MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, vocab_size=512),
 }
+# where the simulation stands in for host memory: activation offload (tsp_core.models.offload)
+# moves a fake tensor's copy to "meta", which MemTracker counts apart from the simulated device
+HOST = "meta"
 CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer_states",
               "Activation": "activations", "Temp": "temporaries", "Buffer": "buffers",
               "Other": "other"}
@@ -101,6 +117,8 @@ class SimulationRequest:
     optimizer: str = "adamw"
     dtype: str = "bfloat16"
     dp_shard: int = 1    # FSDP2 ranks each rank's model state is sharded over (1: no FSDP2)
+    tile_tokens: int | None = None  # TSP's MLP, experts and loss tile (None: from the sizes)
+    activation_offload: bool = False  # each checkpointed layer's input kept on the host
 
 
 @dataclass
@@ -125,10 +143,18 @@ class MemoryRecord:
     # its start to its own peak (the decoder layer where that is largest); "end": after backward
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     dp_shard: int = 1
+    # the host's peak (activation offload: the offloaded layer inputs), apart from peak_bytes
+    host_bytes: int = 0
+    tile_tokens: int | None = None
+    activation_offload: bool = False
 
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
+
+    @property
+    def host_gib(self) -> float:
+        return self.host_bytes / GIB
 
     @property
     def gpus(self) -> int:
@@ -213,9 +239,21 @@ def _adamw_states(optimizer: torch.optim.Optimizer) -> None:
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
-def _categories(snapshot: dict) -> dict[str, int]:
-    """MemTracker's ``{device: {reftype: bytes, "Total": bytes}}`` for one device -> by category."""
-    (per_kind,) = snapshot.values()
+def on_device(snapshot: dict) -> dict:
+    """The simulated device's entry of a tracker's ``{device: {reftype: bytes, "Total": bytes}}``:
+    every device but :data:`HOST` (which holds what activation offload moved to the host)."""
+    (per_kind,) = [v for k, v in snapshot.items() if torch.device(k).type != HOST]
+    return per_kind
+
+
+def host_total(snapshot: dict) -> int:
+    """Bytes on :data:`HOST` in a tracker's snapshot (0 when nothing was offloaded)."""
+    return sum(int(v["Total"]) for k, v in snapshot.items() if torch.device(k).type == HOST)
+
+
+def _categories(per_kind: dict) -> dict[str, int]:
+    """One device's entry of MemTracker's ``{device: {reftype: bytes, "Total": bytes}}`` -> bytes
+    by category."""
     return {CATEGORIES.get(str(getattr(k, "value", k)), str(k)): int(v)
             for k, v in per_kind.items() if str(k) != "Total"}
 
@@ -227,7 +265,7 @@ def _phases(tracker, model: torch.nn.Module, layers) -> dict[str, dict[str, int]
     from ..models.policies import find_policy
 
     stats = tracker.memory_tracking
-    out = {"kept": _categories(stats[model].snapshots[_ModState.POST_FW][-1])}
+    out = {"kept": _categories(on_device(stats[model].snapshots[_ModState.POST_FW][-1]))}
     policy = find_policy(model)
     for role in ("attention", "mlp"):
         for phase, start, peak in (("forward", _ModState.PRE_FW, _ModState.PEAK_FW),
@@ -235,7 +273,7 @@ def _phases(tracker, model: torch.nn.Module, layers) -> dict[str, dict[str, int]
             best: dict[str, int] | None = None
             for layer in layers:
                 snaps = stats[getattr(layer, getattr(policy, role))].snapshots
-                a, b = _categories(snaps[start][0]), _categories(snaps[peak][0])
+                a, b = (_categories(on_device(snaps[m][0])) for m in (start, peak))
                 added = {k: b[k] - a.get(k, 0) for k in b}
                 if best is None or sum(added.values()) > sum(best.values()):
                     best = added
@@ -257,6 +295,7 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
     if req.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {req.optimizer!r} is not one of {OPTIMIZERS}")
     ckpt = recompute_kwargs(req.recompute)
+    check_request(req)
     spec = LayoutSpec(req.layout, req.tp, req.cp)
     fsdp_sim.check_dp_shard(spec.name, spec.degree, req.dp_shard)
     fsdp = req.dp_shard > 1
@@ -277,12 +316,14 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
                 model = AutoModelForCausalLM.from_config(config)
             finally:
                 torch.set_default_dtype(default)
-            pm = build(model, spec, mesh)  # TSP: parallelize applies FSDP2 on a dp_shard mesh
+            if ckpt is not None:  # before build: activation offload needs it
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
+            # TSP: parallelize applies FSDP2 on a dp_shard mesh
+            pm = build(model, spec, mesh, tile_tokens=req.tile_tokens,
+                       activation_offload=req.activation_offload)
         if fsdp and spec.name != "tsp":
             fsdp_sim.shard_baseline(pm)
         with mode, _private_sharding_propagation():
-            if ckpt is not None:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
             model.train()
         ids = torch.zeros(req.batch, req.seq, dtype=torch.long)
         local = pm.shard({"input_ids": ids, "labels": ids})  # real index tensors, then faked
@@ -299,17 +340,28 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
                 tracker.track_external(*([model] + ([optimizer] if optimizer else [])))
             with tracker:
                 pm.step_local(local)
-                end = split(tracker.get_tracker_snapshot())
+                end = split(on_device(tracker.get_tracker_snapshot()))
             peak = tracker.get_tracker_snapshot("peak")
             # FSDPMemTracker keeps snapshots of the FSDP2 units only: no per-module phases
             phases = {"end": end} if fsdp else _phases(tracker, model, pm.layers) | {"end": end}
     finally:
         dist.destroy_process_group()
-    (total,) = (int(s["Total"]) for s in peak.values())
     return MemoryRecord(spec.label, spec.name, spec.tp, spec.cp, spec.degree, req.seq, req.batch,
                         req.model, config.num_hidden_layers, req.recompute, req.optimizer,
-                        req.dtype, total, split(peak), time.perf_counter() - start, phases,
-                        req.dp_shard)
+                        req.dtype, int(on_device(peak)["Total"]), split(on_device(peak)),
+                        time.perf_counter() - start, phases, req.dp_shard, host_total(peak),
+                        req.tile_tokens, req.activation_offload)
+
+
+def check_request(req: SimulationRequest) -> None:
+    """Refuse what the long-context switches cannot do, naming the fix (before any process)."""
+    from ..layers.tiles import check_tile_tokens
+
+    check_tile_tokens(req.tile_tokens)  # and a baseline's is refused by baselines.build
+    if req.activation_offload and req.recompute == "none":
+        raise ValueError("activation offload moves the checkpointed layer inputs to the host and "
+                         "needs activation checkpointing: recompute 'full' or 'selective', not "
+                         "'none'")
 
 
 def _run_one(req: SimulationRequest) -> MemoryRecord:
@@ -340,4 +392,4 @@ def simulate_many(requests: list[SimulationRequest], jobs: int = 2,
 
 
 def record_dict(rec: MemoryRecord) -> dict:
-    return asdict(rec) | {"peak_gib": rec.peak_gib, "gpus": rec.gpus}
+    return asdict(rec) | {"peak_gib": rec.peak_gib, "host_gib": rec.host_gib, "gpus": rec.gpus}

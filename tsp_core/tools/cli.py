@@ -50,7 +50,8 @@ def _write_json(path: str, data) -> None:
 def simulate_main(args: argparse.Namespace) -> int:
     from ..baselines import parse_layouts
     from ..plan.fsdp_sim import FSDP_LAYOUTS, FSDP_WORKING_SET, check_dp_shard
-    from ..plan.simulate import SimulationRequest, model_config, record_dict, simulate_many
+    from ..plan.simulate import (SimulationRequest, check_request, model_config, record_dict,
+                                 simulate_many)
 
     try:
         config = model_config(args.model, args.layers)
@@ -59,17 +60,24 @@ def simulate_main(args: argparse.Namespace) -> int:
     fsdp = any(dp > 1 for dp in args.dp_shard)
     if args.layouts is None:  # with FSDP2, the layouts it is simulated for
         args.layouts = ",".join(FSDP_LAYOUTS) if fsdp else "tsp,tp,tp-sp,cp,tp+cp,tp-sp+cp"
+    offload = args.activation_offload
+    # tiles are TSP's (the baselines' MLP and loss are Hugging Face's, untiled)
     requests = [SimulationRequest(s.name, s.tp, s.cp, seq, args.model, args.layers, args.batch,
-                                  args.recompute, args.optimizer, args.dtype, dp)
+                                  args.recompute, args.optimizer, args.dtype, dp,
+                                  args.tile_tokens if s.name == "tsp" else None, offload)
                 for degree in args.degree for seq in args.seq
                 for s in parse_layouts(args.layouts, degree) for dp in args.dp_shard]
     for r in requests:  # before any process starts
         check_dp_shard(r.layout, r.tp * r.cp, r.dp_shard)
+        check_request(r)
     print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"heads {config.num_attention_heads}/{config.num_key_value_heads}, intermediate "
           f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}; batch "
           f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; "
           + (f"FSDP2 dp_shard {','.join(map(str, args.dp_shard))}; " if fsdp else "")
+          + ("activation offload (every layout; host bytes apart); " if offload else "")
+          + f"tsp tiles {args.tile_tokens or 'from the sizes'} (the baselines' MLP and loss are "
+          f"untiled); "
           + f"rank 0 of each world under FakeTensorMode ({len(requests)} runs, {args.jobs} at a "
           f"time)",
           file=sys.stderr, flush=True)
@@ -77,14 +85,16 @@ def simulate_main(args: argparse.Namespace) -> int:
     # with FSDP2: the dp_shard size, the GPUs of one sharded group (D x dp_shard) and FSDP2's
     # working set (unsharded parameters and gradients, all-gather / reduce-scatter buffers)
     extra = " ".join(f"{k:>{w}}" for k, w in (("dp", 3), ("GPUs", 5))) + " " if fsdp else ""
-    head = (f"{'layout':<15} {'seq':>7} {'D':>3} {extra}{'peak GiB':>9} "
+    host = f"{'host GiB':>9} " if offload else ""  # per rank, apart from the GPU's peak
+    head = (f"{'layout':<15} {'seq':>7} {'D':>3} {extra}{'peak GiB':>9} {host}"
             + " ".join(f"{k[:11]:>11}" for k in kinds) + (f" {'fsdp':>11}" if fsdp else ""))
     start = time.perf_counter()
 
     def row(r) -> str:
         more = f"{r.dp_shard:>3} {r.gpus:>5} " if fsdp else ""
         fsdp_bytes = sum(r.breakdown.get(k, 0) for k in FSDP_WORKING_SET)
-        return (f"{r.layout:<15} {r.seq:>7} {r.degree:>3} {more}{r.peak_gib:>9.2f} "
+        on_host = f"{r.host_gib:>9.2f} " if offload else ""
+        return (f"{r.layout:<15} {r.seq:>7} {r.degree:>3} {more}{r.peak_gib:>9.2f} {on_host}"
                 + " ".join(f"{r.breakdown.get(k, 0) / GIB:>11.2f}" for k in kinds)
                 + (f" {fsdp_bytes / GIB:>11.2f}" if fsdp else ""))
 
@@ -156,9 +166,9 @@ def parser() -> argparse.ArgumentParser:
                   "gradients, optimizer states, activations and temporaries of rank 0 of each "
                   "world (no GPU needed)")
     sim.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                     "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-70b, mixtral-8x7b, "
-                     "qwen3-30b-a3b, small, tiny) or the path of a config.json (any supported "
-                     "family)")
+                     "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, "
+                     "mixtral-8x7b, qwen3-30b-a3b, small, tiny) or the path of a config.json (any "
+                     "supported family)")
     sim.add_argument("--layers", type=int, default=None,
                      help="override the model's layer count (default: the model's)")
     sim.add_argument("--seq", type=_ints, default=(131072,),
@@ -171,6 +181,13 @@ def parser() -> argparse.ArgumentParser:
                      help="FSDP2 shard sizes: the model state of each rank is sharded over N "
                           "data-parallel ranks, world = degree x N (1: no FSDP2; > 1 for tsp, tp, "
                           "tp-sp)")
+    sim.add_argument("--activation-offload", action="store_true",
+                     help="keep each checkpointed layer's input in host memory (every layout; "
+                          "needs --recompute full or selective); the host's bytes per rank are "
+                          "reported apart from the GPU's peak")
+    sim.add_argument("--tile-tokens", type=int, default=None,
+                     help="tokens per tile of TSP's MLP, experts and loss (default: chosen from "
+                          "the model's sizes; the baselines' are not tiled)")
     sim.add_argument("--batch", type=int, default=1, help="sequences per replica")
     sim.add_argument("--recompute", default="full", choices=["none", "selective", "full"],
                      help="activation recomputation")
