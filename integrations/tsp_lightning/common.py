@@ -8,6 +8,8 @@ from torch import nn
 
 import tsp_core
 from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
+from tsp_core.layers.tiles import check_tile_tokens
+from tsp_core.models.offload import check_converted
 from tsp_core.models.parallelize import TSPCausalLM
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
 
@@ -33,18 +35,22 @@ def check_precision(precision: str) -> None:
                          f"of {list(SUPPORTED_PRECISIONS)}")
 
 
-def parallelize_target(module: nn.Module, mesh: TSPMesh, **fsdp: Any) -> nn.Module:
+def parallelize_target(module: nn.Module, mesh: TSPMesh, **options: Any) -> nn.Module:
     """Convert the model the user means, unless it already is converted: ``module`` itself when
     it is a supported transformers model, else its ``model`` attribute. Returns the TSP model.
-    ``fsdp``: FSDP2's options for :func:`tsp_core.parallelize` (``mp_policy``,
-    ``reshard_after_forward``), used when the mesh shards data parallel."""
+    ``options``: :func:`tsp_core.parallelize`'s (FSDP2's ``mp_policy`` and
+    ``reshard_after_forward`` when the mesh shards data parallel; ``tile_tokens``,
+    ``activation_offload``); a model converted already must have been converted with the
+    long-context ones (:func:`tsp_core.models.offload.check_converted`)."""
     converted = [m for m in module.modules() if isinstance(m, TSPCausalLM)]
     if converted:
+        check_converted(converted[0], tile_tokens=options.get("tile_tokens"),
+                        activation_offload=options.get("activation_offload", False))
         return converted[0]
     for candidate in (module, getattr(module, "model", None)):
         if candidate is None or not hasattr(candidate, "config"):
             continue
-        return tsp_core.parallelize(candidate, mesh, **fsdp)
+        return tsp_core.parallelize(candidate, mesh, **options)
     raise ValueError(f"the TSP strategy converts a Hugging Face causal LM: either the module itself "
                      f"or its `model` attribute (set in __init__ or configure_model); "
                      f"{type(module).__name__} has neither. Or convert it yourself in "
@@ -70,6 +76,17 @@ class TSPMeshMixin:
     tsp_choice: TSPChoice | None = None
     _fsdp: bool = False
     _fsdp_options: dict[str, Any] = {}
+    _long_context: dict[str, Any] = {}
+
+    def _set_long_context(self, tile_tokens: int | None, activation_offload: bool) -> None:
+        """:func:`tsp_core.parallelize`'s ``tile_tokens`` and ``activation_offload``
+        (docs/long-context.md), checked here: before any process group exists."""
+        check_tile_tokens(tile_tokens)
+        if not isinstance(activation_offload, bool):
+            raise TypeError(f"activation_offload must be True or False, got "
+                            f"{activation_offload!r}")
+        self._long_context = {"tile_tokens": tile_tokens,
+                              "activation_offload": activation_offload}
 
     def _set_fsdp(self, fsdp: bool, mp_policy: Any, reshard_after_forward: bool) -> None:
         """``fsdp=True``: FSDP2 (``fully_shard``) over the whole data-parallel dim, per decoder
@@ -84,9 +101,10 @@ class TSPMeshMixin:
                               "reshard_after_forward": reshard_after_forward}
 
     def _parallelize_options(self) -> dict[str, Any]:
-        """FSDP2's options for ``tsp_core.parallelize``: only when the mesh shards (its checks
-        refuse an ``mp_policy`` without FSDP2)."""
-        return dict(self._fsdp_options) if self.tsp_mesh.fsdp_size > 1 else {}
+        """The options for ``tsp_core.parallelize``: the long-context ones, and FSDP2's only when
+        the mesh shards (its checks refuse an ``mp_policy`` without FSDP2)."""
+        fsdp = dict(self._fsdp_options) if self.tsp_mesh.fsdp_size > 1 else {}
+        return {**fsdp, **self._long_context}
 
     def _check_fsdp(self, world: int) -> None:
         """Before any process group exists, identically on every rank."""

@@ -33,16 +33,21 @@ DEEPSPEED_PRECISIONS = ("32-true",)
 
 class TSPDeepSpeedStrategy(TSPMeshMixin, DeepSpeedStrategy):
     """``TSPDeepSpeedStrategy(tsp_size=None | "auto" | int, layout="zigzag", tsp_seq_len=None,
-    tsp_memory_gb=None, tsp_model_config=None, metrics=True, **DeepSpeedStrategy arguments)``
+    tsp_memory_gb=None, tsp_model_config=None, metrics=True, tile_tokens=None,
+    activation_offload=False, **DeepSpeedStrategy arguments)``
     (``stage=2`` by default, or ``config=`` a DeepSpeed config). No TSP size means every process
     of a node; "auto" and ``metrics`` as in :class:`tsp_lightning.TSPStrategy` (DeepSpeed's own
-    ZeRO collectives are not TSP's and not counted); data parallel (and ZeRO) takes the rest."""
+    ZeRO collectives are not TSP's and not counted), ``tile_tokens`` and ``activation_offload``
+    as there too; data parallel (and ZeRO) takes the rest."""
 
     strategy_name = "tsp_deepspeed"
 
     def __init__(self, tsp_size: Literal["auto"] | int | None = None, layout: str = "zigzag",
                  tsp_seq_len: int | None = None, tsp_memory_gb: float | None = None,
-                 tsp_model_config: Any = None, metrics: bool = True, **kwargs: Any) -> None:
+                 tsp_model_config: Any = None, metrics: bool = True,
+                 tile_tokens: int | None = None, activation_offload: bool = False,
+                 **kwargs: Any) -> None:
+        self._set_long_context(tile_tokens, activation_offload)  # before anything starts
         super().__init__(**kwargs)
         self._tensor_parallel_size, self._data_parallel_size = tsp_size, "auto"
         self._layout, self._metrics = layout, metrics
@@ -82,7 +87,7 @@ class TSPDeepSpeedStrategy(TSPMeshMixin, DeepSpeedStrategy):
     def setup(self, trainer) -> None:
         if self._metrics:
             add_monitor(trainer)
-        parallelize_target(self.lightning_module, self.tsp_mesh)
+        parallelize_target(self.lightning_module, self.tsp_mesh, **self._long_context)
         super().setup(trainer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:

@@ -25,8 +25,9 @@ from .common import TSPMeshMixin, parallelize_target
 
 
 class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
-    """Same arguments as :class:`tsp_lightning.TSPStrategy` (``fsdp=True`` too: build the
-    optimizer after ``fabric.setup_module``, over the sharded parameters). Fabric builds the mesh at
+    """Same arguments as :class:`tsp_lightning.TSPStrategy` (``tile_tokens`` and
+    ``activation_offload`` too; ``fsdp=True`` too: build the optimizer after
+    ``fabric.setup_module``, over the sharded parameters). Fabric builds the mesh at
     ``fabric.launch()``, before it sees the model: ``tsp_size="auto"`` needs ``tsp_model_config``
     (a config, a dict or a path) or ``TSP_MODEL_CONFIG``."""
 
@@ -37,7 +38,8 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
                  timeout: timedelta | None = default_pg_timeout, tsp_seq_len: int | None = None,
                  tsp_memory_gb: float | None = None, tsp_model_config: Any = None,
                  fsdp: bool = False, fsdp_mp_policy: Any = None,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, tile_tokens: int | None = None,
+                 activation_offload: bool = False) -> None:
         super().__init__(parallelize_fn=self._convert, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tsp_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -45,6 +47,7 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
         self._layout = layout
         self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
         self._set_fsdp(fsdp, fsdp_mp_policy, reshard_after_forward)
+        self._set_long_context(tile_tokens, activation_offload)
 
     def setup_environment(self) -> None:
         self._setup_tsp_environment(self.precision.precision, super().setup_environment)

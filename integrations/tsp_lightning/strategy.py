@@ -35,10 +35,11 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     """``TSPStrategy(tsp_size=None | "auto" | int, data_parallel_size="auto" | int,
     save_distributed_checkpoint=True, layout="zigzag", tsp_seq_len=None, tsp_memory_gb=None,
     tsp_model_config=None, metrics=True, fsdp=False, fsdp_mp_policy=None,
-    reshard_after_forward=True)``. No TSP size means every process of a node; "auto" asks the
-    planner for the smallest degree inside a node that fits in memory (``tsp_core.plan.auto``: the
-    sequence length from ``tsp_seq_len``, ``TSP_SEQ_LEN`` or the model's max_position_embeddings;
-    the model's config from the LightningModule's ``model`` set in ``__init__``). Data parallel
+    reshard_after_forward=True, tile_tokens=None, activation_offload=False)``. No TSP size means
+    every process of a node; "auto" asks the planner for the smallest degree inside a node that
+    fits in memory (``tsp_core.plan.auto``: the sequence length from ``tsp_seq_len``,
+    ``TSP_SEQ_LEN`` or the model's max_position_embeddings; the model's config from the
+    LightningModule's ``model`` set in ``__init__``). Data parallel
     takes the rest. ``save_distributed_checkpoint``: True writes a reshardable sharded directory,
     False one file with full Hugging Face-shaped weights and optimizer state that any strategy
     loads (``tsp_lightning.checkpoint``). ``metrics``: log TSP's per-step figures (communication,
@@ -46,7 +47,11 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     (:class:`tsp_lightning.TSPMonitor`, added when the Trainer has a logger and no monitor).
     ``fsdp=True``: FSDP2 also shards each rank's TSP shard over the whole data-parallel dim (per
     decoder layer and the root; model state 1/(tsp x dp) per rank), with FSDP2's
-    ``fsdp_mp_policy`` (a ``MixedPrecisionPolicy``) and ``reshard_after_forward``."""
+    ``fsdp_mp_policy`` (a ``MixedPrecisionPolicy``) and ``reshard_after_forward``. Long context
+    (docs/long-context.md): ``tile_tokens`` and ``activation_offload`` go to
+    ``tsp_core.parallelize``; ``activation_offload=True`` keeps each checkpointed decoder layer's
+    input in host memory between its forward and its backward, and needs activation
+    checkpointing (``model.gradient_checkpointing_enable()`` in ``configure_model``)."""
 
     strategy_name = "tsp"
 
@@ -57,13 +62,15 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
                  timeout: timedelta | None = default_pg_timeout, tsp_seq_len: int | None = None,
                  tsp_memory_gb: float | None = None, tsp_model_config: Any = None,
                  metrics: bool = True, fsdp: bool = False, fsdp_mp_policy: Any = None,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, tile_tokens: int | None = None,
+                 activation_offload: bool = False) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tsp_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._layout, self._metrics = layout, metrics
         self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
         self._set_fsdp(fsdp, fsdp_mp_policy, reshard_after_forward)
+        self._set_long_context(tile_tokens, activation_offload)
 
     @property
     def is_distributed(self) -> bool:

@@ -50,7 +50,9 @@ from tsp_accelerate.accelerator import check_fsdp_plugin, check_fsdp_version, fs
 from tsp_core.distributed.mesh import get_mesh
 from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.distributed.params import ShardedModule
+from tsp_core.layers.tiles import check_tile_tokens
 from tsp_core.layers.vocab import TSPEmbedding
+from tsp_core.models.offload import check_converted
 from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, is_auto, log_choice
 from tsp_core.state.checkpoint import check_full_state_dict
@@ -114,6 +116,12 @@ class TSPTrainingArguments(TrainingArguments):
     tsp_metrics: bool = field(default=True, metadata={
         "help": "add TSP's per-step figures (tsp/comm_mib, tsp/wait_frac, tsp/tokens_per_s, "
                 "peak memory: docs/monitoring.md) to the training logs every logging_steps"})
+    tsp_tile_tokens: int | None = field(default=None, metadata={
+        "help": "tokens per tile of the MLP and the loss (docs/long-context.md); unset: chosen "
+                "from the model's sizes"})
+    tsp_activation_offload: bool = field(default=False, metadata={
+        "help": "keep each checkpointed decoder layer's input in host memory between its "
+                "forward and its backward (docs/long-context.md); needs gradient_checkpointing"})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -123,6 +131,7 @@ class TSPTrainingArguments(TrainingArguments):
         super().__post_init__()
         if self.tsp_size is not None and not is_auto(self.tsp_size):
             self.tsp_size = int(self.tsp_size)  # "2" from the command line, 2 from code
+        check_tile_tokens(self.tsp_tile_tokens)  # before any collective
         self._tsp_replicas: int | None = None
 
     @property
@@ -189,6 +198,13 @@ def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
     return accelerate_tsp_size(args.tsp_size, None, getattr(model, "config", None),
                                args.tsp_seq_len, args.tsp_memory_gb,
                                args.per_device_train_batch_size)
+
+
+def long_context_options(args: Any) -> dict[str, Any]:
+    """``tsp_core.parallelize``'s ``tile_tokens`` and ``activation_offload`` from ``args``
+    (their defaults for arguments without TSP's fields)."""
+    return {"tile_tokens": getattr(args, "tsp_tile_tokens", None),
+            "activation_offload": bool(getattr(args, "tsp_activation_offload", False))}
 
 
 def requested_tsp_size(args: Any) -> int | str:
@@ -259,7 +275,11 @@ class TSPTrainer(Trainer):
     for ``Trainer``): TSP's fields then take their defaults, so every process of a node forms
     one TSP group. With ``args.tsp_metrics`` every training log (each ``logging_steps``) also
     carries TSP's per-step figures since the previous one (``tsp_core.metrics``; evaluation and
-    checkpoint saving left out), so every ``report_to`` integration receives them."""
+    checkpoint saving left out), so every ``report_to`` integration receives them.
+    ``args.tsp_tile_tokens`` and ``args.tsp_activation_offload`` are ``tsp_core.parallelize``'s
+    ``tile_tokens`` and ``activation_offload`` (docs/long-context.md; offload needs
+    ``gradient_checkpointing=True``); a model converted already must have been converted with
+    them."""
 
     # what plain arguments become (a trainer mixed in sets its config's TSP composition)
     tsp_args_class: type = TSPTrainingArguments
@@ -284,11 +304,14 @@ class TSPTrainer(Trainer):
         self._tsp_fsdp = self._tsp and getattr(args, "fsdp_plugin_args", None) is not None
         if self._tsp_fsdp:
             self._check_fsdp(args, model)  # before any collective, every rank
+        self._tsp_long_context = long_context_options(args)
+        if self._tsp and isinstance(model, TSPCausalLM):  # converted already, e.g. loaded
+            check_converted(model, **self._tsp_long_context)
         if self._tsp and not self._tsp_fsdp:
             _ = args.world_size  # initialises the process group from the launcher's environment
             if not isinstance(model, TSPCausalLM):  # else its own mesh: no second set of groups
                 mesh = tsp_core.init_mesh(self.tsp_choice.size, timeout=args.ddp_timeout)
-                tsp_core.parallelize(model, mesh)
+                tsp_core.parallelize(model, mesh, **self._tsp_long_context)
             shard_full_batches(model)
         # with FSDP2 the model is converted on the accelerator's mesh as soon as the Trainer has
         # created it (create_accelerator_and_postprocess), before it looks at the model. args by
@@ -328,12 +351,12 @@ class TSPTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         if not self._tsp:
             return super().create_accelerator_and_postprocess()
-        tsp_size = self.tsp_choice.size
+        tsp_size, long_context = self.tsp_choice.size, self._tsp_long_context
 
         class _Accelerator(TSPAccelerator):
             def __init__(self, *a: Any, **kw: Any) -> None:
                 kw.pop("parallelism_config", None)
-                super().__init__(*a, tsp_size=tsp_size, **kw)
+                super().__init__(*a, tsp_size=tsp_size, **long_context, **kw)
 
 
         original = hf_trainer.Accelerator  # the Trainer builds its accelerator from this name

@@ -157,7 +157,10 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
             "--case", " ".join(["trainer_fsdp_bf16_true", *fsdp, "--precision", "bf16-true"]),
             "--case", " ".join(["trainer_fsdp_bf16_mixed", *fsdp, "--precision", "bf16-mixed"]),
             "--case", " ".join(["trainer_fsdp_mp_bf16", *fsdp, "--precision", "32-true",
-                                "--fsdp-mp", "bf16"]), torchrun=4)
+                                "--fsdp-mp", "bf16"]),
+            "--case", " ".join(["trainer_offload", *common, *dp2, "--activation-offload"]),
+            "--case", " ".join(["fabric_offload", "--mode", "fabric", *common, *dp2,
+                                "--activation-offload"]), torchrun=4)
     dp2_ref = reference(1, rows=8, dp=2, shuffle=True)
     fabric_ref = reference(1, rows=8, dp=2, shuffle=False)
     cases = {"trainer_dp2": dp2_ref,
@@ -166,7 +169,9 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
              "fabric_dp2": fabric_ref,
              # Gemma 3: sandwich and 1 + w norms, q/k norms, a scaled embedding, tied weights
              "trainer_gemma3": reference(2, rows=4, dp=1, shuffle=True, family="gemma3"),
-             "trainer_fsdp": dp2_ref, "fabric_fsdp": fabric_ref}
+             "trainer_fsdp": dp2_ref, "fabric_fsdp": fabric_ref,
+             # activation_offload=True, checkpointed layers
+             "trainer_offload": dp2_ref, "fabric_offload": fabric_ref}
     storage = {}
     for name, ref in cases.items():
         runs = full_run(str(tmp_path / name))
@@ -175,7 +180,10 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
                                             "fsdp_modules")} for r in runs]
         # Fabric under DoublePrecision hands the forward's output back in the default dtype
         # (float32), for any model: its losses are float32 roundings of the float64 loss
-        assert_every_rank(runs, ref, name, loss_tol=1e-7 if name.startswith("fabric") else None)
+        loss_tol = 1e-7 if name.startswith("fabric") else None
+        if name.endswith("_offload"):
+            assert_offload_exact(runs, ref, name, loss_tol or 1e-10)
+        assert_every_rank(runs, ref, name, loss_tol=loss_tol)
     # dp 2 x tsp 2 stores half of the model per rank (TSP's 1/2), with fsdp=True a quarter
     # (1/(tsp x dp)): FSDP2 wraps the 2 decoder layers and the root, parameters and gradients
     for name, share, wrapped in (("trainer_dp2", 2, 0), ("fabric_dp2", 2, 0),
@@ -187,6 +195,21 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
     with open(tmp_path / "trainer_tsp4_kv2" / "csv" / "version_0" / "metrics.csv") as f:
         header = f.readline()
     assert "train_loss" in header and "tsp/" not in header, header
+
+
+def assert_offload_exact(runs: list[dict], ref: dict, what: str, loss_tol: float) -> None:
+    """With ``activation_offload=True`` every rank moved each checkpointed layer's input to the
+    host and back at every step (on the CPU they stay in place, the same code path), and the
+    losses (to ``loss_tol``) and the first step's gradients (to 1e-10) are the unmodified
+    model's."""
+    layers, steps = hf_models.COMMON["num_hidden_layers"], len(ref["losses"])
+    for r, run in enumerate(runs):
+        assert run["offload"] == {"offloaded": layers * steps, "brought_back": layers * steps,
+                                  "prefetched": (layers - 1) * steps}, (what, r, run["offload"])
+        for step, (a, b) in enumerate(zip(run["losses"], ref["losses"])):
+            assert abs(a - b) <= loss_tol * abs(b), f"{what} rank {r} step {step}: {a} vs {b}"
+    hf_models.assert_matches_reference({"grads0": runs[0]["grads0"]}, ref, 1e-10,
+                                       what=f"{what} rank 0: ")
 
 
 def assert_storage(runs: list[dict], share: int, wrapped: int, what: str) -> None:

@@ -104,6 +104,21 @@ def assert_every_rank(runs: list[dict], ref: dict, what: str) -> None:
                                            loss_tol=1e-7)
 
 
+def assert_offload_exact(runs: list[dict], ref: dict, what: str) -> None:
+    """With ``tsp_activation_offload`` and gradient checkpointing every rank moved each decoder
+    layer's input to the host and back at every step (on the CPU they stay in place, the same
+    code path), and the losses ``compute_loss`` returned and the first step's gradients are
+    the unmodified model's to 1e-10."""
+    layers, steps = hf_models.COMMON["num_hidden_layers"], len(ref["losses"])
+    for r, run in enumerate(runs):
+        assert run["offload"] == {"offloaded": layers * steps, "brought_back": layers * steps,
+                                  "prefetched": (layers - 1) * steps}, (what, r, run["offload"])
+        hf_models.assert_matches_reference({"losses": run["exact_losses"]}, ref, 1e-10,
+                                           what=f"{what} rank {r}: ")
+    hf_models.assert_matches_reference({"grads0": runs[0]["grads0"]}, ref, 1e-10,
+                                       what=f"{what} rank 0: ")
+
+
 # what the Trainer derives from the number of processes, on every rank, and rank 0's model card
 # fields that count processes or batches (the evaluation batch of 1 row makes the evaluation steps
 # count: 4 rows are 4 steps on one replica, 2 on two)
@@ -124,7 +139,8 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
     """One 2-process launch: TSPTrainer at tsp 2; the plain Trainer at dp 2 (what dp 2 x tsp 2
     must report); both again with batch_rebalance; tsp_size="auto" under run_clm.py's logging
     (planned for 24 tokens x 2 rows in 0.6 MB: 0.94 MB at D=1 does not fit 0.9 x 0.6 MB, 0.46 MB
-    at D=2 does), one step; TSPTrainer given a plain TrainingArguments (the one switch)."""
+    at D=2 does), one step; TSPTrainer given a plain TrainingArguments (the one switch);
+    tsp_activation_offload with gradient checkpointing."""
     out = tmp_path_factory.mktemp("two_processes")
     proc = launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"),
                                       *SGD, "--out", str(out), "--case",
@@ -134,7 +150,9 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
                                       f"rebalance_plain_dp2 --plain true --rows 16 {REBALANCE}",
                                       "auto --tsp_size auto --tsp_seq_len 24 --tsp_memory_gb "
                                       "0.0006 --max_steps 1 --clm_logging true",
-                                      "switch --plain_args true --ddp_timeout 123"),
+                                      "switch --plain_args true --ddp_timeout 123",
+                                      "offload --tsp_size 2 --tsp_activation_offload true "
+                                      "--gradient_checkpointing true"),
                       2, timeout=400)
     with open(out / "output.txt", "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -210,6 +228,10 @@ def test_tsp_trainer_matches_one_process(two_processes, one_process):
     assert [run["mesh_timeouts"] for run in runs + switch] == \
         [{"dp": 1800.0, "tsp": 1800.0}] * 2 + [{"dp": 123.0, "tsp": 123.0}] * 2, "ddp_timeout"
     assert_every_rank(switch, ref, "TSPTrainer(args=TrainingArguments(...)), 2 processes")
+    # TSPTrainingArguments(tsp_activation_offload=True, gradient_checkpointing=True)
+    offload = full_run(os.path.join(two_processes, "offload"))
+    assert_offload_exact(offload, ref, "tsp_activation_offload")
+    assert_every_rank(offload, ref, "tsp_activation_offload")
 
 
 def test_auto_choice_is_said_under_run_clm_logging(two_processes):

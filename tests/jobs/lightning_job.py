@@ -116,10 +116,12 @@ def strategy_name(a) -> str:
 
     name = (f"tsp_size_{a.tsp_size or 'all'}" + ("_no_metrics" if a.metrics_off else "")
             + ("_fsdp" if a.fsdp else "") + (f"_mp_{a.fsdp_mp}" if a.fsdp_mp else "")
-            + (f"_timeout_{a.timeout}" if a.timeout else ""))
+            + (f"_timeout_{a.timeout}" if a.timeout else "")
+            + ("_offload" if a.activation_offload else ""))
     timeout = {} if a.timeout is None else {"timeout": timedelta(seconds=a.timeout)}
     StrategyRegistry.register(name, tsp_lightning.TSPStrategy, override=True, tsp_size=a.tsp_size,
-                              metrics=not a.metrics_off, fsdp=a.fsdp, **fsdp_options(a), **timeout)
+                              metrics=not a.metrics_off, fsdp=a.fsdp, **fsdp_options(a),
+                              activation_offload=a.activation_offload, **timeout)
     return name
 
 
@@ -158,6 +160,8 @@ class LitLlama(L.LightningModule):
             self.model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
         else:
             self.model = build_llama(a.kv_heads, a.family)
+            if a.activation_offload:  # what offload needs: checkpointed decoder layers
+                self.model.activation_checkpointing_enable()
         self.a = a
         self.losses: list[float] = []
         self.logged: list[float] = []
@@ -236,6 +240,12 @@ def storage(model) -> dict:
                 fsdp_modules=sum(isinstance(m, FSDPModule) for m in model.modules()))
 
 
+def offload_stats(model) -> dict | None:
+    """The host offload's counts (``tsp_core.models.offload``), None without offload."""
+    offload = getattr(model, "_tsp_offload", None)
+    return None if offload is None else dict(offload.stats)
+
+
 def full_weights(model) -> dict:
     if isinstance(model, TSPCausalLM):
         return tsp_core.full_state_dict(model, rank0_only=True)
@@ -280,7 +290,7 @@ def run_trainer(a) -> dict:
                grads0=module.grads0, rank=trainer.global_rank, grad_numel=module.grad_numel,
                group_timeouts=group_timeouts(trainer.strategy)
                if isinstance(trainer.strategy, tsp_lightning.TSPStrategy) else None,
-               **storage(module.model))
+               offload=offload_stats(module.model), **storage(module.model))
     if a.metrics:
         res["metric_rows"], res["step_counts"] = recorder.rows, recorder.counters.steps
     if a.evaluate:
@@ -295,6 +305,7 @@ def run_trainer(a) -> dict:
 
 def run_fabric(a) -> dict:
     strategy = (tsp_lightning.TSPFabricStrategy(tsp_size=a.tsp_size, fsdp=a.fsdp,
+                                                activation_offload=a.activation_offload,
                                                 **fsdp_options(a)) if a.tsp_size else a.strategy)
     precision: dict = {"precision": a.precision}
     if a.precision == "64-true":  # Fabric refuses the flag with any ModelParallelStrategy
@@ -303,7 +314,10 @@ def run_fabric(a) -> dict:
         precision = {"plugins": DoublePrecision()}
     fabric = L.Fabric(accelerator="cpu", devices=a.devices, strategy=strategy, **precision)
     fabric.launch()
-    model = fabric.setup_module(build_llama(a.kv_heads))
+    model = build_llama(a.kv_heads)
+    if a.activation_offload:
+        model.activation_checkpointing_enable()
+    model = fabric.setup_module(model)
     opt = fabric.setup_optimizers(make_optimizer(model.parameters(), a))
     # Fabric's injected sampler splits the data over data-parallel ranks, unshuffled
     loader = fabric.setup_dataloaders(DataLoader(Sequences(a.rows, a.pattern), batch_size=2))
@@ -323,7 +337,7 @@ def run_fabric(a) -> dict:
                 break
     return dict(losses=losses, logged=losses, norms=norms, weights=full_weights(model.module),
                 grads0=grads0, rank=fabric.global_rank, grad_numel=grads_stored,
-                **storage(model.module))
+                offload=offload_stats(model.module), **storage(model.module))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -358,6 +372,9 @@ def parser() -> argparse.ArgumentParser:
                     help="TSPStrategy(fsdp=True): FSDP2 over the data-parallel dim too")
     ap.add_argument("--fsdp-mp", choices=["bf16"], default=None,
                     help="with --fsdp: FSDP2's MixedPrecisionPolicy (fsdp_options)")
+    ap.add_argument("--activation-offload", action="store_true",
+                    help="TSPStrategy / TSPFabricStrategy(activation_offload=True), the model's "
+                         "decoder layers checkpointed")
     ap.add_argument("--bad-model", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--case", action="append", default=[],

@@ -134,6 +134,28 @@ def record_first_gradients(trainer) -> dict:
     return first
 
 
+def record_training_losses(trainer) -> list[float]:
+    """Each training micro-step's loss as ``compute_loss`` returns it, in the model's dtype (the
+    logged loss is summed in a float32 tensor)."""
+    losses: list[float] = []
+    real = trainer.compute_loss
+
+    def recording(model, inputs, *args, **kwargs):
+        out = real(model, inputs, *args, **kwargs)
+        if model.training:
+            losses.append((out[0] if isinstance(out, tuple) else out).item())
+        return out
+
+    trainer.compute_loss = recording
+    return losses
+
+
+def offload_stats(model) -> dict | None:
+    """The host offload's counts (``tsp_core.models.offload``), None without offload."""
+    offload = getattr(model, "_tsp_offload", None)
+    return None if offload is None else dict(offload.stats)
+
+
 SPEED: list[dict] = []  # what the Trainer passed to speed_metrics, in order
 REAL_SPEED_METRICS = hf_trainer.speed_metrics
 
@@ -232,6 +254,7 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
         model=model, args=args, train_dataset=data, eval_dataset=data[:4], callbacks=[log],
         data_collator=collator)
     first = record_first_gradients(trainer)
+    exact_losses = record_training_losses(trainer)
     training = record_training_values(trainer)
     extra = {"eval_loss0": trainer.evaluate()["eval_loss"]} if job.eval_first else {}
     train_metrics = trainer.train(resume_from_checkpoint=job.resume or None).metrics
@@ -251,8 +274,8 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
         json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"],
                    "metric_rows": log.metric_rows, "step_counts": log.counters.steps,
                    "tsp_size": get_mesh(model).size if isinstance(model, TSPCausalLM) else 1,
-                   "mesh_timeouts": mesh_timeouts(model),
-                   **extra}, f)
+                   "mesh_timeouts": mesh_timeouts(model), "exact_losses": exact_losses,
+                   "offload": offload_stats(model), **extra}, f)
     if rank == 0:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
         if first:

@@ -240,3 +240,25 @@ def install_activation_offload(model: nn.Module, layers: list[nn.Module]) -> Act
         layer.register_forward_hook(offload.leave, always_call=True)
     model._tsp_offload = offload
     return offload
+
+
+def check_converted(model: nn.Module, *, tile_tokens: int | None = None,
+                    activation_offload: bool = False) -> None:
+    """For the adapters, handed a model that is already TSP (converted by the user, a loader or
+    a framework hook): raise when it was converted without the long-context options the adapter
+    was given, which the adapter cannot apply to it any more. The same on every rank (flags
+    only, no collective)."""
+    if activation_offload and getattr(model, "_tsp_offload", None) is None:
+        raise ValueError("activation_offload=True was given, but the model was already "
+                         "converted without it: pass activation_offload=True to the call that "
+                         "converted it (tsp_core.parallelize, tsp_transformers.load_pretrained), "
+                         "or hand over the unconverted model")
+    if tile_tokens is not None:
+        found = sorted({m.tile_tokens for m in model.modules() if hasattr(m, "tile_tokens")},
+                       key=str)
+        if found and found != [tile_tokens]:
+            raise ValueError(f"tile_tokens={tile_tokens} was given, but the model was already "
+                             f"converted with tile_tokens {found}: pass tile_tokens="
+                             f"{tile_tokens} to the call that converted it (tsp_core.parallelize, "
+                             f"tsp_transformers.load_pretrained), or hand over the unconverted "
+                             f"model")
