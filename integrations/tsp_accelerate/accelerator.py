@@ -70,6 +70,8 @@ import tsp_core
 from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
 from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.inference.logits import gather_data_parallel
+from tsp_core.layers.tiles import check_tile_tokens
+from tsp_core.models.offload import check_converted
 from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.models.policies import find_policy
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
@@ -249,11 +251,23 @@ class TSPAccelerator(Accelerator):
     model), ``tsp_seq_len`` (or ``TSP_SEQ_LEN``; default the config's max_position_embeddings),
     ``tsp_memory_gb`` (or ``TSP_MEMORY_GB``; default detected) and ``tsp_batch`` (sequences per
     micro-step, 1). ``parallelism_config`` may set the tp size (the TSP degree) and, with an FSDP2
-    plugin, ``dp_shard_size`` / ``dp_replicate_size``; cp and sp are not TSP."""
+    plugin, ``dp_shard_size`` / ``dp_replicate_size``; cp and sp are not TSP. Long context
+    (docs/long-context.md): ``tile_tokens`` and ``activation_offload`` go to
+    ``tsp_core.parallelize``; ``activation_offload=True`` keeps each checkpointed decoder layer's
+    input in host memory between its forward and its backward, and needs activation
+    checkpointing (``model.gradient_checkpointing_enable()``)."""
 
     def __init__(self, *args: Any, tsp_size: int | str | None = None, layout: str = "zigzag",
                  tsp_model_config: Any = None, tsp_seq_len: int | None = None,
-                 tsp_memory_gb: float | None = None, tsp_batch: int = 1, **kwargs: Any) -> None:
+                 tsp_memory_gb: float | None = None, tsp_batch: int = 1,
+                 tile_tokens: int | None = None, activation_offload: bool = False,
+                 **kwargs: Any) -> None:
+        check_tile_tokens(tile_tokens)  # before any collective
+        if not isinstance(activation_offload, bool):
+            raise TypeError(f"activation_offload must be True or False, got "
+                            f"{activation_offload!r}")
+        self._tsp_long_context = {"tile_tokens": tile_tokens,
+                                  "activation_offload": activation_offload}
         deepspeed = _uses_deepspeed(kwargs)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         fsdp = None if deepspeed or world == 1 else _requested_fsdp_plugin(kwargs)
@@ -356,8 +370,10 @@ class TSPAccelerator(Accelerator):
         does (a converted model is returned as it is). With FSDP2, ``fully_shard`` then splits
         each rank's TSP shards over "dp_shard" per decoder layer and the root, with the plugin's
         ``mixed_precision_policy`` and ``reshard_after_forward``; with mixed precision the
-        parameters are first made float32, as Accelerate's FSDP2 path does. Build the optimizer
-        afterwards, or let :meth:`prepare` point it at the new parameters."""
+        parameters are first made float32, as Accelerate's FSDP2 path does. The accelerator's
+        ``tile_tokens`` and ``activation_offload`` go to ``parallelize`` too (a model converted
+        already must have them). Build the optimizer afterwards, or let :meth:`prepare` point it
+        at the new parameters."""
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, TSPCausalLM):
@@ -366,8 +382,9 @@ class TSPAccelerator(Accelerator):
                                  f"this accelerator shards with FSDP2 (Accelerate's own "
                                  f"fully_shard would then wrap it a second way): pass the "
                                  f"unconverted model to prepare()")
+            check_converted(model, **self._tsp_long_context)
             return model
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = dict(self._tsp_long_context)
         if self.is_fsdp2:
             plugin = self.state.fsdp_plugin
             _check_wrap_classes(self._fsdp_wrap_names, model)
@@ -375,7 +392,7 @@ class TSPAccelerator(Accelerator):
                 for p in model.parameters():
                     if p.is_floating_point() and p.dtype != torch.float32:
                         p.data = p.data.to(torch.float32)
-            options = dict(mp_policy=plugin.mixed_precision_policy,
+            options.update(mp_policy=plugin.mixed_precision_policy,
                            reshard_after_forward=plugin.reshard_after_forward)
         tsp_core.parallelize(model, self.tsp_mesh, **options)
         return model

@@ -34,6 +34,8 @@ import tsp_core
 from tsp_core.distributed.data_parallel import remove_gradient_sync
 from tsp_core.distributed.mesh import TSPMesh, get_mesh
 from tsp_core.distributed.params import ShardedModule
+from tsp_core.layers.tiles import check_tile_tokens
+from tsp_core.models.offload import check_converted
 from tsp_core.models.parallelize import TSPCausalLM
 from tsp_core.plan.auto import TSPChoice, is_auto, log_choice, resolve_degree
 
@@ -112,19 +114,23 @@ def resolve_tsp_size(model: nn.Module, size: Any, section: dict, config: dict) -
                           batch=micro if isinstance(micro, int) else 1)
 
 
-def _convert(model: nn.Module, size: Any, section: dict, config: dict) -> tuple[nn.Module, TSPMesh]:
-    """The TSP model in ``model`` (converted here unless a framework did already) and its mesh."""
+def _convert(model: nn.Module, size: Any, section: dict, config: dict,
+             long_context: dict[str, Any]) -> tuple[nn.Module, TSPMesh]:
+    """The TSP model in ``model`` (converted here unless a framework did already) and its mesh.
+    ``long_context``: ``tsp_core.parallelize``'s ``tile_tokens`` and ``activation_offload``,
+    which a model converted already must have been converted with."""
     converted = [m for m in model.modules() if isinstance(m, TSPCausalLM)]
     if converted:
         mesh = get_mesh(converted[0])
         if size is not None and not is_auto(size) and int(size) != mesh.size:
             raise ValueError(f"tsp_size ({size}) differs from the TSP degree ({mesh.size}) the model "
                              f"was converted with; leave tsp_size unset or convert with {size}")
+        check_converted(converted[0], **long_context)
         return converted[0], mesh
     choice = resolve_tsp_size(model, size, section, config)
     log_choice(choice)
     mesh = tsp_core.init_mesh(choice.size)
-    return tsp_core.parallelize(model, mesh), mesh
+    return tsp_core.parallelize(model, mesh, **long_context), mesh
 
 
 def _count_data_parallel_ranks(config: dict, mesh: TSPMesh) -> None:
@@ -138,10 +144,14 @@ def _count_data_parallel_ranks(config: dict, mesh: TSPMesh) -> None:
 
 
 def initialize(model: nn.Module, config: dict | str | None = None, tsp_size: int | None = None,
-               model_parameters: Any = None, **kwargs: Any):
+               model_parameters: Any = None, *, tile_tokens: int | None = None,
+               activation_offload: bool = False, **kwargs: Any):
     """``deepspeed.initialize(model=..., config=..., ...)`` with TSP; returns what it returns.
     ``tsp_size`` may also come from a ``"tsp": {"size": D}`` section of the config (also given as
     ``config_params``); default: every process of the node; ``"auto"``: :func:`resolve_tsp_size`.
+    ``tile_tokens`` and ``activation_offload`` (also ``"tsp": {"tile_tokens": T,
+    "activation_offload": true}``) are ``tsp_core.parallelize``'s (docs/long-context.md;
+    offload needs activation checkpointing: ``model.gradient_checkpointing_enable()``).
     ``model_parameters`` (parameters or param groups of the model as built) and the param groups
     of an ``optimizer`` built on them are mapped to the converted model's parameters by name."""
     if config is None:
@@ -151,11 +161,17 @@ def initialize(model: nn.Module, config: dict | str | None = None, tsp_size: int
             config = json.load(f)
     config = dict(config or {})
     section = config.pop("tsp", {})
+    long_context = {"tile_tokens": tile_tokens if tile_tokens is not None
+                    else section.get("tile_tokens"),
+                    "activation_offload": bool(activation_offload
+                                               or section.get("activation_offload", False))}
+    check_tile_tokens(long_context["tile_tokens"])  # before any collective
     # the user's parameters refer to the model before conversion: read them (and keep them alive,
     # so their ids stay unique) before anything changes
     given = None if model_parameters is None else list(model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
-    tsp_model, mesh = _convert(model, tsp_size or section.get("size"), section, config)
+    tsp_model, mesh = _convert(model, tsp_size or section.get("size"), section, config,
+                               long_context)
     check_mesh(mesh)  # before the model changes
     _count_data_parallel_ranks(config, mesh)
     remove_gradient_sync(tsp_model)
