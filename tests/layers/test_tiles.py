@@ -2,7 +2,8 @@
 mixture-of-experts ring and the vocabulary-parallel loss take a rank's tokens a tile at a time.
 
 - Exactness: in float64, tiles several times smaller than the local tokens give the untiled
-  numbers and the plain-math ones (forward and every gradient) at tsp 1 and 2.
+  numbers and the plain-math ones (forward and every gradient) at tsp 1 and 2: the MLP (SiLU,
+  tanh-GELU with biases), both mixture-of-experts schedules, the loss and the token statistics.
 - Memory, under fake tensors (one spawned process, the fake process group, MemTracker): what the
   MLP and the loss add while they run is the same at S and 4S local tokens with a fixed tile, up
   to the [tokens, h] rows of their own outputs and per-token scalars; it grows with S untiled and
@@ -27,7 +28,7 @@ from tests.support.reference import assert_close
 from tsp_core import comm
 from tsp_core.layers import tiles
 from tsp_core.layers.mlp import TSPGatedMLP
-from tsp_core.layers.moe import MoESpec, _RingExpertsFn
+from tsp_core.layers.moe import MoESpec, _RingExpertsFn, dispatch_combine
 from tsp_core.layers.vocab import TSPLMHead
 from tsp_core.sequence.layout import shard_sequence
 
@@ -80,9 +81,10 @@ def mlp_exact(tsp: int, activation: str, bias: bool) -> None:
     dist.barrier()
 
 
-def moe_ring_exact(tsp: int) -> None:
-    """The ring schedule's experts (``_RingExpertsFn``) on given routing: float64 routing weights
-    (a leaf, so their gradient is compared too) and each token's top 2 of 4 experts."""
+def moe_exact(tsp: int) -> None:
+    """Both schedules' experts (the ring's ``_RingExpertsFn``, the expert schedule's
+    ``dispatch_combine``) on given routing: float64 routing weights (a leaf, so their gradient is
+    compared too) and each token's top 2 of 4 experts."""
     mesh = dist_pool.mesh(tsp)
     D, p = mesh.size, mesh.rank
     E, k, Fe, N = 4, 2, 8, BATCH * SEQ
@@ -123,8 +125,27 @@ def moe_ring_exact(tsp: int) -> None:
             "down": ref["down"].grad[:, :, cols]}
     for tile, got in runs.items():
         for name, t in got.items():
-            assert_close(t, want[name], TOL, f"tile {tile}: {name}")
-            assert_close(t, runs[UNTILED][name], TOL, f"tile {tile} vs untiled: {name}")
+            assert_close(t, want[name], TOL, f"ring, tile {tile}: {name}")
+            assert_close(t, runs[UNTILED][name], TOL, f"ring, tile {tile} vs untiled: {name}")
+
+    # the expert schedule: rank p owns experts [p E/D, (p+1) E/D) whole, rows travel to them
+    owned = slice(p * E // D, (p + 1) * E // D)
+    runs = {}
+    for tile in (TILE, UNTILED):
+        gate_up = torch.cat([full["gate"], full["up"]], 1)[owned].clone().requires_grad_()
+        down = full["down"][owned].clone().requires_grad_()
+        x_loc, w_loc = x[mine].clone().requires_grad_(), weights[mine].clone().requires_grad_()
+        y = dispatch_combine(x_loc, w_loc, experts[mine], gate_up, down, spec, mesh.group, tile)
+        y.backward(dy[mine])
+        runs[tile] = {"y": y.detach(), "x": x_loc.grad, "w": w_loc.grad,
+                      "gate_up": gate_up.grad, "down": down.grad}
+    want = {"y": y_ref.detach()[mine], "x": x_ref.grad[mine], "w": w_ref.grad[mine],
+            "gate_up": torch.cat([ref["gate"].grad, ref["up"].grad], 1)[owned],
+            "down": ref["down"].grad[owned]}
+    for tile, got in runs.items():
+        for name, t in got.items():
+            assert_close(t, want[name], TOL, f"expert, tile {tile}: {name}")
+            assert_close(t, runs[UNTILED][name], TOL, f"expert, tile {tile} vs untiled: {name}")
     dist.barrier()
 
 
@@ -188,7 +209,7 @@ def test_tiles_are_exact_float64(pools, tsp):
     pool = pools.of(2)
     for activation, bias in (("silu", False), ("gelu_tanh", True)):
         pool.run(mlp_exact, tsp, activation, bias)
-    pool.run(moe_ring_exact, tsp)
+    pool.run(moe_exact, tsp)
     # 13 at tsp 2: rows padded to 14; logits of about 4 capped at 2: tanh far from linear
     for vocab, softcap in ((32, None), (13, 2.0)):
         pool.run(loss_exact, tsp, vocab, softcap)

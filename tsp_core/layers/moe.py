@@ -21,15 +21,18 @@ given T (the traffic model's formula); they cross at about T* = 9 E F / (4 k).
 
 What the backward keeps under "expert": this rank's expert weights, the router logits of its own
 tokens and, as autograd saves them, the rows its experts received (about k times its own token
-count when routing is balanced) and their intermediate activations; under "ring": its own
+count when routing is balanced) and the combined outputs (the experts' activations are
+recomputed, :class:`_TiledExpertsFn`); under "ring": its own
 slices, its tokens and their routing (activations recomputed per slice, as the dense MLP). Under
 ``FakeTensorMode`` (``tsp simulate``), where routing has no values, the splits are those of uniform
 routing.
 
-At long context (docs/moe.md "At long context"): "ring" takes each expert's routed rows
-``tile_tokens`` at a time (:mod:`.tiles`), so its working set does not grow with the tokens;
-"expert" is not tiled: the received rows [k T, h], their intermediates (k T x 4F in all) and the
-combined outputs [k T, h] grow linearly with the rank's tokens T.
+At long context (docs/moe.md "At long context"): both schedules run the experts ``tile_tokens``
+rows at a time (:mod:`.tiles`), recomputing a tile's activations in the backward, so no expert's
+[rows, F] intermediate exists beyond a tile. Under "ring" nothing else grows with the tokens but
+the input and the routing; under "expert" the routed copies do: the received rows and the
+combined outputs [k T, h] are kept for backward, and the dispatch and combine hold up to two
+more [k T, h] buffers while they run.
 """
 
 from __future__ import annotations
@@ -144,19 +147,68 @@ def _splits(experts: torch.Tensor, spec: MoESpec, group) -> _Splits:
                    [sum(row) for row in received], received)
 
 
-def _expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                activation: str) -> torch.Tensor:
-    """One expert on its rows, Hugging Face's ``gate_up_proj`` [2F, h] and ``down_proj`` [h, F]."""
-    gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)
-    return F.linear(_act(gate, activation) * up, down)
+class _TiledExpertsFn(torch.autograd.Function):
+    """This rank's experts on the rows they received, grouped by expert (``sizes`` rows each),
+    ``tile`` rows at a time: each expert's ``gate_up`` [2F, h] and ``down`` [h, F] as Hugging
+    Face's eager experts apply them. The backward recomputes a tile's gate, up and activation
+    at a time, so only the rows are kept and the working set is a few [tile, F] tensors, not the
+    intermediates of every received row."""
+
+    @staticmethod
+    def forward(ctx, rows, sizes: list[int], tile: int, activation: str, gate_up, down):
+        out = rows.new_empty(rows.shape)
+        start = 0
+        for e, n in enumerate(sizes):
+            for sl in token_tiles(n, tile):
+                r = rows[start + sl.start:start + sl.stop]
+                gate, up = F.linear(r, gate_up[e]).chunk(2, dim=-1)
+                out[start + sl.start:start + sl.stop] = F.linear(_act(gate, activation) * up,
+                                                                 down[e])
+                del r, gate, up  # before the next tile's
+            start += n
+        ctx.sizes, ctx.tile, ctx.activation = sizes, tile, activation
+        ctx.save_for_backward(rows, gate_up, down)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        rows, gate_up, down = ctx.saved_tensors
+        sizes, tile, activation = ctx.sizes, ctx.tile, ctx.activation
+        d_out = d_out.contiguous()
+        d_rows = torch.zeros_like(rows)
+        most = max((len(token_tiles(n, tile)) for n in sizes), default=1)
+        d_gate_up = grad_accumulator(gate_up.numel(), gate_up.dtype, gate_up.device,
+                                     most).view(gate_up.shape)
+        d_down = grad_accumulator(down.numel(), down.dtype, down.device, most).view(down.shape)
+        f = down.shape[-1]
+        start = 0
+        for e, n in enumerate(sizes):
+            for sl in token_tiles(n, tile):
+                rs = slice(start + sl.start, start + sl.stop)
+                r, dy = rows[rs], d_out[rs]
+                gate, up = F.linear(r, gate_up[e]).chunk(2, dim=-1)  # recomputed
+                a = _act(gate, activation)
+                d_down[e] += dy.t() @ (a * up)
+                dm = dy @ down[e]
+                du = dm * a
+                del a
+                dg = dm.mul_(up).mul_(_act_grad(gate, activation))
+                del gate, up
+                d_rows[rs] = dg @ gate_up[e, :f] + du @ gate_up[e, f:]
+                d_gate_up[e, :f] += dg.t() @ r
+                d_gate_up[e, f:] += du.t() @ r
+                del r, dy, dm, du, dg  # before the next tile's
+            start += n
+        return (d_rows, None, None, None, d_gate_up.to(gate_up.dtype), d_down.to(down.dtype))
 
 
 def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                      gate_up: torch.Tensor, down: torch.Tensor, spec: MoESpec,
-                     group) -> torch.Tensor:
+                     group, tile: int | None = None) -> torch.Tensor:
     """x [N, h] this rank's tokens, their top-k ``weights`` and ``experts`` [N, k]; ``gate_up``
-    [E/D, 2F, h] and ``down`` [E/D, h, F] this rank's experts. Returns [N, h]: each token's
-    weighted sum of its experts' outputs."""
+    [E/D, 2F, h] and ``down`` [E/D, h, F] this rank's experts, applied to their received rows
+    ``tile`` at a time (None: all at once). Returns [N, h]: each token's weighted sum of its
+    experts' outputs."""
     k, per = spec.top_k, spec.local_experts
     order = torch.argsort(experts.reshape(-1), stable=True)  # copies grouped by expert, then token
     tokens = order // k
@@ -167,11 +219,11 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     counts = torch.tensor([c for row in splits.received for c in row], device=x.device)
     expert_of_row = torch.repeat_interleave(owner, counts, output_size=rows.shape[0])
     by_expert = torch.argsort(expert_of_row, stable=True)
-    grouped = rows[by_expert].split(splits.per_expert)
+    grouped = rows[by_expert]
     del rows  # every [k T, h] buffer is dropped as soon as the next one exists
-    # unbind: one gradient buffer for all local experts, not one full-size one per expert
-    outs = torch.cat([_expert_mlp(r, gu, dn, spec.activation)
-                      for r, gu, dn in zip(grouped, gate_up.unbind(0), down.unbind(0))])
+    sizes = splits.per_expert
+    outs = _TiledExpertsFn.apply(grouped, sizes, tile or max(sizes, default=1) or 1,
+                                 spec.activation, gate_up, down)
     del grouped
     out_rows = outs.new_empty(outs.shape).index_copy(0, by_expert, outs)
     del outs
@@ -404,7 +456,10 @@ class TSPMoE(TokenTiled, ShardedModule):
                 self.router_logits = logits
             weights, experts = route(logits, s)
             if self.schedule == "expert":
-                y = dispatch_combine(x2, weights, experts, *experts_weights, s, self.mesh.group)
+                # a tile's gate and up are one [tile, 2F] product: count 2F channels
+                tile = self.tile_tokens or mlp_tile_tokens(2 * s.intermediate_size, x.dtype)
+                y = dispatch_combine(x2, weights, experts, *experts_weights, s, self.mesh.group,
+                                     tile)
             else:
                 tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size,
                                                            x.dtype)
