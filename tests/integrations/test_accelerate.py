@@ -98,7 +98,8 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
     # then tsp_size=4 with one model of 1 and one of 2 key/value heads, and Granite (these three
     # do not see the launcher's FSDP variables: plain data parallel, as after --multi_gpu); then
     # FSDP2 dp_shard 2 x tsp 2 from that config file with the script unchanged (and a
-    # save_state/load_state round trip), and from code (ParallelismConfig + plugin). float64,
+    # save_state/load_state round trip), and from code (ParallelismConfig + plugin, with
+    # activation_offload=True and checkpointed layers: the switch reaches parallelize). float64,
     # SGD at lr 0.5, clipping at 0.5 (norms 1.3-2.3: it acts at every step), so the weights
     # check the gradients' directions and the norms their sizes; the first gradients are
     # compared too.
@@ -113,7 +114,8 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
                   "--case", f"granite {sgd} --tsp-size 4 --kv-heads 2 --family granite "
                   f"--clip 0.2",
                   "--case", f"fsdp_yaml {sgd} --kv-heads 1 --launch-fsdp --round-trip",
-                  "--case", f"fsdp_code {sgd} --kv-heads 1 --tsp-size 2 --fsdp-code 2"],
+                  "--case", f"fsdp_code {sgd} --kv-heads 1 --tsp-size 2 --fsdp-code 2 "
+                  f"--activation-offload"],
                  TSP_SIZE="2")
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 2" in stdout, stdout
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 4" in stdout, stdout
@@ -154,6 +156,16 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
         with open(fn) as f:
             timeouts = json.load(f)["group_timeouts"]
         assert set(timeouts.values()) == {123} and len(timeouts) >= 3, (r, timeouts)
+    # TSPAccelerator(activation_offload=True) with checkpointed layers (fsdp_code, under FSDP2):
+    # every rank moved each layer's input to the host and back at each of the 4 steps
+    layers = hf_models.COMMON["num_hidden_layers"]
+    for name in ("fsdp_code", "dp2"):
+        for r, fn in enumerate(sorted((tmp_path / name).glob("rank*.json"))):
+            with open(fn) as f:
+                offload = json.load(f)["offload"]
+            want = ([{"offloaded": 4 * layers, "brought_back": 4 * layers,
+                      "prefetched": 4 * (layers - 1)}] if name == "fsdp_code" else [None])
+            assert offload == want, (name, r, offload)
     with open(tmp_path / "fsdp_yaml" / "rank0.json") as f:  # the degree too (no TSP_SIZE there)
         assert json.load(f)["tsp_reason"] == "tp_size=2 of the ParallelismConfig"
     for r, fn in enumerate(sorted((tmp_path / "dp2").glob("rank*.json"))):  # and dp2 is not

@@ -73,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
                     help="(--case) this case sees the launcher's FSDP configuration")
     ap.add_argument("--timeout", type=int, default=0,
                     help="InitProcessGroupKwargs(timeout=timedelta(seconds=N))")
+    ap.add_argument("--activation-offload", action="store_true",
+                    help="TSPAccelerator(activation_offload=True), the models' layers checkpointed")
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", action="append", default=[])
     return ap
@@ -120,12 +122,16 @@ def train(a) -> Accelerator:
             from accelerate.utils import InitProcessGroupKwargs
 
             fsdp["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=a.timeout))]
+        if a.activation_offload:
+            fsdp["activation_offload"] = True
         accelerator = TSPAccelerator(tsp_size=a.tsp_size, log_with=trackers, **fsdp)
         if a.metrics:
             accelerator.init_trackers("job")
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     kv_heads = [int(k) for k in a.kv_heads.split(",")]
     models = [build(a.family, getattr(torch, a.dtype), kv_heads=k) for k in kv_heads]
+    for m in models if a.activation_offload else ():
+        m.activation_checkpointing_enable()
     opt_cls = torch.optim.SGD if a.optimizer == "sgd" else torch.optim.AdamW
     optimizers = [opt_cls(m.parameters(), lr=a.lr) for m in models]
     loader = DataLoader([{"input_ids": r, "labels": r} for r in rows(a.rows)], batch_size=a.batch)
@@ -189,8 +195,10 @@ def train(a) -> Accelerator:
         json.dump({"losses": losses, "norms": norms, "metric_rows": metric_rows,
                    "step_counts": counters.steps, "fsdp": fsdp_info,
                    "tsp_reason": getattr(getattr(accelerator, "tsp_choice", None), "reason", ""),
-                   "group_timeouts": None if a.plain else group_timeouts(accelerator.tsp_mesh)},
-                  f)
+                   "group_timeouts": None if a.plain else group_timeouts(accelerator.tsp_mesh),
+                   "offload": [dict(o.stats) if o else None for o in (
+                       getattr(accelerator.unwrap_model(m), "_tsp_offload", None)
+                       for m in models)]}, f)
     for k, model in zip(kv_heads, models):
         unwrapped = accelerator.unwrap_model(model)
         if a.plain:

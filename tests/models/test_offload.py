@@ -98,6 +98,39 @@ def test_refused_without_checkpointing_on_every_rank(pool):
             f"activation_offload=False")
 
 
+def deepspeed_switch() -> dict[str, bool]:
+    """``tsp_deepspeed.initialize(..., activation_offload=True)`` (or the config's ``"tsp"``
+    section) reaches parallelize; a model converted without offload is refused. DeepSpeed's own
+    engine is stubbed: what it builds is not what this checks (tests/integrations test it)."""
+    import deepspeed
+
+    import tsp_deepspeed
+
+    real, seen = deepspeed.initialize, {}
+    deepspeed.initialize = lambda **kwargs: kwargs
+    try:
+        for how, kwargs in (("argument", {"activation_offload": True}),
+                            ("config", {"config": {"tsp": {"activation_offload": True}}}),
+                            ("off", {})):
+            model = hf_models.build("llama", torch.float64)
+            tsp_deepspeed.initialize(model, tsp_size=2, **kwargs)
+            seen[how] = getattr(model, "_tsp_offload", None) is not None
+        converted = tsp_core.parallelize(hf_models.build("llama", torch.float64),
+                                         dist_pool.mesh(2))
+        with pytest.raises(ValueError, match="already converted without it"):
+            tsp_deepspeed.initialize(converted, activation_offload=True)
+    finally:
+        deepspeed.initialize = real
+    dist.barrier()
+    return seen
+
+
+def test_deepspeed_switch_reaches_parallelize(pool):
+    pytest.importorskip("deepspeed")
+    for seen in pool.run(deepspeed_switch):
+        assert seen == {"argument": True, "config": True, "off": False}
+
+
 # ---------------------------------------------------------------- memory, under fake tensors
 
 HIDDEN, SEQ = 128, 2048
