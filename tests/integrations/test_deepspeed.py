@@ -3,7 +3,8 @@
 DeepSpeed's gradient clipping active and plain SGD: DeepSpeed's norm on every rank, losses and
 final full weights, with ZeRO 0, 2, 3 at tsp 2 and ZeRO 2 at dp 2 x tsp 2 with 1 key/value head,
 ZeRO 3 at tsp 4 with 1 and ZeRO 1 at tsp 4 with 2; ZeRO-1 at dp 2 x tsp 2 (AdamW) keeps a quarter
-of the optimizer state per rank; checkpoints resume exactly."""
+of the optimizer state per rank; checkpoints resume exactly. The runs share one launch per
+process count (tests/jobs/deepspeed_job.py runs them one after another)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,59 @@ from tests.support.reference import assert_close
 JOB = os.path.join(launch.JOBS, "deepspeed_job.py")
 
 
-def run_job(out, procs: int, *args: str) -> tuple[dict, dict]:
-    launch.run(launch.torchrun(procs, launch.EXIT_CLEANLY, JOB, "--out", str(out), *args), procs,
-               DS_ACCELERATOR="cpu")
+# SGD at lr 0.5 with DeepSpeed clipping at 0.5 (norms 1.4-2.4: it acts at every step): each update
+# is lr x clip x g/|g|, so the weights check the gradient's direction and DeepSpeed's norm (the one
+# it clipped by) its size
+SGD = "--optimizer sgd --lr 0.5 --clip 0.5"
+STAGES = [(2, 0, 2, 1), (2, 2, 2, 1), (2, 3, 2, 1), (4, 2, 2, 1), (4, 3, 4, 1), (4, 1, 4, 2)]
+
+
+def stage_case(stage: int, tsp: int, kv_heads: int) -> str:
+    return f"stage{stage}-tsp{tsp}-kv{kv_heads}"
+
+
+def cases(procs: int, out: str) -> dict[str, str]:
+    """Every run of this file on ``procs`` processes, by name, in launch order. 4 processes:
+    first the run that measures the optimizer state (MemTracker, before any other case has built
+    an optimizer) after the dp_shard refusal; 2 processes: a run saving a checkpoint at step 2
+    and one resuming from it. Then the ZeRO stages."""
+    found = {"quarter": "--stage 1 --tsp 2 --refuse-dp-shard"} if procs == 4 else {}
+    if procs == 2:
+        found["full"] = "--stage 2 --save-at 2"
+        found["resumed"] = f"--stage 2 --save-at 2 --resume {os.path.join(out, 'full', 'ckpt')}"
+    for p, stage, tsp, kv_heads in STAGES:
+        if p == procs:
+            found[stage_case(stage, tsp, kv_heads)] = \
+                f"--stage {stage} --tsp {tsp} --kv-heads {kv_heads} {SGD}"
+    return found
+
+
+class Launches:
+    """One torchrun launch per process count, doing every case of :func:`cases` (a launch costs
+    more than a case), started on first use; each test reads its cases' files."""
+
+    def __init__(self, root) -> None:
+        self.root, self.done = root, {}
+
+    def out(self, procs: int, case: str) -> str:
+        if procs not in self.done:
+            self.done[procs] = None  # a launch that fails fails its first test, and is not rerun
+            out = str(self.root / f"procs{procs}")
+            args = [f"--case={name}={opts}" for name, opts in cases(procs, out).items()]
+            launch.run(launch.torchrun(procs, launch.EXIT_CLEANLY, JOB, "--out", out, *args),
+                       procs, timeout=900, DS_ACCELERATOR="cpu")
+            self.done[procs] = out
+        assert self.done[procs], f"the {procs}-process launch failed (its first test shows how)"
+        return os.path.join(self.done[procs], case)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("deepspeed"))
+
+
+def result(out: str) -> tuple[dict, dict]:
+    """Rank 0's losses, norms and optimizer bytes, and the final full weights."""
     with open(os.path.join(out, "result.json")) as f:
         return json.load(f), torch.load(os.path.join(out, "weights.pt"))
 
@@ -64,39 +115,33 @@ def ranks(out) -> list[dict]:
     return runs
 
 
-# SGD at lr 0.5 with DeepSpeed clipping at 0.5 (norms 1.4-2.4: it acts at every step): each update
-# is lr x clip x g/|g|, so the weights check the gradient's direction and DeepSpeed's norm (the one
-# it clipped by) its size
-SGD = ("--optimizer", "sgd", "--lr", "0.5", "--clip", "0.5")
-
-
-@pytest.mark.parametrize("procs,stage,tsp,kv_heads", [
-    (2, 0, 2, 1), (2, 2, 2, 1), (2, 3, 2, 1), (4, 2, 2, 1), (4, 3, 4, 1), (4, 1, 4, 2)])
-def test_zero_stages_match_one_process(tmp_path, procs, stage, tsp, kv_heads):
+@pytest.mark.parametrize("procs,stage,tsp,kv_heads", STAGES)
+def test_zero_stages_match_one_process(launches, procs, stage, tsp, kv_heads):
     from tests.jobs.deepspeed_job import batches
     from tests.support.hf_models import assert_matches_reference, build, sgd_reference
 
-    _, weights = run_job(tmp_path, procs, "--stage", str(stage), "--tsp", str(tsp),
-                         "--kv-heads", str(kv_heads), *SGD)
+    out = launches.out(procs, stage_case(stage, tsp, kv_heads))
+    _, weights = result(out)
     dp = procs // tsp
     ref = sgd_reference(build("llama", torch.float32, kv_heads=kv_heads), batches(4, 2 * dp),
                         lr=0.5, clip=0.5)
     assert min(ref["norms"]) > 0.5, ref["norms"]
-    runs = ranks(tmp_path)
+    runs = ranks(out)
     assert len(runs) == procs
     runs[0]["weights"] = weights
     for r, run in enumerate(runs):
         assert_matches_reference(run, ref, 1e-5, what=f"rank {r}: ")
 
 
-def test_zero1_keeps_a_quarter_of_the_optimizer_state(tmp_path):
+def test_zero1_keeps_a_quarter_of_the_optimizer_state(launches):
     # first, in the same processes: a model parallelized with a dp_shard mesh (FSDP2 over the 2
     # data-parallel ranks) is refused on every rank before any collective, with the model left
     # as it was, saying what to do
-    res, weights = run_job(tmp_path, 4, "--stage", "1", "--tsp", "2", "--refuse-dp-shard")
+    out = launches.out(4, "quarter")
+    res, weights = result(out)
     ref = reference(4)
     assert_matches(res, weights, ref)
-    runs = ranks(tmp_path)
+    runs = ranks(out)
     assert_zero1_quarter(runs, ref[2])
     for run in runs:
         refusal = run["dp_shard_refusal"]
@@ -126,10 +171,12 @@ def assert_zero1_quarter(runs: list[dict], one_process_bytes: int) -> None:
         assert want <= got <= want + 2 * 4 * 4, (r, got, want, got / one_process_bytes)
 
 
-def test_checkpoint_resume_is_exact(tmp_path):
-    full, full_w = run_job(tmp_path / "a", 2, "--stage", "2", "--save-at", "2")
-    resumed, resumed_w = run_job(tmp_path / "b", 2, "--stage", "2", "--save-at", "2",
-                                 "--resume", str(tmp_path / "a" / "ckpt"))
+def test_checkpoint_resume_is_exact(launches):
+    # the resumed run is a new engine on a freshly built model in the same processes: only the
+    # checkpoint on disk carries the first run's state to it
+    full, full_w = result(launches.out(2, "full"))
+    resumed, resumed_w = result(launches.out(2, "resumed"))
+    assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2, (full, resumed)
     assert resumed["losses"] == full["losses"][2:]  # bit for bit
     # The final weights agree to the last bit or two (measured: at most 1.2e-7, one float32 ulp
     # of the norm weights near 1.0): after load_checkpoint, DeepSpeed's Adam takes its step

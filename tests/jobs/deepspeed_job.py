@@ -4,13 +4,20 @@ writes its losses and DeepSpeed's gradient norm per step (``get_global_grad_norm
 clips by) and its optimizer-state bytes (measured by MemTracker) to ``rank<R>.json`` in --out;
 rank 0 also the final full weights. ``--kv-heads 1``: MQA (at tsp 2 and 4 each rank holds a
 slice of the key/value rows); ``--optimizer sgd``: plain SGD (the update is lr x the clipped
-gradient)."""
+gradient).
+
+One launch runs several cases, one after another in the same processes (a launch costs more
+than a case): ``--case NAME=ARGS`` (repeated), each case's ARGS as this job's single-case options,
+its files in ``--out/NAME``. Between cases the engine is dropped and DeepSpeed's clipping function
+restored. A case that measures memory (MemTracker) should come first."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -71,7 +78,7 @@ def refuse_dp_shard(tsp: int, kv_heads: int) -> dict:
             == {n: id(p) for n, p in before.items()}}
 
 
-def main() -> None:
+def case_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, default=1)
     ap.add_argument("--tsp", type=int, default=2)
@@ -84,9 +91,15 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--refuse-dp-shard", action="store_true",
                     help="first: a model parallelized with dp_shard, refused (refuse_dp_shard)")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    return ap
+
+
+def run_case(a: argparse.Namespace, out: str) -> None:
+    """One training run (the options of :func:`case_parser`), its files written to ``out``."""
+    import deepspeed.runtime.engine as ds_engine
+
     refusal = refuse_dp_shard(a.tsp, a.kv_heads) if a.refuse_dp_shard else None
+    clip_grad_norm = ds_engine.clip_grad_norm_
     zero0_norms = record_zero0_norms()
     model = build("llama", torch.float32, kv_heads=a.kv_heads)
     # the config's "tsp" section works like tsp_size
@@ -119,16 +132,30 @@ def main() -> None:
         norm = engine.get_global_grad_norm()
         norms.append(float(zero0_norms[-1] if norm is None else norm))
         if a.save_at and step + 1 == a.save_at and not a.resume:
-            engine.save_checkpoint(os.path.join(a.out, "ckpt"))
+            engine.save_checkpoint(os.path.join(out, "ckpt"))
     weights = tsp_core.full_state_dict(engine.module, rank0_only=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as f:
+    ds_engine.clip_grad_norm_ = clip_grad_norm
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "optimizer_bytes": opt_bytes,
                    "dp_shard_refusal": refusal}, f)
     if dist.get_rank() == 0:
-        torch.save(weights, os.path.join(a.out, "weights.pt"))
-        with open(os.path.join(a.out, "result.json"), "w") as f:
+        torch.save(weights, os.path.join(out, "weights.pt"))
+        with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"losses": losses, "norms": norms, "optimizer_bytes": opt_bytes}, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--case", action="append", required=True, metavar="NAME=ARGS",
+                    help="a run: its name (its folder in --out) and its options, space-separated")
+    a = ap.parse_args()
+    for case in a.case:
+        name, _, args = case.partition("=")
+        print(f"deepspeed_job: case {name}: {args}", file=sys.stderr, flush=True)
+        run_case(case_parser().parse_args(args.split()), os.path.join(a.out, name))
+        gc.collect()  # the case's engine and its optimizer state
 
 
 if __name__ == "__main__":
