@@ -25,6 +25,7 @@ Parameters, and device tensors under :data:`MIN_BYTES`, stay where they are."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -106,9 +107,10 @@ def _to_device(host: torch.Tensor, device: torch.device) -> _Transfer:
 
 class _LayerInputs:
     """The inputs one decoder layer call saved, on the host; ``prev`` is the layer that ran
-    before it in the same forward, whose inputs the backward needs next."""
+    before it in the same forward, whose inputs the backward needs next. Only the autograd graph
+    holds it (through :class:`_Ref`): it goes when the backward has used it."""
 
-    __slots__ = ("offload", "prev", "host", "devices", "back")
+    __slots__ = ("offload", "prev", "host", "devices", "back", "__weakref__")
 
     def __init__(self, offload: ActivationOffload, prev: _LayerInputs | None) -> None:
         self.offload, self.prev = offload, prev
@@ -157,8 +159,11 @@ class ActivationOffload:
     def __init__(self, layers: list[nn.Module]) -> None:
         self.layers = layers
         self.stats = {"offloaded": 0, "brought_back": 0, "prefetched": 0}
-        self._last: _LayerInputs | None = None  # the latest layer call's inputs in this forward
-        self._open: list[tuple[nn.Module, Any]] = []  # (layer, its hooks' context) while it runs
+        # the latest layer call's inputs in this forward: weak, so that nothing here keeps a
+        # step's inputs after its backward
+        self._last: weakref.ref[_LayerInputs] | None = None
+        # (layer, its inputs, its hooks' context) while it runs
+        self._open: list[tuple[nn.Module, _LayerInputs, Any]] = []
 
     # ------------------------------------------------------------------------------ model hook
 
@@ -184,23 +189,25 @@ class ActivationOffload:
         checkpoint this call (its own condition); a layer it does not checkpoint runs as is."""
         if not (_checkpointed(layer) and layer.training and torch.is_grad_enabled()):
             return
-        self._last = _LayerInputs(self, self._last)
+        inputs = _LayerInputs(self, self._last() if self._last is not None else None)
+        self._last = weakref.ref(inputs)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
-        self._open.append((layer, hooks))
+        self._open.append((layer, inputs, hooks))
 
     def leave(self, layer: nn.Module, *_: Any) -> None:
         """Forward hook of a layer (also when its forward raised): pop what :meth:`enter`
         pushed."""
         if self._open and self._open[-1][0] is layer:
-            self._open.pop()[1].__exit__(None, None, None)
+            self._open.pop()[2].__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor) -> Any:
         on_device = _is_fake(t) or t.device.type != "cpu"  # a fake tensor stands for a GPU's
-        if isinstance(t, nn.Parameter) or self._last is None or (
+        if isinstance(t, nn.Parameter) or not self._open or (
                 on_device and t.numel() * t.element_size() < MIN_BYTES):
             return t
-        return _Ref(self._last, self._last.add(t))
+        inputs = self._open[-1][1]
+        return _Ref(inputs, inputs.add(t))
 
     @staticmethod
     def _unpack(ref: Any) -> torch.Tensor:
