@@ -2,8 +2,9 @@
 gradient clipping active and plain SGD (norms, first-step gradients, losses, final weights), at
 tsp 2 (processes started by Lightning), dp 2 x tsp 2 (also with fsdp=True: FSDP2 over the
 data-parallel dim, each rank storing a quarter of the model) and tsp 4 with 1 and 2 key/value
-heads (torchrun), with TSP's logged figures equal to comm's counters; bf16 trains like float32
-within bf16's precision; resume is exact; bad configurations fail fast everywhere."""
+heads (torchrun), with TSP's logged figures equal to comm's counters; with activation_offload
+and checkpointed layers the losses and first gradients to 1e-10; bf16 trains like float32 within
+bf16's precision; resume is exact; bad configurations fail fast everywhere."""
 
 from __future__ import annotations
 
@@ -134,12 +135,13 @@ def test_trainer_matches_one_process(tmp_path):
 
 
 def test_data_parallel_and_tsp4_match_one_process(tmp_path):
-    # one torchrun launch of 4 processes, ten runs: the Trainer at dp 2 x tsp 2 (8 rows, the
+    # one torchrun launch of 4 processes, twelve runs: the Trainer at dp 2 x tsp 2 (8 rows, the
     # injected sampler gives each data-parallel replica its own, shuffled) and at tsp 4 with 1
     # and 2 key/value heads; Fabric at dp 2 x tsp 2 (fabric.clip_gradients); the Trainer on a
     # Gemma 3 at tsp 4; the Trainer and Fabric at dp 2 x tsp 2 with fsdp=True (FSDP2 over the
     # data-parallel dim), also under bf16-true, bf16-mixed and with FSDP2's bf16
-    # MixedPrecisionPolicy
+    # MixedPrecisionPolicy; the Trainer and Fabric at dp 2 x tsp 2 with activation_offload=True
+    # and checkpointed layers
     common = ("--devices", "4", *SGD)
     dp2 = ("--tsp-size", "2", "--kv-heads", "1", "--rows", "8")
     fsdp = ("--devices", "4", "--optimizer", "sgd", "--lr", "0.5", "--clip", "0.5",
