@@ -143,7 +143,8 @@ def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
     "rs_done": that transfer is waited for, logged where ``torch.distributed``'s work is waited
     for, or where a blocking call returns, so that a wait inside comm before the handle is
     returned shows as early as it happens; "attend", "attend_bwd": one round's attention forward
-    and backward; "backward" between the passes."""
+    and backward starts ("attend_bwd_end": that backward returns); "backward" between the
+    passes."""
     from tsp_core.layers import flash
 
     mesh = dist_pool.mesh(tsp)
@@ -156,6 +157,14 @@ def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
         def call(*args, **kwargs):
             events.append(name)
             return fn(*args, **kwargs)
+        return call
+
+    def bracketed(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            out = fn(*args, **kwargs)
+            events.append(name + "_end")
+            return out
         return call
 
     def started(name, fn):
@@ -190,7 +199,7 @@ def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
                (comm, "start_reduce_scatter_sequence",
                 started("rs", comm.start_reduce_scatter_sequence)),
                (flash, "attention_forward", logged("attend", flash.attention_forward)),
-               (flash, "attention_backward", logged("attend_bwd", flash.attention_backward))]
+               (flash, "attention_backward", bracketed("attend_bwd", flash.attention_backward))]
     patches += [(dist, name, transfer(getattr(dist, name))) for name in
                 ("broadcast", "all_gather_single", "all_gather_into_tensor",
                  "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, name)]
@@ -210,10 +219,12 @@ def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
 @pytest.mark.parametrize("tsp,nq,nkv", [(4, 8, 8), (4, 8, 2), (2, 4, 4)])
 def test_collectives_overlap_the_rounds(pool, tsp, nq, nkv):
     """While round r attends, the K/V all-gather of round r+1 and the owner broadcast of round
-    r+2 are in flight: started before, waited for only after it; in the backward the next key/value
-    head's K/V gather and the next round's broadcast are in flight during the round's attention
-    backward, and a head's dK/dV reduce-scatter is waited for only after the next round's
-    attention backward (docs/design.md "Overlap"). A wait before the schedule needs the data (a
+    r+2 are in flight: started before, waited for only after it. In the backward the next round's
+    broadcast is in flight during the round's attention backward; a head's dK/dV reduce-scatter,
+    started after its last round, is waited for inside the attention backward of the next head's
+    first round, and only then, inside that same call, is the gather of the head after it started:
+    a gather and a reduce-scatter are never in flight together (docs/design.md "Overlap";
+    docs/memory.md "The attention backward's floor"). A wait before the schedule needs the data (a
     blocking call, or a handle waited for inside comm) puts a "_done" too early and fails here."""
     D, R = tsp, max(1, tsp // nkv)
     heads = D // R
@@ -230,16 +241,24 @@ def test_collectives_overlap_the_rounds(pool, tsp, nq, nkv):
             assert fwd[:i].count("bcast_done") == min(D, r + 2), (r, fwd)
         assert fwd.count("gather_done") == heads and fwd.count("bcast_done") == D, fwd
         at = [i for i, e in enumerate(bwd) if e == "attend_bwd"]
+        end = [i for i, e in enumerate(bwd) if e == "attend_bwd_end"]
         done = [i for i, e in enumerate(bwd) if e == "rs_done"]
-        assert len(at) == D and bwd.count("rs") == len(done) == heads, bwd
-        for r, i in enumerate(at):
-            ahead = r // R + (2 if r % R == R - 1 else 1)
-            assert bwd[:i].count("gather") >= min(heads, ahead), (r, bwd)
+        gathers = [i for i, e in enumerate(bwd) if e == "gather"]
+        assert len(at) == len(end) == D and bwd.count("rs") == len(done) == heads, bwd
+        assert len(gathers) == heads, bwd
+        for r, (i, e) in enumerate(zip(at, end)):
+            j = r // R
             assert bwd[:i].count("bcast") >= min(D, r + 2), (r, bwd)
-            assert bwd[:i].count("gather_done") == r // R + 1, (r, bwd)
+            assert bwd[:i].count("gather_done") == j + 1, (r, bwd)
             assert bwd[:i].count("bcast_done") == r + 1, (r, bwd)
-        for j, i in enumerate(done[:-1]):  # head j's dK/dV arrive after round (j+1)R computed
-            assert i > at[(j + 1) * R], (j, bwd)
+            if r % R:
+                continue
+            if j > 0:  # head j-1's dK/dV arrive during head j's first attention backward
+                assert i < done[j - 1] < e, (r, " ".join(bwd))
+            if j + 1 < heads:  # then head j+1's gather starts, in the same call
+                assert i < gathers[j + 1] < e and (j == 0 or done[j - 1] < gathers[j + 1]), (r, bwd)
+        for g in gathers:  # never a K/V gather started beside a dK/dV reduce-scatter in flight
+            assert bwd[:g].count("rs") == bwd[:g].count("rs_done"), bwd
         assert bwd.count("gather_done") == heads and bwd.count("bcast_done") == D, bwd
 
 

@@ -241,8 +241,8 @@ def test_math_kernel_without_cap(monkeypatch, size, causal, window):
 def test_bf16_piece_gradients_summed_in_float32(size, window, docs):
     """In bf16, every piece's dQ/dK/dV is summed in float32 (the forward merges in float32 too):
     dK/dV come back as the float32 accumulator, equal to the float64 sum of the kernel's own
-    per-piece gradients to float32 precision (a bf16 accumulator would be off by its ulp, 4e-3),
-    and dQ is that sum rounded once to bf16. The result is also the float64 math's to bf16
+    per-piece gradients (a full piece's per key block, flash.key_blocks) to float32 precision
+    (a bf16 accumulator would be off by its ulp, 4e-3), and dQ is that sum rounded once to bf16. The result is also the float64 math's to bf16
     precision."""
     seq, scale = 48, 8 ** -0.5
     gen = torch.Generator().manual_seed(7)
@@ -264,7 +264,7 @@ def test_bf16_piece_gradients_summed_in_float32(size, window, docs):
         assert dq.dtype == torch.bfloat16 and dkv.dtype == torch.float32
         sum_q = torch.zeros(q.shape, dtype=torch.float64)
         sum_kv = torch.zeros(kv.shape, dtype=torch.float64)
-        for pc in pieces:
+        for pc in (block for piece in pieces for block in flash.key_blocks(piece)):
             r, c = slice(pc.q0, pc.q1), slice(pc.k0, pc.k1)
             g = flash._piece_bwd(do[:, :, r].contiguous(), q[:, :, r], kv[0, :, :, c],
                                  kv[1, :, :, c], out[:, :, r].contiguous(),

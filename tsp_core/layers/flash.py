@@ -345,16 +345,33 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces:
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
+def key_blocks(piece: Piece) -> list[Piece]:
+    """A full piece cut along its keys into blocks of at most as many keys as it has queries
+    (causal and anticausal pieces are square already). The kernel's backward returns dK/dV over
+    the call's keys in the input dtype; uncut, rank 0's second zigzag chunk against its prefix
+    would return nearly the whole sequence's, beside the accumulator that already covers it
+    (docs/memory.md "The attention backward's floor")."""
+    n = piece.q1 - piece.q0
+    if piece.mask != "full" or piece.k1 - piece.k0 <= n:
+        return [piece]
+    return [Piece(piece.q0, piece.q1, k, min(k + n, piece.k1), "full")
+            for k in range(piece.k0, piece.k1, n)]
+
+
 def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, pieces: list[Piece],
                        scale: float, *, softcap: float | None = None,
-                       dkv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       dkv: torch.Tensor | None = None,
+                       halfway: Callable[[], None] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` (with the same ``softcap``) w.r.t. q (local) and
     the packed full-sequence ``kv`` [2, B, Hkv, S, d]. Every piece's gradients are summed in
     float32 (float64 for float64 input) whatever the input dtype, as the forward merges its
     outputs: dQ comes back in q's dtype, dK/dV as that float32 accumulator, packed like ``kv``
     (added into ``dkv`` when given: a key/value head shared by several rounds), for the caller to
-    cast once before its reduce-scatter."""
+    cast once before its reduce-scatter. Full pieces run in :func:`key_blocks`. ``halfway`` is
+    called once, when half of the (query, key) pairs are done: the caller's moment to retire one
+    collective and start the next while the other half computes (docs/design.md "Overlap")."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = q.new_zeros(q.shape, dtype=acc)
     if dkv is None:
@@ -362,7 +379,10 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out:
     elif dkv.dtype != acc or dkv.shape != kv.shape:
         raise ValueError(f"dkv accumulator {dkv.dtype} {tuple(dkv.shape)} does not match "
                          f"{acc} {tuple(kv.shape)}")
-    for p in pieces:
+    blocks = [b for p in pieces for b in key_blocks(p)]
+    work = [(b.q1 - b.q0) * (b.k1 - b.k0) for b in blocks]
+    done, half = 0, sum(work) / 2
+    for p, w in zip(blocks, work):
         rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
         g_q, g_k, g_v = _piece_bwd(do[:, :, rows].contiguous(), q[:, :, rows], kv[0, :, :, keys],
                                    kv[1, :, :, keys], out[:, :, rows].contiguous(),
@@ -370,4 +390,11 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out:
         dq[:, :, rows] += g_q
         dkv[0, :, :, keys] += g_k
         dkv[1, :, :, keys] += g_v
+        del g_q, g_k, g_v
+        done += w
+        if halfway is not None and done >= half:
+            halfway()
+            halfway = None
+    if halfway is not None:  # no pieces (no visible pair)
+        halfway()
     return dq.to(q.dtype), dkv

@@ -10,8 +10,6 @@ saved.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -40,8 +38,10 @@ class PerGroupAttentionFn(torch.autograd.Function):
     the backward, its gradient reduce-scattered) once per head, not once per round.
 
     Overlap (docs/design.md "Attention"): while round r attends, the K/V all-gather of round r+1 and
-    the owner broadcast of round r+2 are in flight; in the backward, the K/V of the next key/value
-    head are gathered and the dK/dV of the previous one reduce-scattered while round r computes."""
+    the owner broadcast of round r+2 are in flight; in the backward, the dK/dV of the previous
+    key/value head are reduce-scattered during the first half of round r's attention and the K/V
+    of the next one gathered during the second (never both: docs/memory.md "The attention
+    backward's floor")."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
@@ -108,13 +108,13 @@ class PerGroupAttentionFn(torch.autograd.Function):
         kvs = _KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
 
-        def finish(r: int, grads: list, dkv: Callable[[], torch.Tensor] | None, wk: torch.Tensor,
-                   wv: torch.Tensor, bk: torch.Tensor | None) -> None:
+        def finish(r: int, grads: list, wk: torch.Tensor, wv: torch.Tensor,
+                   bk: torch.Tensor | None) -> None:
             """Round r's tail, one round late so that its dK/dV reduce-scatter overlapped the
-            next round: the key/value projection's backward, then the round's weight gradients
-            on their way to the owner."""
-            if dkv is not None:
-                dkv = dkv()
+            next round: in the last round of a key/value head, that projection's backward; then
+            the round's weight gradients on their way to the owner."""
+            if r % R == R - 1:
+                dkv = kvs.scattered(r // R)
                 dk = rope.apply_backward(dkv[0], cos, sin, spec.rope_interleaved)
                 if kn is not None:
                     dk, g = _head_norm_backward(_heads(F.linear(x, wk, bk), nkv), kn, spec, dk)
@@ -128,11 +128,10 @@ class PerGroupAttentionFn(torch.autograd.Function):
         previous = None
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, wo, bq, bk, _ = shards.unpack(r, buf)
-            if r % R == R - 1:
-                kvs.start(r // R + 1)  # the next head's K/V arrive while this round computes
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
-            dq, dkv = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
+            dq = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
+            del do
             dq = rope.apply_backward(dq, cos, sin, spec.rope_interleaved)
             if qn is not None:
                 dq, g = _head_norm_backward(_heads(F.linear(x, wq, bq), nq), qn, spec, dq)
@@ -141,9 +140,10 @@ class PerGroupAttentionFn(torch.autograd.Function):
             dx2.addmm_(dq, wq)
             grads = [dq.t() @ x2, None, None, dy2.t() @ _flat(o).reshape(B * L, -1),
                      dq.sum(0) if shards.bias else None, None, None]
+            del dq
             if previous is not None:
                 finish(*previous)
-            previous = (r, grads, dkv, wk, wv, bk)
+            previous = (r, grads, wk, wv, bk)
         finish(*previous)
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
         if qn is not None:

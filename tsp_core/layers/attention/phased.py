@@ -121,18 +121,11 @@ class PhasedAttentionFn(torch.autograd.Function):
         kvs = _KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
         kvs.start(0)
-        previous = None  # the last head's dK/dV, reduce-scattered while the next round computes
         for r in range(D):                                 # attention, no weights move
-            if r % R == R - 1:
-                kvs.start(r // R + 1)
-            dq_all[r], dkv = _attend_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs,
-                                              dkv_sum)
-            if previous is not None:
-                dkv_all[previous[0]] = previous[1]()
-                previous = None
-            if dkv is not None:
-                previous = (r // R, dkv)
-        dkv_all[previous[0]] = previous[1]()
+            dq_all[r] = _attend_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs, dkv_sum)
+            if r % R == 0 and r:  # the previous head's dK/dV, sent during this round
+                dkv_all[r // R - 1] = kvs.scattered(r // R - 1)
+        dkv_all[(D - 1) // R] = kvs.scattered((D - 1) // R)
         del do_all, kv_all, kvs
         dq_raw, dk_raw, gqn, gkn = torch.autograd.grad((q_all, k_all), leaves,
                                                         (dq_all, dkv_all[:, 0]))

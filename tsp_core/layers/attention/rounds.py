@@ -10,7 +10,7 @@ functions decide what is saved (docs/design.md "Memory rules").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -273,16 +273,27 @@ def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: Attention
 
 class _KVGathers:
     """The whole-sequence K/V of each key/value head j (one tensor per row group), gathered from
-    every rank's own tokens. ``start(j)`` issues head j's all-gathers without waiting, so that
-    they run while the previous head's attention computes (on CUDA the NCCL stream does the
-    transfer); ``get(j)`` waits and puts the tokens in order; ``drop(j)`` after the head's last
-    round frees them. At most two heads' K/V exist at once: one in use, one arriving."""
+    every rank's own tokens, and in the backward their gradients sent back to the token owners.
+
+    ``start(j)`` issues head j's all-gathers without waiting, so that they run while the previous
+    head's attention computes (on CUDA the NCCL stream does the transfer); ``get(j)`` waits and
+    puts the tokens in order; ``drop(j)`` after the head's last round frees them. Backward:
+    ``scatter(j, accs)`` casts head j's float32 dK/dV accumulators once, frees them and starts
+    their reduce-scatters;
+    ``halfway(j)``, called when half of a round of head j has computed, waits for the previous
+    head's reduce-scatter and only then starts head j+1's gather; ``scattered(j)`` returns head
+    j's dK/dV of this rank's own tokens. So besides the K/V in use (and in the backward its
+    accumulator) at most one more head's whole-sequence buffer exists at a time: the next head's
+    K/V arriving, or the previous head's dK/dV leaving (docs/memory.md "The attention backward's
+    floor")."""
 
     def __init__(self, kv_all: torch.Tensor, groups: list[_RowGroup], spec: AttentionSpec,
                  group: dist.ProcessGroup) -> None:
         self.kv_all, self.groups, self.spec, self.group = kv_all, groups, spec, group
         self._pending: dict[int, list[comm.PendingSequence]] = {}
         self._ready: dict[int, list[torch.Tensor]] = {}
+        self._scatters: dict[int, list[tuple[slice | list[int], comm.PendingSequence]]] = {}
+        self._scattered: dict[int, torch.Tensor] = {}
 
     def start(self, j: int) -> None:
         if j >= len(self.kv_all) or j in self._pending or j in self._ready:
@@ -299,6 +310,27 @@ class _KVGathers:
 
     def drop(self, j: int) -> None:
         self._ready.pop(j, None)
+
+    def scatter(self, j: int, accs: dict[int, torch.Tensor]) -> None:
+        """Start head j's reduce-scatters, one per row group i from ``accs.pop(i)``."""
+        self._scatters[j] = [
+            (g.rows, comm.start_reduce_scatter_sequence(accs.pop(i).to(self.kv_all.dtype),
+                                                        self.group, 3, self.spec.layout, g.docs))
+            for i, g in enumerate(self.groups)]
+
+    def halfway(self, j: int) -> None:
+        for i in list(self._scatters):
+            self._retire(i)
+        self.start(j + 1)
+
+    def scattered(self, j: int) -> torch.Tensor:
+        if j in self._scatters:
+            self._retire(j)
+        return self._scattered.pop(j)
+
+    def _retire(self, j: int) -> None:
+        parts = self._scatters.pop(j)
+        self._scattered[j] = _by_rows([(rows, p.wait()) for rows, p in parts], self.kv_all[j])
 
 
 def _attend(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.Tensor,
@@ -319,30 +351,30 @@ def _attend(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.T
 
 def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: torch.Tensor,
                      lse_all: torch.Tensor, kvs: _KVGathers, dkv_sum: dict[int, torch.Tensor]
-                     ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
-    """Backward of :func:`_attend` for round ``r`` given its output gradient ``do``: dQ of the
-    round (before RoPE's backward) and, in the last round of key/value head j, a function that
-    returns dK/dV of this rank's own tokens (summed in float32 over j's rounds and pieces, cast
-    once, and reduce-scattered over every rank's queries: the reduce-scatter is started here and
-    runs while the caller goes on with the next round), else None."""
-    spec, group = kvs.spec, kvs.group
+                     ) -> torch.Tensor:
+    """Backward of :func:`_attend` for round ``r`` given its output gradient ``do``: returns dQ
+    of the round (before RoPE's backward). The dK/dV of key/value head j are summed in float32
+    over j's rounds and pieces (``dkv_sum``, one accumulator per row group); halfway through the
+    round the previous head's reduce-scatter is waited for and the next head's gather started
+    (:meth:`_KVGathers.halfway`); after j's last round its K/V are dropped and its dK/dV sent to
+    the token owners (``kvs.scattered(j)`` returns them, for the caller's key/value projection
+    backward one round later)."""
+    spec = kvs.spec
     R = spec.kv_replicas
     j, first, last = r // R, r % R == 0, r % R == R - 1
     dq_parts = []
     for i, (g, kv) in enumerate(zip(kvs.groups, kvs.get(j))):
         dq_g, dkv_sum[i] = flash.attention_backward(
             do[g.rows], q_all[r][g.rows], kv, out_all[r][g.rows], lse_all[r][g.rows], g.pieces,
-            spec.softmax_scale, softcap=spec.softcap, dkv=None if first else dkv_sum[i])
+            spec.softmax_scale, softcap=spec.softcap, dkv=None if first else dkv_sum[i],
+            halfway=(lambda: kvs.halfway(j)) if i == 0 else None)
         dq_parts.append((g.rows, dq_g))
+    del kv  # the loop's last K/V: dropped below after j's last round
     dq = _by_rows(dq_parts, q_all[r])
-    if not last:
-        return dq, None
-    kvs.drop(j)  # the full-sequence K/V and dK/dV of one head never coexist with the next's dK/dV
-    like = kvs.kv_all[j]
-    scatters = [(g.rows, comm.start_reduce_scatter_sequence(dkv_sum.pop(i).to(like.dtype), group,
-                                                            3, spec.layout, g.docs))
-                for i, g in enumerate(kvs.groups)]
-    return dq, lambda: _by_rows([(rows, p.wait()) for rows, p in scatters], like)
+    if last:
+        kvs.drop(j)  # the full-sequence K/V and dK/dV of one head never coexist with the next's
+        kvs.scatter(j, dkv_sum)
+    return dq
 
 
 def _by_rows(parts: list[tuple[slice | list[int], torch.Tensor]], like: torch.Tensor
