@@ -103,8 +103,9 @@ def test_refused_without_checkpointing_on_every_rank(pool):
 
 def deepspeed_switch() -> dict[str, bool]:
     """``tsp_deepspeed.initialize(..., activation_offload=True)`` (or the config's ``"tsp"``
-    section) reaches parallelize; a model converted without offload is refused. DeepSpeed's own
-    engine is stubbed: what it builds is not what this checks (tests/integrations test it)."""
+    section) reaches parallelize; a model converted without offload, or with another tile, is
+    refused. DeepSpeed's own engine is stubbed: what it builds is not what this checks
+    (tests/integrations test it)."""
     import deepspeed
 
     import tsp_deepspeed
@@ -122,6 +123,9 @@ def deepspeed_switch() -> dict[str, bool]:
                                          dist_pool.mesh(2))
         with pytest.raises(ValueError, match="already converted without it"):
             tsp_deepspeed.initialize(converted, activation_offload=True)
+        with pytest.raises(ValueError, match=r"tile_tokens=5 was given, but the model was "
+                                             r"already converted with tile_tokens \[None\]"):
+            tsp_deepspeed.initialize(converted, tile_tokens=5)
     finally:
         deepspeed.initialize = real
     dist.barrier()
