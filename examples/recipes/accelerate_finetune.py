@@ -11,7 +11,9 @@ same batches. bf16 parameters on CUDA, activation checkpointing, AdamW, ``save_s
 resumable at any TSP degree), ``--resume`` from the latest, and ``accelerator.tsp_metrics()``
 (``tsp/comm_mib``, ``tsp/tokens_per_s``, peak memory) logged to ``<out>/metrics.jsonl`` by a
 ``JSONLinesTracker`` (``log_with="tensorboard"`` or ``"wandb"`` take it the same way). Data
-format and flags: common.py.
+format and flags: common.py. Long context: ``--activation-offload`` and ``--tile-tokens N`` are
+``TSPAccelerator(activation_offload=True, tile_tokens=N)`` and go to ``load_pretrained`` too
+(docs/long-context.md).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import tsp_core
-from common import TokenRows, parse_args, report
+from common import TokenRows, long_context, parse_args, report
 from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 from tsp_transformers import load_pretrained
 
@@ -40,9 +42,11 @@ def latest_state(out: str) -> tuple[int, str | None]:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(__doc__, argv)
     tracker = JSONLinesTracker(os.path.join(a.out, "metrics.jsonl"), append=a.resume)
-    accelerator = TSPAccelerator(tsp_size=a.tsp, log_with=[tracker])  # <- was Accelerator()
+    accelerator = TSPAccelerator(tsp_size=a.tsp, log_with=[tracker],  # <- was Accelerator()
+                                 **long_context(a))
     accelerator.init_trackers("recipe")
-    model = load_pretrained(a.model, mesh=accelerator.tsp_mesh, dtype=a.torch_dtype)
+    model = load_pretrained(a.model, mesh=accelerator.tsp_mesh, dtype=a.torch_dtype,
+                            **long_context(a))
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)

@@ -7,6 +7,11 @@ path)``). It is cut into rows of ``--seq`` tokens (a trailing partial row is dro
 one training sequence, ``input_ids`` and ``labels`` alike (the model shifts the labels). Rows are
 read in file order, so shuffle the documents when you write the file. ``--synthetic`` trains on
 random tokens instead, for a first run without data: it must be asked for, never a fallback.
+
+Long context (docs/long-context.md): ``--activation-offload`` and ``--tile-tokens N`` are
+``tsp_core.parallelize``'s ``activation_offload`` and ``tile_tokens``. Each recipe gives them to
+``load_pretrained``, which converts the model, and to its framework's switch, which checks that
+the model it is handed was converted with them (:func:`long_context`).
 """
 
 from __future__ import annotations
@@ -47,9 +52,19 @@ def parse_args(doc: str, argv: list[str] | None = None,
     ap.add_argument("--out", default="runs/recipe", help="checkpoints and logs go here")
     ap.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    # long context (docs/long-context.md); activation checkpointing is always on
+    ap.add_argument("--activation-offload", action="store_true",
+                    help="keep each checkpointed decoder layer's input in host memory between "
+                         "its forward and its backward (the framework's activation_offload switch)")
+    ap.add_argument("--tile-tokens", type=int, default=None,
+                    help="tokens per tile of the MLP and the loss (default: chosen from the "
+                         "model's sizes, a tile's working set under 256 MiB)")
     for flag, options in extra:
         ap.add_argument(flag, **options)
     a = ap.parse_args(argv)
+    if a.tile_tokens is not None and a.tile_tokens <= 0:  # before any process group
+        ap.error(f"--tile-tokens {a.tile_tokens}: a tile is a positive number of tokens; leave "
+                 f"it out to choose it from the model's sizes")
     a.torch_dtype, a.tsp_given = DTYPES[a.dtype], a.tsp is not None
     if a.tsp is None:
         a.tsp = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -116,6 +131,12 @@ def report(a: argparse.Namespace, step: int, loss: float, figures: dict[str, flo
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "metrics.jsonl"), "a") as f:
         f.write(row + "\n")
+
+
+def long_context(a: argparse.Namespace) -> dict:
+    """``tsp_core.parallelize``'s long-context options from the flags (activation checkpointing,
+    which offload needs, is on in every recipe)."""
+    return {"tile_tokens": a.tile_tokens, "activation_offload": a.activation_offload}
 
 
 def device() -> torch.device:

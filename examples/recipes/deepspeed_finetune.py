@@ -12,7 +12,9 @@ weights in the optimizer), activation checkpointing, AdamW, ``engine.save_checkp
 ``--save-every`` steps (DeepSpeed's format: resume at the same TSP degree and ZeRO layout),
 ``--resume`` from the latest, and TSP's figures per step (``tsp_core.metrics.StepMetrics``;
 DeepSpeed's own ZeRO collectives are not counted) printed and appended to
-``<out>/metrics.jsonl``. On CPU set ``DS_ACCELERATOR=cpu``. Data format and flags: common.py.
+``<out>/metrics.jsonl``. On CPU set ``DS_ACCELERATOR=cpu``. Long context: ``--activation-offload``
+and ``--tile-tokens N`` are ``initialize(..., activation_offload=True, tile_tokens=N)`` and go to
+``load_pretrained`` too (docs/long-context.md). Data format and flags: common.py.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.utils.data import DataLoader
 
 import tsp_core
 import tsp_deepspeed
-from common import TokenRows, data_parallel_sampler, device, parse_args, report
+from common import TokenRows, data_parallel_sampler, device, long_context, parse_args, report
 from tsp_transformers import load_pretrained
 
 
@@ -32,13 +34,14 @@ def main(argv: list[str] | None = None) -> None:
     bf16 = a.torch_dtype == torch.bfloat16
     # DeepSpeed keeps float32 master weights and casts the model to bf16 itself
     model = load_pretrained(a.model, tsp_size=a.tsp,
-                            dtype=torch.float32 if bf16 else a.torch_dtype)
+                            dtype=torch.float32 if bf16 else a.torch_dtype, **long_context(a))
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     config = {"train_micro_batch_size_per_gpu": a.batch, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0}},
               "zero_optimization": {"stage": a.stage}, "bf16": {"enabled": bf16}}
-    engine, _, _, _ = tsp_deepspeed.initialize(model=model, config=config)   # <- the switch
+    engine, _, _, _ = tsp_deepspeed.initialize(model=model, config=config,   # <- the switch
+                                               **long_context(a))
     mesh = tsp_core.get_mesh(model)
 
     start = 0

@@ -5,9 +5,11 @@
     python examples/recipes/lightning_finetune.py ...      (Lightning starts the 8 processes)
 
 The switch: ``import tsp_lightning`` and ``Trainer(strategy="tsp")`` (TSP over the processes of a
-node; ``--tsp D`` passes ``TSPStrategy(tsp_size=D)``). The model is loaded in ``configure_model``
-with ``tsp_transformers.load_pretrained`` on the strategy's mesh, each rank reading only its
-slices of the safetensors files; the strategy then leaves it as it is and shards every batch.
+node; ``--tsp D``, ``--activation-offload`` and ``--tile-tokens N`` pass
+``TSPStrategy(tsp_size=D, activation_offload=True, tile_tokens=N)``: docs/long-context.md). The
+model is loaded in ``configure_model`` with ``tsp_transformers.load_pretrained`` on the
+strategy's mesh, each rank reading only its slices of the safetensors files; the strategy then
+leaves it as it is and shards every batch.
 bf16 (``precision="bf16-true"``) on CUDA, activation checkpointing, AdamW, a checkpoint every
 ``--save-every`` steps (a tsp_core checkpoint directory, resumable at any TSP degree),
 ``--resume`` from the latest, and TSP's figures in the CSV log (``<out>/lightning_logs``).
@@ -26,7 +28,7 @@ from torch.utils.data import DataLoader
 
 import tsp_core
 import tsp_lightning  # registers strategy="tsp"
-from common import TokenRows, data_parallel_sampler, parse_args, report
+from common import TokenRows, data_parallel_sampler, long_context, parse_args, report
 from tsp_transformers import load_pretrained
 
 PRECISION = {"bfloat16": "bf16-true", "float32": "32-true", "float64": "64-true"}
@@ -40,7 +42,8 @@ class FineTune(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:  # the strategy's mesh exists from here on; the strategy leaves
             self.model = load_pretrained(self.a.model, mesh=self.trainer.strategy.tsp_mesh,
-                                         dtype=self.a.torch_dtype)   # a converted model alone
+                                         dtype=self.a.torch_dtype,   # a converted model alone
+                                         **long_context(self.a))
             self.model.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": False})
             self.model.train()
@@ -85,7 +88,9 @@ def nodes() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(__doc__, argv, extra=(("--nodes", dict(type=int, default=nodes())),))
-    strategy = tsp_lightning.TSPStrategy(tsp_size=a.tsp) if a.tsp_given else "tsp"  # <- the switch
+    options = dict(tsp_size=a.tsp if a.tsp_given else None, **long_context(a))
+    # the name when nothing is set: Lightning refuses precision="64-true" for a strategy object
+    strategy = tsp_lightning.TSPStrategy(**options) if any(options.values()) else "tsp"  # <- switch
     monitor = tsp_lightning.TSPMonitor()
     checkpoints = ModelCheckpoint(dirpath=os.path.join(a.out, "checkpoints"), save_top_k=-1,
                                   every_n_train_steps=a.save_every)

@@ -9,7 +9,9 @@ one rank) and ``tsp_core.shard_batch`` on every full batch. bf16 parameters on C
 checkpointing, AdamW, a checkpoint every ``--save-every`` steps (``tsp_core.save_checkpoint``:
 Hugging Face names and shapes, loads at any TSP degree), ``--resume`` from the latest one, and
 TSP's figures per step (``tsp/comm_mib``, ``tsp/tokens_per_s``, peak memory) printed and
-appended to ``<out>/metrics.jsonl``. Data format and flags: common.py, ``--help``.
+appended to ``<out>/metrics.jsonl``. Long context: ``--activation-offload`` and
+``--tile-tokens N`` go to ``tsp_core.parallelize`` through ``load_pretrained``
+(docs/long-context.md). Data format and flags: common.py, ``--help``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import torch
 from torch.utils.data import DataLoader
 
 import tsp_core
-from common import TokenRows, data_parallel_sampler, device, parse_args, report
+from common import TokenRows, data_parallel_sampler, device, long_context, parse_args, report
 from tsp_transformers import load_pretrained
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(__doc__, argv)
     mesh = tsp_core.init_mesh(a.tsp)                      # ("dp", "tsp"), TSP inside a node
-    model = load_pretrained(a.model, mesh=mesh, dtype=a.torch_dtype)
+    model = load_pretrained(a.model, mesh=mesh, dtype=a.torch_dtype,
+                            **long_context(a))            # tile_tokens, activation_offload
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)

@@ -10,7 +10,9 @@ rank first); ``TSPTrainer`` takes it converted. bf16 parameters on CUDA, activat
 checkpointing, AdamW, ``checkpoint-N`` every ``--save-every`` steps (an ordinary Hugging Face
 checkpoint plus the optimizer state, resumable at any TSP degree), ``--resume`` from the latest,
 and TSP's figures (``tsp/comm_mib``, ``tsp/tokens_per_s``, peak memory) in every log row, so
-``--report-to tensorboard`` (or wandb...) receives them. Data format and flags: common.py.
+``--report-to tensorboard`` (or wandb...) receives them. Long context: ``--activation-offload``
+and ``--tile-tokens N`` are ``TSPTrainingArguments(tsp_activation_offload=True, tsp_tile_tokens=N)``
+and go to ``load_pretrained`` too (docs/long-context.md). Data format and flags: common.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 import tsp_core
-from common import TokenRows, parse_args, report
+from common import TokenRows, long_context, parse_args, report
 from tsp_transformers import TSPTrainer, TSPTrainingArguments, load_pretrained
 
 
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(__doc__, argv, extra=(("--report-to", dict(default="none")),))
     args = TSPTrainingArguments(
         output_dir=a.out, tsp_size=a.tsp,                 # <- the one TSP argument
+        tsp_activation_offload=a.activation_offload,      # long context
+        tsp_tile_tokens=a.tile_tokens,
         per_device_train_batch_size=a.batch, max_steps=a.steps, learning_rate=a.lr,
         weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=1.0,
         activation_checkpointing=True,
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         report_to=a.report_to, use_cpu=not torch.cuda.is_available(),
         bf16=False)                                       # the parameters are already bf16
     _ = args.world_size                                   # starts the process group
-    model = load_pretrained(a.model, tsp_size=a.tsp, dtype=a.torch_dtype)
+    model = load_pretrained(a.model, tsp_size=a.tsp, dtype=a.torch_dtype, **long_context(a))
     data = TokenRows(a, model.config.vocab_size)          # the Trainer skips rows on resume
     trainer = TSPTrainer(model=model, args=args, train_dataset=data, callbacks=[PrintRows(a)])
     resume = get_last_checkpoint(a.out) if a.resume and os.path.isdir(a.out) else None
