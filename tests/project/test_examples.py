@@ -14,10 +14,12 @@ weights.
 The main job also runs with FSDP2 (``--tsp 2 --dp-shard 2``, 4 processes: each data-parallel rank
 its own row, the losses still the one-process ones on the whole batch) and in bfloat16 (losses
 within bfloat16's rounding of a float32 reference, and not equal to it); its argument checks
-(``check_args``) run in this process. DeepSpeed runs with ZeRO-2 and ZeRO-3."""
+(``check_args``) run in this process. DeepSpeed runs with ZeRO-2 and ZeRO-3, one launch for
+both."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -129,27 +131,44 @@ def test_lightning_fabric_example(tmp_path):
                     2 * seq)
 
 
-@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
-def test_deepspeed_example(stage):
-    # the documented 4-process runs: TSP 2 x data parallel 2, ZeRO-2 (the default) and
-    # `--stage 3` (parameters partitioned over the data-parallel ranks too); every step's printed
-    # loss is the global mean over both replicas' batches (FusedAdam: weight decay 0)
+@pytest.fixture(scope="module")
+def deepspeed_runs() -> dict[int, str]:
+    """The documented 4-process DeepSpeed runs, ZeRO-2 (the default) then ``--stage 3``, one after
+    the other in one launch (tests/jobs/example_job.py): rank 0's stdout of each, by stage."""
+    steps = ["--tsp", "2", "--steps", "3", "--seq", "128"]
+    proc = launch.run(launch.torchrun(4, os.path.join(launch.JOBS, "example_job.py"),
+                                      example("deepspeed_llama.py"), *steps, "--then", *steps,
+                                      "--stage", "3"), ranks=4, timeout=900, DS_ACCELERATOR="cpu")
+    # rank 0 announces each run and prints what the tests read
+    parts = re.split(r"^example_job: run \d+\n", proc.stdout, flags=re.M)
+    assert len(parts) == 3, proc.stdout[-3000:]
+    return {2: parts[1], 3: parts[2]}
+
+
+@functools.cache
+def deepspeed_reference(steps: int, seq: int) -> list[float]:
+    """One process on both replicas' batches (FusedAdam: weight decay 0); the same for both
+    stages, so computed once."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    steps, seq = 3, 128
-    stage_args = [] if stage == 2 else ["--stage", str(stage)]
-    proc = launch.run(launch.torchrun(4, example("deepspeed_llama.py"), "--tsp", "2", *stage_args,
-                                      "--steps", str(steps), "--seq", str(seq)), ranks=4,
-                      timeout=900, DS_ACCELERATOR="cpu")
-    printed = floats(r"step \d+ loss (\S+)", proc.stdout)
-    assert f"TSP degree 2 x data parallel 2, ZeRO stage {stage}\n" in proc.stdout, proc.stdout
-    assert f"tsp metrics (this rank): {steps} steps" in proc.stdout, proc.stdout[-2000:]
     gens = [torch.Generator().manual_seed(1 + dp_rank) for dp_rank in range(2)]
     batches = [torch.cat([torch.randint(0, 4096, (2, seq), generator=g) for g in gens])
                for _ in range(steps)]
     torch.manual_seed(0)
-    ref = train_reference(LlamaForCausalLM(LlamaConfig(**BIG)), batches, 3e-4, 0.0, clip=1.0)
-    assert_losses(printed, ref, 1e-4)   # printed with 4 decimals
+    return train_reference(LlamaForCausalLM(LlamaConfig(**BIG)), batches, 3e-4, 0.0, clip=1.0)
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_deepspeed_example(deepspeed_runs, stage):
+    # the documented 4-process runs: TSP 2 x data parallel 2, ZeRO-2 (the default) and
+    # `--stage 3` (parameters partitioned over the data-parallel ranks too); every step's printed
+    # loss is the global mean over both replicas' batches
+    steps, seq = 3, 128
+    stdout = deepspeed_runs[stage]
+    printed = floats(r"step \d+ loss (\S+)", stdout)
+    assert f"TSP degree 2 x data parallel 2, ZeRO stage {stage}\n" in stdout, stdout
+    assert f"tsp metrics (this rank): {steps} steps" in stdout, stdout[-2000:]
+    assert_losses(printed, deepspeed_reference(steps, seq), 1e-4)   # printed with 4 decimals
 
 
 def test_accelerate_example(tmp_path):
@@ -187,12 +206,12 @@ def test_hf_trainer_example_with_gradient_accumulation(tmp_path):
     from safetensors.torch import load_file
 
     steps = ["--max_steps", "2"]
-    plain = launch.run([sys.executable, example("hf_trainer_llama.py"), *steps,
-                        "--output_dir", str(tmp_path / "plain")], ranks=1)
-    tsp = launch.run(launch.torchrun(2, example("hf_trainer_llama.py"), "--tsp_size", "2", *steps,
-                                     "--per_device_train_batch_size", "1",
-                                     "--gradient_accumulation_steps", "2",
-                                     "--output_dir", str(tmp_path / "tsp")), ranks=2)
+    plain, tsp = launch.run_together(  # the two runs are independent
+        ([sys.executable, example("hf_trainer_llama.py"), *steps, "--output_dir",
+          str(tmp_path / "plain")], 1),
+        (launch.torchrun(2, example("hf_trainer_llama.py"), "--tsp_size", "2", *steps,
+                         "--per_device_train_batch_size", "1", "--gradient_accumulation_steps",
+                         "2", "--output_dir", str(tmp_path / "tsp")), 2))
     assert "tsp metrics (this rank): 1 steps" in tsp.stdout, tsp.stdout[-2000:]
     ref, got = trainer_logs(plain.stdout), trainer_logs(tsp.stdout)
     assert len(ref) == len(got) == 2, (plain.stdout[-2000:], tsp.stdout[-2000:])

@@ -72,3 +72,18 @@ def assert_clean(proc: subprocess.CompletedProcess, ranks: int) -> None:
     assert not found, (f"{' '.join(map(str, proc.args[:6]))}...: {'; '.join(found)}\n"
                        f"--- stdout ---\n{proc.stdout[-2000:]}\n--- stderr ---\n"
                        f"{proc.stderr[-5000:]}")
+
+
+def run_together(*launches: tuple[list[str], int], timeout: float = 300, cwd: str = ROOT,
+                 **env: str) -> list[subprocess.CompletedProcess]:
+    """Several independent launches ``(cmd, ranks)`` at the same time, each held to what
+    :func:`run` asserts; their results in the order given. A 1-process run leaves a core idle
+    on its own: beside another launch it costs little of the suite's time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(launches)) as pool:
+        procs = list(pool.map(lambda job: run(job[0], job[1], expect_clean=False,
+                                              timeout=timeout, cwd=cwd, **env), launches))
+    for (_, ranks), proc in zip(launches, procs):
+        assert_clean(proc, ranks)
+    return procs
