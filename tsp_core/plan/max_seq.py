@@ -10,8 +10,9 @@ bytes), and the answer is where a line meets its limit, rounded down to a multip
 zigzag layout's chunks). A third simulation at the answer checks the line, and a fourth, one
 step (2D tokens) longer, that it is the longest. When a measurement is off the line (a peak that
 moves to another moment of the step, or probes shorter than a tile), the line through the nearest
-measured lengths on either side of the limit is solved again, kept inside them (a safeguarded
-secant method), at most :data:`ROUNDS` times. The answer is always a length that was simulated
+measured lengths on either side of the limit is solved again, kept inside them, with a
+bisection when that bracket does not halve (a safeguarded secant method), at most :data:`ROUNDS`
+times. The answer is always a length that was simulated
 and fits; ``certain`` says that the next one was simulated and does not.
 """
 
@@ -60,6 +61,7 @@ class Search:
     host_limit: float | None         # bytes of host memory per rank (None: not limited)
     points: dict[int, MemoryRecord] = field(default_factory=dict)
     probes: tuple[int, int] = (0, 0)  # the two first lengths (:func:`probes`)
+    width: float = math.inf  # the bracket's width at the last proposal
     done: bool = False
 
     @property
@@ -99,14 +101,18 @@ class Search:
         multiple of :attr:`step` and kept strictly inside the bracket; None when the answer is
         certain (it fits and one step more does not) or nothing fits."""
         f, o = self.bracket()
-        if f is not None and o is not None and o - f <= self.step:
-            return None
+        if f is not None and o is not None:
+            if o - f <= self.step:
+                return None
+            width, self.width = self.width, o - f
+            if 2 * (o - f) > width:  # the bracket did not halve (a convex stretch): bisect
+                return (f + o) // 2 // self.step * self.step
         limits = {"GPU": self.gpu_limit, "host": self.host_limit}
         best = min(line.longest(limits[k]) for k, line in self.lines(self.pair()).items())
         if best == math.inf:
             raise ValueError(f"{self.spec.label}: memory does not grow with the sequence "
                              f"between {sorted(self.points)} tokens; nothing bounds it")
-        q = max(0, math.floor(best / self.step)) * self.step
+        q = math.floor(best / self.step) * self.step if best > 0 else 0
         if f is not None:
             q = max(q, f + self.step)
         if o is not None:

@@ -1,0 +1,76 @@
+"""The long-context tools measured: ``tsp simulate --activation-offload`` reports the host's bytes
+apart from the GPU's peak, and ``tsp plan --max-seq``'s answer is the longest sequence that fits
+(it fits, and one step of 2D tokens more does not), each checked by simulations run here, apart
+from the code under test, in one pool of two spawned workers that both tests share."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import pytest
+
+from tsp_core.plan.simulate import MODELS, SimulationRequest, _run_one, record_dict
+from tsp_core.tools import cli
+
+LAYERS = 4  # the tiny preset with more layers: offload keeps a constant number on the device
+H = MODELS["tiny"]["hidden_size"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as p:
+        yield p
+
+
+def tsp_request(seq: int, offload: bool, layout: str = "tsp") -> SimulationRequest:
+    tp, cp = (2, 1) if layout == "tsp" else (1, 2)
+    return SimulationRequest(layout, tp, cp, seq, "tiny", LAYERS, recompute="full",
+                             activation_offload=offload)
+
+
+def test_offload_moves_the_layer_inputs_to_the_host(pool):
+    """TSP at D=2, 4096 tokens: with offload every layer's input (S/D x h bf16) is on the host,
+    and the GPU's peak is lower by at least the layer inputs that offload keeps off it (all but
+    the two it brings back). (A baseline gets the same offload: the next test's cp.)"""
+    seq = 4096
+    plain, off = pool.map(_run_one, [tsp_request(seq, False), tsp_request(seq, True)])
+    layer_input = seq // 2 * H * 2
+    print(f"peak {plain.peak_bytes} -> {off.peak_bytes}, host {off.host_bytes}; one layer "
+          f"input {layer_input}")
+    assert plain.host_bytes == 0
+    assert off.host_bytes >= LAYERS * layer_input, (off.host_bytes, LAYERS * layer_input)
+    assert off.peak_bytes <= plain.peak_bytes - (LAYERS - 2) * layer_input, (
+        off.peak_bytes, plain.peak_bytes)
+    assert record_dict(off)["host_bytes"] == off.host_bytes  # what --json writes
+
+
+def test_max_seq_is_the_longest_that_fits(pool, tmp_path, capsys):
+    """``tsp plan --max-seq`` on the tiny model (4 layers) over 2 GPUs of 0.01 GB with offload:
+    per layout, the answer fits (GPU peak within 90%, host within --host-gb per node) and the
+    answer + 2D tokens does not, both simulated here."""
+    out = tmp_path / "max.json"
+    host_gb = 0.0016  # per node of 2 GPUs: binds before the GPU for tsp (at 3124 tokens), not cp
+    assert cli.main(["plan", "--max-seq", "--model", "tiny", "--layers", str(LAYERS), "--seq",
+                     "1024", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "h100",
+                     "--memory-gb", "0.01", "--layouts", "tsp,cp", "--activation-offload",
+                     "--host-gb", str(host_gb), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    gpu_limit, host_limit = 0.01e9 * 0.9, host_gb * 1e9 / 2
+    fits = {f["layout"]: f for f in plan["max_seq"]}
+    assert set(fits) == {"tsp", "cp"}
+    asks = [tsp_request(f["seq"] + extra, True, name)
+            for name, f in fits.items() for extra in (0, 4)]
+    recs = list(pool.map(_run_one, asks))
+    for (name, f), at, beyond in zip(fits.items(), recs[0::2], recs[1::2]):
+        print(name, f["seq"], f["bound"], at.peak_bytes, at.host_bytes, beyond.peak_bytes,
+              beyond.host_bytes, gpu_limit, host_limit)
+        assert at.host_bytes >= LAYERS * f["seq"] // 2 * H * 2, (name, at.host_bytes)  # offload
+        assert at.peak_bytes <= gpu_limit and at.host_bytes <= host_limit, (name, f)
+        assert beyond.peak_bytes > gpu_limit or beyond.host_bytes > host_limit, (name, f)
+        assert f["certain"] and f["seq"] % 4 == 0, f
+        assert (at.peak_bytes, at.host_bytes) == (f["peak_bytes"], f["host_bytes"])
+        assert f"{name:<15} {2:>3} {f['seq']:>10}" in printed, printed
+    assert {f["bound"] for f in fits.values()} == {"GPU", "host"}, fits
