@@ -2,9 +2,10 @@
 gloo), float64, a tiny Llama written with save_pretrained, a uint32 .npy token file, 64 tokens a
 row.
 
-Each recipe runs in one launch started as docs/recipes.md starts it (torchrun, ``accelerate
-launch``; tests/jobs/recipe_job.py): ``main`` to step 2, saving a checkpoint there, then ``main
---resume`` to step 4, which builds everything again and continues from that checkpoint. Every
+Each recipe runs in a launch started as docs/recipes.md starts it (torchrun, ``accelerate
+launch``; tests/jobs/recipe_job.py; the torchrun recipes one after another in one launch):
+``main`` to step 2, saving a checkpoint there, then ``main --resume`` to step 4, which builds
+everything again and continues from that checkpoint. Every
 printed loss must equal one process training the unmodified model on the same rows in file order
 (AdamW, gradient clipping at 1.0, as every recipe does), in float64: steps 1 and 2 from the first
 run, steps 3 and 4 from the resumed one (step 4's loss shows step 3's update, so the optimizer
@@ -19,6 +20,7 @@ import csv
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -33,13 +35,18 @@ CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_l
 JOB = os.path.join(launch.JOBS, "recipe_job.py")
 
 
-def launcher(name: str) -> list[str]:
-    """2 processes on one node, started as docs/recipes.md starts the recipe (``accelerate
+# the recipes torchrun starts share one launch, in this order (DeepSpeed last: its engine is
+# the one whose global state lasts)
+TORCHRUN = ["pytorch", "trainer", "lightning", "deepspeed"]
+
+
+def launcher(names: list[str]) -> list[str]:
+    """2 processes on one node, started as docs/recipes.md starts the recipes (``accelerate
     launch`` for Accelerate, torchrun for the others), running tests/jobs/recipe_job.py."""
-    if name == "accelerate":
+    if names == ["accelerate"]:
         return [os.path.join(launch.BIN, "accelerate"), "launch", "--multi_gpu",
-                "--num_processes", "2", JOB, name]
-    return launch.torchrun(2, JOB, name)
+                "--num_processes", "2", JOB, "accelerate"]
+    return launch.torchrun(2, JOB, ",".join(names))
 
 
 # where each recipe's step-2 checkpoint lands, and the file its logger writes
@@ -92,13 +99,32 @@ def printed_rows(stdout: str) -> list[dict]:
             if line.startswith("recipe {")]
 
 
-def run(name: str, root, out: str) -> list[dict]:
-    """The recipe's two runs (steps 1-2, then --resume to step 4) in one launch."""
-    cmd = launcher(name) + ["--model", str(root / "model"), "--data", str(root / "tokens.npy"),
-                            "--seq", str(SEQ), "--batch", str(BATCH), "--lr", str(LR),
-                            "--dtype", "float64", "--save-every", "2", "--out", out]
-    proc = launch.run(cmd, 2, timeout=600, DS_ACCELERATOR="cpu")
-    return printed_rows(proc.stdout)
+def run(names: list[str], root, out: str) -> dict[str, list[dict]]:
+    """Each recipe's two runs (steps 1-2, then --resume to step 4), all in one launch, its files
+    in ``out/NAME``: the rows each printed, by recipe."""
+    cmd = launcher(names) + ["--model", str(root / "model"), "--data", str(root / "tokens.npy"),
+                             "--seq", str(SEQ), "--batch", str(BATCH), "--lr", str(LR),
+                             "--dtype", "float64", "--save-every", "2", "--out", out]
+    proc = launch.run(cmd, 2, timeout=900, DS_ACCELERATOR="cpu")
+    parts = re.split(r"^recipe_job: (\w+)\n", proc.stdout, flags=re.M)
+    assert parts[1::2] == names, proc.stdout[-3000:]
+    return {name: printed_rows(text) for name, text in zip(parts[1::2], parts[2::2])}
+
+
+@pytest.fixture(scope="module")
+def launched(trained, tmp_path_factory):
+    """Every recipe run: the printed rows and the output folder of each, by name (the ones
+    torchrun starts in one launch, started on first use; Accelerate's in its own)."""
+    root, _ = trained
+    base, found = tmp_path_factory.mktemp("recipe_runs"), {}
+
+    def get(name: str) -> tuple[list[dict], str]:
+        if name not in found:
+            names = TORCHRUN if name in TORCHRUN else [name]
+            found.update(run(names, root, str(base)))
+        return found[name], str(base / name)
+
+    return get
 
 
 def assert_figures(rows: list[dict]) -> None:
@@ -118,12 +144,11 @@ def logged_comm(path: str) -> list[float]:
 
 
 @pytest.mark.parametrize("name", ["pytorch", "trainer", "lightning", "accelerate", "deepspeed"])
-def test_recipe_trains_saves_and_resumes(trained, tmp_path, name):
-    root, ref = trained
-    out = str(tmp_path / "out")
+def test_recipe_trains_saves_and_resumes(trained, launched, name):
+    _, ref = trained
     tol = TOLERANCE.get(name, 1e-10)
 
-    rows = run(name, root, out)
+    rows, out = launched(name)
     # steps 1-2, then the resumed run continues at step 3 (a resume that restarted would print
     # steps 1-4 again)
     assert [row["step"] for row in rows] == [1, 2, 3, 4], rows
