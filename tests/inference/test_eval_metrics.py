@@ -171,12 +171,16 @@ def test_memory_of_logits_and_ids(pools, tsp):
 JOB = os.path.join(launch.JOBS, "trainer_eval_job.py")
 
 
-def run_job(model: str, out, nproc: int, *extra: str) -> list[tuple[dict, dict]]:
-    """The job on ``nproc`` processes (python for 1, torchrun otherwise): every rank's result."""
+def job_launch(model: str, out, nproc: int, *extra: str) -> tuple[list[str], int]:
+    """The job's command on ``nproc`` processes (python for 1, torchrun otherwise)."""
     args = [JOB, "--model_path", model, "--out", str(out), "--output_dir", str(out / "o"),
             "--per_device_eval_batch_size", "2", "--report_to", "none", "--use_cpu", *extra]
     launcher = [sys.executable] if nproc == 1 else launch.torchrun(nproc)
-    launch.run([*launcher, launch.EXIT_CLEANLY, *args], nproc)
+    return [*launcher, launch.EXIT_CLEANLY, *args], nproc
+
+
+def job_results(out, nproc: int) -> list[tuple[dict, dict]]:
+    """Every rank's result of a job run in ``out``."""
     results = []
     for r in range(nproc):
         with open(out / f"rank{r}.json") as f:
@@ -200,9 +204,13 @@ def test_trainer_evaluate_and_predict_match_one_process(tmp_path, saved_llama64)
 
     from tests.jobs.trainer_eval_job import packed_documents
 
-    (plain, plain_arrays), = run_job(saved_llama64, tmp_path / "plain", 1)
-    runs = {"tsp 2": run_job(saved_llama64, tmp_path / "tsp2", 2, "--tsp_size", "2"),
-            "dp 2 x tsp 2": run_job(saved_llama64, tmp_path / "dp2", 4, "--tsp_size", "2")}
+    # the three runs are independent: at the same time (the 1-process one alone leaves a core idle)
+    launch.run_together(job_launch(saved_llama64, tmp_path / "plain", 1),
+                        job_launch(saved_llama64, tmp_path / "tsp2", 2, "--tsp_size", "2"),
+                        job_launch(saved_llama64, tmp_path / "dp2", 4, "--tsp_size", "2"))
+    (plain, plain_arrays), = job_results(tmp_path / "plain", 1)
+    runs = {"tsp 2": job_results(tmp_path / "tsp2", 2),
+            "dp 2 x tsp 2": job_results(tmp_path / "dp2", 4)}
     # float64 references from the unmodified model: HF's own loss (the plain Trainer's eval_loss)
     # casts logits to float32, so it agrees with the float64 loss to ~1e-7 only
     model = AutoModelForCausalLM.from_pretrained(saved_llama64, dtype=torch.float64)
