@@ -140,7 +140,10 @@ def test_model_presets_and_config_files(tmp_path):
     Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=24, layer_types=["full_attention"] * 3,
                 max_position_embeddings=128).save_pretrained(tmp_path)
-    for path in (tmp_path, tmp_path / "config.json"):
+    other = tmp_path / "other" / "qwen3-small.json"  # any file name, in a folder without config.json
+    other.parent.mkdir()
+    other.write_text((tmp_path / "config.json").read_text())
+    for path in (tmp_path, tmp_path / "config.json", other):
         config = model_config(str(path), layers=2, seq=4096)
         assert (type(config).__name__, config.num_hidden_layers, config.layer_types,
                 config.max_position_embeddings) == ("Qwen3Config", 2, ["full_attention"] * 2, 4096)

@@ -174,10 +174,14 @@ def model_config(name: str, layers: int | None = None, seq: int = 4096):
         kw = dict(MODELS[name])
         config = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw)
     elif os.path.isfile(name) or os.path.isfile(os.path.join(name, "config.json")):
+        import json
+
         path = name if os.path.isfile(name) else os.path.join(name, "config.json")
-        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)))
-        if os.path.basename(path) != "config.json":
-            config = type(config).from_json_file(path)
+        with open(path) as f:  # any file name: the folder need not hold a config.json
+            kw = json.load(f)
+        if "model_type" not in kw:
+            raise ValueError(f"{path} has no model_type: not a Hugging Face config.json")
+        config = AutoConfig.for_model(kw.pop("model_type"), **kw)
     else:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)} or give the path "
                          f"of a config.json")
