@@ -368,3 +368,40 @@ def test_working_sets_bounded_by_the_tile_not_the_tokens():
                         ("loss forward", tiles.LOSS_TILE_TENSORS * loss_tile),
                         ("loss backward", tiles.LOSS_TILE_TENSORS * loss_tile)):
         assert large_2t[part] - large[part] <= bound + rows, (part, large, large_2t, bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_tiled_norm_keeps_only_its_input_and_gives_autograds_numbers(dtype):
+    # the decoder's RMSNorms run in tiles and keep only their input: plain autograd of the
+    # float32-upcasting norm keeps float32 copies about three times the input
+    from tsp_core.layers.norm import NORMS, _TiledNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 13, 64, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    g = torch.randn(2, 13, 64, generator=gen, dtype=torch.float64).to(dtype)
+    for kind in NORMS:
+        w = (1 + 0.1 * torch.randn(64, generator=gen, dtype=torch.float64)).to(dtype)
+        w.requires_grad_()
+        saved: list[int] = []
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            plain = NORMS[kind](x, w, 1e-6)
+        plain_saved, saved[:] = sum(saved), []
+        want = torch.autograd.grad(plain, (x, w), g)
+        for tile in (1, 5, 26, 100):
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                out = _TiledNorm.apply(x, w, kind, 1e-6, tile)
+            kept, saved[:] = sum(saved), []
+            got = torch.autograd.grad(out, (x, w), g)
+            where = f"{kind} {dtype} tile {tile}"
+            assert kept == x.numel() * x.element_size() + w.numel() * w.element_size(), where
+            if dtype != torch.float64:  # the float32 copies plain autograd keeps
+                assert kept < plain_saved / 2, (where, kept, plain_saved)
+            assert torch.equal(out, plain) and torch.equal(got[0], want[0]), where
+            tol = {torch.bfloat16: 2e-2, torch.float32: 1e-6, torch.float64: 1e-13}[dtype]
+            err = (got[1].double() - want[1].double()).abs().max() / want[1].double().abs().max()
+            assert err <= tol, (where, float(err))

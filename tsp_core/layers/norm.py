@@ -9,6 +9,7 @@ import torch
 
 from ..distributed.mesh import TSPMesh
 from ..distributed.params import REPLICATED, ShardedModule, ShardSpec, init_full, local_replicated
+from .tiles import TokenTiled, norm_tile_tokens, token_tiles
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,9 +44,57 @@ NORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = 
     "llama": rms_norm, "gemma": gemma_rms_norm, "olmo2": olmo2_rms_norm}
 
 
-class TSPRMSNorm(ShardedModule):
+class _TiledNorm(torch.autograd.Function):
+    """A norm over ``tile`` tokens at a time that keeps only its input for the backward, which
+    reruns the norm's own operations under autograd, a tile at a time. Plain autograd over a
+    bf16 [S/D, h] input would keep float32 copies and bf16 intermediates about three times the
+    input's size, and make as many again in its backward; at long context that is several layer
+    inputs per norm (docs/design.md "Long context"). The norm acts token by token, so the output
+    and the input's gradient are plain autograd's; the weight's gradient is summed over the tiles
+    in float32 (float64 for a float64 model)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, kind: str, eps: float, tile: int):
+        ctx.kind, ctx.eps, ctx.tile = kind, eps, tile
+        ctx.save_for_backward(x, weight)
+        flat = x.reshape(-1, x.shape[-1])
+        out = None
+        for sl in token_tiles(flat.shape[0], tile):
+            y = NORMS[kind](flat[sl], weight, eps)
+            if out is None:
+                out = flat.new_empty(flat.shape, dtype=y.dtype)
+            out[sl] = y
+            del y
+        return (out if out is not None else NORMS[kind](flat, weight, eps)).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[:2]
+        flat, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
+        dx = torch.empty_like(flat) if want_x else None
+        dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        for sl in token_tiles(flat.shape[0], ctx.tile):
+            with torch.enable_grad():
+                xt = flat[sl].detach().requires_grad_(want_x)
+                w = weight.detach().requires_grad_(want_w)
+                y = NORMS[ctx.kind](xt, w, ctx.eps)
+                wanted = [t for t in (xt, w) if t.requires_grad]
+                grads = list(torch.autograd.grad(y, wanted, g[sl])) if wanted else []
+            del y
+            if want_x:
+                dx[sl] = grads.pop(0)
+            if want_w:
+                dw += grads.pop(0)
+        return (dx.view(x.shape) if want_x else None, dw.to(weight.dtype) if want_w else None,
+                None, None, None)
+
+
+class TSPRMSNorm(TokenTiled, ShardedModule):
     """RMSNorm with the Hugging Face numerics of ``kind`` (:data:`NORMS`: "llama", or "gemma"
-    whose weight is an offset from one), so a parallelized model gives HF's numbers."""
+    whose weight is an offset from one), so a parallelized model gives HF's numbers; only its
+    input is kept for the backward, and it runs ``tile_tokens`` tokens at a time
+    (:class:`_TiledNorm`; None: :func:`tiles.norm_tile_tokens` of the hidden size)."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, eps: float = 1e-6, kind: str = "llama",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -66,4 +115,8 @@ class TSPRMSNorm(ShardedModule):
         return REPLICATED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return NORMS[self.kind](x, local_replicated(self.weight, self.mesh), self.eps)
+        weight = local_replicated(self.weight, self.mesh)
+        if not torch.is_grad_enabled():
+            return NORMS[self.kind](x, weight, self.eps)
+        tile = self.tile_tokens or norm_tile_tokens(x.shape[-1])
+        return _TiledNorm.apply(x, weight, self.kind, self.eps, tile)

@@ -26,6 +26,8 @@ TILE_BYTES = 256 * 1024 ** 2
 MLP_TILE_TENSORS = 6
 # [T, V/D] tensors (float32, float64 for a float64 model) one loss tile holds at once, at most
 LOSS_TILE_TENSORS = 3
+# [T, h] float32 tensors one RMSNorm tile holds at once in its backward, at most
+NORM_TILE_TENSORS = 8
 # a chosen tile of at least this many tokens is rounded down to a multiple of it (matmul shapes)
 TILE_ALIGN = 128
 
@@ -66,6 +68,12 @@ def loss_tile_tokens(local_vocab: int, dtype: torch.dtype) -> int:
     tokens."""
     acc = 8 if dtype == torch.float64 else 4
     return _fitting(local_vocab * acc, LOSS_TILE_TENSORS)
+
+
+def norm_tile_tokens(hidden_size: int) -> int:
+    """The tile of an RMSNorm over ``hidden_size`` channels: :data:`NORM_TILE_TENSORS` x tile x
+    h float32 elements stay under :data:`TILE_BYTES`. h = 4096: 1920 tokens."""
+    return _fitting(hidden_size * 4, NORM_TILE_TENSORS)
 
 
 def grad_accumulator(numel: int, dtype: torch.dtype, device: torch.device,
