@@ -7,7 +7,11 @@ floor computed here from the shapes and the schedule, never read from the code u
 - gradients: none before backward, exactly this rank's shards after it, never more in between;
 - activations kept for backward: exactly the local activations of this rank's own tokens;
 - what each attention / MLP adds while it runs: its shard buffers, one head group's K/V, and a
-  named working set of local tensors.
+  named working set of local tensors. The attention backward's terms are
+  ``tsp_core.layers.attention.backward_floor_bytes`` (each named in docs/memory.md "The attention
+  backward's floor"; tests/layers/test_attention_floor.py holds its growth with S) plus the weight
+  buffers counted here from the round schedule; the MLP's tile is ``tiles.mlp_tile_tokens``, the
+  bytes of a tile are counted here.
 
 A monkeypatched run that keeps the gathered K/V, or one remote weight shard, for backward must
 break the floors: the test shows it does."""
@@ -24,6 +28,10 @@ from multiprocessing import get_context
 from typing import Iterator
 
 import pytest
+import torch
+
+from tsp_core.layers.attention import backward_floor_bytes
+from tsp_core.layers.tiles import mlp_tile_tokens, token_tiles
 
 # the 7B shape of tsp_core.plan.simulate.MODELS["7b"], cut to 1 layer, at 131072 tokens
 H, NQ, NKV, F, V, LAYERS, SEQ = 4096, 32, 32, 16384, 32000, 1, 131072
@@ -46,6 +54,20 @@ def simulate(tmp_path, *args: str) -> list[dict]:
 
 # ----------------------------------------------------------------------- floors from the shapes
 
+def attention_backward_shards(D: int) -> int:
+    """The most packed [q|k|v|o] weight shards (W each) rank 0's attention backward holds while a
+    round attends (tsp_core/layers/attention/per_group.py): its own, packed once (round 0's), the
+    previous round's (its key/value tail runs after this round's attention), this round's and the
+    next one's arriving; and the weight gradients reduced to owners so far: its own sum (round 0's,
+    sent at the end of round 1) and at most one other owner's in flight. At D=4: 5, at D>=5: 6."""
+    most = 0
+    for r in range(D):
+        shards = len({0, r - 1, r, r + 1} & set(range(D)))
+        reduces = (r >= 2) + (r >= 3)  # round r-1's tail is sent after round r's attention
+        most = max(most, shards + reduces)
+    return most
+
+
 def floors(D: int) -> dict[str, tuple[int, int]]:
     """(floor, allowance) in bytes per measured quantity of one bf16 training step at degree D.
     The floor is what the schedule cannot do without (docs/design.md "Memory rules"); the allowance
@@ -60,23 +82,23 @@ def floors(D: int) -> dict[str, tuple[int, int]]:
     KV = 2 * SEQ * (NKV // D) * HEAD * bf16      # one head group's K/V, gathered: whole sequence
     W = (2 * NQ + 2 * NKV) * HEAD * H // D * bf16  # one attention weight shard [q|k|v|o]
     M = 3 * F * H // D * bf16                    # one MLP weight shard [gate|up|down]
-    I = T * (F // D) * bf16                      # one intermediate slice [S/D, F/D]
+    tile = min(T, mlp_tile_tokens(F // D, torch.bfloat16))
+    It = tile * (F // D) * bf16                  # one tile's intermediate slice [tile, F/D]
+    # the shard's weight gradient, summed over the tiles in float32 when there is more than one
+    acc = M * fp32 // bf16 if len(token_tiles(T, tile)) > 1 else M
     lse = T * (NQ // D) * fp32                   # one head group's log-sum-exp
 
     own = 2 * (V // D) * H + LAYERS * (W + M) // bf16 + (2 * LAYERS + 1) * H  # elements
     steps = 4 * (3 + 9 * LAYERS)  # AdamW's float32 step count per parameter tensor
-    # an RMSNorm computed in float32 (HF's numerics) keeps its float32 input, the normalised
-    # input rounded to bf16, its output (the next op's saved input) and 1/rms
-    norm = T * H * (fp32 + bf16 + bf16) + T * fp32
+    # an RMSNorm keeps only its input (tsp_core/layers/norm.py: its backward reruns it a tile at
+    # a time); its output is the next op's saved input
+    norm = T * H * (bf16 + bf16)
     # TSP attention keeps local Q, K, V of all heads, the output and the LSE (docs/design.md "Memory
     # rules")
     attention = T * (NQ + 2 * NKV + NQ) * HEAD * bf16 + T * NQ * fp32
     kept = (LAYERS * (2 * norm + attention) + norm  # the final norm
             + 2 * T * HEAD * bf16                   # RoPE cos, sin of own positions
             + T * fp32)                             # the loss's log-sum-exp per token
-    # the attention kernel's backward for one call returns dK, dV over the call's keys: the
-    # longest is rank 0's second zigzag chunk against its prefix, (2D-1)/2D of the sequence
-    kernel_dkv = KV * (2 * D - 1) // (2 * D)
     return {
         "parameters": (own * bf16, 0),
         "optimizer_states": (2 * own * bf16 + steps, 0),
@@ -87,22 +109,25 @@ def floors(D: int) -> dict[str, tuple[int, int]]:
         # order), the next one's arriving (rank order) and put in order; working set: that
         # group's output and LSE
         "attention forward": (attention + X + 4 * W + 3 * KV, G + lse),
-        # backward of one attention: four shard buffers as in the forward (the previous round's
-        # kept for its key/value tail), one head group's K/V in use and the next one's arriving,
-        # its dK/dV summed in float32 (2 KV), the previous group's dK/dV in flight to the token
-        # owners and their result, dX, two weight-gradient buffers on their way to owners;
-        # working set: the kernel's dK/dV of one call, its other inputs/outputs over half a chunk
-        # (6), dQ of this round, dO, the round's dQ and dK after RoPE's backward, the round's
-        # weight gradients, one LSE slice
-        "attention backward": (4 * W + 2 * KV + 2 * KV + KV + KV // D + X + 2 * W,
-                               kernel_dkv + 3 * G + G + G + 2 * G + W + lse // 2),
-        # forward of one MLP: its output, two shard buffers and its own shard packed, the
-        # slice's gate and up; working set: act(gate)
-        "mlp forward": (X + 3 * M + 2 * I, I),
-        # backward of one MLP: dX, three shard buffers, the gradient accumulator being added to
-        # and the one arriving, gate and up recomputed and dM; working set: act(gate), dUp and
-        # three elementwise temporaries of act'(gate), one weight-gradient block
-        "mlp backward": (X + 3 * M + 2 * M + 3 * I, 5 * I + M // 3),
+        # backward of one attention: the whole-sequence part (one head group's K/V in use, one
+        # more K/V-sized buffer, the float32 dK/dV), the own tokens' part (dX, dQ, dO, the
+        # previous group's dK/dV of own tokens) and one kernel call's slices, as
+        # backward_floor_bytes names them, and the weight buffers of the round schedule;
+        # working set: the previous round's query and output weight gradients, waiting for its
+        # tail (its key/value ones are computed there)
+        "attention backward": (backward_floor_bytes(SEQ, D, HEAD, NKV // D, NQ // D, H)
+                               + attention_backward_shards(D) * W,
+                               2 * NQ * HEAD * H // D * bf16),
+        # forward of one MLP: its output, two shard buffers and its own shard packed, one
+        # tile's gate and up; working set: act(gate)
+        "mlp forward": (X + 3 * M + 2 * It, It),
+        # backward of one MLP: dX, three shard buffers (its own packed, the one in use, the next
+        # arriving), the previous shard's gradient in flight and the one arriving, this shard's
+        # gradient summed over the tiles (acc), one tile's gate and up recomputed and act(gate);
+        # working set: two more tile tensors (act(gate) x up for dWd, then dM and dUp; the
+        # previous tile's dM is still bound at the next tile's first product) and one
+        # weight-gradient block
+        "mlp backward": (X + 3 * M + 2 * M + acc + 3 * It, 2 * It + M // 3),
         "slack": (SEQ // D * SLACK_PER_TOKEN, 0),
     }
 
