@@ -232,7 +232,8 @@ def simulate_7b_1layer(load: Loader) -> str:
     rows = sim_rows(load, "simulate-7b-1layer")
     by_d = {r["degree"]: gib(r) for r in rows}
     return (para("The peak of the whole step is the sum of what was alive at one moment; at this "
-                 "shape it falls in the final norm's float32 backward, with every layer's saved "
+                 "shape it falls in the attention's backward (a kernel call of one round, beside "
+                 "one head group's gathered K/V and its float32 dK/dV), with every layer's saved "
                  "activations still alive (1 layer, 131072 tokens: "
                  + ", ".join(f"{v:.2f} GiB at D={d}" for d, v in sorted(by_d.items())) + ").")
             + "\nRun it yourself (about 20 s; the phases are in the JSON):\n\n"
