@@ -130,7 +130,7 @@ class _TSPGatedMLPFn(torch.autograd.Function):
                 if d_b:
                     d_b[0].add_(dg.sum(0))
                     d_b[1].add_(du.sum(0))
-                del dg, du  # before the next tile's
+                del dm, dg, du  # before the next tile's
             return grads.to(shard.dtype)
 
         grad = comm.ring_over_shards_with_grads(pack.pack(weights), group, contribute)

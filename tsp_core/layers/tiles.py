@@ -72,7 +72,7 @@ def loss_tile_tokens(local_vocab: int, dtype: torch.dtype) -> int:
 
 def norm_tile_tokens(hidden_size: int) -> int:
     """The tile of an RMSNorm over ``hidden_size`` channels: :data:`NORM_TILE_TENSORS` x tile x
-    h float32 elements stay under :data:`TILE_BYTES`. h = 4096: 1920 tokens."""
+    h float32 elements stay under :data:`TILE_BYTES`. h = 4096: 2048 tokens."""
     return _fitting(hidden_size * 4, NORM_TILE_TENSORS)
 
 
