@@ -429,6 +429,30 @@ def bench_small_d2(load: Loader) -> str:
                 f"({100 * peak:.0f}%)."))
 
 
+def long_context_llama8b(load: Loader) -> str:
+    """long-context.md: TSP's measured rows for Llama-3.1-8B (whole model, full recompute, bf16
+    AdamW), against 90% of an 80 GB GPU and 1.5 TiB of host memory per 8-GPU node."""
+    limit, host_node = 0.9 * 80 * GB, 1.5 * 2**40
+    lines = ["| GPUs | tokens | offload | GPU peak GiB | of the limit (90% of 80 GB) | "
+             "host GiB per node | fits |",
+             "|---|---|---|---|---|---|---|"]
+    cmds = []
+    for name in LONG_CONTEXT_RECORDS:
+        (r,) = sim_rows(load, name)
+        offload = bool(r.get("activation_offload"))
+        host = r.get("host_bytes", 0) * min(8, r["degree"])
+        fits = r["peak_bytes"] <= limit and host <= host_node
+        lines.append(f"| {r['degree']} x 80 GB | {r['seq']:,} | {'yes' if offload else 'no'} | "
+                     f"{gib(r):.2f} | {r['peak_bytes'] / limit:.1%} | "
+                     f"{host / GIB:.0f} | {'yes' if fits else 'no'} |")
+        cmds.append(command(load, name))
+    return "\n".join(lines) + "\n\nThe commands:\n\n" + code("\n".join(cmds))
+
+
+# the records behind long_context_llama8b, in the table's order
+LONG_CONTEXT_RECORDS = ("simulate-llama8b-4m-offload", "simulate-llama8b-1.5m")
+
+
 RENDERERS: dict[str, Callable[[Loader], str]] = {
     "simulate-7b": simulate_7b,
     "simulate-7b-summary": simulate_7b_summary,
@@ -445,6 +469,7 @@ RENDERERS: dict[str, Callable[[Loader], str]] = {
     "planner-check-moe": planner_check_moe,
     "simulate-mixtral-128k": simulate_mixtral_128k,
     "simulate-qwen3-moe-128k": simulate_qwen3_moe_128k,
+    "long-context-llama8b": long_context_llama8b,
 }
 
 
