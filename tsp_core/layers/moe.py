@@ -376,7 +376,7 @@ class _RingExpertsFn(torch.autograd.Function):
                     dx.index_add_(0, tok, dg @ wg[e] + du @ wu[e])
                     gg[e] += dg.t() @ xe
                     gu[e] += du.t() @ xe
-                    del xe, dye, dpart, dg, du  # before the next tile's
+                    del xe, dye, dpart, dm, dg, du  # before the next tile's
             return grads.to(shard.dtype)
 
         grad = comm.ring_over_shards_with_grads(pack.pack(own), ctx.group, contribute)
