@@ -519,7 +519,7 @@ def test_unset_tsp_size_is_every_process_of_a_node(monkeypatch, tmp_path):
     converted = with_tsp_fields(plain, TSPTrainingArguments)
     assert type(converted) is TSPTrainingArguments and converted.tsp_size is None
     want = {**plain.to_dict(), "tsp_size": None, "tsp_seq_len": None, "tsp_memory_gb": None,
-            "tsp_metrics": True}
+            "tsp_metrics": True, "tsp_tile_tokens": None, "tsp_activation_offload": False}
     assert converted.to_dict() == want
     assert resolve_tsp_size(converted, None).size == requested_tsp_size(plain) == 4
     with pytest.raises(ValueError, match=r"TSPSFTTrainer with tsp_size=4 converts the model"):

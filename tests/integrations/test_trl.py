@@ -77,7 +77,8 @@ def test_config_keeps_sft_defaults_in_either_order():
     for cls in (SFTFirst, TSPFirst):
         fields = {f.name: f for f in dataclasses.fields(cls)}
         assert set(fields) == set(sft_fields) | {"tsp_size", "tsp_seq_len", "tsp_memory_gb",
-                                                 "tsp_metrics"}, cls
+                                                 "tsp_metrics", "tsp_tile_tokens",
+                                                 "tsp_activation_offload"}, cls
         for name, f in sft_fields.items():  # the declared defaults, field by field
             assert (fields[name].default, fields[name].default_factory) == \
                 (f.default, f.default_factory), (cls.__name__, name)

@@ -32,8 +32,9 @@ def tsp_request(seq: int, offload: bool, layout: str = "tsp") -> SimulationReque
 
 def test_offload_moves_the_layer_inputs_to_the_host(pool):
     """TSP at D=2, 4096 tokens: with offload every layer's input (S/D x h bf16) is on the host,
-    and the GPU's peak is lower by at least the layer inputs that offload keeps off it (all but
-    the two it brings back). (A baseline gets the same offload: the next test's cp.)"""
+    and the GPU's peak, weight gradients aside, is lower by at least the layer inputs that
+    offload keeps off it (all but the two it brings back). (A baseline gets the same offload:
+    the next test's cp.)"""
     seq = 4096
     plain, off = pool.map(_run_one, [tsp_request(seq, False), tsp_request(seq, True)])
     layer_input = seq // 2 * H * 2
@@ -41,8 +42,12 @@ def test_offload_moves_the_layer_inputs_to_the_host(pool):
           f"input {layer_input}")
     assert plain.host_bytes == 0
     assert off.host_bytes >= LAYERS * layer_input, (off.host_bytes, LAYERS * layer_input)
-    assert off.peak_bytes <= plain.peak_bytes - (LAYERS - 2) * layer_input, (
-        off.peak_bytes, plain.peak_bytes)
+    # with offload the peak falls in a later layer's backward, when more weight gradients exist
+    # (on this tiny model they weigh half a layer input): compare what is not gradients
+    grads = off.breakdown["gradients"], plain.breakdown["gradients"]
+    assert off.peak_bytes - grads[0] <= plain.peak_bytes - grads[1] - (LAYERS - 2) * layer_input, (
+        off.peak_bytes, plain.peak_bytes, grads)
+    assert off.peak_bytes < plain.peak_bytes, (off.peak_bytes, plain.peak_bytes)
     assert record_dict(off)["host_bytes"] == off.host_bytes  # what --json writes
 
 

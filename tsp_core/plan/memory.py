@@ -32,8 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..baselines.layouts import LayoutSpec
-from ..layers.vocab import LOSS_CHUNK_ELEMENTS as CHUNK_ELEMENTS
+from ..layers.attention import backward_floor_bytes
+from ..layers.tiles import loss_tile_tokens, mlp_tile_tokens
 from .traffic import ModelShape
+
+
+def shape_dtype(b: int):
+    """The activations' dtype of ``b`` bytes per element (bf16 for 2)."""
+    import torch
+
+    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[b]
 
 
 @dataclass
@@ -147,17 +155,22 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
         d = lay.tp
         w_att, w_mlp = shape.attention_weights / d * b, shape.mlp_weights / d * b
         per = -(-V // d)
-        chunk = min(n_r, max(1, CHUNK_ELEMENTS // per))
-        # attention: norm (fp32 input + output: 3r), its input x, local Q and output (2r), K/V of
-        # all heads (2r/g); per round the gathered K/V in use and the next one arriving, its
-        # gradient summed in float32 (2), the previous head's gradient in flight and the
-        # kernel's pieces (6 x 2r/g); dx and dy (2r); four broadcast shards (round r-1's kept for
-        # its key/value tail, r's, r+1's in flight, the own one) and two gradient buffers
-        attn = 3 * r + r + 2 * r + 2 * r / g + 6 * 2 * r / g + 2 * r + 6 * w_att
-        # MLP: both norms (6r) and the residual's fp32 copy (1r), attention's saved tensors (4r +
-        # 2r/g), the MLP input, per shard gate/up/act/product [n, F/D] (4), dx, dy; the ring's
-        # current and next shard, their gradient accumulators and the owner's gradient (5)
-        mlp = 7 * r + 4 * r + 2 * r / g + r + 4 * n_r * F / d * b + 2 * r + 5 * w_mlp
+        chunk = min(n_r, loss_tile_tokens(per, shape_dtype(b)))
+        tile = min(n_r, mlp_tile_tokens(F // d, shape_dtype(b)))
+        # attention's backward: the norm's input (r), the attention's input x, local Q and output
+        # (2r), K/V of all heads (2r/g), the incoming gradient (r), the backward's floor (one head
+        # group's whole-sequence K/V, one more K/V-sized buffer and its float32 dK/dV; dX, dQ, dO
+        # and a kernel call's pieces: tsp_core.layers.attention.backward_floor_bytes), four
+        # broadcast shards and two gradient buffers
+        head_dim = shape.q_width // shape.num_heads
+        floor = backward_floor_bytes(batch * seq, d, head_dim, max(1, shape.num_kv_heads // d),
+                                     shape.num_heads // d, h, dtype_bytes=b)
+        attn = r + r + 2 * r + 2 * r / g + r + floor + 6 * w_att
+        # MLP: both norms' inputs (2r: a norm keeps only its input), attention's saved tensors
+        # (4r + 2r/g), the MLP input, per tile of the ring's shard gate/up/act/product
+        # [tile, F/D] (4), dx, dy; the ring's current and next shard, their gradient
+        # accumulators and the owner's gradient (5)
+        mlp = 2 * r + 4 * r + 2 * r / g + r + 4 * tile * F / d * b + 2 * r + 5 * w_mlp
         if shape.is_moe:  # schedule (a): k T routed rows through this rank's E/D whole experts
             moe = moe_working_set(shape, shape.top_k * n_r, shape.expert_intermediate_size,
                                   shape.num_experts / d, b, tokens=n_r)
@@ -168,9 +181,9 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
             # residual's and the MoE's, one tensor)
             common = 8 * r + 2 * n_r * shape.q_width * b + 2 * r / g + r
             mlp = max(common + max(moe.values()), mlp if shape.num_dense_layers else 0)
-        # loss: final norm (3r), one chunk's logits in bf16 and three float32 [chunk, V/D] (exp,
-        # shifted, product), two vocabulary shards in the ring
-        loss = 3 * r + chunk * per * (b + 3 * 4) + 2 * per * h * b
+        # loss: final norm (its input and output: 2r), one tile's logits in bf16 and three
+        # float32 [tile, V/D] (exp, shifted, product), two vocabulary shards in the ring
+        loss = 2 * r + chunk * per * (b + 3 * 4) + 2 * per * h * b
         return {"attention": attn, "mlp": mlp, "loss": loss}
     t = n_a * h / lay.tp * b          # one head-sharded [tokens, h/T] tensor
     kv = 2 * (seq * batch if lay.cp > 1 else n_a) * h / lay.tp / g * b  # K and V the kernel sees
