@@ -181,9 +181,10 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
             # residual's and the MoE's, one tensor)
             common = 8 * r + 2 * n_r * shape.q_width * b + 2 * r / g + r
             mlp = max(common + max(moe.values()), mlp if shape.num_dense_layers else 0)
-        # loss: final norm (its input and output: 2r), one tile's logits in bf16 and three
-        # float32 [tile, V/D] (exp, shifted, product), two vocabulary shards in the ring
-        loss = 2 * r + chunk * per * (b + 3 * 4) + 2 * per * h * b
+        # loss: final norm (its input and output: 2r), two float32 [tile, V/D] (the backward's
+        # probabilities and their scaled copy), two vocabulary shards in the ring and the
+        # float32 gradient of the shard over the tiles
+        loss = 2 * r + chunk * per * 2 * 4 + 2 * per * h * b + per * h * 4
         return {"attention": attn, "mlp": mlp, "loss": loss}
     t = n_a * h / lay.tp * b          # one head-sharded [tokens, h/T] tensor
     kv = 2 * (seq * batch if lay.cp > 1 else n_a) * h / lay.tp / g * b  # K and V the kernel sees
