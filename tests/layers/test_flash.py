@@ -16,10 +16,9 @@ from tsp_core.layers import flash
 from tsp_core.layers.flash import attention_backward, attention_forward, plan_pieces
 
 
-def explicit(q, k, v, rows, causal, window, scale, doc_of=None, cap=None):
-    """Plain float64 math: the full score matrix times the scale, with ``cap`` soft-capped
-    (``tanh(s / cap) * cap``, Gemma 2: HF's eager order), then the mask and softmax."""
-    S = k.shape[2]
+def visible_pairs(rows, S, causal, window, doc_of=None, chunk=None) -> torch.Tensor:
+    """[len(rows), S]: which keys each query row may see. ``chunk``: Llama 4's chunked attention,
+    chunks counted from the start of each document (from 0 unpacked)."""
     i, j = torch.tensor(rows)[:, None], torch.arange(S)[None]
     visible = torch.ones(len(rows), S, dtype=torch.bool)
     if doc_of is not None:
@@ -28,25 +27,50 @@ def explicit(q, k, v, rows, causal, window, scale, doc_of=None, cap=None):
         visible &= j <= i
     if window is not None:
         visible &= j > i - window
+    if chunk is not None:
+        first = torch.zeros(S, dtype=torch.long) if doc_of is None else \
+            torch.searchsorted(doc_of, doc_of)           # each position's document start
+        visible &= (i - first[i]) // chunk == (j - first[j]) // chunk
+    return visible
+
+
+def explicit(q, k, v, rows, causal, window, scale, doc_of=None, cap=None, chunk=None,
+             sinks=None):
+    """Plain float64 math: the full score matrix times the scale, with ``cap`` soft-capped
+    (``tanh(s / cap) * cap``, Gemma 2: HF's eager order), then the mask and softmax; with
+    ``sinks`` [Hq] (gpt-oss, HF's eager order) one more column per head holding its sink logit,
+    dropped after the softmax."""
+    S = k.shape[2]
+    visible = visible_pairs(rows, S, causal, window, doc_of, chunk)
     g = q.shape[1] // k.shape[1]
     s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
     if cap is not None:
         s = torch.tanh(s / cap) * cap
-    return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v.repeat_interleave(g, 1)
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return torch.softmax(s, -1) @ v.repeat_interleave(g, 1)
+    column = sinks.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)
+    p = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
+    return p @ v.repeat_interleave(g, 1)
 
 
-def check(ref, q, k, v, pieces, scale, gen, cap=None) -> None:
-    """The pieces' forward and backward (soft-capped by ``cap``) against the explicit-mask
-    reference ``ref``."""
-    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale, softcap=cap)
+def check(ref, q, k, v, pieces, scale, gen, cap=None, sinks=None) -> None:
+    """The pieces' forward and backward (soft-capped by ``cap``, with ``sinks``: a leaf whose
+    gradient :func:`flash.sink_backward` gives) against the explicit-mask reference ``ref``."""
+    sink_values = None if sinks is None else sinks.detach()
+    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale, softcap=cap,
+                                 sinks=sink_values)
     assert lse.dtype == torch.float64 and lse.shape == q.shape[:3]
     assert_close(out, ref.detach(), 1e-12, "output")
     do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    expected = torch.autograd.grad(ref, (q, k, v), do)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    expected = torch.autograd.grad(ref, leaves, do)
     dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse, pieces,
                                  scale, softcap=cap)
     for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
         assert_close(a, b, 1e-12, f"d{name} (cap {cap})")
+    if sinks is not None:
+        assert_close(flash.sink_backward(do, out, lse, sink_values), expected[3], 1e-12, "dsinks")
 
 
 def packed(docs: list[int], p: int, size: int, window: int | None):
@@ -281,3 +305,108 @@ def test_bf16_piece_gradients_summed_in_float32(size, window, docs):
         expected = torch.autograd.grad(ref, (qr, kr, vr), do.double())
         for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
             assert_close(a.double(), b, 3e-2, f"bf16 d{name}")
+
+
+# ------------------------------------------- chunked local attention (Llama 4), sinks (gpt-oss)
+
+def check_chunked(rows, pieces, seq, chunk, window, doc_of=None) -> None:
+    """The pieces cover exactly the visible pairs (nothing outside a chunk: a piece whose keys
+    are all masked is never planned), and no piece straddles a chunk boundary."""
+    covered = torch.zeros(len(rows), seq, dtype=torch.int64)
+    first = torch.zeros(seq, dtype=torch.long) if doc_of is None else \
+        torch.searchsorted(doc_of, doc_of)
+    for pc in pieces:
+        assert pc.mask == "full" or pc.q1 - pc.q0 == pc.k1 - pc.k0, pc
+        n = pc.q1 - pc.q0
+        block = {"full": torch.ones(n, pc.k1 - pc.k0, dtype=torch.int64),
+                 "causal": torch.ones(n, n, dtype=torch.int64).tril(),
+                 "anticausal": torch.ones(n, n, dtype=torch.int64).triu()}[pc.mask]
+        covered[pc.q0:pc.q1, pc.k0:pc.k1] += block
+        pos = [rows[t] for t in range(pc.q0, pc.q1)] + list(range(pc.k0, pc.k1))
+        assert len({(t - int(first[t])) // chunk for t in pos}) == 1, (pc, chunk)
+    expected = visible_pairs(rows, seq, True, window, doc_of, chunk)
+    assert torch.equal(covered, expected.long()), f"chunk {chunk}, window {window}"
+
+
+@pytest.mark.parametrize("size,layout", [(1, "zigzag"), (2, "zigzag"), (4, "zigzag"),
+                                         (4, "contiguous")])
+@pytest.mark.parametrize("chunk,window", [(1, None), (5, None), (12, None), (16, None),
+                                          (100, None), (7, 3)])
+def test_chunked_pieces_match_explicit_mask(size, layout, chunk, window):
+    """Chunked attention (Llama 4's attention_chunk_size) forward and backward against the float64
+    math; chunk 5 cuts zigzag chunks of 6 (size 4) and 12 (size 2) across a boundary, chunk 1 sees
+    only the diagonal, chunk 12/16 leaves some ranks' second zigzag chunk with its whole prefix
+    masked, chunk 100 is plain causal."""
+    seq, scale = 48, 8 ** -0.5
+    gen = torch.Generator().manual_seed(8)
+    straddles = False
+    for p in range(size):
+        segs = local_segments(seq, p, size, layout)
+        straddles |= any(a // chunk != (b - 1) // chunk for a, b in segs)
+        rows = [t for a, b in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, True, window, chunk)
+        check_chunked(rows, pieces, seq, chunk, window)
+        q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        check(explicit(q, k, v, rows, True, window, scale, chunk=chunk), q, k, v, pieces, scale,
+              gen)
+    if chunk in (5, 7):  # some rank's segments cross a chunk boundary at every size
+        assert straddles, (size, layout, chunk)
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_chunked_packed_documents(size):
+    """Packed rows: chunks count from each document's start (each document as if alone)."""
+    docs = [8, 16, 40, 8]
+    seq, scale, chunk = sum(docs), 8 ** -0.5, 6
+    doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    gen = torch.Generator().manual_seed(9)
+    for p in range(size):
+        segs = row_segments(docs, p, size)
+        rows = [t for a, b, _ in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, True, None, chunk)
+        check_chunked(rows, pieces, seq, chunk, None, doc_of)
+        q = torch.randn(1, 2, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(1, 1, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(1, 1, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        check(explicit(q, k, v, rows, True, None, scale, doc_of, chunk=chunk), q, k, v, pieces,
+              scale, gen)
+
+
+def test_chunk_errors():
+    with pytest.raises(ValueError, match=r"chunked attention \(attention_chunk_size\) needs causal"):
+        plan_pieces([(0, 8)], 8, causal=False, window=None, chunk=4)
+    with pytest.raises(ValueError, match=r"attention_chunk_size \(0\) must be at least 1"):
+        plan_pieces([(0, 8)], 8, causal=True, window=None, chunk=0)
+
+
+@pytest.mark.parametrize("size,causal,window,chunk,cap", [
+    (1, False, None, None, None), (2, True, None, None, None), (4, True, None, None, None),
+    (4, True, 5, None, None), (4, True, None, 5, None), (2, True, 7, None, 1.5)])
+def test_sinks_match_math(size, causal, window, chunk, cap):
+    """Attention sinks (gpt-oss): forward and backward, the sinks' own gradient included, against
+    autograd through HF's eager math (a sink column, softmax, dropped) in float64. The rows of
+    several pieces (every zigzag rank's second chunk) would count a sink added per piece more
+    than once; sinks of a few units make the sink's share of each row large."""
+    seq, scale = 48, 8 ** -0.5
+    gen = torch.Generator().manual_seed(10)
+    for p in range(size):
+        segs = local_segments(seq, p, size, "zigzag")
+        rows = [t for a, b in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, causal, window, chunk)
+        q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        sinks = (2 * torch.randn(4, generator=gen, dtype=torch.float64)).requires_grad_()
+        ref = explicit(q, k, v, rows, causal, window, scale, cap=cap, chunk=chunk, sinks=sinks)
+        plain = explicit(q, k, v, rows, causal, window, scale, cap=cap, chunk=chunk)
+        assert (plain - ref).abs().max() > 1e-2       # the sinks change the result measurably
+        check(ref, q, k, v, pieces, scale, gen, cap, sinks)
+
+
+def test_sinks_shape_error():
+    q = torch.zeros(1, 4, 8, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"sinks of shape \(2,\) do not match the 4 query heads"):
+        attention_forward(q, q, q, plan_pieces([(0, 8)], 8, True, None), 1.0,
+                          sinks=torch.zeros(2, dtype=torch.float64))

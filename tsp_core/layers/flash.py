@@ -11,6 +11,15 @@ gradients in float32. The piece logic is the same on every device; only the kern
 for float32, with K/V heads expanded per piece where a kernel has no native GQA). With
 soft-capped scores (``softcap``, Gemma 2) each piece runs a tiled pure-torch kernel instead (no
 native flash kernel soft-caps), with the same conventions and the same merge.
+
+Chunked local attention (Llama 4's ``attention_chunk_size``: a query sees only the keys of its
+own chunk) is planned like packed documents: queries are cut at chunk boundaries and the chunk's
+start is the first visible key, so no piece straddles a boundary and every piece keeps a native
+kernel. Attention sinks (gpt-oss: a learned per-head logit in the softmax denominator, a column
+without a value) enter once per query row, after the pieces are merged: the merged output is
+scaled by ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sink)``; the pieces' backward, given
+that output and ``lse'``, is then already the backward of the softmax with the sink, and the sink's
+own gradient is :func:`sink_backward`.
 """
 
 from __future__ import annotations
@@ -35,24 +44,51 @@ class Piece:
     mask: Mask
 
 
+def chunked_segments(segments: Sequence[tuple[int, ...]], chunk: int
+                     ) -> list[tuple[int, int, int]]:
+    """``segments`` (as :func:`plan_pieces` takes them) cut at every chunk boundary, each part
+    with the first key it may see: the start of its chunk, or of its document if later. Chunks
+    count from the start of each document (a packed document is chunked as if it were alone;
+    unpacked, from position 0 as Hugging Face's ``attention_chunk_size`` mask)."""
+    parts: list[tuple[int, int, int]] = []
+    for seg in segments:
+        start, end = seg[0], seg[1]
+        first = seg[2] if len(seg) > 2 else 0
+        a = start
+        while a < end:
+            c0 = first + (a - first) // chunk * chunk   # the chunk of query a starts here
+            b = min(end, c0 + chunk)
+            parts.append((a, b, c0))
+            a = b
+    return parts
+
+
 def plan_pieces(segments: Sequence[tuple[int, ...]], seq_len: int, causal: bool,
-                window: int | None) -> list[Piece]:
+                window: int | None, chunk: int | None = None) -> list[Piece]:
     """Pieces covering exactly the (query, key) pairs the attention pattern allows.
 
     ``segments`` are the global ``[start, end)`` ranges of the local queries in local order,
     optionally with the start of their document as a third element (packed rows: keys before it
     are never visible). ``window`` is HF's sliding window: query i sees keys j with
-    i - window < j <= i.
+    i - window < j <= i. ``chunk`` is Llama 4's ``attention_chunk_size``: query i sees only keys
+    j <= i of its own chunk, j >= i // chunk * chunk (:func:`chunked_segments`: a chunk boundary
+    is planned as a document boundary, so pieces wholly outside the chunk never exist).
     """
     if not causal:
         if window is not None:
             raise ValueError("a sliding window needs causal attention")
+        if chunk is not None:
+            raise ValueError("chunked attention (attention_chunk_size) needs causal attention")
         if any(len(s) > 2 and s[2] for s in segments):
             raise ValueError("packed documents need causal attention")
         n = sum(s[1] - s[0] for s in segments)
         return [Piece(0, n, 0, seq_len, "full")]
     if window is not None and window < 1:
         raise ValueError(f"sliding window ({window}) must be at least 1")
+    if chunk is not None:
+        if chunk < 1:
+            raise ValueError(f"attention_chunk_size ({chunk}) must be at least 1")
+        segments = chunked_segments(segments, chunk)
     pieces: list[Piece] = []
     row = 0
     for seg in segments:
@@ -323,12 +359,14 @@ def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float |
 # -------------------------------------------------------------------- forward / backward
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece],
-                      scale: float, *, softcap: float | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, *, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, L, d] local queries; k, v [B, Hkv, S, d] full sequence (Hkv divides Hq).
     Returns the attention output [B, Hq, L, d] and its log-sum-exp [B, Hq, L]. ``softcap``:
     scores become ``tanh(s / softcap) * softcap`` before the mask and softmax (Gemma 2's
-    attention logit soft-capping; the tiled math kernel instead of the native one)."""
+    attention logit soft-capping; the tiled math kernel instead of the native one). ``sinks``
+    [Hq]: each query head's sink logit (gpt-oss), one more softmax column without a value, added
+    once per row after the pieces are merged (:func:`add_sinks`); the LSE returned includes it."""
     B, H, L, d = q.shape
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, H, L, d, dtype=acc_dtype, device=q.device)
@@ -341,8 +379,42 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces:
         o_acc.mul_(torch.exp(l_acc - l_new).unsqueeze(-1))
         o_acc.add_(o_p.to(acc_dtype) * torch.exp(l_p.to(acc_dtype) - l_new).unsqueeze(-1))
         l_acc.copy_(l_new)
+    if sinks is not None:
+        lse = add_sinks(out, lse, sinks)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def _check_sinks(sinks: torch.Tensor, heads: int) -> None:
+    if sinks.dim() != 1 or sinks.shape[0] != heads:
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)} do not match the {heads} query "
+                         f"heads: pass one logit per query head, [{heads}]")
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Add each head's sink logit to the softmax of merged rows, once per row: scales ``out``
+    [B, H, L, d] in place by ``exp(lse - lse')`` and returns ``lse' = logaddexp(lse, sink)``
+    [B, H, L] (a row that sees no key keeps a zero output and gets ``lse' = sink``)."""
+    _check_sinks(sinks, out.shape[1])
+    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    out.mul_(torch.exp(lse - with_sink).unsqueeze(-1).to(out.dtype))
+    return with_sink
+
+
+def sink_backward(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the sinks [H] from the output gradient ``do``, the output ``out`` and the LSE
+    ``lse`` (sink included) of :func:`attention_forward`. The sink is a softmax column with
+    probability p = exp(sink - lse) and no value, so its score gradient is p (0 - rowsum(dO O)):
+    d sink_h = -sum over rows (and the batch) of p * rowsum(dO O). Summed in float32 (float64 for
+    float64 input), returned in the sinks' dtype. The pieces' backward needs nothing more: given
+    this ``out`` and ``lse``, its P and rowsum(dO O) are already those of the softmax with the
+    sink."""
+    _check_sinks(sinks, out.shape[1])
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    delta = (do.to(acc) * out.to(acc)).sum(-1)                        # [B, H, L]
+    p = torch.exp(sinks.to(acc)[None, :, None] - lse.to(acc))
+    return (-(p * delta).sum((0, 2))).to(sinks.dtype)
 
 
 def key_blocks(piece: Piece) -> list[Piece]:
@@ -365,7 +437,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out:
                        halfway: Callable[[], None] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` (with the same ``softcap``) w.r.t. q (local) and
-    the packed full-sequence ``kv`` [2, B, Hkv, S, d]. Every piece's gradients are summed in
+    the packed full-sequence ``kv`` [2, B, Hkv, S, d] (with sinks, ``out`` and ``lse`` are the
+    forward's, sink included, and the sinks' own gradient is :func:`sink_backward`). Every piece's gradients are summed in
     float32 (float64 for float64 input) whatever the input dtype, as the forward merges its
     outputs: dQ comes back in q's dtype, dK/dV as that float32 accumulator, packed like ``kv``
     (added into ``dkv`` when given: a key/value head shared by several rounds), for the caller to
