@@ -9,6 +9,7 @@ routing."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -49,6 +50,8 @@ def build(family: str, seed: int = 0):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.add_(0.1 * torch.randn(p.shape))
+    elif family == "glm4_moe":
+        model = glm4_moe()
     else:
         raise ValueError(family)
     with torch.no_grad():  # a router that prefers some experts: routing far from uniform
@@ -57,6 +60,68 @@ def build(family: str, seed: int = 0):
                 p.normal_(0, 0.5)
     model.set_experts_implementation("eager")
     return model.to(torch.float64)
+
+
+def glm4_moe(**overrides):
+    """GLM-4.5 with every feature on: sigmoid routing over 8 experts in n_group 2 groups of which
+    topk_group 1 holds the top 2, routed_scaling_factor 2.5, a random non-zero correction bias
+    (it changes the choice of many tokens: test_glm4_moe_build_exercises_every_feature), one
+    shared expert, layer 0 dense (first_k_dense_replace 1), partial rotary (half the head on
+    rotate-half channels), q/k norms away from one, norm_topk_prob. Its router computes in
+    float32 even in a float64 model (``hidden_states.type(torch.float32)``): its weight gradient
+    would be a float32 sum, ~1e-7 off any other order, so the reference's routers run the same
+    code in the model's dtype when it is wider (float64_glm_router)."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    config = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                  routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+                  use_qk_norm=True, norm_topk_prob=True, partial_rotary_factor=0.5,
+                  max_position_embeddings=128, rms_norm_eps=1e-6, output_router_logits=True)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**{**config, **overrides}))
+    with torch.no_grad():  # from build's seed: another seed, another bias
+        for name, t in model.state_dict().items():
+            if name.endswith("norm.weight"):
+                t.add_(0.1 * torch.randn(t.shape))
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(0.3 * torch.randn(t.shape))
+    float64_glm_router(model)
+    return model
+
+
+def float64_glm_router(model) -> None:
+    """Hugging Face's Glm4MoeTopkRouter.forward, with its two float32 casts widened to the
+    model's dtype when that is wider (the same code for float32 and below)."""
+    import types
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        wide = torch.promote_types(self.weight.dtype, torch.float32)
+        router_logits = F.linear(hidden_states.type(wide), self.weight.type(wide))
+        scores = router_logits.sigmoid()
+        scores_for_choice = scores + self.e_score_correction_bias
+        group_scores = (scores_for_choice.view(-1, self.num_group,
+                                               self.num_experts // self.num_group)
+                        .topk(2, dim=-1)[0].sum(dim=-1))
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (group_mask.unsqueeze(-1)
+                      .expand(-1, self.num_group, self.num_experts // self.num_group)
+                      .reshape(-1, self.num_experts))
+        scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+        topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_indices)
+        if self.norm_topk_prob:
+            denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+            topk_weights /= denominator
+        topk_weights = topk_weights * self.routed_scaling_factor
+        return router_logits, topk_weights, topk_indices
+
+    for module in model.modules():
+        if type(module).__name__ == "Glm4MoeTopkRouter":
+            module.forward = types.MethodType(forward, module)
 
 
 def aux_reference(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
@@ -80,6 +145,8 @@ def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
     ce = F.cross_entropy(out.logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
     c = model.config
+    if c.model_type == "glm4_moe":  # no load-balancing loss (its correction bias balances)
+        return ce
     experts = getattr(c, "num_local_experts", None) or c.num_experts
     return ce + AUX_COEF * aux_reference(out.router_logits, experts, c.num_experts_per_tok)
 
@@ -108,7 +175,8 @@ def train_parity(family: str, tsp: int, schedule: str = "expert", seq: int = 16,
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
         out = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
                                            mesh))
-        assert out.aux_loss is not None
+        aux = getattr(out, "aux_loss", None)  # GLM-4.5 has no load-balancing loss
+        assert (aux is None) == (family == "glm4_moe"), aux
         rel = abs(out.loss.item() - expected.item()) / abs(expected.item())
         assert rel <= 1e-10, f"step {step}: loss {out.loss.item()!r} vs {expected.item()!r}"
         losses.append(out.loss.item())
@@ -132,8 +200,11 @@ def train_parity(family: str, tsp: int, schedule: str = "expert", seq: int = 16,
 CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]   # (world size, tsp size); (4, 2) is dp 2 x tsp 2
 
 
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "glm4_moe"]
+
+
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_training_parity_float64(pools, family, world, tsp):
     losses = pools.of(world).run(train_parity, family, tsp)
     assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
@@ -146,7 +217,7 @@ def test_load_balancing_loss_skips_tsp_padding(pools):
 
 
 @pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_ring_schedule_training_parity_float64(pools, family, world, tsp):
     """The other schedule: every expert's channels split 1/D, the slices circulating."""
     losses = pools.of(world).run(train_parity, family, tsp, "ring")
@@ -171,6 +242,53 @@ def test_schedule_chosen_by_the_bytes_formula():
         assert choose_schedule(spec, t) == ("expert" if got.a <= got.b else "ring"), t
     assert choose_schedule(spec, 28964) == "expert" and choose_schedule(spec, 28965) == "ring"
     assert choose_schedule(spec, None) == "expert"
+    # shared experts (GLM-4.5): the dense TSP MLP under both schedules, no token moves: their
+    # slices add 3 Fs h b (D-1)/D forward and (2D-1)/D of it backward to both; same crossover
+    Fs = 2 * 768
+    shared = dataclasses.replace(spec, shared_intermediate_size=Fs)
+    for t in (1024, 65536):
+        plain, got = moe_bytes(E, k, F_, h, t, D), moe_bytes(E, k, F_, h, t, D, shared=Fs)
+        dense = 3 * Fs * h * b * (3 * D - 2) / D
+        assert (got.a - plain.a, got.b - plain.b) == (pytest.approx(dense), pytest.approx(dense))
+        assert got.crossover == plain.crossover
+    assert choose_schedule(shared, 28964) == "expert" and choose_schedule(shared, 28965) == "ring"
+
+
+def test_glm4_moe_build_exercises_every_feature():
+    """The GLM-4.5 of the parity tests has every feature on and each one matters: layer 0 dense,
+    layer 1 sparse with a shared expert; partial rotary, q/k norms; and on the hidden states
+    its router really sees, TSP's route gives Hugging Face's router's experts and weights, while
+    dropping the correction bias, the groups or routed_scaling_factor would change them."""
+    from tsp_core.layers.moe import MoESpec, route
+
+    model = build("glm4_moe")
+    c, layers = model.config, model.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["Glm4MoeMLP", "Glm4MoeMoE"]
+    assert c.rope_parameters["partial_rotary_factor"] == 0.5 and layers[1].self_attn.use_qk_norm
+    gate = layers[1].mlp.gate
+    seen = []
+    hook = gate.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    ids, _ = next(batches(c.vocab_size, 2, 16, 1))
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    (_, (logits, want_w, want_e)), = seen
+    spec = MoESpec(c.hidden_size, c.moe_intermediate_size, 8, 2, 1, router="sigmoid",
+                   routed_scaling=2.5, n_group=2, topk_group=1, correction_bias=True)
+    bias = gate.e_score_correction_bias
+    w, e = route(logits, spec, bias)
+    order, want_order = e.sort(-1), want_e.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices), 1e-15,
+                 "route vs Hugging Face's router")
+    for what, other, other_bias in (
+            ("the correction bias", spec, None),
+            ("the groups", dataclasses.replace(spec, n_group=1, topk_group=1), bias)):
+        alt = route(logits, other, other_bias)[1].sort(-1).values
+        changed = (alt != order.values).any(-1).sum().item()
+        assert changed >= 4, f"{what} changes {changed} tokens' experts: too few to be seen"
+    unscaled = route(logits, dataclasses.replace(spec, routed_scaling=1.0), bias)[0]
+    assert_close(w, 2.5 * unscaled, 1e-15, "routed_scaling_factor")
 
 
 # ------------------------------------------------------------------------- greedy generation
@@ -205,7 +323,7 @@ def greedy_generation(family: str, tsp: int, lengths: list[int], new: int,
 
 
 @pytest.mark.parametrize("tsp", [2, 4])
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_greedy_generation_matches_hf(pools, family, tsp):
     # prompts of 6 and 13 tokens (13 is padded to 16 at D = 4), left-padded; 13 + 8 tokens run
     # past Mixtral's sliding window of 7
@@ -277,7 +395,20 @@ def save_at_tsp2(family: str, root: str, schedule: str = "expert") -> float:
                                                 dtype=torch.float64)
     got = plain.state_dict()
     assert sorted(got) == sorted(saved)
+    # GLM-4.5's router weight and correction bias: from_pretrained keeps them float32 whatever
+    # dtype= says (_keep_in_fp32_modules_strict); the files hold them bit for bit
+    kept = getattr(plain, "_keep_in_fp32_modules_strict", None) or []
+    on_disk = {}
+    if kept:
+        from safetensors.torch import load_file
+
+        for f in sorted(os.listdir(os.path.join(root, "hf_d2"))):
+            if f.endswith(".safetensors"):
+                on_disk.update(load_file(os.path.join(root, "hf_d2", f)))
     for name, t in saved.items():
+        if any(k in name for k in kept):
+            assert torch.equal(on_disk[name], t), f"save_pretrained at tsp 2 wrote {name}"
+            t = t.to(torch.float32)
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), \
             f"from_pretrained of save_pretrained at tsp 2: {name}"
     loss = tsp_step(model, opt, mesh, *data[1])
@@ -322,7 +453,7 @@ def resume(family: str, tsp: int, root: str, saver_loss: float,
 
 @pytest.mark.parametrize("family,saved,loaded", [
     ("mixtral", "expert", "expert"), ("mixtral", "ring", "expert"),
-    ("qwen3_moe", "expert", "ring")])
+    ("qwen3_moe", "expert", "ring"), ("glm4_moe", "ring", "expert")])
 def test_checkpoint_saved_at_tsp2_resumes_at_4_1_and_plain(pools, tmp_path, family, saved,
                                                            loaded):
     # across schedules too: a checkpoint holds Hugging Face's tensors, whatever the layout
@@ -335,8 +466,9 @@ def test_checkpoint_saved_at_tsp2_resumes_at_4_1_and_plain(pools, tmp_path, fami
 def load_hf_saved(family: str, root: str, schedule: str = "expert") -> None:
     """A checkpoint written by Hugging Face's own save_pretrained (transformers 5 writes the
     per-expert layout of the Hub checkpoints: Mixtral's block_sparse_moe.experts.<e>.w1/w2/w3,
-    Qwen3-MoE's mlp.experts.<e>.gate_proj/up_proj/down_proj) loads into a TSP model with
-    load_full_state_dict and tsp_transformers.load_pretrained, giving the model's weights."""
+    Qwen3-MoE's and GLM-4.5's mlp.experts.<e>.gate_proj/up_proj/down_proj, GLM-4.5's correction
+    bias and shared experts as they are) loads into a TSP model with load_full_state_dict and
+    tsp_transformers.load_pretrained, giving the model's weights and buffers."""
     import os
 
     from tsp_transformers import load_pretrained
@@ -357,7 +489,7 @@ def load_hf_saved(family: str, root: str, schedule: str = "expert") -> None:
 
 
 @pytest.mark.parametrize("family,schedule", [("mixtral", "expert"), ("qwen3_moe", "expert"),
-                                             ("mixtral", "ring")])
+                                             ("mixtral", "ring"), ("glm4_moe", "expert")])
 def test_hf_saved_checkpoint_loads_into_tsp(pools, tmp_path, family, schedule):
     pools.of(2).run(load_hf_saved, family, str(tmp_path), schedule)
 
@@ -367,7 +499,7 @@ def test_hf_saved_checkpoint_loads_into_tsp(pools, tmp_path, family, schedule):
 TRAFFIC = dict(hidden=16, intermediate=8, experts=8, top_k=2, rows=2, seq=16)
 
 
-def routed_layer(tsp: int, case: str, schedule: str = "expert"):
+def routed_layer(tsp: int, case: str, schedule: str = "expert", shared: int = 0):
     """A TSPMoE whose routing is set by construction, on this rank's tokens x [rows, seq/D, h],
     and the experts [N, k] every token must pick. The router reads expert e's logit from
     feature e (uniform) or experts 0..k-1 from feature 0, positive on every token (skewed)."""
@@ -393,13 +525,18 @@ def routed_layer(tsp: int, case: str, schedule: str = "expert"):
         chosen = torch.arange(k).repeat(N, 1)
     else:
         raise ValueError(case)
-    moe = TSPMoE(mesh, h, c["intermediate"], E, k, dtype=torch.float64, schedule=schedule)
+    moe = TSPMoE(mesh, h, c["intermediate"], E, k, dtype=torch.float64, schedule=schedule,
+                 shared_intermediate_size=shared)
     F_ = c["intermediate"]
-    moe.load_full({"gate.weight": router,
-                   "experts.gate_up_proj": 0.3 * torch.randn(E, 2 * F_, h, generator=gen,
-                                                             dtype=torch.float64),
-                   "experts.down_proj": 0.3 * torch.randn(E, h, F_, generator=gen,
-                                                          dtype=torch.float64)})
+    full = {"gate.weight": router,
+            "experts.gate_up_proj": 0.3 * torch.randn(E, 2 * F_, h, generator=gen,
+                                                      dtype=torch.float64),
+            "experts.down_proj": 0.3 * torch.randn(E, h, F_, generator=gen, dtype=torch.float64)}
+    for name, shape in {"gate_proj": (shared, h), "up_proj": (shared, h),
+                        "down_proj": (h, shared)}.items() if shared else ():
+        full[f"shared_experts.{name}.weight"] = 0.3 * torch.randn(shape, generator=gen,
+                                                                   dtype=torch.float64)
+    moe.load_full(full)
     return mesh, moe, x.view(c["rows"], -1, h), chosen
 
 
@@ -419,10 +556,10 @@ def expected_log(tsp: int, counts: list[list[int]], rank: int):
     return forward, backward, (leave, arrive)
 
 
-def layer_traffic(tsp: int, case: str) -> dict:
+def layer_traffic(tsp: int, case: str, shared: int = 0) -> dict:
     from tsp_core.layers.moe import route
 
-    mesh, moe, x, chosen = routed_layer(tsp, case)
+    mesh, moe, x, chosen = routed_layer(tsp, case, shared=shared)
     x.requires_grad_(True)
     E = TRAFFIC["experts"]
     with comm.track() as fwd:
@@ -434,6 +571,10 @@ def layer_traffic(tsp: int, case: str) -> dict:
     dist.all_gather(every, mine, group=mesh.group)  # raw: not counted
     counts = [t.tolist() for t in every]
     want_fwd, want_bwd, (leave, arrive) = expected_log(tsp, counts, mesh.rank)
+    # shared experts: the dense TSP MLP's ring, its slices D-1 hops forward, 2D-1 backward
+    dense = ("ring_pass", 3 * shared // tsp * TRAFFIC["hidden"] * 8)
+    want_fwd, want_bwd = (want_fwd + [dense] * (tsp - 1) * bool(shared),
+                          want_bwd + [dense] * (2 * tsp - 1) * bool(shared))
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(4), dtype=y.dtype)
     with comm.track() as bwd:
         (y * g).sum().backward()
@@ -470,23 +611,35 @@ def test_layer_collectives_exact(pools, tsp, case):
                    for r in per_rank[1:]), per_rank
 
 
-def ring_traffic(tsp: int, case: str) -> None:
+def test_layer_collectives_with_shared_experts(pools):
+    """A shared expert (GLM-4.5) adds the dense TSP MLP's ring passes of its own slices and
+    moves no token: the routed experts' collectives stay those of the layer without it, under
+    both schedules."""
+    per_rank = pools.of(4).run(layer_traffic, 4, "uniform", 8)
+    T_k_h_b = TRAFFIC["rows"] * TRAFFIC["seq"] // 4 * TRAFFIC["top_k"] * TRAFFIC["hidden"] * 8
+    assert all(r["leave"] == r["arrive"] == T_k_h_b * 3 / 4 for r in per_rank), per_rank
+    pools.of(4).run(ring_traffic, 4, "uniform", 8)
+
+
+def ring_traffic(tsp: int, case: str, shared: int = 0) -> None:
     """Schedule "ring": the forward moves every expert's channel slices D-1 hops, the backward
     D-1 hops again and the gradient accumulators D hops (3 E F/D h b each), plus the router
     gradient's all-reduce; routing changes none of it (no token moves)."""
     c = TRAFFIC
-    mesh, moe, x, _ = routed_layer(tsp, case, "ring")
+    mesh, moe, x, _ = routed_layer(tsp, case, "ring", shared)
     x.requires_grad_(True)
     D, E, h, F_ = tsp, c["experts"], c["hidden"], c["intermediate"]
-    shard = 3 * E * F_ // D * h * 8
+    shard, dense = 3 * E * F_ // D * h * 8, 3 * shared // D * h * 8
+    rings = 2 if shared else 1  # the experts' ring, then the shared experts' (their own MLP)
     with comm.track() as fwd:
         y = moe(x)
     with comm.track() as bwd:
         y.sum().backward()
-    assert dict(fwd.calls) == {"ring_pass": D - 1} and dict(fwd.bytes) == {
-        "ring_pass": (D - 1) * shard}, dict(fwd.bytes)
-    assert dict(bwd.calls) == {"ring_pass": 2 * D - 1, "all_reduce": 1}, dict(bwd.calls)
-    assert dict(bwd.bytes) == {"ring_pass": (2 * D - 1) * shard,
+    assert dict(fwd.calls) == {"ring_pass": rings * (D - 1)} and dict(fwd.bytes) == {
+        "ring_pass": (D - 1) * (shard + dense)}, dict(fwd.bytes)
+    assert dict(bwd.calls) == {"ring_pass": rings * (2 * D - 1), "all_reduce": 1}, \
+        dict(bwd.calls)
+    assert dict(bwd.bytes) == {"ring_pass": (2 * D - 1) * (shard + dense),
                                "all_reduce": 2 * E * h * 8 * (D - 1) / D}, dict(bwd.bytes)
 
 
@@ -536,6 +689,16 @@ def refusals() -> list[str]:
     refused(MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4,
                                              num_experts_per_tok=5, **common)),
             r"num_experts_per_tok \(5\) must be between 1 and the number of experts \(4\)")
+    # GLM-4.5's router and shared experts (tsp_core.layers.moe.check_router)
+    refused(glm4_moe(n_group=3), r"n_group \(3\) must divide the number of experts \(8\)")
+    refused(glm4_moe(n_group=4, num_experts_per_tok=3),
+            r"topk_group \(1\) must be between 1 and n_group \(4\) and its groups must hold "
+            r"the top 3 \(1 x 2 experts\)")
+    refused(glm4_moe(moe_intermediate_size=6),
+            r"tsp_size \(4\) must divide the shared experts' intermediate size \(6\)")
+    expect(r"n_group \(2\), topk_group \(1\) and the correction bias \(False\) belong to the "
+           r"\"sigmoid\" router", lambda: TSPMoE(mesh, 32, 16, 8, 2, n_group=2,
+                                                  dtype=torch.float64))
     return msgs
 
 

@@ -38,7 +38,7 @@ more [k T, h] buffers while they run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,12 +52,13 @@ from ..distributed.params import (
     REPLICATED,
     ShardedModule,
     ShardSpec,
+    TensorSource,
     even_spec,
     init_full,
     local,
     schedule_inputs,
 )
-from .mlp import ACTIVATIONS, _act, _act_grad, check_local_input
+from .mlp import ACTIVATIONS, MLPSpec, _act, _act_grad, _TSPGatedMLPFn, check_local_input
 from .sizes import valid_sizes_hint, valid_tsp_sizes
 from .tiles import TokenTiled, grad_accumulator, mlp_tile_tokens, token_tiles
 
@@ -72,10 +73,53 @@ class MoESpec:
     activation: str = "silu"
     norm_topk: bool = True              # renormalise the top-k weights to sum to one
     weights_in_logits_dtype: bool = False  # cast them back to the logits' dtype (Qwen3-MoE)
+    # the router kind (ROUTERS) and its parameters; "sigmoid": GLM-4.5's (DeepSeek-V3's) router
+    router: str = "softmax"
+    routed_scaling: float = 1.0         # the top-k weights times this (routed_scaling_factor)
+    n_group: int = 1                    # "sigmoid": experts in n_group groups, the top-k taken
+    topk_group: int = 1                 # ... among the topk_group best groups only
+    correction_bias: bool = False       # "sigmoid": a buffer added to the scores for the choice
+    # a dense gated MLP beside the routed experts on every token (0: none), its module's name
+    shared_intermediate_size: int = 0
+    shared_name: str = "shared_experts"
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.tsp_size
+
+    def options(self) -> dict:
+        """The keyword arguments of :class:`TSPMoE` beyond the shapes: how it routes and what
+        runs beside the experts (``parallelize`` builds the layers with them)."""
+        return dict(activation=self.activation, norm_topk=self.norm_topk,
+                    weights_in_logits_dtype=self.weights_in_logits_dtype, router=self.router,
+                    routed_scaling=self.routed_scaling, n_group=self.n_group,
+                    topk_group=self.topk_group, correction_bias=self.correction_bias,
+                    shared_intermediate_size=self.shared_intermediate_size,
+                    shared_name=self.shared_name)
+
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def check_router(spec: MoESpec) -> None:
+    """Raise, naming the numbers, when the router's options cannot route (before any
+    collective): an unknown kind, groups that do not divide the experts, too few experts in the
+    chosen groups for the top-k."""
+    E, k, g, tg = spec.num_experts, spec.top_k, spec.n_group, spec.topk_group
+    if spec.router not in ROUTERS:
+        raise ValueError(f"router {spec.router!r} is not one of {ROUTERS}")
+    if spec.router == "softmax" and (g != 1 or tg != 1 or spec.correction_bias):
+        raise ValueError(f"n_group ({g}), topk_group ({tg}) and the correction bias "
+                         f"({spec.correction_bias}) belong to the \"sigmoid\" router; the softmax "
+                         f"router takes n_group=1, topk_group=1, correction_bias=False")
+    if g < 1 or E % g:
+        raise ValueError(f"n_group ({g}) must divide the number of experts ({E})")
+    if g > 1 and E // g < 2:
+        raise ValueError(f"n_group ({g}) leaves {E // g} expert per group; a group's score is "
+                         f"the sum of its best two: use n_group <= {E // 2}")
+    if not 1 <= tg <= g or k > tg * (E // g):
+        raise ValueError(f"topk_group ({tg}) must be between 1 and n_group ({g}) and its groups "
+                         f"must hold the top {k} ({tg} x {E // g} experts)")
 
 
 def check_moe_shape(tsp_size: int, num_experts: int, top_k: int,
@@ -103,13 +147,44 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-k weights, expert indices) [N, k] of router logits [N, E], Hugging Face's numerics:
-    softmax in float32, top-k, renormalised, and cast back for Qwen3-MoE."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, spec.top_k, dim=-1)
-    if spec.norm_topk:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+def router_logits(x: torch.Tensor, weight: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """Router logits [N, E] of tokens x [N, h]: in the input's dtype for the softmax router; in
+    float32 at least for the sigmoid one (GLM-4.5 casts the input and the weight to float32;
+    a float64 model stays float64)."""
+    if spec.router == "sigmoid":
+        wide = torch.promote_types(x.dtype, torch.float32)
+        return F.linear(x.to(wide), weight.to(wide))
+    return F.linear(x, weight)
+
+
+def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k weights, expert indices) [N, k] of router logits [N, E], Hugging Face's numerics.
+    "softmax" (Mixtral, Qwen3-MoE): softmax in float32, top-k, renormalised, and cast back for
+    Qwen3-MoE. "sigmoid" (GLM-4.5): scores sigmoid(logits); the choice ranks scores + ``bias``
+    (the correction bias: it moves which experts are chosen, never their weights), first the
+    ``topk_group`` groups whose best two sum highest, then the top-k inside them; the weights
+    are the chosen experts' scores, renormalised (``norm_topk``). Both: times
+    ``routed_scaling``."""
+    if spec.router == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        scores = logits.sigmoid()
+        choice = scores if bias is None else scores + bias
+        if spec.n_group > 1:
+            groups = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)
+            best = torch.topk(groups.topk(2, dim=-1)[0].sum(-1), spec.topk_group, dim=-1)[1]
+            kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~kept[..., None], float("-inf")).flatten(1)
+        experts = torch.topk(choice, spec.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if spec.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if spec.routed_scaling != 1.0:
+        weights = weights * spec.routed_scaling
     if spec.weights_in_logits_dtype:
         weights = weights.to(logits.dtype)
     return weights, experts
@@ -260,20 +335,25 @@ class MoEScheduleBytes:
 
 
 def moe_bytes(E: int, k: int, Fe: int, h: int, tokens_per_rank: float, d: int, b: int = 2,
-              forward_passes: int = 1) -> MoEScheduleBytes:
+              forward_passes: int = 1, shared: int = 0) -> MoEScheduleBytes:
     """:func:`tsp_core.plan.traffic.moe_schedule_bytes` of E experts of Fe channels, top k, hidden h
-    (what :func:`choose_schedule` decides with)."""
+    (what :func:`choose_schedule` decides with). ``shared``: the shared experts' intermediate
+    size; they run as the dense TSP MLP under both schedules (their channel slices travel, no
+    token moves: 3 Fs h b (D-1)/D forward, (2D-1)/D of it backward), so they add the same bytes
+    to both and leave the crossover where it is."""
     f = (d - 1) / d
     per_token = f * 2 * k * h * b                   # one all-to-all pair per token, one pass
     router = f * 2 * E * h * b
-    a_fw, a_bw = per_token * tokens_per_rank + f * 8 * E, per_token * tokens_per_rank + router
+    dense = 3 * shared * h * b                      # the shared experts' weights
+    a_fw = per_token * tokens_per_rank + f * 8 * E + f * dense
+    a_bw = per_token * tokens_per_rank + router + (f + 1) * dense
     ring = 3 * E * Fe * h * b
-    b_fw, b_bw = f * ring, (f + 1) * ring + router
+    b_fw, b_bw = f * (ring + dense), (f + 1) * (ring + dense) + router
     if f == 0:
         crossover = float("inf")
     else:  # forward_passes * (a_fw - b_fw) + a_bw - b_bw = 0, linear in T
-        crossover = (forward_passes * (b_fw - f * 8 * E) + b_bw - router) / \
-            ((forward_passes + 1) * per_token)
+        crossover = (forward_passes * (f * ring - f * 8 * E) + (f + 1) * ring) / \
+            ((forward_passes + 1) * per_token)   # the shared experts' bytes cancel
     return MoEScheduleBytes(a_fw, a_bw, b_fw, b_bw, crossover, forward_passes)
 
 
@@ -290,7 +370,8 @@ def choose_schedule(spec: MoESpec, tokens_per_rank: int | None, forward_passes: 
     if tokens_per_rank is None:
         return "expert"
     bytes_ = moe_bytes(spec.num_experts, spec.top_k, spec.intermediate_size, spec.hidden_size,
-                       tokens_per_rank, spec.tsp_size, forward_passes=forward_passes)
+                       tokens_per_rank, spec.tsp_size, forward_passes=forward_passes,
+                       shared=spec.shared_intermediate_size)
     return "expert" if bytes_.choice == "a" else "ring"
 
 
@@ -394,9 +475,13 @@ class TSPMoE(TokenTiled, ShardedModule):
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, intermediate_size: int, num_experts: int,
                  top_k: int, *, activation: str = "silu", norm_topk: bool = True,
-                 weights_in_logits_dtype: bool = False, schedule: str = "expert",
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 init_seed: int | None = 0, tile_tokens: int | None = None) -> None:
+                 weights_in_logits_dtype: bool = False, router: str = "softmax",
+                 routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1,
+                 correction_bias: bool = False, shared_intermediate_size: int = 0,
+                 shared_name: str = "shared_experts", schedule: str = "expert",
+                 dtype: torch.dtype | None = None, router_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, init_seed: int | None = 0,
+                 tile_tokens: int | None = None) -> None:
         super().__init__()
         self.tile_tokens = tile_tokens
         if activation not in ACTIVATIONS:
@@ -409,9 +494,17 @@ class TSPMoE(TokenTiled, ShardedModule):
                                     f"the experts' intermediate size {intermediate_size}")
             raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
                              f"({intermediate_size}) under the ring schedule; {hint}")
+        fs = shared_intermediate_size
+        if fs % mesh.size:
+            hint = valid_sizes_hint(valid_tsp_sizes(None, None, fs),
+                                    f"the shared experts' intermediate size {fs}")
+            raise ValueError(f"tsp_size ({mesh.size}) must divide the shared experts' "
+                             f"intermediate size ({fs}): they run as the dense TSP MLP; {hint}")
         self.mesh, self.schedule = mesh, schedule
         self.spec = MoESpec(hidden_size, intermediate_size, num_experts, top_k, mesh.size,
-                            activation, norm_topk, weights_in_logits_dtype)
+                            activation, norm_topk, weights_in_logits_dtype, router,
+                            routed_scaling, n_group, topk_group, correction_bias, fs, shared_name)
+        check_router(self.spec)
         h, f, e = hidden_size, intermediate_size, num_experts
         if schedule == "expert":
             self.names = ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
@@ -422,22 +515,55 @@ class TSPMoE(TokenTiled, ShardedModule):
                           "experts.down_proj")
             self.full_shapes = {"gate.weight": (e, h), "experts.gate_proj": (e, f, h),
                                 "experts.up_proj": (e, f, h), "experts.down_proj": (e, h, f)}
+        # the shared experts: TSPGatedMLP's parameters and schedule, on this rank's own tokens
+        self.shared = tuple(f"{shared_name}.{p}_proj.weight" for p in ("gate", "up", "down"))
+        if fs:
+            self.names += self.shared
+            self.full_shapes.update({self.shared[0]: (fs, h), self.shared[1]: (fs, h),
+                                     self.shared[2]: (h, fs)})
         self.router_logits: torch.Tensor | None = None
         full = init_full(self.full_shapes, init_seed, dtype, device)
+        if router_dtype is not None:  # GLM-4.5's router weight stays float32 in a bf16 model
+            full["gate.weight"] = full["gate.weight"].to(router_dtype)
         self._create(full)
         if schedule == "ring":
             self.fuse_tensors("experts.gate_up_proj", ("experts.gate_proj", "experts.up_proj"), 1)
+        if correction_bias:  # a buffer (not trained), float32 at least, as Hugging Face keeps it
+            wide = torch.promote_types(dtype or torch.get_default_dtype(), torch.float32)
+            self.gate.register_buffer("e_score_correction_bias",
+                                      torch.zeros(e, dtype=wide, device=device))
+
+    def load_full(self, full) -> None:
+        """The parameters' slices, and the correction bias whole where ``full`` has it (a
+        checkpoint may leave a buffer out: it keeps its value)."""
+        super().load_full(full)
+        name = "gate.e_score_correction_bias"
+        if self.spec.correction_bias:
+            source = TensorSource(full) if isinstance(full, Mapping) else full
+            if source.shape(name) is not None:
+                with torch.no_grad():
+                    self.gate.e_score_correction_bias.copy_(source.read(name, None, 0, 0))
+
+    def _route(self, x2: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(logits, top-k weights, experts) of tokens x2 [N, h] with router weight ``router``."""
+        logits = router_logits(x2, router, self.spec)
+        bias = self.gate.e_score_correction_bias if self.spec.correction_bias else None
+        return (logits, *route(logits, self.spec, bias))
 
     def extra_repr(self) -> str:
         s = self.spec
         return (f"hidden_size={s.hidden_size}, intermediate_size={s.intermediate_size}, "
                 f"experts={s.num_experts}, top_k={s.top_k}, tsp_size={s.tsp_size}, "
-                f"schedule={self.schedule}")
+                f"schedule={self.schedule}, router={s.router}"
+                + (f", shared={s.shared_intermediate_size}" if s.shared_intermediate_size else ""))
 
     def shard_spec(self, name: str, rank: int) -> ShardSpec:
         s = self.spec
         if name == "gate.weight":
             return REPLICATED
+        if name in self.shared:  # the dense TSP MLP's slices of intermediate channels
+            return even_spec(s.shared_intermediate_size, rank, s.tsp_size,
+                             1 if name == self.shared[2] else 0)
         if self.schedule == "expert":
             return even_spec(s.num_experts, rank, s.tsp_size, 0)
         dim = 2 if name == "experts.down_proj" else 1
@@ -448,13 +574,17 @@ class TSPMoE(TokenTiled, ShardedModule):
             return self.tsp_decode.mlp(self, x)
         s = self.spec
         check_local_input(x, s.hidden_size)
-        x, (router, *experts_weights), context = schedule_inputs(self, list(self.names), x)
+        x, experts_weights, context = schedule_inputs(self, list(self.names[1:]), x)
+        shared = experts_weights[len(experts_weights) - 3:] if s.shared_intermediate_size else []
+        experts_weights = experts_weights[:len(experts_weights) - len(shared)]
+        router = local(self.gate.weight)  # in its own dtype: the sigmoid router widens it
+        if s.router == "softmax":  # the input's dtype (autocast's, as the other weights)
+            router = router.to(x.dtype)
         with context:
             x2 = x.reshape(-1, s.hidden_size)
-            logits = F.linear(x2, comm.sum_grad(router, self.mesh.group))
+            logits, weights, experts = self._route(x2, comm.sum_grad(router, self.mesh.group))
             if not recomputing():  # the load-balancing loss reads the forward's, not a recompute's
                 self.router_logits = logits
-            weights, experts = route(logits, s)
             if self.schedule == "expert":
                 # a tile's gate and up are one [tile, 2F] product: count 2F channels
                 tile = self.tile_tokens or mlp_tile_tokens(2 * s.intermediate_size, x.dtype)
@@ -465,7 +595,14 @@ class TSPMoE(TokenTiled, ShardedModule):
                                                            x.dtype)
                 y = _RingExpertsFn.apply(x2, weights, experts, s, self.mesh.group, tile,
                                          *experts_weights)
-        return y.view(x.shape)
+            y = y.view(x.shape)
+            if shared:  # Hugging Face adds them after the routed experts' sum
+                spec = MLPSpec(s.hidden_size, s.shared_intermediate_size, s.tsp_size,
+                               s.activation)
+                tile = self.tile_tokens or mlp_tile_tokens(
+                    s.shared_intermediate_size // s.tsp_size, x.dtype)
+                y = y + _TSPGatedMLPFn.apply(x, spec, self.mesh.group, tile, *shared)
+        return y
 
     def decode_step(self, x: torch.Tensor) -> torch.Tensor:
         """Generation: ``x`` [..., h] identical on every rank; each rank adds what it holds (its
@@ -473,7 +610,7 @@ class TSPMoE(TokenTiled, ShardedModule):
         all-reduce sums them. No token or weight moves."""
         s = self.spec
         x2 = x.reshape(-1, s.hidden_size)
-        weights, experts = route(F.linear(x2, local(self.gate.weight)), s)
+        _, weights, experts = self._route(x2, local(self.gate.weight))
         w = {n: local(p) for n, p in self.named_parameters()}
         if self.schedule == "expert":
             first, owned = self.mesh.rank * s.local_experts, range(s.local_experts)
@@ -490,6 +627,12 @@ class TSPMoE(TokenTiled, ShardedModule):
                 m = _act(F.linear(xe, gate[e]), s.activation) * F.linear(xe, up[e])
                 y.index_add_(0, token, (F.linear(m, down[e]) * weights[token, slot, None])
                              .to(y.dtype))
+        if s.shared_intermediate_size:  # this rank's channels of the shared experts: summed
+            wg, wu, wd = (w[n] for n in self.shared)  # apart, added after, as Hugging Face does
+            shared = (_act(F.linear(x2, wg), s.activation) * F.linear(x2, wu)) @ wd.t()
+            both = torch.stack([y, shared])
+            comm.all_reduce(both, self.mesh.group)  # one all-reduce for both
+            return (both[0] + both[1]).view(x.shape)
         comm.all_reduce(y, self.mesh.group)
         return y.view(x.shape)
 

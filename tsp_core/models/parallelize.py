@@ -223,7 +223,7 @@ class TSPCausalLM:
         wanted = (output_router_logits if output_router_logits is not None
                   else getattr(self.config, "output_router_logits", False))
         try:
-            if not wanted:
+            if not wanted or not self._tsp_policy.moe.aux_loss:  # GLM-4.5 has none
                 return None
             if any(m.router_logits is None for m in layers):
                 raise ValueError("an MoE layer has no router logits: it did not run forward")
@@ -369,7 +369,14 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
                          f"parameters on meta but buffers materialised (e.g. accelerate's "
                          f"init_empty_weights(include_buffers=False)), as "
                          f"tsp_transformers.load_pretrained does")
-    dtypes = {p.dtype for p in params}
+    moe = policy.moe
+    router = f"{policy.mlp}.{moe.router}.weight" if moe is not None and moe.router_float32 else None
+    dtypes = {p.dtype for n, p in model.named_parameters()  # a float32 router may stay so
+              if router is None or not (n.endswith(router) and p.dtype == torch.float32)}
+    if mesh.fsdp_size > 1 and len(dtypes | {p.dtype for p in params}) > 1:
+        raise ValueError(f"the model's routers are float32 and its other parameters "
+                         f"{sorted(map(str, dtypes))}: FSDP2 (fsdp_size {mesh.fsdp_size}) "
+                         f"needs one dtype per decoder layer; cast the model to one dtype first")
     if len(dtypes) > 1:
         raise ValueError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; cast it "
                          f"to one dtype first")
@@ -446,9 +453,9 @@ def _softcap(hook: Any, config: Any) -> float | None:
     return None if cap is None else float(cap)
 
 
-def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
-    """The epsilon of the attention's per-head q/k norms (None: the family has none)."""
-    if policy.head_norms is None:
+def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module, config: Any) -> float | None:
+    """The epsilon of the attention's per-head q/k norms (None: the model has none)."""
+    if policy.qk_norms(config) is None:
         return None
     return _eps(getattr(attn, policy.head_norms[0]))
 
@@ -456,7 +463,7 @@ def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
 def _check_head_norms(model: nn.Module, policy: DecoderPolicy, q_width: int, k_width: int) -> None:
     """The q/k norms are what the policy says: per head (weights of head_dim) or over all heads of
     a token (``qk_norm_all_heads``: nq*head_dim, nkv*head_dim), with the same eps."""
-    if policy.head_norms is None:
+    if policy.qk_norms(model.config) is None:
         return
     for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
         attn = getattr(layer, policy.attention)
@@ -560,7 +567,7 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             mesh, c.hidden_size, nq, nkv, head_dim,
             qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
             o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
-            scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn),
+            scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn, c),
             qk_norm_kind=policy.norm, softcap=_softcap(policy.attn_softcap, c),
             qk_norm_all_heads=policy.qk_norm_all_heads,
             rope_interleaved=policy.rope_interleaved, init_seed=None, **opts)
@@ -571,9 +578,8 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             spec = _moe_spec(c, policy, mesh)
             replace(layer, policy.mlp, TSPMoE(
                 mesh, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k,
-                activation=spec.activation, norm_topk=spec.norm_topk,
-                weights_in_logits_dtype=spec.weights_in_logits_dtype, schedule=moe_schedule,
-                init_seed=None, **opts))
+                **spec.options(), schedule=moe_schedule, init_seed=None,
+                router_dtype=getattr(mlp, policy.moe.router).weight.dtype, **opts))
         else:
             replace(layer, policy.mlp, TSPGatedMLP(
                 mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
@@ -629,7 +635,8 @@ def _refuse_left_out(policy: DecoderPolicy, where: str, state: dict[str, torch.T
     """Raise when the TSP module that replaces a Hugging Face module would not take all of its
     tensors (a policy that leaves out, say, the q/k norms would otherwise run another model,
     silently). Raised before the model changes: every replacement is checked first."""
-    takes = set(new.hf_shapes()) if isinstance(new, ShardedModule) else set(new.state_dict())
+    takes = (set(new.hf_shapes()) | {n for n, _ in new.named_buffers()}
+             if isinstance(new, ShardedModule) else set(new.state_dict()))
     left_out = sorted(set(state) - takes)
     if left_out:
         raise ValueError(f"policy {policy.name!r}: {where} holds {left_out}, which its TSP "

@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (each registers its family)
     exaone4,
     gemma,
     glm4,
+    glm4_moe,
     granite,
     llama,
     mistral,

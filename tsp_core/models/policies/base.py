@@ -23,6 +23,10 @@ def _rotary(config: Any, attention: nn.Module) -> bool:
     return True
 
 
+def _softmax_router(config: Any) -> dict:
+    return {}
+
+
 @dataclass(frozen=True)
 class ExpertsPolicy:
     """Where a family keeps its sparse mixture-of-experts blocks and how they route
@@ -31,7 +35,12 @@ class ExpertsPolicy:
     expert count, the experts per token and the per-expert intermediate size, whether the top-k
     weights are renormalised (``norm_topk(config)``) and cast back to the logits' dtype, and the
     names of the Hub's per-expert checkpoint layout (read and written by tsp_core.state.checkpoint).
-    A layer whose MLP has no ``experts`` module is a dense one (Qwen3-MoE's ``mlp_only_layers``)."""
+    A layer whose MLP has no ``experts`` module is a dense one (Qwen3-MoE's ``mlp_only_layers``,
+    GLM-4.5's ``first_k_dense_replace``). ``options(config)``: further
+    :class:`~tsp_core.layers.moe.MoESpec` fields, the router kind and its parameters and the
+    shared experts (GLM-4.5); ``aux_loss``: whether the family adds the load-balancing loss
+    (GLM-4.5 balances with its correction bias instead and has none); ``router_float32``: the
+    router weight may be float32 in a model of another dtype."""
 
     num_experts: str
     intermediate_size: str = "intermediate_size"
@@ -44,6 +53,11 @@ class ExpertsPolicy:
     # projection, ``<mlp>.experts.<e>.<gate|up|down>.weight``, the block under ``hub_module``
     hub_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     hub_module: str | None = None   # the block's name in the checkpoint, if not the model's
+    options: Callable[[Any], dict] = field(default=_softmax_router)
+    aux_loss: bool = True
+    # the router's weight may stay float32 in a model of another dtype (GLM-4.5: transformers
+    # keeps it so, ``_keep_in_fp32_modules_strict``); the TSP router keeps its dtype
+    router_float32: bool = False
 
     def spec(self, config: Any, size: int, activation: str = "silu"):
         """The :class:`~tsp_core.layers.moe.MoESpec` of the sparse MLPs over ``size`` ranks."""
@@ -51,7 +65,8 @@ class ExpertsPolicy:
 
         return MoESpec(config.hidden_size, getattr(config, self.intermediate_size),
                        getattr(config, self.num_experts), getattr(config, self.top_k), size,
-                       activation, self.norm_topk(config), self.weights_in_logits_dtype)
+                       activation, self.norm_topk(config), self.weights_in_logits_dtype,
+                       **self.options(config))
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,8 @@ class DecoderPolicy:
     rotary: Callable[[Any, nn.Module], bool] = field(default=_rotary)
     rope_interleaved: bool = False  # RoPE on channel pairs (2i, 2i+1): GLM-4, Ernie 4.5
     head_norms: tuple[str, str] | None = None  # the attention's per-head q/k RMSNorms (Qwen3)
+    # whether the config turns those norms on (GLM-4.5's use_qk_norm); default: always
+    head_norms_on: Callable[[Any], bool] = field(default=_always)
     qk_norm_all_heads: bool = False            # ... over all heads of a token instead (OLMo 2)
     norm: str = "llama"                        # every RMSNorm's numerics (layers.norm.NORMS)
     logits_divisor: Callable[[Any], float] | None = None  # logits / this (Granite)
@@ -101,6 +118,10 @@ class DecoderPolicy:
     recompute_cache_at: Callable[[Any], int | None] | None = None
     # sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE): None for dense families
     moe: ExpertsPolicy | None = None
+
+    def qk_norms(self, config: Any) -> tuple[str, str] | None:
+        """The q/k norms' module names where ``config`` has them, else None."""
+        return self.head_norms if self.head_norms and self.head_norms_on(config) else None
 
     def sparse_mlp(self, mlp: nn.Module) -> bool:
         """Whether a layer's MLP is the family's sparse mixture-of-experts block (a layer without

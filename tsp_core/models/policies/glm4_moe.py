@@ -1,0 +1,34 @@
+"""GLM-4.5 (Glm4MoeForCausalLM): Llama's layout with optional per-head q/k norms
+(``use_qk_norm``), partial rotary on rotate-half channels (``partial_rotary_factor``; not GLM-4
+dense's interleaved pairs), the first ``first_k_dense_replace`` layers dense and the rest sparse:
+``n_routed_experts`` experts of ``moe_intermediate_size``, top ``num_experts_per_tok`` by the
+sigmoid router (the ``e_score_correction_bias`` buffer moves the choice, ``n_group`` groups of
+which the ``topk_group`` best hold the choice, weights renormalised when ``norm_topk_prob``,
+times ``routed_scaling_factor``) plus ``n_shared_experts`` shared experts, one dense gated MLP
+of ``n_shared_experts * moe_intermediate_size`` on every token. No load-balancing loss (the
+correction bias balances). The router weight and the correction bias stay float32 in a bf16
+model, as ``from_pretrained`` keeps them (``router_float32``)."""
+
+from .base import DecoderPolicy, ExpertsPolicy, register_policy
+
+
+def _norm_topk(config):
+    return bool(config.norm_topk_prob)
+
+
+def _qk_norm(config):
+    return bool(config.use_qk_norm)
+
+
+def _router(config):
+    return dict(router="sigmoid", routed_scaling=float(config.routed_scaling_factor),
+                n_group=config.n_group, topk_group=config.topk_group, correction_bias=True,
+                shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+
+
+POLICY = register_policy(DecoderPolicy(
+    name="glm4_moe", model_types=("glm4_moe",), class_names=("Glm4MoeForCausalLM",),
+    head_norms=("q_norm", "k_norm"), head_norms_on=_qk_norm,
+    moe=ExpertsPolicy(num_experts="n_routed_experts", intermediate_size="moe_intermediate_size",
+                      norm_topk=_norm_topk, options=_router, aux_loss=False,
+                      router_float32=True)))
