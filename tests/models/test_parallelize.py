@@ -108,9 +108,9 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['exaone4', 'gemma', 'gemma2', 'gemma3', 'glm4', 'granite', 'llama', 'mistral', "
-         r"'mixtral', 'olmo2', 'olmo3', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe', 'seed_oss', "
-         r"'smollm3'\]\. "
+         r"\['apertus', 'ernie4_5', 'exaone4', 'gemma', 'gemma2', 'gemma3', 'glm4', 'glm4_moe', "
+         r"'granite', 'llama', 'mistral', 'mixtral', 'olmo2', 'olmo3', 'phi3', 'qwen2', 'qwen3', "
+         r"'qwen3_moe', 'seed_oss', 'smollm3'\]\. "
          r"Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
@@ -143,6 +143,13 @@ def bad_models() -> list[str]:
                                                    **small)),
                   r"SeedOssForCausalLM: config\.residual_dropout=0\.1 \(dropout on the attention "
                   r"output\) not implemented by TSP"))
+    # an ungated MLP (Apertus's) takes the activations TSPPlainMLP implements, and says which
+    from transformers import ApertusConfig, ApertusForCausalLM
+
+    cases.append((ApertusForCausalLM(ApertusConfig(hidden_act="relu", **{
+        k: v for k, v in small.items() if k != "head_dim"})),
+                  r"hidden_act 'relu' is not supported by TSPPlainMLP; supported: "
+                  r"\['gelu_pytorch_tanh', 'gelu_tanh', 'silu', 'swish', 'xielu'\]$"))
     # experts that cannot be owned whole, 1/D each (docs/moe.md)
     from transformers import MixtralConfig, MixtralForCausalLM
 

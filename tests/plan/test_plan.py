@@ -153,7 +153,8 @@ def test_model_presets_and_config_files(tmp_path):
         model_config("nope")
 
 
-@pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4"])
+@pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
+                                    "ernie4_5", "apertus"])
 def test_newer_families_config_files(tmp_path, family):
     # `tsp plan` and `tsp simulate` take a newer family's config.json: its shape (head_dim of its
     # own, a sliding layer cut with layer_types) and a TSP simulation of the model it describes

@@ -9,10 +9,12 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-            "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4")
+            "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
+            "ernie4_5", "apertus")
 # every family runs Hugging Face's SDPA attention, float64 throughout: the eager attention of
 # OLMo 3, Seed-OSS, EXAONE 4 and SmolLM3 computes its softmax in float32 even in a float64 model
-# (only Gemma 2, whose soft-capping exists only in eager, runs a float64 copy: use_exact_eager)
+# (only Gemma 2, whose soft-capping exists only in eager, runs a float64 copy: use_exact_eager;
+# Ernie 4.5's rotary, float32 in every attention, too: float64_ernie_rope)
 # the tensor-parallel baselines refuse per-head q/k norms (tsp_core.baselines.build)
 BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 # float32 runs (a sanity check beside the float64 exactness runs): one family per feature set.
@@ -122,17 +124,34 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
 
         model = Glm4ForCausalLM(Glm4Config(vocab_size=96, head_dim=24, pad_token_id=None,
                                            **common))
+    elif family == "ernie4_5":     # a bias on every projection (use_bias), interleaved rotary,
+        from transformers import Ernie4_5Config, Ernie4_5ForCausalLM  # tied embeddings, head 24
+
+        model = Ernie4_5ForCausalLM(Ernie4_5Config(vocab_size=96, head_dim=24, use_bias=True,
+                                                   tie_word_embeddings=True, **common))
+        float64_ernie_rope()
+    elif family == "apertus":      # ungated MLP with xIELU (learnable alpha_p, alpha_n), per-head
+        from transformers import ApertusConfig, ApertusForCausalLM  # q/k norms, q/k/v/o biases
+
+        # its llama3 rope, scaled below a 64-token original length (a test sequence is longer)
+        rope = dict(rope_type="llama3", rope_theta=12e6, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=64)
+        model = ApertusForCausalLM(ApertusConfig(vocab_size=96, attention_bias=True,
+                                                 rope_parameters=rope, **common))
+        for layer in model.model.layers:  # xIELU's beta and eps buffers off their defaults
+            layer.mlp.act_fn.beta.fill_(0.4 + 0.05 * torch.rand(()).item())
+            layer.mlp.act_fn.eps.fill_(-1e-3 * (1 + torch.rand(()).item()))
     else:
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
     if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
-                  "seed_oss", "exaone4", "smollm3", "glm4"):
+                  "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus"):
         # norms and biases away from their initial ones/zeros: a weight applied the wrong way
         # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith(("norm.weight", "bias")):
+                if name.endswith(("norm.weight", "bias", "alpha_p", "alpha_n")):
                     p.add_(0.1 * torch.randn(p.shape))
     return model.to(dtype)
 
@@ -173,6 +192,27 @@ def use_exact_eager(model) -> None:
     AttentionInterface.register(EXACT_EAGER, exact_eager_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(EXACT_EAGER, eager_mask)
     model.config._attn_implementation = EXACT_EAGER
+
+
+def float64_ernie_rope() -> None:
+    """Ernie 4.5's ``apply_rotary_pos_emb`` rotates q and k in float32 whatever their dtype
+    (``q.float() * cos``: a float64 model's q and k rounded to float32, ~1e-8 off). Replaced,
+    process-wide and idempotently, by the same formula in q's dtype when that is wider than
+    float32; for float32 and below it is Hugging Face's own function."""
+    from transformers.models.ernie4_5 import modeling_ernie4_5 as ernie
+
+    hf = getattr(ernie.apply_rotary_pos_emb, "hf_original", ernie.apply_rotary_pos_emb)
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if torch.finfo(q.dtype).bits <= 32:
+            return hf(q, k, cos, sin, unsqueeze_dim)
+        cos, sin = (t.unsqueeze(unsqueeze_dim).to(q.dtype) for t in (cos, sin))
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        return (q * cos + ernie.rotate_half(q) * sin, k * cos + ernie.rotate_half(k) * sin)
+
+    apply_rotary_pos_emb.hf_original = hf
+    ernie.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
 def float64_gemma_norms(model) -> None:

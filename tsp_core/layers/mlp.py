@@ -6,11 +6,13 @@ holds while that slice moves on to p+1 and the next arrives from p-1 (double-buf
 Backward: the slices circulate again; each slice is followed by its gradient accumulator, to which
 every rank adds its tokens' contribution; one last hop brings the summed gradient to its owner.
 Only this rank's own slice and its input are kept for backward (docs/design.md "Memory rules").
+The ungated MLP ``down(act(up(x)))`` (:class:`TSPPlainMLP`, Apertus's xIELU) runs the same ring.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +22,13 @@ from ..distributed.flat_pack import FlatPack
 from ..distributed.mesh import TSPMesh
 from ..distributed.params import (
     REPLICATED,
+    FullSource,
     ShardedModule,
     ShardSpec,
+    TensorSource,
     even_spec,
     init_full,
+    local,
     local_replicated,
     schedule_inputs,
 )
@@ -191,4 +196,203 @@ class TSPGatedMLP(TokenTiled, ShardedModule):
             y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, tile, *weights)
         if "down_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.down_proj.bias, self.mesh)
+        return y
+
+
+# ------------------------------------------------------------------ the plain (ungated) MLP
+
+PLAIN_ACTIVATIONS = ("silu", "gelu_tanh", "xielu")
+# xIELU's constants and its learnable scalars' initial values (transformers' XIELUActivation)
+XIELU_INIT = dict(alpha_p=0.8, alpha_n=0.8, beta=0.5, eps=-1e-6)
+
+
+def _plain_act(u: torch.Tensor, kind: str, scalars: list[torch.Tensor],
+               consts: list[torch.Tensor]) -> torch.Tensor:
+    """The plain MLP's activation: SiLU, tanh-GELU, or xIELU (Apertus) with its learnable
+    ``alpha_p``, ``alpha_n`` (``scalars``) and ``beta``, ``eps`` (``consts``), the operations
+    of transformers' ``XIELUActivation._xielu_python`` in its order."""
+    if kind != "xielu":
+        return _act(u, kind)
+    raw_p, raw_n = scalars
+    beta, eps = consts
+    alpha_p = F.softplus(raw_p)
+    alpha_n = beta + F.softplus(raw_n)
+    return torch.where(u > 0, alpha_p * u * u + beta * u,
+                       (torch.expm1(torch.min(u, eps)) - u) * alpha_n + beta * u)
+
+
+@dataclass(frozen=True)
+class PlainMLPSpec:
+    hidden_size: int
+    intermediate_size: int
+    tsp_size: int
+    activation: str = "xielu"
+
+
+class _TSPPlainMLPFn(torch.autograd.Function):
+    """``down(act(up(x)))`` on the ring schedule of :class:`_TSPGatedMLPFn` (the same tiles, the
+    same shard and gradient hops). The activation's learnable scalars are replicated: their
+    gradient is this rank's sum over every shard and tile (the caller's ``sum_grad`` adds the
+    other ranks'). The backward differentiates the activation with autograd, a tile at a time,
+    on the recomputed ``up`` (the same operations as the forward, for any activation)."""
+
+    @staticmethod
+    def forward(ctx, x, spec: PlainMLPSpec, group, tile: int, consts: list, n_weights: int,
+                *tensors):
+        weights, scalars = tensors[:n_weights], list(tensors[n_weights:])
+        pack = FlatPack([w.shape for w in weights])
+        B, L, h = x.shape
+        x2 = x.reshape(B * L, h)
+        y = torch.zeros_like(x2)
+        tiles = token_tiles(B * L, tile)
+
+        def compute(_owner: int, shard: torch.Tensor) -> None:
+            wu, wd, *b = pack.unpack(shard)
+            for sl in tiles:
+                a = _plain_act(F.linear(x2[sl], wu, b[0] if b else None), spec.activation,
+                               scalars, consts)
+                y[sl].addmm_(a, wd.t())
+                del a  # before the next tile's
+
+        comm.ring_over_shards(pack.pack(weights), group, compute)
+        ctx.spec, ctx.group, ctx.pack, ctx.tile, ctx.consts = spec, group, pack, tile, consts
+        ctx.save_for_backward(x, *weights, *scalars)
+        ctx.n_weights = n_weights
+        return y.view(B, L, h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, group, pack, consts = ctx.spec, ctx.group, ctx.pack, ctx.consts
+        x, *rest = ctx.saved_tensors
+        weights, scalars = rest[:ctx.n_weights], rest[ctx.n_weights:]
+        B, L, h = x.shape
+        x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
+        dx = torch.zeros_like(x2)
+        tiles = token_tiles(B * L, ctx.tile)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        d_scalars = [torch.zeros(s.shape, dtype=wide, device=s.device) for s in scalars]
+        leaves = [s.detach().requires_grad_() for s in scalars]
+
+        def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
+            wu, wd, *b = pack.unpack(shard)
+            grads = grad_accumulator(pack.numel, shard.dtype, shard.device, len(tiles))
+            d_wu, d_wd, *d_b = pack.unpack(grads)
+            for sl in tiles:
+                xt, dyt = x2[sl], dy2[sl]
+                with torch.enable_grad():  # up recomputed: only the input is kept for backward
+                    u = F.linear(xt, wu, b[0] if b else None).requires_grad_()
+                    a = _plain_act(u, spec.activation, leaves, consts)
+                d_wd.add_(dyt.t() @ a.detach())
+                du, *ds = torch.autograd.grad(a, [u, *leaves], dyt @ wd)
+                del a, u
+                dx[sl].addmm_(du, wu)
+                d_wu.add_(du.t() @ xt)
+                if d_b:
+                    d_b[0].add_(du.sum(0))
+                for acc, g in zip(d_scalars, ds):
+                    acc.add_(g)
+                del du, ds  # before the next tile's
+            return grads.to(shard.dtype)
+
+        grad = comm.ring_over_shards_with_grads(pack.pack(weights), group, contribute)
+        d_scalars = [g.to(s.dtype) for g, s in zip(d_scalars, scalars)]
+        return (dx.view(B, L, h), None, None, None, None, None, *pack.unpack(grad), *d_scalars)
+
+
+class TSPPlainMLP(TokenTiled, ShardedModule):
+    """Ungated MLP ``down(act(up(x)))`` with TSP (Apertus): rank p owns intermediate channels
+    [p*F/D, (p+1)*F/D) of ``up_proj`` (and its bias) and the same columns of ``down_proj``, as
+    :class:`TSPGatedMLP` does without the gate; down's bias is replicated. xIELU's learnable
+    scalars ``act_fn.alpha_p`` and ``act_fn.alpha_n`` are replicated parameters (their gradient
+    summed over the group), its ``act_fn.beta`` and ``act_fn.eps`` buffers, all under Hugging
+    Face's names."""
+
+    def __init__(self, mesh: TSPMesh, hidden_size: int, intermediate_size: int, *,
+                 activation: str = "xielu", bias: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 init_seed: int | None = 0, tile_tokens: int | None = None) -> None:
+        super().__init__()
+        if activation not in PLAIN_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {PLAIN_ACTIVATIONS}")
+        self.tile_tokens = tile_tokens
+        if intermediate_size % mesh.size:
+            hint = valid_sizes_hint(valid_tsp_sizes(None, None, intermediate_size),
+                                    f"intermediate_size {intermediate_size}")
+            raise ValueError(f"tsp_size ({mesh.size}) must divide intermediate_size "
+                             f"({intermediate_size}); {hint}")
+        self.mesh = mesh
+        self.spec = PlainMLPSpec(hidden_size, intermediate_size, mesh.size, activation)
+        f, h = intermediate_size, hidden_size
+        self.full_shapes = {"up_proj.weight": (f, h), "down_proj.weight": (h, f)}
+        if bias:
+            self.full_shapes.update({"up_proj.bias": (f,), "down_proj.bias": (h,)})
+        self.scalar_names = ["act_fn.alpha_p", "act_fn.alpha_n"] if activation == "xielu" else []
+        self.full_shapes.update({n: (1,) for n in self.scalar_names})
+        full = init_full(self.full_shapes, init_seed, dtype, device)
+        if activation == "xielu" and init_seed is not None:  # HF's: softplus^-1 of the alphas
+            i = XIELU_INIT
+            for name, value in (("alpha_p", i["alpha_p"]), ("alpha_n", i["alpha_n"] - i["beta"])):
+                full[f"act_fn.{name}"] = torch.tensor([value]).expm1().log().to(
+                    full[f"act_fn.{name}"])
+        self._create(full)
+        if activation == "xielu":
+            for name in ("beta", "eps"):
+                self.act_fn.register_buffer(name, torch.tensor(XIELU_INIT[name], dtype=dtype,
+                                                               device=device))
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"hidden_size={s.hidden_size}, intermediate_size={s.intermediate_size}, "
+                f"tsp_size={s.tsp_size}, activation={s.activation}")
+
+    def load_full(self, full: Mapping[str, torch.Tensor] | FullSource) -> None:
+        """The parameters' slices, and the activation's buffers (xIELU's beta and eps) where
+        ``full`` holds them (else they keep their values, as a module's buffers do)."""
+        super().load_full(full)
+        source = TensorSource(full) if isinstance(full, Mapping) else full
+        with torch.no_grad():
+            for name, b in self.named_buffers():
+                if source.shape(name) is not None:
+                    b.copy_(source.read(name, None, 0, 0))
+
+    def shard_spec(self, name: str, rank: int) -> ShardSpec:
+        if name == "down_proj.bias" or name in self.scalar_names:
+            return REPLICATED
+        dim = 1 if name == "down_proj.weight" else 0
+        return even_spec(self.spec.intermediate_size, rank, self.spec.tsp_size, dim)
+
+    def _consts(self) -> list[torch.Tensor]:
+        return [self.act_fn.beta, self.act_fn.eps] if self.spec.activation == "xielu" else []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tsp_decode is not None:  # generation: x identical on every rank
+            return self.decode_step(x)
+        s = self.spec
+        check_local_input(x, s.hidden_size)
+        names = ["up_proj.weight", "down_proj.weight"]
+        if "up_proj.bias" in self.full_shapes:
+            names.append("up_proj.bias")
+        x, weights, context = schedule_inputs(self, names, x)
+        scalars = [local_replicated(self.get_parameter(n), self.mesh).to(x.dtype)
+                   for n in self.scalar_names]
+        consts = [c.to(x.dtype) for c in self._consts()]
+        tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size, x.dtype)
+        with context:
+            y = _TSPPlainMLPFn.apply(x, s, self.mesh.group, tile, consts, len(weights),
+                                     *weights, *scalars)
+        if "down_proj.bias" in self.full_shapes:
+            y = y + local_replicated(self.down_proj.bias, self.mesh)
+        return y
+
+    @torch.no_grad()
+    def decode_step(self, x: torch.Tensor) -> torch.Tensor:
+        """One generation step, x [B, 1, h] identical on every rank (docs/design.md "Decode"):
+        this rank's channels, then one all-reduce; no weight moves."""
+        w = {n: local(p) for n, p in self.named_parameters()}
+        a = _plain_act(F.linear(x, w["up_proj.weight"], w.get("up_proj.bias")),
+                       self.spec.activation, [w[n] for n in self.scalar_names], self._consts())
+        y = a @ w["down_proj.weight"].t()
+        comm.all_reduce(y, self.mesh.group)
+        if "down_proj.bias" in w:
+            y = y + w["down_proj.bias"]
         return y

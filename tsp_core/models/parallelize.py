@@ -23,7 +23,8 @@ from ..inference.generation import hf_generate
 from ..inference.logits import token_index
 from ..layers import rope
 from ..layers.attention import TSPAttention, check_attention_shape
-from ..layers.mlp import TSPGatedMLP
+from ..layers.mlp import ACTIVATIONS as GATED_ACTIVATIONS
+from ..layers.mlp import PLAIN_ACTIVATIONS, TSPGatedMLP, TSPPlainMLP
 from ..layers.moe import (
     SCHEDULES,
     MoESpec,
@@ -44,7 +45,7 @@ from .policies import DecoderPolicy, find_policy
 from .replicas import check_replicas_agree
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
-               "gelu_tanh": "gelu_tanh"}
+               "gelu_tanh": "gelu_tanh", "xielu": "xielu"}
 ATTN_IMPLEMENTATION = "tsp"
 
 
@@ -353,9 +354,12 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
             raise ValueError(f"{type(model).__name__}: the {what} soft-cap ({cap}) must be "
                              f"positive, or None for no soft-capping")
     act = _activation(c)
-    if act not in ACTIVATIONS:
-        raise ValueError(f"hidden_act {act!r} is not supported by TSPGatedMLP; "
-                         f"supported: {sorted(ACTIVATIONS)}")
+    plain = any(_plain_mlp(getattr(layer, policy.mlp), policy) for layer in layers)
+    kinds = PLAIN_ACTIVATIONS if plain else GATED_ACTIVATIONS
+    if ACTIVATIONS.get(act) not in kinds:
+        raise ValueError(f"hidden_act {act!r} is not supported by "
+                         f"{'TSPPlainMLP' if plain else 'TSPGatedMLP'}; supported: "
+                         f"{sorted(n for n, k in ACTIVATIONS.items() if k in kinds)}")
     if getattr(c, "attention_dropout", 0.0):
         raise ValueError(f"attention_dropout ({c.attention_dropout}) is not supported by TSP "
                          f"attention; set it to 0.0")
@@ -434,6 +438,12 @@ def _check_moe_policy(model: nn.Module, policy: DecoderPolicy) -> None:
 def _moe_spec(c: Any, policy: DecoderPolicy, mesh: TSPMesh) -> MoESpec:
     """The shape and routing of the family's sparse MLPs, from the config."""
     return policy.moe.spec(c, mesh.size, ACTIVATIONS.get(_activation(c), "silu"))
+
+
+def _plain_mlp(mlp: nn.Module, policy: DecoderPolicy) -> bool:
+    """Whether a dense MLP is ungated, ``down(act(up(x)))`` (Apertus): it has no gate, plain or
+    fused; :class:`TSPPlainMLP` replaces it."""
+    return not (policy.sparse_mlp(mlp) or hasattr(mlp, "gate_proj") or policy.fused_in("mlp"))
 
 
 def _activation(config: Any) -> str:
@@ -580,6 +590,10 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
                 mesh, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k,
                 **spec.options(), schedule=moe_schedule, init_seed=None,
                 router_dtype=getattr(mlp, policy.moe.router).weight.dtype, **opts))
+        elif _plain_mlp(mlp, policy):
+            replace(layer, policy.mlp, TSPPlainMLP(
+                mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
+                bias=mlp.up_proj.bias is not None, init_seed=None, **opts))
         else:
             replace(layer, policy.mlp, TSPGatedMLP(
                 mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],

@@ -3,6 +3,8 @@ family. A policy is found by the model's class name or ``config.model_type``; re
 with :func:`register_policy`."""
 
 from . import (  # noqa: F401  (each registers its family)
+    apertus,
+    ernie4_5,
     exaone4,
     gemma,
     glm4,
