@@ -260,3 +260,101 @@ def bad_calls(tsp: int) -> None:
 
 def test_errors_raise_on_every_rank(pools):
     pools.of(2).run(bad_calls, 2)
+
+
+def attention_math(x: torch.Tensor, w: dict[str, torch.Tensor], nq: int, nkv: int, d: int,
+                   window: int | None, chunk: int | None) -> torch.Tensor:
+    """Causal attention of a [1, S, h] sequence in float64 with a sliding ``window``, Llama 4's
+    ``chunk`` (keys of the query's own chunk only) and, with ``w["sinks"]``, gpt-oss's sinks in
+    HF's eager order (a column of each head's sink logit, softmax, the column dropped)."""
+    import torch.nn.functional as F
+
+    from tests.support import reference
+
+    S = x.shape[1]
+    pos = torch.arange(S)
+
+    def heads(name: str, n: int) -> torch.Tensor:
+        return F.linear(x, w[f"{name}_proj.weight"]).view(1, S, n, d).transpose(1, 2)
+
+    q, k = reference.rope(heads("q", nq), pos), reference.rope(heads("k", nkv), pos)
+    g = nq // nkv
+    k, v = k.repeat_interleave(g, 1), heads("v", nkv).repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * d ** -0.5
+    i, j = pos[:, None], pos[None]
+    visible = j <= i
+    if window is not None:
+        visible &= j > i - window
+    if chunk is not None:
+        visible &= j // chunk == i // chunk
+    s = s.masked_fill(~visible, float("-inf"))
+    if "sinks" in w:
+        s = torch.cat([s, w["sinks"].reshape(1, -1, 1, 1).expand(1, -1, S, 1)], -1)
+    a = torch.softmax(s, -1)[..., :S] @ v
+    return F.linear(a.transpose(1, 2).reshape(1, S, -1), w["o_proj.weight"])
+
+
+def attention_decode_steps(tsp: int, cases: list[tuple[bool, int | None, int | None]]) -> None:
+    """For each (sinks, chunk, window): one TSPAttention layer (4 query, 2 key/value heads)
+    prefills 16 tokens with its TSP schedule, handing its own tokens' K/V to a cache as prefill
+    does, then decodes 6 more through decode's own attention step (the cache's turn-taking,
+    visible_slots, the all-to-all and the owner's merge with its heads' sinks); each new token's
+    output equals the float64 math over the whole sequence. No family policy has sinks or
+    chunks yet (gpt-oss, Llama 4), so the step runs on the layer alone."""
+    from types import SimpleNamespace
+
+    from tsp_core import TSPAttention
+    from tsp_core.inference.decode import ShardedKVCache, _attention_step, visible_slots
+    from tsp_core.layers import rope
+    from tsp_core.sequence import layout
+
+    mesh = dist_pool.mesh(tsp)
+    D, p = mesh.size, mesh.rank
+    h, nq, nkv, d, S, new = 16, 4, 2, 8, 16, 6
+    for sinks, chunk, window in cases:
+        gen = torch.Generator().manual_seed(4)
+        r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3  # noqa: E731
+        w = {"q_proj.weight": r(nq * d, h), "k_proj.weight": r(nkv * d, h),
+             "v_proj.weight": r(nkv * d, h), "o_proj.weight": r(h, nq * d)}
+        if sinks:  # logits of a few units: the sink takes a large share of each row
+            w["sinks"] = 2 * torch.randn(nq, generator=gen, dtype=torch.float64)
+        layer = TSPAttention(mesh, h, nq, nkv, d, dtype=torch.float64, sliding_window=window,
+                             attention_chunk_size=chunk, sinks=sinks)
+        layer.load_full(w)
+        x = torch.randn(1, S + new, h, generator=gen, dtype=torch.float64)
+        want = attention_math(x, w, nq, nkv, d, window, chunk)
+        own = layout.position_ids(S, p, D, mesh.layout)
+        kv: list[torch.Tensor] = []
+        with torch.no_grad():
+            layer(layout.shard_sequence(x[:, :S], p, D, 1, mesh.layout), own, kv_sink=kv.append)
+        g, _, B, n, L, _ = kv[0].shape
+        both = kv[0].permute(1, 2, 0, 3, 4, 5).reshape(2, B, g * n, L, d)
+        cache = ShardedKVCache([both[0].clone()], [both[1].clone()], own[None].clone(), L,
+                               [L] * D, p)
+        cache.reserve(new)
+        for t in range(S, S + new):
+            owner = cache.next_owner()
+            cache.counts[owner] += 1
+            slot = None
+            if owner == p:
+                slot = cache.length
+                cache.positions[:, slot] = t
+                cache.length += 1
+            positions = torch.tensor([t])
+            used = cache.positions[:, :cache.length]
+            visible = visible_slots(layer.spec, used >= 0, used, positions)
+            cos, sin = rope.cos_sin(positions[:, None], layer.inv_freq, 1.0, torch.float64)
+            with torch.no_grad():
+                y = _attention_step(SimpleNamespace(mesh=mesh), 0, layer, x[:, t], cos, sin,
+                                    cache, slot, visible)
+            what = f"sinks {sinks}, chunk {chunk}, window {window}: token {t}"
+            assert_close(y, want[:, t], 1e-10, what)
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_decode_with_sinks_and_chunks(pools, tsp):
+    """gpt-oss's sinks (with its sliding window) and Llama 4's chunks (the new tokens cross the
+    chunk boundary at 18) in decode: the sinks once per head after the merge of every rank's
+    slots, the chunk hiding the slots of earlier chunks."""
+    pools.of(tsp).run(attention_decode_steps, tsp, [(True, None, 5), (False, 6, None),
+                                                    (True, 6, None)])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tests.support import dist_pool, reference
 from tests.support.reference import assert_close
 from tsp_core import TSPAttention, comm
+from tsp_core.distributed.params import local
 from tsp_core.sequence.layout import pad_to_multiple, position_ids, shard_sequence
 
 HIDDEN, HEAD_DIM = 24, 8
@@ -41,25 +42,75 @@ def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
     return w
 
 
+def sinks_and_chunks(x: torch.Tensor, w: dict[str, torch.Tensor], nq: int, nkv: int,
+                     head_dim: int, window: int | None, chunk: int | None,
+                     qk_norm: str | None) -> torch.Tensor:
+    """reference.attention's float64 math with Llama 4's chunked mask (query i sees keys j <= i
+    with j // chunk == i // chunk) and, with ``w["sinks"]``, gpt-oss's sinks in HF's eager order
+    (a column of each head's sink logit, softmax, the column dropped)."""
+    B, S, _ = x.shape
+    pos = torch.arange(S)
+    eps = 1e-6
+
+    def rms(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+
+    def proj(name: str, n: int) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
+        if qk_norm == "all" and name in ("q", "k"):
+            y = rms(y, w[f"{name}_norm.weight"])
+        y = y.view(B, S, n, head_dim)
+        if qk_norm == "head" and name in ("q", "k"):
+            y = rms(y, w[f"{name}_norm.weight"])
+        return y.transpose(1, 2)
+
+    q, k = reference.rope(proj("q", nq), pos), reference.rope(proj("k", nkv), pos)
+    g = nq // nkv
+    k, v = k.repeat_interleave(g, 1), proj("v", nkv).repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * head_dim ** -0.5
+    i, j = pos[:, None], pos[None, :]
+    visible = j <= i
+    if window is not None:
+        visible &= j > i - window
+    if chunk is not None:
+        visible &= j // chunk == i // chunk
+    s = s.masked_fill(~visible, float("-inf"))
+    if "sinks" in w:
+        s = torch.cat([s, w["sinks"].reshape(1, -1, 1, 1).expand(B, -1, S, 1)], -1)
+    a = torch.softmax(s, -1)[..., :S] @ v
+    return torch.nn.functional.linear(a.transpose(1, 2).reshape(B, S, -1), w["o_proj.weight"],
+                                      w.get("o_proj.bias"))
+
+
 def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool = False,
                o_bias: bool = False, window: int | None = None, layout: str = "zigzag",
-               causal: bool = True, head_dim: int = HEAD_DIM, qk_norm: str | None = None) -> None:
+               causal: bool = True, head_dim: int = HEAD_DIM, qk_norm: str | None = None,
+               chunk: int | None = None, sinks: bool = False) -> None:
     mesh = dist_pool.mesh(tsp, layout)
     D, p = mesh.size, mesh.rank
     w = full_weights(nq, nkv, qkv_bias, o_bias, head_dim=head_dim, qk_norm=qk_norm)
+    if sinks:  # logits of a few units: the sink takes a large share of each row
+        w["sinks"] = 2 * torch.randn(nq, generator=torch.Generator().manual_seed(3),
+                                     dtype=torch.float64)
     layer = TSPAttention(mesh, HIDDEN, nq, nkv, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
                          sliding_window=window, causal=causal, dtype=torch.float64,
                          qk_norm_eps=None if qk_norm is None else 1e-6, qk_norm_kind="gemma",
-                         qk_norm_all_heads=qk_norm == "all")
+                         qk_norm_all_heads=qk_norm == "all", attention_chunk_size=chunk,
+                         sinks=sinks)
     layer.load_full(w)
+    if sinks:  # sharded with the query heads
+        assert tuple(local(layer.sinks).shape) == (nq // D,), tuple(local(layer.sinks).shape)
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
     dy = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
     ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
     x_ref = x.clone().requires_grad_()
-    y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window,
-                                qk_norm=qk_norm)
+    if chunk is None and not sinks:
+        y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal,
+                                    window=window, qk_norm=qk_norm)
+    else:
+        y_ref = sinks_and_chunks(x_ref, ref_w, nq, nkv, head_dim, window, chunk, qk_norm)
     y_ref.backward(dy)
 
     # pad at the end (causal: padding cannot reach real tokens); zero upstream grad on padding
@@ -92,6 +143,13 @@ CASES = [
     # norms over all heads of a token (OLMo 2: the phased schedule), with K/V slices at D = 4
     dict(nq=8, nkv=2, seq=13, batch=2, qkv_bias=True, o_bias=True, qk_norm="all"),
     dict(nq=4, nkv=1, seq=32, batch=1, window=5, qk_norm="all"),
+    # Llama 4's chunked attention: zigzag chunks (of 4, 6, 12 tokens) cross chunk boundaries
+    dict(nq=4, nkv=2, seq=24, batch=2, chunk=5),
+    # gpt-oss's sinks (the phased schedule): with a sliding window, GQA and biases; with K/V
+    # slices at D = 4, padding and chunks; with per-head q/k norms
+    dict(nq=8, nkv=2, seq=24, batch=2, qkv_bias=True, o_bias=True, window=5, sinks=True),
+    dict(nq=4, nkv=1, seq=13, batch=1, chunk=4, sinks=True),
+    dict(nq=8, nkv=4, seq=16, batch=1, qk_norm="head", sinks=True),
 ]
 
 
@@ -108,11 +166,11 @@ def test_parity_contiguous_layout(pool, tsp):
 
 
 def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool,
-                      all_heads: bool = False):
+                      all_heads: bool = False, sinks: bool = False):
     mesh = dist_pool.mesh(tsp)
     norms = dict(qk_norm_eps=1e-6, qk_norm_all_heads=True) if all_heads else {}
     layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, qkv_bias=qkv_bias, dtype=torch.float64,
-                         **norms)
+                         sinks=sinks, **norms)
     x = torch.randn(batch, seq // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
     pos = position_ids(seq, mesh.rank, tsp)
     with comm.track() as fwd:
@@ -262,17 +320,21 @@ def test_collectives_overlap_the_rounds(pool, tsp, nq, nkv):
         assert bwd.count("gather_done") == heads and bwd.count("bcast_done") == D, bwd
 
 
-@pytest.mark.parametrize("tsp,nq,nkv,bias,all_heads",
-                         [(2, 8, 8, False, False), (4, 8, 2, True, False), (4, 4, 1, False, False),
-                          (4, 8, 4, True, False), (2, 4, 1, True, False), (4, 8, 4, True, True),
-                          (4, 4, 1, True, True)])
-def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads):
+@pytest.mark.parametrize("tsp,nq,nkv,bias,all_heads,sinks",
+                         [(2, 8, 8, False, False, False), (4, 8, 2, True, False, False),
+                          (4, 4, 1, False, False, False), (4, 8, 4, True, False, False),
+                          (2, 4, 1, True, False, False), (4, 8, 4, True, True, False),
+                          (4, 4, 1, True, True, False), (4, 8, 2, True, False, True),
+                          (2, 4, 4, False, False, True)])
+def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads, sinks):
     """Exact calls and bytes of one layer on every rank. With nkv >= D a round broadcasts all four
     projections of a head group; with nkv < D the rounds broadcast q/o only, the key/value slices
     are all-gathered once per pass (and their gradients reduce-scattered once), and each
     key/value head's K/V is gathered once, not once per round that uses it. With q/k norms over
     all heads (the phased schedule) the output projection goes in rounds of its own: twice the
-    broadcasts and reduces, the same bytes; the norms' replicated weight gradients are summed."""
+    broadcasts and reduces, the same bytes; the norms' replicated weight gradients are summed.
+    With attention sinks (also the phased schedule) each round's shard carries its owner's sinks
+    (one logit per head) and their gradient: no collective more, nq/D numbers more per round."""
     D, seq, batch = tsp, 16, 2
     replicas = max(1, D // nkv)
     sliced = int(replicas > 1)
@@ -285,12 +347,13 @@ def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads):
     else:
         shard = (2 * nq_l + 2 * nkv_l) * HEAD_DIM * HIDDEN + bias * (nq_l + 2 * nkv_l) * HEAD_DIM
         kv_weights = 0
+    shard += sinks * nq_l
     kv = 2 * batch * seq * nkv_l * HEAD_DIM
     frac = (D - 1) / D
-    rounds = D * (1 + all_heads)
+    rounds = D * (1 + (all_heads or sinks))
     norms = {"all_reduce": 2} if all_heads else {}
     for fwd, bwd, fwd_bytes, bwd_bytes in pool.run(count_collectives, tsp, nq, nkv, seq, batch,
-                                                   bias, all_heads):
+                                                   bias, all_heads, sinks):
         assert fwd == {"broadcast": rounds, "all_gather": heads_gathered + sliced}, fwd
         assert bwd == {"broadcast": rounds, "all_gather": heads_gathered + sliced,
                        "reduce_scatter": heads_gathered + sliced, "reduce": rounds, **norms}, bwd

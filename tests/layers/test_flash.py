@@ -375,7 +375,7 @@ def test_chunked_packed_documents(size):
 
 
 def test_chunk_errors():
-    with pytest.raises(ValueError, match=r"chunked attention \(attention_chunk_size\) needs causal"):
+    with pytest.raises(ValueError, match=r"\(attention_chunk_size\) needs causal"):
         plan_pieces([(0, 8)], 8, causal=False, window=None, chunk=4)
     with pytest.raises(ValueError, match=r"attention_chunk_size \(0\) must be at least 1"):
         plan_pieces([(0, 8)], 8, causal=True, window=None, chunk=0)

@@ -11,9 +11,10 @@ Decode needs no weight to move: a TSP rank already holds what tensor parallelism
 1. every rank projects its heads' q, k, v; one all-gather gives every rank all heads' q, k, v;
 2. the rank whose turn it is appends the new token's K/V (all heads) to its cache, so the caches
    stay balanced (the rank with the fewest slots takes the next token);
-3. every rank attends all query heads to its own cache slots (split-KV, flash-decoding) and an
-   all-to-all sends each head group's partial output and log-sum-exp to the head's owner, which
-   merges them;
+3. every rank attends all query heads to its own cache slots (split-KV, flash-decoding; a
+   sliding window or Llama 4's chunks hide slots) and an all-to-all sends each head group's
+   partial output and log-sum-exp to the head's owner, which merges them (adding the heads'
+   attention sinks, gpt-oss, once);
 4. the owner applies its rows of o_proj and an all-reduce sums the head groups; the MLP is split
    by channels (gate/up columns, down rows) with one all-reduce; norms are replicated.
 
@@ -44,7 +45,7 @@ from ..distributed import comm
 from ..distributed.mesh import TSPMesh
 from ..distributed.params import local
 from ..layers import rope
-from ..layers.attention import TSPAttention
+from ..layers.attention import AttentionSpec, TSPAttention
 from ..layers.mlp import TSPGatedMLP, _act
 from ..layers.moe import TSPMoE
 from ..layers.norm import NORMS
@@ -181,9 +182,7 @@ class _Decode:
     def attention(self, module: TSPAttention, x: torch.Tensor,
                   position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [B, 1, h] -> [B, 1, h]"""
-        window = module.spec.sliding_window
-        visible = self.valid if window is None else \
-            self.valid & (self.used > self.positions[:, None] - window)
+        visible = visible_slots(module.spec, self.valid, self.used, self.positions)
         cos, sin = position_embeddings
         y = _attention_step(self.parts, self.index[id(module)], module, x[:, 0], cos, sin,
                             self.cache, self.slot, visible)
@@ -301,6 +300,30 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 # -------------------------------------------------------------------------------- decode
 
+def visible_slots(spec: AttentionSpec, valid: torch.Tensor, used: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """Which of this rank's cache slots (``used`` [B, L]: their positions, ``valid``: holding a
+    token) the new token at ``positions`` [B] sees: all of them, or with a sliding window the
+    last ``window`` positions, with chunked attention (Llama 4) those of its own chunk."""
+    visible = valid
+    if spec.sliding_window is not None:
+        visible = visible & (used > positions[:, None] - spec.sliding_window)
+    if spec.chunk_size is not None:
+        visible = visible & (used >= (positions - positions % spec.chunk_size)[:, None])
+    return visible
+
+
+def merge_heads(parts_lse: torch.Tensor, parts_out: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The owner's merge of its heads' partial results from every rank's slots (``parts_lse``
+    [D, B, nq], ``parts_out`` [D, B, nq, d]) by log-sum-exp; with ``sinks`` [nq] (gpt-oss) each
+    head's sink logit joins the denominator once, after the parts are merged."""
+    total = torch.logsumexp(parts_lse, dim=0)
+    if sinks is not None:
+        total = torch.logaddexp(total, sinks.to(total.dtype))
+    return (torch.exp(parts_lse - total).unsqueeze(-1) * parts_out).sum(0)
+
+
 def _attend_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                   scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV attention of every query head [B, nq, d] to this rank's slots k, v
@@ -368,8 +391,7 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group)
     parts_lse, parts_out = recv[..., d], recv[..., :d]               # [D, B, nq], [D, B, nq, d]
-    total = torch.logsumexp(parts_lse, dim=0)
-    merged = (torch.exp(parts_lse - total).unsqueeze(-1) * parts_out).sum(0)
+    merged = merge_heads(parts_lse, parts_out, w.get("sinks"))      # its heads' sinks, if any
     y = merged.to(x.dtype).reshape(B, nq * d) @ w["o_proj.weight"].t()
     comm.all_reduce(y, group)
     if "o_proj.bias" in w:
@@ -428,4 +450,5 @@ def cache_bytes_of(cache: Any) -> int:
     return total
 
 
-__all__ = ["ShardedKVCache", "cache_bytes_of", "check_prompts", "decode_step", "prefill"]
+__all__ = ["ShardedKVCache", "cache_bytes_of", "check_prompts", "decode_step", "merge_heads",
+           "prefill", "visible_slots"]

@@ -438,9 +438,9 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` (with the same ``softcap``) w.r.t. q (local) and
     the packed full-sequence ``kv`` [2, B, Hkv, S, d] (with sinks, ``out`` and ``lse`` are the
-    forward's, sink included, and the sinks' own gradient is :func:`sink_backward`). Every piece's gradients are summed in
-    float32 (float64 for float64 input) whatever the input dtype, as the forward merges its
-    outputs: dQ comes back in q's dtype, dK/dV as that float32 accumulator, packed like ``kv``
+    forward's, sink included, and the sinks' own gradient is :func:`sink_backward`). Every
+    piece's gradients are summed in float32 (float64 for float64 input) whatever the input dtype,
+    as the forward merges its outputs: dQ comes back in q's dtype, dK/dV as that float32 accumulator, packed like ``kv``
     (added into ``dkv`` when given: a key/value head shared by several rounds), for the caller to
     cast once before its reduce-scatter. Full pieces run in :func:`key_blocks`. ``halfway`` is
     called once, when half of the (query, key) pairs are done: the caller's moment to retire one

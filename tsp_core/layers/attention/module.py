@@ -64,7 +64,11 @@ class TSPAttention(ShardedModule):
     optional biases, and with ``qk_norm_eps`` the per-head RMSNorm weights ``q_norm.weight``,
     ``k_norm.weight`` [d] (replicated; applied to every query/key head before RoPE, Qwen3), or
     with ``qk_norm_all_heads`` norms over all heads of a token, [nq*d] and [nkv*d] (OLMo 2; the
-    phased schedule of :mod:`tsp_core.layers.attention.phased`).
+    phased schedule of :mod:`tsp_core.layers.attention.phased`). With ``sinks``, the per-head
+    sink logits ``sinks`` [nq] (gpt-oss: one more softmax column without a value), sharded with
+    the query heads (the phased schedule carries each round's sinks with its shard).
+    ``attention_chunk_size``: a query sees only the keys of its own chunk of that many tokens
+    (Llama 4's chunked local attention; a policy passes it on the layers with RoPE).
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
@@ -78,6 +82,7 @@ class TSPAttention(ShardedModule):
                  scale: float | None = None, qk_norm_eps: float | None = None,
                  qk_norm_kind: str = "llama", softcap: float | None = None,
                  qk_norm_all_heads: bool = False, rope_interleaved: bool = False,
+                 attention_chunk_size: int | None = None, sinks: bool = False,
                  dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
@@ -88,12 +93,16 @@ class TSPAttention(ShardedModule):
                                  f"({hidden_size}) unless head_dim is given")
             head_dim = hidden_size // num_heads
         check_attention_shape(mesh.size, hidden_size, num_heads, num_kv_heads, head_dim)
+        if attention_chunk_size is not None and (not causal or attention_chunk_size < 1):
+            raise ValueError(f"attention_chunk_size ({attention_chunk_size}) needs causal "
+                             f"attention (causal={causal}) and a chunk of at least 1 token")
         self.mesh = mesh
         self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
                                   mesh.layout, causal, sliding_window, scale, qk_norm_eps,
                                   qk_norm_kind, softcap=softcap,
                                   qk_norm_all_heads=qk_norm_all_heads,
-                                  rope_interleaved=rope_interleaved)
+                                  rope_interleaved=rope_interleaved,
+                                  chunk_size=attention_chunk_size, sinks=sinks)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -103,6 +112,8 @@ class TSPAttention(ShardedModule):
             self.full_shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         if o_bias:
             self.full_shapes["o_proj.bias"] = (hidden_size,)
+        if sinks:
+            self.full_shapes["sinks"] = (num_heads,)
         if qk_norm_eps is not None:
             widths = (q, kv) if qk_norm_all_heads else (head_dim, head_dim)
             self.full_shapes.update({n: (w,) for n, w in zip(self.NORMS, widths)})
@@ -118,7 +129,9 @@ class TSPAttention(ShardedModule):
     def extra_repr(self) -> str:
         s = self.spec
         return (f"hidden_size={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
-                f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={s.sliding_window}")
+                f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={s.sliding_window}"
+                + (f", attention_chunk_size={s.chunk_size}" if s.chunk_size is not None else "")
+                + (", sinks=True" if s.sinks else ""))
 
     NORMS = ("q_norm.weight", "k_norm.weight")
 
@@ -133,8 +146,9 @@ class TSPAttention(ShardedModule):
 
     def _weight_names(self) -> list[str]:
         names = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
-        return names + (["q_proj.bias", "k_proj.bias", "v_proj.bias"]
-                        if "q_proj.bias" in self.full_shapes else [])
+        if "q_proj.bias" in self.full_shapes:
+            names += ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+        return names + (["sinks"] if self.spec.sinks else [])  # sharded with the query heads
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -173,7 +187,8 @@ class TSPAttention(ShardedModule):
         if norms:  # replicated: every rank normalises its own tokens, gradients summed
             weights[-2:] = [comm.sum_grad(w, self.mesh.group) for w in weights[-2:]]
         cos, sin = (t.to(x.dtype) for t in position_embeddings)
-        fn = PhasedAttentionFn if s.qk_norm_all_heads else PerGroupAttentionFn
+        # sinks: the phased schedule carries each round's sinks and returns their gradient
+        fn = PhasedAttentionFn if s.qk_norm_all_heads or s.sinks else PerGroupAttentionFn
         with context:
             y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
         if "o_proj.bias" in self.full_shapes:

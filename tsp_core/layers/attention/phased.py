@@ -15,7 +15,14 @@ every group), and the input projections' rounds give dX and the weight gradients
 Each weight is broadcast once per pass, as in the default schedule (the same bytes); what it
 costs is overlap (attention no longer hides the next round's broadcast) and local buffers the
 size of this rank's Q (raw projections, dO and dQ of every group: own tokens only, never another
-rank's weight or K/V: docs/design.md "Memory rules")."""
+rank's weight or K/V: docs/design.md "Memory rules").
+
+Layers with attention sinks run here too, with or without q/k norms (per head or over all heads):
+each round's shard carries its owner's sinks (one logit per head), the attention adds them
+(flash.add_sinks), and their gradient, computed in the attention backward, goes back to the owner
+with the input projections' round gradients. The sinks of every head ([tsp_size, heads per
+rank], num_attention_heads numbers) are kept from the forward for the attention backward, which
+runs before the input projections' rounds bring them again."""
 
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import rope
+from .. import flash, rope
 from ..norm import NORMS
 from .rounds import (
     AttentionSpec,
@@ -46,17 +53,22 @@ def _lse_dtype(x: torch.Tensor) -> torch.dtype:
 def normed_heads(raw: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch.Tensor,
                  sin: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """raw [G, B, L, heads*d]: G head groups' projections, in head order, of the same tokens ->
-    [G, B, heads, L, d] normalised over all G*heads heads of each token, RoPE applied."""
+    [G, B, heads, L, d] normalised over all G*heads heads of each token (``qk_norm_all_heads``),
+    over each head, or not at all (``weight`` None), RoPE applied."""
     G, B, L, _ = raw.shape
     flat = raw.permute(1, 2, 0, 3).reshape(B, L, -1)           # [B, L, all heads * d]: HF's q
-    normed = NORMS[spec.qk_norm_kind](flat, weight, spec.qk_norm_eps)
-    heads_first = normed.view(B, L, G, heads, -1).permute(2, 0, 3, 1, 4)
+    if weight is not None and spec.qk_norm_all_heads:
+        flat = NORMS[spec.qk_norm_kind](flat, weight, spec.qk_norm_eps)
+    heads_first = flat.view(B, L, G, heads, -1)
+    if weight is not None and not spec.qk_norm_all_heads:
+        heads_first = NORMS[spec.qk_norm_kind](heads_first, weight, spec.qk_norm_eps)
+    heads_first = heads_first.permute(2, 0, 3, 1, 4)
     return rope.apply(heads_first, cos, sin, spec.rope_interleaved).contiguous()
 
 
 class PhasedAttentionFn(torch.autograd.Function):
-    """Same arguments as :class:`tsp_core.layers.attention.per_group.PerGroupAttentionFn`; requires
-    the q/k norm weights (the last two of ``weights``) to span all heads."""
+    """Same arguments as :class:`tsp_core.layers.attention.per_group.PerGroupAttentionFn`; with
+    ``spec.sinks`` the sinks follow the projection weights (before the q/k norm weights)."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
@@ -68,8 +80,11 @@ class PhasedAttentionFn(torch.autograd.Function):
         shards = _Shards(proj, spec, group, split_out=True)
         q_raw = x.new_empty(D, B, L, nq * d)            # phase 1: every group's raw projections
         kv_raw = x.new_empty(D // R, 2, B, L, nkv * d)
+        sinks_all = None if shards.sinks is None else shards.sinks.new_empty(D, nq)
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, _, bq, bk, bv = shards.unpack(r, buf)
+            if sinks_all is not None:
+                sinks_all[r] = shards.round_sinks(buf)
             q_raw[r] = F.linear(x, wq, bq)
             if r % R == 0:
                 kv_raw[r // R, 0] = F.linear(x, wk, bk)
@@ -82,7 +97,7 @@ class PhasedAttentionFn(torch.autograd.Function):
         for r in range(D):
             if r % R == R - 1:
                 kvs.start(r // R + 1)  # the next head's K/V arrive while this round attends
-            _attend(r, q_all, out_all, lse_all, kvs)
+            _attend(r, q_all, out_all, lse_all, kvs, None if sinks_all is None else sinks_all[r])
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
         del q_all, kv_all
@@ -90,13 +105,13 @@ class PhasedAttentionFn(torch.autograd.Function):
         for r, buf in _Rounds(shards.out_pack.pack([proj[3]]), group):
             (wo,) = shards.out_pack.unpack(buf)
             y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
-        ctx.spec, ctx.group, ctx.groups = spec, group, groups
+        ctx.spec, ctx.group, ctx.groups, ctx.sinks_all = spec, group, groups, sinks_all
         ctx.save_for_backward(x, cos, sin, q_raw, kv_raw, out_all, lse_all, *weights)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        spec, group, groups = ctx.spec, ctx.group, ctx.groups
+        spec, group, groups, sinks_all = ctx.spec, ctx.group, ctx.groups, ctx.sinks_all
         x, cos, sin, q_raw, kv_raw, out_all, lse_all, *weights = ctx.saved_tensors
         B, L, h = x.shape
         nq, R, D = spec.local_heads, spec.kv_replicas, spec.tsp_size
@@ -111,24 +126,30 @@ class PhasedAttentionFn(torch.autograd.Function):
             do_all[r] = F.linear(dy, wo.t()).view(B, L, nq, -1).transpose(1, 2)
             reduces.send(r, dy2.t() @ _flat(out_all[r]).reshape(B * L, -1))
         go = reduces.finish()
+        norms = [] if qn is None else [qn, kn]
         with torch.enable_grad():                          # the norms and RoPE, recomputed
-            leaves = [t.detach().requires_grad_() for t in (q_raw, kv_raw[:, 0], qn, kn)]
-            q_all = normed_heads(leaves[0], leaves[2], nq, cos, sin, spec)
-            k_all = normed_heads(leaves[1], leaves[3], spec.local_kv_heads, cos, sin, spec)
+            leaves = [t.detach().requires_grad_() for t in (q_raw, kv_raw[:, 0], *norms)]
+            qn_l, kn_l = leaves[2:] if norms else (None, None)
+            q_all = normed_heads(leaves[0], qn_l, nq, cos, sin, spec)
+            k_all = normed_heads(leaves[1], kn_l, spec.local_kv_heads, cos, sin, spec)
         q_fixed = q_all.detach()
         kv_all = torch.stack([k_all.detach(), _v_heads(kv_raw, spec)], 1)
         dq_all, dkv_all = torch.empty_like(q_fixed), torch.empty_like(kv_all)
         kvs = _KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
         kvs.start(0)
+        sinks_grad = None if sinks_all is None else torch.empty_like(sinks_all)
         for r in range(D):                                 # attention, no weights move
             dq_all[r] = _attend_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs, dkv_sum)
+            if sinks_grad is not None:
+                sinks_grad[r] = flash.sink_backward(do_all[r], out_all[r], lse_all[r],
+                                                    sinks_all[r])
             if r % R == 0 and r:  # the previous head's dK/dV, sent during this round
                 dkv_all[r // R - 1] = kvs.scattered(r // R - 1)
         dkv_all[(D - 1) // R] = kvs.scattered((D - 1) // R)
         del do_all, kv_all, kvs
-        dq_raw, dk_raw, gqn, gkn = torch.autograd.grad((q_all, k_all), leaves,
-                                                        (dq_all, dkv_all[:, 0]))
+        dq_raw, dk_raw, *norm_grads = torch.autograd.grad((q_all, k_all), leaves,
+                                                           (dq_all, dkv_all[:, 0]))
         dv_raw = _flat_groups(dkv_all[:, 1])
         del dq_all, dkv_all, q_all, k_all, q_fixed
         kv_grads = shards.kv_grad_buffers() if shards.sliced else []
@@ -144,9 +165,10 @@ class PhasedAttentionFn(torch.autograd.Function):
             if r % R == R - 1:
                 shards.add_kv_grads(j, dk_raw[j].reshape(B * L, -1), dv_raw[j].reshape(B * L, -1),
                                     x2, wk, wv, dx2, grads, kv_grads)
-            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads)))
+            round_sinks_grad = None if sinks_grad is None else sinks_grad[r]
+            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads, round_sinks_grad)))
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads, go)
-        return (dx, None, None, None, None, None, None, *grads, gqn, gkn)
+        return (dx, None, None, None, None, None, None, *grads, *norm_grads)
 
 
 def _normed(q_raw: torch.Tensor, kv_raw: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor,

@@ -41,6 +41,11 @@ class AttentionSpec:
     # the q/k norms span all heads of a token (OLMo 2), not each head: phased.py
     qk_norm_all_heads: bool = False
     rope_interleaved: bool = False     # RoPE on channel pairs (2i, 2i+1): GLM-4, Ernie 4.5
+    # a query sees only the keys of its own chunk of this many tokens (Llama 4; flash.py)
+    chunk_size: int | None = None
+    # a learned per-head logit in the softmax denominator (gpt-oss's ``sinks`` [num_heads],
+    # sharded with the heads and broadcast with their round's shard: flash.add_sinks)
+    sinks: bool = False
 
     @property
     def local_heads(self) -> int:
@@ -131,7 +136,7 @@ def _row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
                 spec: AttentionSpec) -> list[_RowGroup]:
     def pieces(d: tuple[int, ...] | None):
         segs = row_segments(d or (seq,), rank, spec.tsp_size, spec.layout)
-        return flash.plan_pieces(segs, seq, spec.causal, spec.sliding_window)
+        return flash.plan_pieces(segs, seq, spec.causal, spec.sliding_window, spec.chunk_size)
 
     if docs is None:
         return [_RowGroup(slice(None), None, pieces(None))]
@@ -153,10 +158,16 @@ class _Shards:
     slice of the key/value rows instead of a copy of a whole head, so every weight exists once
     (gradient norms, checkpoints and optimizer state count it once); the slices are all-gathered
     once per pass, the rounds broadcast only the query and output projections, and the weight
-    gradients of the slices are reduce-scattered back at the end."""
+    gradients of the slices are reduce-scattered back at the end.
+
+    With sinks (``spec.sinks``: the last of ``weights``), each round's pack ends with its owner's
+    sinks (one logit per head of the group: :meth:`round_sinks`), and their gradient goes back to
+    the owner with the round's other gradients (:meth:`round_grads`)."""
 
     def __init__(self, weights: Sequence[torch.Tensor], spec: AttentionSpec,
                  group: dist.ProcessGroup, split_out: bool = False) -> None:
+        weights = list(weights)
+        self.sinks = weights.pop() if spec.sinks else None
         wq, wk, wv, wo, *b = weights
         self.spec, self.group, self.bias = spec, group, bool(b)
         self.sliced = spec.kv_replicas > 1
@@ -166,6 +177,8 @@ class _Shards:
         if split_out:
             self.round = [w for w in self.round if w is not wo]
             self.out_pack = FlatPack([wo.shape])
+        if self.sinks is not None:
+            self.round.append(self.sinks)
         self.round_pack = FlatPack([w.shape for w in self.round])
         self.kv_rows = spec.num_kv_heads * spec.head_dim
         self.kv_full: list[torch.Tensor] = []
@@ -187,6 +200,8 @@ class _Shards:
         """Round ``r``'s (wq, wk, wv, wo, bq, bk, bv); absent biases (and wo when split out)
         are None."""
         parts = self.round_pack.unpack(buf)
+        if self.sinks is not None:
+            parts.pop()
         if self.split_out:
             parts.insert(1 if self.sliced else 3, None)
         if not self.sliced:
@@ -198,14 +213,20 @@ class _Shards:
         kv = [t[rows] for t in self.kv_full] + [None] * (4 - len(self.kv_full))
         return (wq, kv[0], kv[1], wo, *(bq or [None]), kv[2], kv[3])
 
-    def round_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Of round weight gradients (wq, wk, wv, wo, bq, bk, bv), those the round's owner
-        receives (in ``round_pack`` order)."""
+    def round_sinks(self, buf: torch.Tensor) -> torch.Tensor:
+        """The sinks [heads of the group] in round buffer ``buf`` (its owner's)."""
+        return self.round_pack.unpack(buf)[-1]
+
+    def round_grads(self, grads: list[torch.Tensor | None],
+                    sinks_grad: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Of round weight gradients (wq, wk, wv, wo, bq, bk, bv) and, with sinks, the round's
+        sinks gradient, those the round's owner receives (in ``round_pack`` order)."""
         gq, gk, gv, go, bq, bk, bv = grads
         out = [] if self.split_out else [go]
+        tail = [] if self.sinks is None else [sinks_grad]
         if self.sliced:
-            return [gq, *out] + ([bq] if self.bias else [])
-        return [gq, gk, gv, *out] + ([bq, bk, bv] if self.bias else [])
+            return [gq, *out] + ([bq] if self.bias else []) + tail
+        return [gq, gk, gv, *out] + ([bq, bk, bv] if self.bias else []) + tail
 
     def add_kv_grads(self, j: int, dk: torch.Tensor, dv: torch.Tensor, x2: torch.Tensor,
                      wk: torch.Tensor, wv: torch.Tensor, dx2: torch.Tensor,
@@ -228,13 +249,14 @@ class _Shards:
         round gradients ``own`` (``round_pack`` order), the key/value slices' accumulators and,
         when the output projection is split out, its gradient ``go``."""
         own = list(own)
+        tail = [] if self.sinks is None else [own.pop()]
         if self.split_out:
             own.insert(1 if self.sliced else 3, go)
         if not self.sliced:
-            return own
+            return own + tail
         gk, gv, *gb = self.scatter_kv_grads(kv_grads)
         gq, go, *gbq = own
-        return [gq, gk, gv, go] + ([gbq[0], gb[0], gb[1]] if self.bias else [])
+        return [gq, gk, gv, go] + ([gbq[0], gb[0], gb[1]] if self.bias else []) + tail
 
     def kv_grad_buffers(self) -> list[torch.Tensor]:
         """Zeroed padded full-row accumulators for the key/value weight gradients (sliced)."""
@@ -333,17 +355,25 @@ class _KVGathers:
         self._scattered[j] = _by_rows([(rows, p.wait()) for rows, p in parts], self.kv_all[j])
 
 
+def _check_round_sinks(spec: AttentionSpec, sinks: torch.Tensor | None) -> None:
+    if spec.sinks and sinks is None:
+        raise RuntimeError("this layer has attention sinks but its schedule passed none to the "
+                           "round's attention: TSPAttention runs sinks on the phased schedule")
+
+
 def _attend(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.Tensor,
-            kvs: _KVGathers) -> None:
+            kvs: _KVGathers, sinks: torch.Tensor | None = None) -> None:
     """Round ``r``'s attention: the local queries of head group r against the whole sequence's
     K/V of its key/value head j (from ``kvs``, dropped after j's last round); writes
-    ``out_all[r]`` and ``lse_all[r]``."""
+    ``out_all[r]`` and ``lse_all[r]`` (with ``sinks``, the group's sink logits, both include the
+    sink: flash.add_sinks)."""
     spec = kvs.spec
+    _check_round_sinks(spec, sinks)
     R = spec.kv_replicas
     j = r // R
     for g, kv in zip(kvs.groups, kvs.get(j)):
         o, lse = flash.attention_forward(q_all[r][g.rows], kv[0], kv[1], g.pieces,
-                                         spec.softmax_scale, softcap=spec.softcap)
+                                         spec.softmax_scale, softcap=spec.softcap, sinks=sinks)
         out_all[r][g.rows], lse_all[r][g.rows] = o, lse
     if r % R == R - 1:
         kvs.drop(j)
@@ -358,7 +388,8 @@ def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: tor
     round the previous head's reduce-scatter is waited for and the next head's gather started
     (:meth:`_KVGathers.halfway`); after j's last round its K/V are dropped and its dK/dV sent to
     the token owners (``kvs.scattered(j)`` returns them, for the caller's key/value projection
-    backward one round later)."""
+    backward one round later). With sinks, ``out_all``/``lse_all`` already include them (the
+    pieces' backward needs nothing more); their own gradient is flash.sink_backward's."""
     spec = kvs.spec
     R = spec.kv_replicas
     j, first, last = r // R, r % R == 0, r % R == R - 1
