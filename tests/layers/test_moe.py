@@ -291,6 +291,32 @@ def test_glm4_moe_build_exercises_every_feature():
     assert_close(w, 2.5 * unscaled, 1e-15, "routed_scaling_factor")
 
 
+def glm4_moe_variants(tsp: int) -> None:
+    """GLM-4.5 with its options off (no q/k norms, a single group, scaling 1):
+    one float64 step's loss to 1e-10 and every first-step gradient to 1e-10, at ``tsp``."""
+    mesh = dist_pool.mesh(tsp)
+    torch.manual_seed(4)
+    ref = glm4_moe(use_qk_norm=False, n_group=1, routed_scaling_factor=1.0)
+    ref.set_experts_implementation("eager")
+    ref = ref.to(torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    assert not any("q_norm" in n for n in ref.state_dict())
+    ids, labels = next(batches(ref.config.vocab_size, 2, 16, 1))
+    expected = reference_loss(ref, ids, labels)
+    out = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh))
+    assert_loss(out.loss.item(), expected.item(), f"glm4_moe without options at tsp {tsp}")
+    expected.backward()
+    out.loss.backward()
+    assert_grads_close(hf_models.full_grads(model),
+                       {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
+                       f"glm4_moe without options at tsp {tsp}")
+    dist.barrier()
+
+
+def test_glm4_moe_with_its_options_off(pools):
+    pools.of(2).run(glm4_moe_variants, 2)
+
+
 # ------------------------------------------------------------------------- greedy generation
 
 def greedy_generation(family: str, tsp: int, lengths: list[int], new: int,
@@ -694,6 +720,8 @@ def refusals() -> list[str]:
     refused(glm4_moe(n_group=4, num_experts_per_tok=3),
             r"topk_group \(1\) must be between 1 and n_group \(4\) and its groups must hold "
             r"the top 3 \(1 x 2 experts\)")
+    refused(glm4_moe(n_shared_experts=0),
+            r"config\.n_shared_experts=0: .* use n_shared_experts >= 1")
     refused(glm4_moe(moe_intermediate_size=6),
             r"tsp_size \(4\) must divide the shared experts' intermediate size \(6\)")
     expect(r"n_group \(2\), topk_group \(1\) and the correction bias \(False\) belong to the "

@@ -21,6 +21,11 @@ def _qk_norm(config):
 
 
 def _router(config):
+    if not config.n_shared_experts:  # Hugging Face then keeps a shared MLP of 0 channels
+        raise ValueError(f"config.n_shared_experts={config.n_shared_experts!r}: Hugging Face's "
+                         f"GLM-4.5 then keeps empty shared_experts weights (0 channels), which "
+                         f"TSP does not take; use n_shared_experts >= 1 (every released GLM-4.5 "
+                         f"has 1)")
     return dict(router="sigmoid", routed_scaling=float(config.routed_scaling_factor),
                 n_group=config.n_group, topk_group=config.topk_group, correction_bias=True,
                 shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
