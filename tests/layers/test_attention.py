@@ -409,3 +409,14 @@ def test_size_errors_list_exactly_the_sizes_that_work():
             accepted = False
             assert "; valid tsp_size values for 6 experts: 1, 2, 3, 6; or moe_schedule" in str(e)
         assert accepted == (d in (1, 2, 3, 6)), d
+
+
+def test_chunk_errors_before_any_collective():
+    # raised when the layer is built (a mesh with no process group behind it)
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=r"^attention_chunk_size \(4\) needs causal attention "
+                                         r"\(causal=False\) and a chunk of at least 1 token$"):
+        TSPAttention(SimpleNamespace(size=2), 16, 4, 2, 8, causal=False, attention_chunk_size=4)
+    with pytest.raises(ValueError, match=r"^attention_chunk_size \(0\) needs causal"):
+        TSPAttention(SimpleNamespace(size=2), 16, 4, 2, 8, attention_chunk_size=0)
