@@ -293,7 +293,8 @@ def test_glm4_moe_build_exercises_every_feature():
 
 def glm4_moe_variants(tsp: int) -> None:
     """GLM-4.5 with its options off (no q/k norms, a single group, scaling 1):
-    one float64 step's loss to 1e-10 and every first-step gradient to 1e-10, at ``tsp``."""
+    one float64 step's loss to 1e-10 and every first-step gradient to 1e-10, at ``tsp``; and in
+    bf16 with its float32 router."""
     mesh = dist_pool.mesh(tsp)
     torch.manual_seed(4)
     ref = glm4_moe(use_qk_norm=False, n_group=1, routed_scaling_factor=1.0)
@@ -310,6 +311,28 @@ def glm4_moe_variants(tsp: int) -> None:
     assert_grads_close(hf_models.full_grads(model),
                        {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
                        f"glm4_moe without options at tsp {tsp}")
+    # bf16 as from_pretrained loads it: the router weight and the correction bias stay float32
+    # (_keep_in_fp32_modules_strict), in TSP and in its full state dict; the loss is HF's to
+    # bf16 noise (measured 1.4e-5 relative at tsp 2)
+    torch.manual_seed(4)
+    ref = glm4_moe()
+    ref.set_experts_implementation("eager")
+    ref = ref.to(torch.bfloat16)
+    with torch.no_grad():
+        for module in ref.modules():
+            if type(module).__name__ == "Glm4MoeTopkRouter":
+                module.weight.data = module.weight.data.float()
+                module.e_score_correction_bias.data = module.e_score_correction_bias.float()
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=labels).loss.item()
+        got = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)).loss
+    full = tsp_core.full_state_dict(model)
+    for name in ("gate.weight", "gate.e_score_correction_bias"):
+        name = f"model.layers.1.mlp.{name}"
+        assert full[name].dtype == torch.float32, (name, full[name].dtype)
+        assert torch.equal(full[name], ref.state_dict()[name]), name
+    assert abs(got.item() - want) <= 1e-3 * abs(want), (got.item(), want)
     dist.barrier()
 
 
