@@ -410,3 +410,31 @@ def test_sinks_shape_error():
     with pytest.raises(ValueError, match=r"sinks of shape \(2,\) do not match the 4 query heads"):
         attention_forward(q, q, q, plan_pieces([(0, 8)], 8, True, None), 1.0,
                           sinks=torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_sinks_bf16_native_kernel(chunk):
+    """In bf16 the pieces run the native (CPU flash) kernel, whose backward gets the merged output
+    and an LSE that includes the sink, not its own: output, dQ/dK/dV and the sinks' gradient
+    equal the float64 math to bf16 precision (inputs rounded to bf16 once)."""
+    seq, scale, size = 48, 8 ** -0.5, 2
+    gen = torch.Generator().manual_seed(11)
+    for p in range(size):
+        segs = local_segments(seq, p, size, "zigzag")
+        rows = [t for a, b in segs for t in range(a, b)]
+        pieces = plan_pieces(segs, seq, True, None, chunk)
+        q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64).bfloat16()
+        kv = torch.randn(2, 2, 2, seq, 8, generator=gen, dtype=torch.float64).bfloat16()
+        sinks = (2 * torch.randn(4, generator=gen, dtype=torch.float64)).bfloat16()
+        assert flash.kernel_for(q) == "cpu"
+        out, lse = attention_forward(q, kv[0], kv[1], pieces, scale, sinks=sinks)
+        do = torch.randn(out.shape, generator=gen, dtype=torch.float64).bfloat16()
+        dq, dkv = attention_backward(do, q, kv, out, lse, pieces, scale)
+        ds = flash.sink_backward(do, out, lse, sinks)
+        assert out.dtype == dq.dtype == ds.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        qr, kr, vr, sr = (t.double().requires_grad_() for t in (q, kv[0], kv[1], sinks))
+        ref = explicit(qr, kr, vr, rows, True, None, scale, chunk=chunk, sinks=sr)
+        assert_close(out.double(), ref.detach(), 2e-2, "bf16 output")
+        expected = torch.autograd.grad(ref, (qr, kr, vr, sr), do.double())
+        for name, a, b in zip(["dq", "dk", "dv", "dsinks"], (dq, dkv[0], dkv[1], ds), expected):
+            assert_close(a.double(), b, 3e-2, f"bf16 {name}")
