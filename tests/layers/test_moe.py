@@ -289,6 +289,14 @@ def test_glm4_moe_build_exercises_every_feature():
         assert changed >= 4, f"{what} changes {changed} tokens' experts: too few to be seen"
     unscaled = route(logits, dataclasses.replace(spec, routed_scaling=1.0), bias)[0]
     assert_close(w, 2.5 * unscaled, 1e-15, "routed_scaling_factor")
+    # the tensor-parallel baselines' experts know only the softmax router: refused, not run
+    from tsp_core.baselines.moe import check_moe
+    from tsp_core.models.policies import find_policy
+
+    with pytest.raises(NotImplementedError, match=r"glm4_moe: the tensor-parallel experts run "
+                                                  r"the softmax router .* not the sigmoid router "
+                                                  r"with 16 shared channels"):
+        check_moe(c, find_policy(model), 2)
 
 
 def glm4_moe_variants(tsp: int) -> None:
