@@ -71,12 +71,6 @@ def check_moe(config, policy: DecoderPolicy, tp: int) -> None:
     if f % tp:
         raise ValueError(f"tensor-parallel size ({tp}) must divide {policy.moe.intermediate_size} "
                          f"({f}): each rank holds 1/{tp} of every expert's channels")
-    spec = policy.moe.spec(config, tp)
-    if spec.router != "softmax" or spec.shared_intermediate_size:
-        raise NotImplementedError(f"{policy.name}: the tensor-parallel experts run the softmax "
-                                  f"router without shared experts, not the {spec.router} router "
-                                  f"with {spec.shared_intermediate_size} shared channels; train "
-                                  f"it with TSP (docs/moe.md)")
     jitter = getattr(config, "router_jitter_noise", 0) or 0
     if jitter:
         raise NotImplementedError(f"router_jitter_noise ({jitter}) is random noise on the "
