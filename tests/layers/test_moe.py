@@ -756,6 +756,15 @@ def refusals() -> list[str]:
             r"config\.n_shared_experts=0: .* use n_shared_experts >= 1")
     refused(glm4_moe(moe_intermediate_size=6),
             r"tsp_size \(4\) must divide the shared experts' intermediate size \(6\)")
+    # its float32 router in a bf16 model cannot go to FSDP2 (one dtype per layer)
+    bf16 = glm4_moe().to(torch.bfloat16)
+    for name, p in bf16.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.data = p.data.float()
+    fsdp = dist_pool.mesh(2, dp_shard=2)
+    expect(r"the model's routers are float32 and its other parameters \['torch\.bfloat16'\]: "
+           r"FSDP2 \(fsdp_size 2\) needs one dtype per decoder layer; cast the model to one dtype",
+           lambda: tsp_core.parallelize(bf16, fsdp))
     expect(r"n_group \(2\), topk_group \(1\) and the correction bias \(False\) belong to the "
            r"\"sigmoid\" router", lambda: TSPMoE(mesh, 32, 16, 8, 2, n_group=2,
                                                   dtype=torch.float64))
