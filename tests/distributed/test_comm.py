@@ -11,13 +11,6 @@ from tsp_core import comm
 from tsp_core.sequence.layout import shard_sequence
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def probe(tsp: int) -> dict:
     mesh = dist_pool.mesh(tsp)
     g, D, p = mesh.group, mesh.size, mesh.rank

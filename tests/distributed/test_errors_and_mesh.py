@@ -17,13 +17,6 @@ from tsp_core import TSPAttention, TSPGatedMLP, TSPMesh, comm, guard, init_mesh
 from tsp_core.distributed.mesh import check_mesh_shape
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def _expect(fn, pattern: str) -> str:
     with comm.track() as stats:
         with pytest.raises(ValueError, match=pattern) as info:

@@ -16,10 +16,8 @@ from tsp_core import TSPAttention, TSPGatedMLP, comm, guard
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(2, timeout=90)
-    yield p
-    p.close()
+def pool(pools):
+    return pools.of(2, timeout=90)
 
 
 def _debug(on: bool) -> None:

@@ -344,13 +344,6 @@ def test_resume_from_checkpoint_is_exact(tmp_path, saved_llama):
         assert torch.equal(resumed_w[name], t), name
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def shard_on_read(tsp: int, path: str) -> int:
     from transformers import AutoModelForCausalLM
 

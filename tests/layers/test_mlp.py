@@ -14,13 +14,6 @@ from tsp_core.sequence.layout import shard_sequence
 HIDDEN, FFN = 16, 48
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def run_parity(tsp: int, activation: str, bias: bool, seq: int, batch: int) -> None:
     mesh = dist_pool.mesh(tsp)
     D, p = mesh.size, mesh.rank

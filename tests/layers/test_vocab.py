@@ -17,13 +17,6 @@ from tsp_core.sequence.layout import shard_sequence
 HIDDEN = 8
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def run_parity(tsp: int, vocab: int, tied: bool, padding_idx: int | None,
                softcap: float | None = None) -> dict:
     mesh = dist_pool.mesh(tsp)

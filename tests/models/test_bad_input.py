@@ -20,10 +20,8 @@ from tsp_core.models.parallelize import shard_full_batches
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(2, timeout=120)
-    yield p
-    p.close()
+def pool(pools):
+    return pools.of(2, timeout=120)
 
 
 def matrix() -> list[str]:

@@ -23,13 +23,6 @@ from tsp_core.sequence.layout import shard_batch
 ROWS = ([1, 5, 17, 64, 200], [200, 64, 17, 5, 1])
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def packed_row(lengths: list[int], vocab: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     docs = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]

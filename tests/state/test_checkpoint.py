@@ -19,13 +19,6 @@ from tsp_core.distributed.params import local
 from tsp_core.sequence.layout import shard_sequence
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def round_trip(family: str, tsp: int, path: str) -> dict:
     from transformers import AutoModelForCausalLM
 

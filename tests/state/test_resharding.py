@@ -22,13 +22,6 @@ from tests.support.reference import assert_close
 ROWS = 4  # the global batch: data-parallel replicas (1, 2 or 4) split it, each its own rows
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def batch(step: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (ROWS, 16), generator=torch.Generator().manual_seed(100 + step))
 
