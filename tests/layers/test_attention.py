@@ -18,13 +18,6 @@ from tsp_core.sequence.layout import pad_to_multiple, position_ids, shard_sequen
 HIDDEN, HEAD_DIM = 24, 8
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = dist_pool.DistPool(4)
-    yield p
-    p.close()
-
-
 def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
                  head_dim: int = HEAD_DIM, qk_norm: str | None = None):
     gen = torch.Generator().manual_seed(seed)
