@@ -10,7 +10,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
             "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
-            "ernie4_5", "apertus")
+            "ernie4_5", "apertus", "hunyuan_v1_dense")
 # every family runs Hugging Face's SDPA attention, float64 throughout: the eager attention of
 # OLMo 3, Seed-OSS, EXAONE 4 and SmolLM3 computes its softmax in float32 even in a float64 model
 # (only Gemma 2, whose soft-capping exists only in eager, runs a float64 copy: use_exact_eager;
@@ -141,12 +141,19 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         for layer in model.model.layers:  # xIELU's beta and eps buffers off their defaults
             layer.mlp.act_fn.beta.fill_(0.4 + 0.05 * torch.rand(()).item())
             layer.mlp.act_fn.eps.fill_(-1e-3 * (1 + torch.rand(()).item()))
+    elif family == "hunyuan_v1_dense":  # per-head q/k norms after RoPE, q/k/v/o biases, head_dim
+        from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM  # 24, NTK alpha
+
+        rope = dict(rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0)  # static: "ntk_alpha"
+        model = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(
+            vocab_size=96, head_dim=24, attention_bias=True, rope_parameters=rope, **common))
     else:
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
     if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
-                  "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus"):
+                  "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus",
+                  "hunyuan_v1_dense"):
         # norms and biases away from their initial ones/zeros: a weight applied the wrong way
         # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():

@@ -367,6 +367,9 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
 
     q_all = heads(q_all, D * nq)
     k_all = heads(k_all, spec.num_kv_heads)
+    if spec.qk_norm_after_rope:              # Hunyuan dense: the per-head norms after RoPE
+        q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)
+        k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)
     if spec.qk_norm_eps is not None:         # per head (Qwen3, Gemma 3) or over all (OLMo 2)
         norm = NORMS[spec.qk_norm_kind]
 
@@ -375,9 +378,11 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
                 return norm(t, weight, spec.qk_norm_eps)
             return norm(t.reshape(B, -1), weight, spec.qk_norm_eps).view(t.shape)
 
-        q_all, k_all = normed(q_all, w["q_norm.weight"]), normed(k_all, w["k_norm.weight"])
-    q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)[:, :, 0]  # [B, nq_total, d]
-    k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)[:, :, 0]
+        q_all, k_all = normed(q_all, w[attn.NORMS[0]]), normed(k_all, w[attn.NORMS[1]])
+    if not spec.qk_norm_after_rope:
+        q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)
+        k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)
+    q_all, k_all = q_all[:, :, 0], k_all[:, :, 0]                     # [B, nq_total, d]
     v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
     if slot is not None:                                              # this rank's turn
         cache.keys[i][:, :, slot] = k_all

@@ -580,6 +580,8 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn, c),
             qk_norm_kind=policy.norm, softcap=_softcap(policy.attn_softcap, c),
             qk_norm_all_heads=policy.qk_norm_all_heads,
+            qk_norm_after_rope=policy.head_norms_after_rope,
+            qk_norm_names=policy.head_norms or ("q_norm", "k_norm"),
             rope_interleaved=policy.rope_interleaved, init_seed=None, **opts)
         new_attn.rotary = bool(policy.rotary(c, attn))
         replace(layer, policy.attention, new_attn)

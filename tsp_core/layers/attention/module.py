@@ -82,6 +82,8 @@ class TSPAttention(ShardedModule):
                  scale: float | None = None, qk_norm_eps: float | None = None,
                  qk_norm_kind: str = "llama", softcap: float | None = None,
                  qk_norm_all_heads: bool = False, rope_interleaved: bool = False,
+                 qk_norm_after_rope: bool = False,
+                 qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"),
                  attention_chunk_size: int | None = None, sinks: bool = False,
                  dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
@@ -96,11 +98,16 @@ class TSPAttention(ShardedModule):
         if attention_chunk_size is not None and (not causal or attention_chunk_size < 1):
             raise ValueError(f"attention_chunk_size ({attention_chunk_size}) needs causal "
                              f"attention (causal={causal}) and a chunk of at least 1 token")
+        if qk_norm_after_rope and qk_norm_all_heads:
+            raise ValueError("qk_norm_after_rope is implemented for per-head q/k norms only, not "
+                             "with qk_norm_all_heads")
+        self.NORMS = tuple(f"{n}.weight" for n in qk_norm_names)  # the q/k norms' HF names
         self.mesh = mesh
         self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
                                   mesh.layout, causal, sliding_window, scale, qk_norm_eps,
                                   qk_norm_kind, softcap=softcap,
                                   qk_norm_all_heads=qk_norm_all_heads,
+                                  qk_norm_after_rope=qk_norm_after_rope,
                                   rope_interleaved=rope_interleaved,
                                   chunk_size=attention_chunk_size, sinks=sinks)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),

@@ -14,17 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import rope
 from .rounds import (
     AttentionSpec,
     _attend,
     _attend_backward,
     _flat,
-    _head_norm,
-    _head_norm_backward,
     _heads,
     _KVGathers,
     _OwnerReduces,
+    _rotated,
+    _rotated_backward,
     _Rounds,
     _row_groups,
     _Shards,
@@ -63,12 +62,10 @@ class PerGroupAttentionFn(torch.autograd.Function):
             """Round r's queries and, in the first round of its key/value head, that head's K/V,
             whose gather starts at once; returns the round's output projection."""
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
-            q_all[r] = rope.apply(_head_norm(_heads(F.linear(x, wq, bq), nq), qn, spec), cos, sin,
-                                  spec.rope_interleaved)
+            q_all[r] = _rotated(_heads(F.linear(x, wq, bq), nq), qn, cos, sin, spec)
             if r % R == 0:
                 j = r // R
-                kv_all[j, 0] = rope.apply(_head_norm(_heads(F.linear(x, wk, bk), nkv), kn, spec),
-                                          cos, sin, spec.rope_interleaved)
+                kv_all[j, 0] = _rotated(_heads(F.linear(x, wk, bk), nkv), kn, cos, sin, spec)
                 kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
                 kvs.start(j)
             return wo
@@ -115,9 +112,9 @@ class PerGroupAttentionFn(torch.autograd.Function):
             the round's weight gradients on their way to the owner."""
             if r % R == R - 1:
                 dkv = kvs.scattered(r // R)
-                dk = rope.apply_backward(dkv[0], cos, sin, spec.rope_interleaved)
-                if kn is not None:
-                    dk, g = _head_norm_backward(_heads(F.linear(x, wk, bk), nkv), kn, spec, dk)
+                pre = None if kn is None else _heads(F.linear(x, wk, bk), nkv)  # recomputed
+                dk, g = _rotated_backward(pre, kn, cos, sin, spec, dkv[0])
+                if g is not None:
                     norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
                 shards.add_kv_grads(r // R, _flat(dk).reshape(B * L, -1),
                                     _flat(dkv[1]).reshape(B * L, -1), x2, wk, wv, dx2, grads,
@@ -132,9 +129,9 @@ class PerGroupAttentionFn(torch.autograd.Function):
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
             dq = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
             del do
-            dq = rope.apply_backward(dq, cos, sin, spec.rope_interleaved)
-            if qn is not None:
-                dq, g = _head_norm_backward(_heads(F.linear(x, wq, bq), nq), qn, spec, dq)
+            pre = None if qn is None else _heads(F.linear(x, wq, bq), nq)  # recomputed
+            dq, g = _rotated_backward(pre, qn, cos, sin, spec, dq)
+            if g is not None:
                 norm_grads[0] = g if norm_grads[0] is None else norm_grads[0] + g
             dq = _flat(dq).reshape(B * L, -1)
             dx2.addmm_(dq, wq)

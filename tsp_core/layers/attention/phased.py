@@ -39,6 +39,7 @@ from .rounds import (
     _flat,
     _KVGathers,
     _OwnerReduces,
+    _rotated,
     _Rounds,
     _row_groups,
     _Shards,
@@ -59,10 +60,9 @@ def normed_heads(raw: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch
     flat = raw.permute(1, 2, 0, 3).reshape(B, L, -1)           # [B, L, all heads * d]: HF's q
     if weight is not None and spec.qk_norm_all_heads:
         flat = NORMS[spec.qk_norm_kind](flat, weight, spec.qk_norm_eps)
-    heads_first = flat.view(B, L, G, heads, -1)
-    if weight is not None and not spec.qk_norm_all_heads:
-        heads_first = NORMS[spec.qk_norm_kind](heads_first, weight, spec.qk_norm_eps)
-    heads_first = heads_first.permute(2, 0, 3, 1, 4)
+    heads_first = flat.view(B, L, G, heads, -1).permute(2, 0, 3, 1, 4)
+    if weight is not None and not spec.qk_norm_all_heads:  # each head's, before or after RoPE
+        return _rotated(heads_first, weight, cos, sin, spec).contiguous()
     return rope.apply(heads_first, cos, sin, spec.rope_interleaved).contiguous()
 
 

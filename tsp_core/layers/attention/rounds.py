@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ...distributed import comm
 from ...distributed.chunks import row_segments
 from ...distributed.flat_pack import FlatPack
-from .. import flash
+from .. import flash, rope
 from ..norm import NORMS
 
 
@@ -40,6 +40,8 @@ class AttentionSpec:
     softcap: float | None = None       # scores tanh(s / softcap) * softcap (Gemma 2; flash.py)
     # the q/k norms span all heads of a token (OLMo 2), not each head: phased.py
     qk_norm_all_heads: bool = False
+    # the per-head q/k norms come after RoPE instead of before it (Hunyuan dense)
+    qk_norm_after_rope: bool = False
     rope_interleaved: bool = False     # RoPE on channel pairs (2i, 2i+1): GLM-4, Ernie 4.5
     # a query sees only the keys of its own chunk of this many tokens (Llama 4; flash.py)
     chunk_size: int | None = None
@@ -281,6 +283,30 @@ def _split_norms(weights: Sequence[torch.Tensor], spec: AttentionSpec):
 
 def _head_norm(t: torch.Tensor, weight: torch.Tensor | None, spec: AttentionSpec) -> torch.Tensor:
     return t if weight is None else NORMS[spec.qk_norm_kind](t, weight, spec.qk_norm_eps)
+
+
+def _rotated(t: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             spec: AttentionSpec) -> torch.Tensor:
+    """q or k heads [B, heads, L, d], per-head normed (``weight`` None: not) and rotated, in the
+    family's order: the norm before RoPE, or after it (``qk_norm_after_rope``)."""
+    if spec.qk_norm_after_rope:
+        return _head_norm(rope.apply(t, cos, sin, spec.rope_interleaved), weight, spec)
+    return rope.apply(_head_norm(t, weight, spec), cos, sin, spec.rope_interleaved)
+
+
+def _rotated_backward(pre: torch.Tensor | None, weight: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, spec: AttentionSpec,
+                      grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`_rotated` w.r.t. its input ``pre`` (recomputed by the caller, only
+    when there is a norm) and the norm weight (None without one)."""
+    if weight is None:
+        return rope.apply_backward(grad, cos, sin, spec.rope_interleaved), None
+    if spec.qk_norm_after_rope:
+        grad, g = _head_norm_backward(rope.apply(pre, cos, sin, spec.rope_interleaved), weight,
+                                      spec, grad)
+        return rope.apply_backward(grad, cos, sin, spec.rope_interleaved), g
+    grad = rope.apply_backward(grad, cos, sin, spec.rope_interleaved)
+    return _head_norm_backward(pre, weight, spec, grad)
 
 
 def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec,

@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (each registers its family)
     glm4,
     glm4_moe,
     granite,
+    hunyuan_v1_dense,
     llama,
     mistral,
     mixtral,

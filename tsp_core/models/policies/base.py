@@ -102,6 +102,7 @@ class DecoderPolicy:
     # whether the config turns those norms on (GLM-4.5's use_qk_norm); default: always
     head_norms_on: Callable[[Any], bool] = field(default=_always)
     qk_norm_all_heads: bool = False            # ... over all heads of a token instead (OLMo 2)
+    head_norms_after_rope: bool = False        # ... applied after RoPE (Hunyuan dense)
     norm: str = "llama"                        # every RMSNorm's numerics (layers.norm.NORMS)
     logits_divisor: Callable[[Any], float] | None = None  # logits / this (Granite)
     attn_softcap: Callable[[Any], float | None] | None = None    # scores soft-capped (Gemma 2)
