@@ -154,7 +154,7 @@ def test_model_presets_and_config_files(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
-                                    "ernie4_5", "apertus"])
+                                    "ernie4_5", "apertus", "hunyuan_v1_dense"])
 def test_newer_families_config_files(tmp_path, family):
     # `tsp plan` and `tsp simulate` take a newer family's config.json: its shape (head_dim of its
     # own, a sliding layer cut with layer_types) and a TSP simulation of the model it describes
@@ -170,6 +170,9 @@ def test_newer_families_config_files(tmp_path, family):
     shape = model_shape(str(tmp_path), None)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // 4
     assert (shape.num_layers, shape.num_kv_heads, shape.kv_width) == (2, 2, 2 * head_dim)
+    # the planner's dense MLP weights: Apertus's MLP has no gate (up and down only)
+    matrices = 2 if family == "apertus" else 3
+    assert shape.mlp_weights == matrices * config.intermediate_size * config.hidden_size
     out = tmp_path / "sim.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--model",
@@ -184,6 +187,35 @@ def test_newer_families_config_files(tmp_path, family):
 
 # ------------------------------------------------------------------ mixture of experts
 # (docs/moe.md)
+
+def test_glm45_shape_counts_its_dense_layers_and_shared_experts(tmp_path):
+    """GLM-4.5's config.json: the first first_k_dense_replace layers are dense, every MoE layer
+    has a shared expert (weights in the layer, its dense ring's bytes in both TSP schedules)."""
+    from dataclasses import replace
+
+    from tests.layers.test_moe import glm4_moe
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.traffic import moe_schedule_bytes
+
+    config = glm4_moe(num_hidden_layers=3).config   # layer 0 dense, 1 and 2 sparse
+    config.save_pretrained(tmp_path)
+    shape = model_shape(str(tmp_path), None)
+    h, fe, fs = config.hidden_size, config.moe_intermediate_size, config.moe_intermediate_size
+    assert (shape.num_layers, shape.num_moe_layers, shape.num_dense_layers) == (3, 2, 1)
+    assert shape.shared_intermediate_size == fs * config.n_shared_experts == 16
+    assert shape.mlp_matrices == 3 and shape.mlp_weights == 3 * config.intermediate_size * h
+    moe_layer = 3 * 8 * fe * h + 8 * h + 3 * fs * h   # experts, router, shared expert
+    assert shape.layer_mlp_weights == (2 * moe_layer + shape.mlp_weights) / 3
+    assert shape.active_mlp_weights == (2 * (3 * 2 * fe * h + 8 * h + 3 * fs * h)
+                                        + shape.mlp_weights) / 3
+    d, tokens, f = 4, 100.0, 3 / 4
+    with_shared = moe_schedule_bytes(shape, tokens, d)
+    without = moe_schedule_bytes(replace(shape, shared_intermediate_size=0), tokens, d)
+    dense = 3 * fs * h * 2
+    assert with_shared.a_forward - without.a_forward == pytest.approx(f * dense)
+    assert with_shared.b_backward - without.b_backward == pytest.approx((f + 1) * dense)
+    assert with_shared.crossover == pytest.approx(without.crossover)
+
 
 def test_moe_presets_and_schedule_bytes():
     """The MoE presets' shapes, and the bytes per MoE layer of TSP's two schedules: (a) moves

@@ -61,7 +61,8 @@ def _param_counts(shape: ModelShape, lay: LayoutSpec) -> dict[str, float]:
     vocab = -(-v // shard) * h  # padded to a multiple of the shard count
     attn = shape.attention_weights / shard + h
     dense = attn + shape.mlp_weights / shard + h
-    sparse = attn + shape.expert_weights / shard + shape.router_weights + h
+    sparse = attn + (shape.expert_weights + shape.shared_weights) / shard + \
+        shape.router_weights + h
     edge = sparse if shape.is_moe else dense
     return {"layer": edge, "attention": attn, "embed": vocab, "head": vocab + h,
             "layers": shape.num_moe_layers * sparse + shape.num_dense_layers * dense}

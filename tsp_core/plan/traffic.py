@@ -4,8 +4,8 @@ predicted numbers are comparable).
 
 With h = hidden size, g = query heads per key/value head (h over the K/V width when head_dim is
 not h / heads), F = MLP intermediate size, W_att = (2 + 2/g) h^2 (2 h (q + k/v widths) in
-general) and W_mlp = 3 F h (elements), on a T x C mesh (T tensor-parallel ranks
-inside C context-parallel ones; TSP uses D = T):
+general) and W_mlp = 3 F h (elements; 2 F h for an ungated MLP), on a T x C mesh (T
+tensor-parallel ranks inside C context-parallel ones; TSP uses D = T):
 
 - tp, tp-sp:  4 (T-1)/T * B (S/C) h          two all-reduces, or two all-gather + reduce-scatter
 - cp:         2 (C-1)/C * B S (h/T) / g      all-gather of K and V (this rank's heads)
@@ -22,7 +22,10 @@ schedule :func:`moe_schedule_bytes` picks for TSP, (a) expert parallel (tokens m
 all-to-all) or (b) the dense ring over every expert's channels (weights move). Under tp / tp-sp
 the MoE layer moves what the dense MLP moves (the all-reduce, or all-gather + reduce-scatter, of
 its input/output): every rank routes the same (replicated or gathered) tokens with the
-replicated router and runs its 1/T slice of every expert, so routing adds nothing.
+replicated router and runs its 1/T slice of every expert, so routing adds nothing. Shared experts
+(GLM-4.5: a dense gated MLP beside the routed ones) are counted in the weights and add the dense
+ring's bytes to both TSP schedules (``shared_intermediate_size``); the first
+``first_k_dense_replace`` layers are dense.
 """
 
 from __future__ import annotations
@@ -50,7 +53,12 @@ class ModelShape:
     top_k: int = 0
     expert_intermediate_size: int = 0
     moe_layers: int | None = None
+    # shared experts (GLM-4.5): one dense gated MLP of this many channels beside the routed
+    # experts in every MoE layer, on every token (0: none)
+    shared_intermediate_size: int = 0
     routing_fp32: bool = False     # the top-k weights stay float32 (Mixtral; Qwen3-MoE casts back)
+    # weight matrices of a dense MLP: 3 gated (gate, up, down), 2 ungated (Apertus's up, down)
+    mlp_matrices: int = 3
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -58,7 +66,8 @@ class ModelShape:
         experts = _moe_fields(config)
         return cls(config.hidden_size, nq, getattr(config, "num_key_value_heads", None) or nq,
                    config.intermediate_size, config.num_hidden_layers, config.vocab_size,
-                   getattr(config, "head_dim", None), **experts)
+                   getattr(config, "head_dim", None), **experts,
+                   mlp_matrices=3 if experts or _gated_mlp(config) else 2)
 
     @property
     def is_moe(self) -> bool:
@@ -84,11 +93,16 @@ class ModelShape:
         return self.num_experts * self.hidden_size
 
     @property
+    def shared_weights(self) -> float:
+        """The shared experts' gate, up and down in an MoE layer: 3 F_s h."""
+        return 3 * self.shared_intermediate_size * self.hidden_size
+
+    @property
     def layer_mlp_weights(self) -> float:
         """MLP weights of an average layer (experts and router in the MoE layers)."""
         if not self.is_moe:
             return self.mlp_weights
-        return self._average(self.expert_weights + self.router_weights)
+        return self._average(self.expert_weights + self.router_weights + self.shared_weights)
 
     @property
     def active_mlp_weights(self) -> float:
@@ -97,7 +111,7 @@ class ModelShape:
         if not self.is_moe:
             return self.mlp_weights
         k, f, h = self.top_k, self.expert_intermediate_size, self.hidden_size
-        return self._average(3 * k * f * h + self.router_weights)
+        return self._average(3 * k * f * h + self.router_weights + self.shared_weights)
 
     def _average(self, moe: float) -> float:
         """Per layer, ``moe`` in the sparse layers and the dense MLP's weights in the others."""
@@ -126,7 +140,27 @@ class ModelShape:
 
     @property
     def mlp_weights(self) -> float:
-        return 3 * self.intermediate_size * self.hidden_size
+        return self.mlp_matrices * self.intermediate_size * self.hidden_size
+
+
+def _gated_mlp(config) -> bool:
+    """Whether the family's dense MLP has a gate, read from Hugging Face's own module: its
+    first decoder layer built on the meta device (no memory, no weights). An ungated MLP (no
+    ``gate_proj``, no fused ``gate_up_proj``: Apertus) has two weight matrices, not three."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    for name in ("layer_types", "no_rope_layers"):  # per-layer lists follow the layer count
+        if isinstance(getattr(one, name, None), list):
+            setattr(one, name, getattr(one, name)[:1])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(one)
+    mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
+    return not mlps or any(hasattr(m, a) for m in mlps[:1] for a in ("gate_proj", "gate_up_proj"))
 
 
 def _moe_fields(config) -> dict:
@@ -148,13 +182,15 @@ def _moe_fields(config) -> dict:
         return {}
     L = config.num_hidden_layers
     dense = set(getattr(config, "mlp_only_layers", None) or ())
+    dense |= set(range(getattr(config, "first_k_dense_replace", None) or 0))  # GLM-4.5
     step = getattr(config, "decoder_sparse_step", None) or 1
     sparse = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0)
     spec = m.spec(config, 1)
     return dict(num_experts=spec.num_experts, top_k=spec.top_k,
                 expert_intermediate_size=spec.intermediate_size,
                 moe_layers=None if sparse == L else sparse,
-                routing_fp32=not m.weights_in_logits_dtype)
+                routing_fp32=not m.weights_in_logits_dtype,
+                shared_intermediate_size=spec.shared_intermediate_size)
 
 
 def moe_schedule_bytes(shape: ModelShape, tokens_per_rank: float, d: int, b: int = 2,
@@ -177,7 +213,8 @@ def moe_schedule_bytes(shape: ModelShape, tokens_per_rank: float, d: int, b: int
     if not shape.is_moe:
         raise ValueError("moe_schedule_bytes: the model has no experts (num_experts = 0)")
     return moe_bytes(shape.num_experts, shape.top_k, shape.expert_intermediate_size,
-                     shape.hidden_size, tokens_per_rank, d, b, forward_passes)
+                     shape.hidden_size, tokens_per_rank, d, b, forward_passes,
+                     shape.shared_intermediate_size)
 
 
 def moe_crossover_tokens(shape: ModelShape, d: int, forward_passes: int = 1) -> float:
