@@ -287,7 +287,7 @@ def test_size_errors_list_exactly_the_sizes_that_work(intermediate, valid):
     accepted = []
     for d in range(1, 25):
         try:
-            _check(model, SimpleNamespace(size=d), policy, "expert")
+            _check(model, SimpleNamespace(size=d, fsdp_size=1), policy, "expert")
             accepted.append(d)
         except ValueError as e:
             assert str(e).startswith((f"tsp_size ({d}) must divide",
