@@ -150,8 +150,10 @@ def _gated_mlp(config) -> bool:
     import copy
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 
+    if not isinstance(config, PretrainedConfig):  # a plain namespace of sizes: no module to read,
+        return True                                # and ModelShape's own default is gated
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
     for name in ("layer_types", "no_rope_layers"):  # per-layer lists follow the layer count
