@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, hf_models, reference
 from tests.support.reference import assert_close
 from tsp_core import comm
 from tsp_core.inference.decode import decode_step, prefill
@@ -262,38 +262,6 @@ def test_errors_raise_on_every_rank(pools):
     pools.of(2).run(bad_calls, 2)
 
 
-def attention_math(x: torch.Tensor, w: dict[str, torch.Tensor], nq: int, nkv: int, d: int,
-                   window: int | None, chunk: int | None) -> torch.Tensor:
-    """Causal attention of a [1, S, h] sequence in float64 with a sliding ``window``, Llama 4's
-    ``chunk`` (keys of the query's own chunk only) and, with ``w["sinks"]``, gpt-oss's sinks in
-    HF's eager order (a column of each head's sink logit, softmax, the column dropped)."""
-    import torch.nn.functional as F
-
-    from tests.support import reference
-
-    S = x.shape[1]
-    pos = torch.arange(S)
-
-    def heads(name: str, n: int) -> torch.Tensor:
-        return F.linear(x, w[f"{name}_proj.weight"]).view(1, S, n, d).transpose(1, 2)
-
-    q, k = reference.rope(heads("q", nq), pos), reference.rope(heads("k", nkv), pos)
-    g = nq // nkv
-    k, v = k.repeat_interleave(g, 1), heads("v", nkv).repeat_interleave(g, 1)
-    s = q @ k.transpose(-1, -2) * d ** -0.5
-    i, j = pos[:, None], pos[None]
-    visible = j <= i
-    if window is not None:
-        visible &= j > i - window
-    if chunk is not None:
-        visible &= j // chunk == i // chunk
-    s = s.masked_fill(~visible, float("-inf"))
-    if "sinks" in w:
-        s = torch.cat([s, w["sinks"].reshape(1, -1, 1, 1).expand(1, -1, S, 1)], -1)
-    a = torch.softmax(s, -1)[..., :S] @ v
-    return F.linear(a.transpose(1, 2).reshape(1, S, -1), w["o_proj.weight"])
-
-
 def attention_decode_steps(tsp: int, cases: list[tuple[bool, int | None, int | None]]) -> None:
     """For each (sinks, chunk, window): one TSPAttention layer (4 query, 2 key/value heads)
     prefills 16 tokens with its TSP schedule, handing its own tokens' K/V to a cache as prefill
@@ -322,7 +290,7 @@ def attention_decode_steps(tsp: int, cases: list[tuple[bool, int | None, int | N
                              attention_chunk_size=chunk, sinks=sinks)
         layer.load_full(w)
         x = torch.randn(1, S + new, h, generator=gen, dtype=torch.float64)
-        want = attention_math(x, w, nq, nkv, d, window, chunk)
+        want = reference.attention(x, w, nq, nkv, d, window=window, chunk=chunk)
         own = layout.position_ids(S, p, D, mesh.layout)
         kv: list[torch.Tensor] = []
         with torch.no_grad():

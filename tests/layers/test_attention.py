@@ -35,46 +35,6 @@ def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
     return w
 
 
-def sinks_and_chunks(x: torch.Tensor, w: dict[str, torch.Tensor], nq: int, nkv: int,
-                     head_dim: int, window: int | None, chunk: int | None,
-                     qk_norm: str | None) -> torch.Tensor:
-    """reference.attention's float64 math with Llama 4's chunked mask (query i sees keys j <= i
-    with j // chunk == i // chunk) and, with ``w["sinks"]``, gpt-oss's sinks in HF's eager order
-    (a column of each head's sink logit, softmax, the column dropped)."""
-    B, S, _ = x.shape
-    pos = torch.arange(S)
-    eps = 1e-6
-
-    def rms(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
-
-    def proj(name: str, n: int) -> torch.Tensor:
-        y = torch.nn.functional.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
-        if qk_norm == "all" and name in ("q", "k"):
-            y = rms(y, w[f"{name}_norm.weight"])
-        y = y.view(B, S, n, head_dim)
-        if qk_norm == "head" and name in ("q", "k"):
-            y = rms(y, w[f"{name}_norm.weight"])
-        return y.transpose(1, 2)
-
-    q, k = reference.rope(proj("q", nq), pos), reference.rope(proj("k", nkv), pos)
-    g = nq // nkv
-    k, v = k.repeat_interleave(g, 1), proj("v", nkv).repeat_interleave(g, 1)
-    s = q @ k.transpose(-1, -2) * head_dim ** -0.5
-    i, j = pos[:, None], pos[None, :]
-    visible = j <= i
-    if window is not None:
-        visible &= j > i - window
-    if chunk is not None:
-        visible &= j // chunk == i // chunk
-    s = s.masked_fill(~visible, float("-inf"))
-    if "sinks" in w:
-        s = torch.cat([s, w["sinks"].reshape(1, -1, 1, 1).expand(B, -1, S, 1)], -1)
-    a = torch.softmax(s, -1)[..., :S] @ v
-    return torch.nn.functional.linear(a.transpose(1, 2).reshape(B, S, -1), w["o_proj.weight"],
-                                      w.get("o_proj.bias"))
-
-
 def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool = False,
                o_bias: bool = False, window: int | None = None, layout: str = "zigzag",
                causal: bool = True, head_dim: int = HEAD_DIM, qk_norm: str | None = None,
@@ -99,11 +59,8 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
     dy = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
     ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
     x_ref = x.clone().requires_grad_()
-    if chunk is None and not sinks:
-        y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal,
-                                    window=window, qk_norm=qk_norm)
-    else:
-        y_ref = sinks_and_chunks(x_ref, ref_w, nq, nkv, head_dim, window, chunk, qk_norm)
+    y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window,
+                                chunk=chunk, qk_norm=qk_norm)
     y_ref.backward(dy)
 
     # pad at the end (causal: padding cannot reach real tokens); zero upstream grad on padding

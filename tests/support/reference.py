@@ -23,9 +23,13 @@ def rope(t: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Te
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
               head_dim: int, *, causal: bool = True, window: int | None = None,
-              qk_norm: str | None = None, eps: float = 1e-6) -> torch.Tensor:
+              chunk: int | None = None, qk_norm: str | None = None,
+              eps: float = 1e-6) -> torch.Tensor:
     """``qk_norm``: RMSNorms of q and k scaled by ``1 + w[q_norm.weight]`` (Gemma's numerics, in
-    the input's dtype), over each head ("head") or over all heads of a token ("all", OLMo 2)."""
+    the input's dtype), over each head ("head") or over all heads of a token ("all", OLMo 2).
+    ``chunk``: Llama 4's chunked mask (query i sees only keys j with j // chunk == i // chunk).
+    With ``w["sinks"]`` [num_heads], gpt-oss's sinks in Hugging Face's eager order: a column of
+    each head's sink logit beside the scores, the softmax, the column dropped."""
     B, S, _ = x.shape
     pos = torch.arange(S)
 
@@ -53,7 +57,13 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
         visible &= j <= i
     if window is not None:
         visible &= j > i - window
-    a = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
+    if chunk is not None:
+        visible &= j // chunk == i // chunk
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if "sinks" in w:
+        sink = w["sinks"].reshape(1, -1, 1, 1).expand(B, -1, S, 1)
+        scores = torch.cat([scores, sink], -1)
+    a = torch.softmax(scores, -1)[..., :S] @ v
     return F.linear(a.transpose(1, 2).reshape(B, S, -1), w["o_proj.weight"], w.get("o_proj.bias"))
 
 
