@@ -95,7 +95,7 @@ CASES = [
     dict(nq=4, nkv=1, seq=32, batch=1, window=5, qk_norm="all"),
     # Llama 4's chunked attention: zigzag chunks (of 4, 6, 12 tokens) cross chunk boundaries
     dict(nq=4, nkv=2, seq=24, batch=2, chunk=5),
-    # gpt-oss's sinks (the phased schedule): with a sliding window, GQA and biases; with K/V
+    # gpt-oss's sinks: with a sliding window, GQA and biases; with K/V
     # slices at D = 4, padding and chunks; with per-head q/k norms
     dict(nq=8, nkv=2, seq=24, batch=2, qkv_bias=True, o_bias=True, window=5, sinks=True),
     dict(nq=4, nkv=1, seq=13, batch=1, chunk=4, sinks=True),
@@ -283,7 +283,7 @@ def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads, sinks):
     key/value head's K/V is gathered once, not once per round that uses it. With q/k norms over
     all heads (the phased schedule) the output projection goes in rounds of its own: twice the
     broadcasts and reduces, the same bytes; the norms' replicated weight gradients are summed.
-    With attention sinks (also the phased schedule) each round's shard carries its owner's sinks
+    With attention sinks (the default schedule) each round's shard carries its owner's sinks
     (one logit per head) and their gradient: no collective more, nq/D numbers more per round."""
     D, seq, batch = tsp, 16, 2
     replicas = max(1, D // nkv)
@@ -300,7 +300,7 @@ def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads, sinks):
     shard += sinks * nq_l
     kv = 2 * batch * seq * nkv_l * HEAD_DIM
     frac = (D - 1) / D
-    rounds = D * (1 + (all_heads or sinks))
+    rounds = D * (1 + all_heads)
     norms = {"all_reduce": 2} if all_heads else {}
     for fwd, bwd, fwd_bytes, bwd_bytes in pool.run(count_collectives, tsp, nq, nkv, seq, batch,
                                                    bias, all_heads, sinks):

@@ -582,7 +582,9 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             qk_norm_all_heads=policy.qk_norm_all_heads,
             qk_norm_after_rope=policy.head_norms_after_rope,
             qk_norm_names=policy.head_norms or ("q_norm", "k_norm"),
-            rope_interleaved=policy.rope_interleaved, init_seed=None, **opts)
+            rope_interleaved=policy.rope_interleaved,
+            attention_chunk_size=policy.attention_chunk(c, attn),
+            sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter), init_seed=None, **opts)
         new_attn.rotary = bool(policy.rotary(c, attn))
         replace(layer, policy.attention, new_attn)
         mlp = getattr(layer, policy.mlp)

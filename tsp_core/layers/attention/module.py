@@ -66,7 +66,8 @@ class TSPAttention(ShardedModule):
     with ``qk_norm_all_heads`` norms over all heads of a token, [nq*d] and [nkv*d] (OLMo 2; the
     phased schedule of :mod:`tsp_core.layers.attention.phased`). With ``sinks``, the per-head
     sink logits ``sinks`` [nq] (gpt-oss: one more softmax column without a value), sharded with
-    the query heads (the phased schedule carries each round's sinks with its shard).
+    the query heads (each round's shard carries its owner's sinks; their gradient goes back with
+    the round's weight gradients).
     ``attention_chunk_size``: a query sees only the keys of its own chunk of that many tokens
     (Llama 4's chunked local attention; a policy passes it on the layers with RoPE).
 
@@ -194,8 +195,7 @@ class TSPAttention(ShardedModule):
         if norms:  # replicated: every rank normalises its own tokens, gradients summed
             weights[-2:] = [comm.sum_grad(w, self.mesh.group) for w in weights[-2:]]
         cos, sin = (t.to(x.dtype) for t in position_embeddings)
-        # sinks: the phased schedule carries each round's sinks and returns their gradient
-        fn = PhasedAttentionFn if s.qk_norm_all_heads or s.sinks else PerGroupAttentionFn
+        fn = PhasedAttentionFn if s.qk_norm_all_heads else PerGroupAttentionFn
         with context:
             y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
         if "o_proj.bias" in self.full_shapes:

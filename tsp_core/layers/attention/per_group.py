@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import flash
 from .rounds import (
     AttentionSpec,
     _attend,
@@ -58,9 +59,9 @@ class PerGroupAttentionFn(torch.autograd.Function):
         y = x.new_zeros(x.shape)  # contiguous, whatever x's strides
         kvs = _KVGathers(kv_all, groups, spec, group)
 
-        def project(r: int, buf: torch.Tensor) -> torch.Tensor:
+        def project(r: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             """Round r's queries and, in the first round of its key/value head, that head's K/V,
-            whose gather starts at once; returns the round's output projection."""
+            whose gather starts at once; returns the round's output projection and sinks."""
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
             q_all[r] = _rotated(_heads(F.linear(x, wq, bq), nq), qn, cos, sin, spec)
             if r % R == 0:
@@ -68,18 +69,18 @@ class PerGroupAttentionFn(torch.autograd.Function):
                 kv_all[j, 0] = _rotated(_heads(F.linear(x, wk, bk), nkv), kn, cos, sin, spec)
                 kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
                 kvs.start(j)
-            return wo
+            return wo, None if shards.sinks is None else shards.round_sinks(buf)
 
-        def attend(r: int, wo: torch.Tensor) -> None:
-            _attend(r, q_all, out_all, lse_all, kvs)
+        def attend(r: int, wo: torch.Tensor, sinks: torch.Tensor | None) -> None:
+            _attend(r, q_all, out_all, lse_all, kvs, sinks)
             y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
 
         previous = None
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
-            wo = project(r, buf)  # receiving buf started round r+1's broadcast
+            wo, sinks = project(r, buf)  # receiving buf started round r+1's broadcast
             if previous is not None:
                 attend(*previous)
-            previous = (r, wo)
+            previous = (r, wo, sinks)
         attend(*previous)
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
@@ -106,10 +107,10 @@ class PerGroupAttentionFn(torch.autograd.Function):
         dkv_sum: dict[int, torch.Tensor] = {}
 
         def finish(r: int, grads: list, wk: torch.Tensor, wv: torch.Tensor,
-                   bk: torch.Tensor | None) -> None:
+                   bk: torch.Tensor | None, sinks_grad: torch.Tensor | None) -> None:
             """Round r's tail, one round late so that its dK/dV reduce-scatter overlapped the
             next round: in the last round of a key/value head, that projection's backward; then
-            the round's weight gradients on their way to the owner."""
+            the round's weight gradients (and its sinks') on their way to the owner."""
             if r % R == R - 1:
                 dkv = kvs.scattered(r // R)
                 pre = None if kn is None else _heads(F.linear(x, wk, bk), nkv)  # recomputed
@@ -119,7 +120,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
                 shards.add_kv_grads(r // R, _flat(dk).reshape(B * L, -1),
                                     _flat(dkv[1]).reshape(B * L, -1), x2, wk, wv, dx2, grads,
                                     kv_grads)
-            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads)))
+            reduces.send(r, shards.round_pack.pack(shards.round_grads(grads, sinks_grad)))
 
         kvs.start(0)
         previous = None
@@ -128,6 +129,8 @@ class PerGroupAttentionFn(torch.autograd.Function):
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
             dq = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
+            sinks_grad = (None if shards.sinks is None else
+                          flash.sink_backward(do, o, lse_all[r], shards.round_sinks(buf)))
             del do
             pre = None if qn is None else _heads(F.linear(x, wq, bq), nq)  # recomputed
             dq, g = _rotated_backward(pre, qn, cos, sin, spec, dq)
@@ -140,7 +143,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             del dq
             if previous is not None:
                 finish(*previous)
-            previous = (r, grads, wk, wv, bk)
+            previous = (r, grads, wk, wv, bk, sinks_grad)
         finish(*previous)
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
         if qn is not None:

@@ -17,10 +17,10 @@ costs is overlap (attention no longer hides the next round's broadcast) and loca
 size of this rank's Q (raw projections, dO and dQ of every group: own tokens only, never another
 rank's weight or K/V: docs/design.md "Memory rules").
 
-Layers with attention sinks run here too, with or without q/k norms (per head or over all heads):
-each round's shard carries its owner's sinks (one logit per head), the attention adds them
-(flash.add_sinks), and their gradient, computed in the attention backward, goes back to the owner
-with the input projections' round gradients. The sinks of every head ([tsp_size, heads per
+Layers with attention sinks and q/k norms over all heads run here too (the default schedule
+carries sinks the same way): each round's shard carries its owner's sinks (one logit per head),
+the attention adds them (flash.add_sinks), and their gradient, computed in the attention
+backward, goes back to the owner with the input projections' round gradients. The sinks of every head ([tsp_size, heads per
 rank], num_attention_heads numbers) are kept from the forward for the attention backward, which
 runs before the input projections' rounds bring them again."""
 

@@ -72,9 +72,10 @@ class ExpertsPolicy:
 @dataclass(frozen=True)
 class DecoderPolicy:
     """Module names of one decoder-only family (defaults: the Llama layout shared by Mistral and
-    Qwen2), how to read a layer's sliding window, and the hooks the TSP modules call: per-head
-    q/k norms (``head_norms``: the attention's module names, each an RMSNorm over head_dim), the
-    norms' numerics (``norm``), a divisor of the logits (``logits_divisor(config)``), soft-caps
+    Qwen2), how to read a layer's sliding window and attention chunk (an attention module's
+    ``sinks`` parameter, gpt-oss's, is found by name), and the hooks the TSP modules call:
+    per-head q/k norms (``head_norms``: the attention's module names, each an RMSNorm over
+    head_dim), the norms' numerics (``norm``), a divisor of the logits (``logits_divisor(config)``), soft-caps
     (``tanh(x / cap) * cap``, None: off) of the attention scores (``attn_softcap(config)``) and of
     the logits after the divisor (``logits_softcap(config)``), and the config fields to refuse
     (``unsupported``). The rest of a family (embedding scale, sandwich
@@ -94,6 +95,8 @@ class DecoderPolicy:
     mlp: str = "mlp"
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     sliding_window: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
+    # a layer's chunked local attention (Llama 4: a token sees only its own chunk), None: off
+    attention_chunk: Callable[[Any, nn.Module], int | None] = field(default=_no_window)
     # whether a layer's attention rotates q and k (False: a NoPE layer, SmolLM3's
     # no_rope_layers, EXAONE 4's hybrid full layers): read from the HF attention module
     rotary: Callable[[Any, nn.Module], bool] = field(default=_rotary)
