@@ -38,10 +38,13 @@ def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
 def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool = False,
                o_bias: bool = False, window: int | None = None, layout: str = "zigzag",
                causal: bool = True, head_dim: int = HEAD_DIM, qk_norm: str | None = None,
-               chunk: int | None = None, sinks: bool = False) -> None:
+               chunk: int | None = None, sinks: bool = False, v_norm: bool = False,
+               k_eq_v: bool = False) -> None:
     mesh = dist_pool.mesh(tsp, layout)
     D, p = mesh.size, mesh.rank
     w = full_weights(nq, nkv, qkv_bias, o_bias, head_dim=head_dim, qk_norm=qk_norm)
+    if k_eq_v:  # Gemma 4: no value projection, the values are the raw key projection
+        w = {k: t for k, t in w.items() if not k.startswith("v_proj.")}
     if sinks:  # logits of a few units: the sink takes a large share of each row
         w["sinks"] = 2 * torch.randn(nq, generator=torch.Generator().manual_seed(3),
                                      dtype=torch.float64)
@@ -49,7 +52,8 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
                          sliding_window=window, causal=causal, dtype=torch.float64,
                          qk_norm_eps=None if qk_norm is None else 1e-6, qk_norm_kind="gemma",
                          qk_norm_all_heads=qk_norm == "all", attention_chunk_size=chunk,
-                         sinks=sinks)
+                         sinks=sinks, v_norm_eps=1e-6 if v_norm else None,
+                         values_from_keys=k_eq_v)
     layer.load_full(w)
     if sinks:  # sharded with the query heads
         assert tuple(local(layer.sinks).shape) == (nq // D,), tuple(local(layer.sinks).shape)
@@ -60,7 +64,7 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
     ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
     x_ref = x.clone().requires_grad_()
     y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window,
-                                chunk=chunk, qk_norm=qk_norm)
+                                chunk=chunk, qk_norm=qk_norm, v_norm=v_norm)
     y_ref.backward(dy)
 
     # pad at the end (causal: padding cannot reach real tokens); zero upstream grad on padding
@@ -100,6 +104,11 @@ CASES = [
     dict(nq=8, nkv=2, seq=24, batch=2, qkv_bias=True, o_bias=True, window=5, sinks=True),
     dict(nq=4, nkv=1, seq=13, batch=1, chunk=4, sinks=True),
     dict(nq=8, nkv=4, seq=16, batch=1, qk_norm="head", sinks=True),
+    # Gemma 4: the unscaled value norm with per-head q/k norms and a sliding window; the values
+    # from the key projection (attention_k_eq_v) with and without it, with biases and K/V slices
+    dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, qk_norm="head", window=5, v_norm=True),
+    dict(nq=4, nkv=1, seq=13, batch=1, qkv_bias=True, qk_norm="head", v_norm=True, k_eq_v=True),
+    dict(nq=8, nkv=4, seq=16, batch=1, k_eq_v=True),
 ]
 
 

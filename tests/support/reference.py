@@ -23,13 +23,15 @@ def rope(t: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Te
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
               head_dim: int, *, causal: bool = True, window: int | None = None,
-              chunk: int | None = None, qk_norm: str | None = None,
+              chunk: int | None = None, qk_norm: str | None = None, v_norm: bool = False,
               eps: float = 1e-6) -> torch.Tensor:
     """``qk_norm``: RMSNorms of q and k scaled by ``1 + w[q_norm.weight]`` (Gemma's numerics, in
     the input's dtype), over each head ("head") or over all heads of a token ("all", OLMo 2).
     ``chunk``: Llama 4's chunked mask (query i sees only keys j with j // chunk == i // chunk).
     With ``w["sinks"]`` [num_heads], gpt-oss's sinks in Hugging Face's eager order: a column of
-    each head's sink logit beside the scores, the softmax, the column dropped."""
+    each head's sink logit beside the scores, the softmax, the column dropped. ``v_norm``: each
+    value head RMS-normalised without a scale (Gemma 4); without ``w["v_proj.weight"]`` the
+    values are the key projection's output before its norm and RoPE (Gemma 4's k_eq_v)."""
     B, S, _ = x.shape
     pos = torch.arange(S)
 
@@ -37,7 +39,10 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
         return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
 
     def proj(name: str, n: int) -> torch.Tensor:
-        y = F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
+        if name == "v" and "v_proj.weight" not in w:
+            name = "kv"  # the key projection, without the key norm
+        p = "k" if name == "kv" else name
+        y = F.linear(x, w[f"{p}_proj.weight"], w.get(f"{p}_proj.bias"))
         if qk_norm == "all" and name in ("q", "k"):
             y = rms(y, w[f"{name}_norm.weight"])
         y = y.view(B, S, n, head_dim)
@@ -48,6 +53,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
     q = rope(proj("q", num_heads), pos)
     k = rope(proj("k", num_kv_heads), pos)
     v = proj("v", num_kv_heads)
+    if v_norm:
+        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     g = num_heads // num_kv_heads
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     scores = q @ k.transpose(-1, -2) * head_dim ** -0.5

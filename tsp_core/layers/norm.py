@@ -40,8 +40,27 @@ def olmo2_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (weight * x32).to(dtype)
 
 
+def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm (its q/k norms too): ``x * (mean(x^2) + eps) ** -0.5`` scaled by the
+    weight itself (not ``1 + weight`` as in Gemma 1-3), in float32 whatever the input dtype, then
+    cast back. A float64 model stays in float64 (Hugging Face's ``.float()`` would round it)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xa = x.to(acc)
+    xa = xa * torch.pow(xa.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (xa * weight.to(acc)).type_as(x)
+
+
 NORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "llama": rms_norm, "gemma": gemma_rms_norm, "olmo2": olmo2_rms_norm}
+    "llama": rms_norm, "gemma": gemma_rms_norm, "olmo2": olmo2_rms_norm,
+    "gemma4": gemma4_rms_norm}
+
+
+def unscaled_norm(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """The RMSNorm of ``kind`` without a learned scale (Gemma 4's value norm): ``kind``'s own
+    numerics with the weight that is the identity for it (zero for "gemma"'s offset from one,
+    else one), so the result is bit for bit that norm's output times exactly 1."""
+    one = x.new_full((x.shape[-1],), 0.0 if kind == "gemma" else 1.0)
+    return NORMS[kind](x, one, eps)
 
 
 class _TiledNorm(torch.autograd.Function):
@@ -91,10 +110,10 @@ class _TiledNorm(torch.autograd.Function):
 
 
 class TSPRMSNorm(TokenTiled, ShardedModule):
-    """RMSNorm with the Hugging Face numerics of ``kind`` (:data:`NORMS`: "llama", or "gemma"
-    whose weight is an offset from one), so a parallelized model gives HF's numbers; only its
-    input is kept for the backward, and it runs ``tile_tokens`` tokens at a time
-    (:class:`_TiledNorm`; None: :func:`tiles.norm_tile_tokens` of the hidden size)."""
+    """RMSNorm with the Hugging Face numerics of ``kind`` (:data:`NORMS`: "llama", "gemma"
+    whose weight is an offset from one, "olmo2", "gemma4"), so a parallelized model gives HF's
+    numbers; only its input is kept for the backward, and it runs ``tile_tokens`` tokens at a
+    time (:class:`_TiledNorm`; None: :func:`tiles.norm_tile_tokens` of the hidden size)."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, eps: float = 1e-6, kind: str = "llama",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:

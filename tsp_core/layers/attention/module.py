@@ -70,6 +70,10 @@ class TSPAttention(ShardedModule):
     the round's weight gradients).
     ``attention_chunk_size``: a query sees only the keys of its own chunk of that many tokens
     (Llama 4's chunked local attention; a policy passes it on the layers with RoPE).
+    ``v_norm_eps``: each value head RMS-normalised without a learned scale, in
+    ``qk_norm_kind``'s numerics (Gemma 4's v_norm). ``values_from_keys``: no ``v_proj``; the
+    values are the key projection's output before the key norm and RoPE (Gemma 4's
+    ``attention_k_eq_v``); each round then carries the key rows twice.
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
@@ -86,6 +90,7 @@ class TSPAttention(ShardedModule):
                  qk_norm_after_rope: bool = False,
                  qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"),
                  attention_chunk_size: int | None = None, sinks: bool = False,
+                 v_norm_eps: float | None = None, values_from_keys: bool = False,
                  dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
@@ -102,6 +107,10 @@ class TSPAttention(ShardedModule):
         if qk_norm_after_rope and qk_norm_all_heads:
             raise ValueError("qk_norm_after_rope is implemented for per-head q/k norms only, not "
                              "with qk_norm_all_heads")
+        if v_norm_eps is not None and qk_norm_all_heads:
+            raise ValueError("v_norm_eps (a per-head value norm) is implemented on the default "
+                             "schedule only, not with qk_norm_all_heads")
+        self.values_from_keys = values_from_keys
         self.NORMS = tuple(f"{n}.weight" for n in qk_norm_names)  # the q/k norms' HF names
         self.mesh = mesh
         self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
@@ -110,7 +119,8 @@ class TSPAttention(ShardedModule):
                                   qk_norm_all_heads=qk_norm_all_heads,
                                   qk_norm_after_rope=qk_norm_after_rope,
                                   rope_interleaved=rope_interleaved,
-                                  chunk_size=attention_chunk_size, sinks=sinks)
+                                  chunk_size=attention_chunk_size, sinks=sinks,
+                                  v_norm_eps=v_norm_eps)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -118,6 +128,9 @@ class TSPAttention(ShardedModule):
                             "v_proj.weight": (kv, hidden_size), "o_proj.weight": (hidden_size, q)}
         if qkv_bias:
             self.full_shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+        if values_from_keys:  # no value projection of its own: the key projection's output
+            self.full_shapes = {n: s for n, s in self.full_shapes.items()
+                                if not n.startswith("v_proj.")}
         if o_bias:
             self.full_shapes["o_proj.bias"] = (hidden_size,)
         if sinks:
@@ -139,7 +152,9 @@ class TSPAttention(ShardedModule):
         return (f"hidden_size={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
                 f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={s.sliding_window}"
                 + (f", attention_chunk_size={s.chunk_size}" if s.chunk_size is not None else "")
-                + (", sinks=True" if s.sinks else ""))
+                + (", sinks=True" if s.sinks else "")
+                + (f", v_norm_eps={s.v_norm_eps}" if s.v_norm_eps is not None else "")
+                + (", values_from_keys=True" if self.values_from_keys else ""))
 
     NORMS = ("q_norm.weight", "k_norm.weight")
 
@@ -153,9 +168,13 @@ class TSPAttention(ShardedModule):
         return even_spec(self.full_shapes[name][dim], rank, s.tsp_size, dim)
 
     def _weight_names(self) -> list[str]:
-        names = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
+        """The schedule's weights in its order; with ``values_from_keys`` the key projection
+        stands in the value projection's place too (the schedule computes V from it as from any
+        value projection; autograd sums the two gradients of the one parameter)."""
+        v = "k_proj" if self.values_from_keys else "v_proj"
+        names = ["q_proj.weight", "k_proj.weight", f"{v}.weight", "o_proj.weight"]
         if "q_proj.bias" in self.full_shapes:
-            names += ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+            names += ["q_proj.bias", "k_proj.bias", f"{v}.bias"]
         return names + (["sinks"] if self.spec.sinks else [])  # sharded with the query heads
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,

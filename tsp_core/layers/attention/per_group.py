@@ -29,6 +29,8 @@ from .rounds import (
     _row_groups,
     _Shards,
     _split_norms,
+    _values,
+    _values_backward,
 )
 
 
@@ -67,7 +69,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             if r % R == 0:
                 j = r // R
                 kv_all[j, 0] = _rotated(_heads(F.linear(x, wk, bk), nkv), kn, cos, sin, spec)
-                kv_all[j, 1] = _heads(F.linear(x, wv, bv), nkv)
+                kv_all[j, 1] = _values(_heads(F.linear(x, wv, bv), nkv), spec)
                 kvs.start(j)
             return wo, None if shards.sinks is None else shards.round_sinks(buf)
 
@@ -107,7 +109,8 @@ class PerGroupAttentionFn(torch.autograd.Function):
         dkv_sum: dict[int, torch.Tensor] = {}
 
         def finish(r: int, grads: list, wk: torch.Tensor, wv: torch.Tensor,
-                   bk: torch.Tensor | None, sinks_grad: torch.Tensor | None) -> None:
+                   bk: torch.Tensor | None, bv: torch.Tensor | None,
+                   sinks_grad: torch.Tensor | None) -> None:
             """Round r's tail, one round late so that its dK/dV reduce-scatter overlapped the
             next round: in the last round of a key/value head, that projection's backward; then
             the round's weight gradients (and its sinks') on their way to the owner."""
@@ -117,15 +120,17 @@ class PerGroupAttentionFn(torch.autograd.Function):
                 dk, g = _rotated_backward(pre, kn, cos, sin, spec, dkv[0])
                 if g is not None:
                     norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
+                pre = None if spec.v_norm_eps is None else _heads(F.linear(x, wv, bv), nkv)
+                dv = _values_backward(pre, spec, dkv[1])  # recomputed, as the keys' norm input
                 shards.add_kv_grads(r // R, _flat(dk).reshape(B * L, -1),
-                                    _flat(dkv[1]).reshape(B * L, -1), x2, wk, wv, dx2, grads,
+                                    _flat(dv).reshape(B * L, -1), x2, wk, wv, dx2, grads,
                                     kv_grads)
             reduces.send(r, shards.round_pack.pack(shards.round_grads(grads, sinks_grad)))
 
         kvs.start(0)
         previous = None
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
-            wq, wk, wv, wo, bq, bk, _ = shards.unpack(r, buf)
+            wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
             o = out_all[r]
             do = _heads(F.linear(dy, wo.t()), nq).contiguous()
             dq = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
@@ -143,7 +148,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             del dq
             if previous is not None:
                 finish(*previous)
-            previous = (r, grads, wk, wv, bk, sinks_grad)
+            previous = (r, grads, wk, wv, bk, bv, sinks_grad)
         finish(*previous)
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
         if qn is not None:

@@ -19,7 +19,7 @@ from ...distributed import comm
 from ...distributed.chunks import row_segments
 from ...distributed.flat_pack import FlatPack
 from .. import flash, rope
-from ..norm import NORMS
+from ..norm import NORMS, unscaled_norm
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class AttentionSpec:
     # a learned per-head logit in the softmax denominator (gpt-oss's ``sinks`` [num_heads],
     # sharded with the heads and broadcast with their round's shard: flash.add_sinks)
     sinks: bool = False
+    # an RMSNorm without a learned scale over each value head, in qk_norm_kind's numerics
+    # (Gemma 4's v_norm); None: values as projected
+    v_norm_eps: float | None = None
 
     @property
     def local_heads(self) -> int:
@@ -307,6 +310,25 @@ def _rotated_backward(pre: torch.Tensor | None, weight: torch.Tensor | None, cos
         return rope.apply_backward(grad, cos, sin, spec.rope_interleaved), g
     grad = rope.apply_backward(grad, cos, sin, spec.rope_interleaved)
     return _head_norm_backward(pre, weight, spec, grad)
+
+
+def _values(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Value heads [B, heads, L, d] as the attention uses them: with ``spec.v_norm_eps`` each
+    head RMS-normalised without a scale (Gemma 4's v_norm), else as projected."""
+    if spec.v_norm_eps is None:
+        return t
+    return unscaled_norm(t, spec.qk_norm_kind, spec.v_norm_eps)
+
+
+def _values_backward(pre: torch.Tensor | None, spec: AttentionSpec,
+                     grad: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`_values` w.r.t. the projected values ``pre`` (recomputed by the
+    caller, only with a value norm), by autograd over the forward's own ops."""
+    if spec.v_norm_eps is None:
+        return grad
+    with torch.enable_grad():
+        pre = pre.detach().requires_grad_()
+        return torch.autograd.grad(_values(pre, spec), pre, grad)[0]
 
 
 def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec,
