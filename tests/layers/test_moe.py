@@ -52,14 +52,40 @@ def build(family: str, seed: int = 0):
                     p.add_(0.1 * torch.randn(p.shape))
     elif family == "glm4_moe":
         model = glm4_moe()
+    elif family == "gpt_oss":
+        model = gpt_oss(common)
     else:
         raise ValueError(family)
     with torch.no_grad():  # a router that prefers some experts: routing far from uniform
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0, 0.5)
     model.set_experts_implementation("eager")
     return model.to(torch.float64)
+
+
+def gpt_oss(common: dict, **overrides):
+    """gpt-oss with every feature on: biases on every attention projection, sinks of a few units
+    (they take a real share of each softmax row), sliding (window 5) and full layers
+    alternating, yarn rotary (its attention factor scales cos and sin); 4 experts, top 2 by a
+    softmax over the top logits of a router with a bias; experts with biases, gate and up in
+    alternate columns, and a swiglu_limit low enough that the clamps cut a good share of the
+    gates and ups (test_gpt_oss_build_exercises_every_feature counts them)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = dict(vocab_size=96, intermediate_size=16, num_local_experts=4,
+                  num_experts_per_tok=2, head_dim=8, sliding_window=5, swiglu_limit=0.6,
+                  swiglu_alpha=1.702, **{**common, "num_hidden_layers": 2})
+    model = GptOssForCausalLM(GptOssConfig(**{**config, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(2 * torch.randn(p.shape))
+            elif name.endswith(("bias", "norm.weight")):
+                p.add_(0.3 * torch.randn(p.shape))
+            elif name.endswith(("gate_up_proj", "down_proj")):
+                p.normal_(0, 0.3)
+    return model
 
 
 def glm4_moe(**overrides):
@@ -200,7 +226,7 @@ def train_parity(family: str, tsp: int, schedule: str = "expert", seq: int = 16,
 CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]   # (world size, tsp size); (4, 2) is dp 2 x tsp 2
 
 
-MOE_FAMILIES = ["mixtral", "qwen3_moe", "glm4_moe"]
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "glm4_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))

@@ -8,7 +8,8 @@ mixture-of-experts ring and the vocabulary-parallel loss take a rank's tokens a 
   MLP and the loss add while they run is the same at S and 4S local tokens with a fixed tile, up
   to the [tokens, h] rows of their own outputs and per-token scalars; it grows with S untiled and
   when the tile is ignored (the broken variant, run here); one tile's working set is at most
-  MLP_TILE_TENSORS [tile, F/D] tensors, LOSS_TILE_TENSORS [tile, V/D] float32 ones.
+  MLP_TILE_TENSORS [tile, F/D] tensors (the plain MLP's with xIELU: PLAIN_TILE_TENSORS, its
+  tile chosen smaller by plain_tile_tokens), LOSS_TILE_TENSORS [tile, V/D] float32 ones.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.support import dist_pool, reference
 from tests.support.reference import assert_close
 from tsp_core import comm
 from tsp_core.layers import tiles
-from tsp_core.layers.mlp import TSPGatedMLP
+from tsp_core.layers.mlp import PLAIN_TILE_TENSORS, TSPGatedMLP, TSPPlainMLP, plain_tile_tokens
 from tsp_core.layers.moe import MoESpec, _RingExpertsFn, dispatch_combine
 from tsp_core.layers.vocab import TSPLMHead
 from tsp_core.sequence.layout import shard_sequence
@@ -241,6 +242,11 @@ def test_chosen_tiles_fit_the_bound():
     assert tiles.LOSS_TILE_TENSORS * loss * 16032 * 4 <= tiles.TILE_BYTES
     assert tiles.loss_tile_tokens(16032, torch.float64) == 640
     assert tiles.mlp_tile_tokens(1 << 30, torch.float32) == 1  # never below one token
+    # the plain MLP's tile: its activation's tensors under the same bound (xIELU: half the tile)
+    for activation, tensors in PLAIN_TILE_TENSORS.items():
+        tile = plain_tile_tokens(1792, torch.bfloat16, activation)
+        assert tensors * tile * 1792 * 2 <= tiles.TILE_BYTES, (activation, tile)
+    assert plain_tile_tokens(1792, torch.bfloat16, "xielu") == 6144
 
 
 # --------------------------------------------------------------------------- memory
@@ -297,10 +303,12 @@ def working_sets(cases: list[tuple[int, int, bool]]) -> list[dict[str, int]]:
             # tanh-GELU: the activation whose derivative needs the most temporaries
             mlp = TSPGatedMLP(mesh, MEM_H, MEM_F, activation="gelu_tanh", dtype=bf16,
                               init_seed=None)
+            plain = TSPPlainMLP(mesh, MEM_H, MEM_F, activation="xielu", dtype=bf16,
+                                init_seed=None)  # Apertus's: the plain MLP's most temporaries
             head = TSPLMHead(mesh, MEM_V, MEM_H, dtype=bf16, init_seed=None)
             head.logits_softcap = 30.0  # the cap's tanh: the loss's most temporaries
             for tokens, tile, broken in cases:
-                mlp.tile_tokens = head.tile_tokens = tile
+                mlp.tile_tokens = plain.tile_tokens = head.tile_tokens = tile
                 x = torch.empty(1, tokens, MEM_H, dtype=bf16, requires_grad=True)
                 labels = torch.zeros(1, tokens, dtype=torch.long)
                 with tile_ignored(broken):
@@ -312,6 +320,15 @@ def working_sets(cases: list[tuple[int, int, bool]]) -> list[dict[str, int]]:
                                                 _ModState.PEAK_FW),
                            "mlp backward": added(tracker, mlp, _ModState.PRE_BW,
                                                  _ModState.PEAK_BW)}
+                    del y
+                    tracker = MemTracker()
+                    with tracker:
+                        y = plain(x)
+                        y.backward(torch.empty_like(y))
+                    row["plain forward"] = added(tracker, plain, _ModState.PRE_FW,
+                                                 _ModState.PEAK_FW)
+                    row["plain backward"] = added(tracker, plain, _ModState.PRE_BW,
+                                                  _ModState.PEAK_BW)
                     del y
                     hidden = torch.empty(1, tokens, MEM_H, dtype=bf16, requires_grad=True)
                     fw = MemTracker()
@@ -363,8 +380,11 @@ def test_working_sets_bounded_by_the_tile_not_the_tokens():
     mlp_tile = t * (MEM_F // MEM_D) * 2                # [t, F/D] bf16
     loss_tile = t * (MEM_V // MEM_D) * 4               # [t, V/D] float32
     rows = 4 * t * MEM_H * 2                           # [t, h] inputs and outputs of a tile
+    plain = PLAIN_TILE_TENSORS["xielu"]  # above MLP_TILE_TENSORS: plain_tile_tokens widens
     for part, bound in (("mlp forward", tiles.MLP_TILE_TENSORS * mlp_tile),
                         ("mlp backward", tiles.MLP_TILE_TENSORS * mlp_tile),
+                        ("plain forward", plain * mlp_tile),
+                        ("plain backward", plain * mlp_tile),
                         ("loss forward", tiles.LOSS_TILE_TENSORS * loss_tile),
                         ("loss backward", tiles.LOSS_TILE_TENSORS * loss_tile)):
         assert large_2t[part] - large[part] <= bound + rows, (part, large, large_2t, bound)

@@ -6,13 +6,14 @@ holds while that slice moves on to p+1 and the next arrives from p-1 (double-buf
 Backward: the slices circulate again; each slice is followed by its gradient accumulator, to which
 every rank adds its tokens' contribution; one last hop brings the summed gradient to its owner.
 Only this rank's own slice and its input are kept for backward (docs/design.md "Memory rules").
-The ungated MLP ``down(act(up(x)))`` (:class:`TSPPlainMLP`, Apertus's xIELU) runs the same ring.
+The ungated MLP ``down(act(up(x)))`` (:class:`TSPPlainMLP`, Apertus's xIELU) runs the same ring:
+one tile loop (:func:`_ring_forward`, :func:`_ring_backward`) with each MLP's tile math.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +34,22 @@ from ..distributed.params import (
     schedule_inputs,
 )
 from .sizes import valid_sizes_hint, valid_tsp_sizes
-from .tiles import TokenTiled, grad_accumulator, mlp_tile_tokens, token_tiles
+from .tiles import (
+    MLP_TILE_TENSORS,
+    TokenTiled,
+    grad_accumulator,
+    mlp_tile_tokens,
+    token_tiles,
+)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+# the per-tile hooks of the shared ring loop (_ring_forward, _ring_backward): a tile's
+# intermediate from (xt, input projections, their biases), and its backward from (xt, dyt,
+# input projections, down, biases, down's gradient accumulator) -> the pre-activation gradients
+Views = Sequence[torch.Tensor | None]
+TileForward = Callable[[torch.Tensor, Views, Views], torch.Tensor]
+TileBackward = Callable[[torch.Tensor, torch.Tensor, Views, torch.Tensor, Views, torch.Tensor],
+                        list[torch.Tensor]]
 
 
 def _act(g: torch.Tensor, kind: str) -> torch.Tensor:
@@ -73,6 +87,71 @@ class MLPSpec:
     activation: str = "silu"
 
 
+def _split(views: list[torch.Tensor], n_in: int):
+    """A shard's views in :class:`FlatPack` order -> (input projections, down, their biases):
+    ``n_in`` input projections (gate and up, or up alone), down, then one bias per input
+    projection when the MLP has biases (down's is replicated, outside the ring)."""
+    ins, wd, biases = views[:n_in], views[n_in], views[n_in + 1:]
+    return ins, wd, biases or [None] * n_in
+
+
+def _ring_forward(x: torch.Tensor, group, pack: FlatPack, weights, tile: int, n_in: int,
+                  intermediate: TileForward) -> torch.Tensor:
+    """The ring schedule's forward, shared by the gated and the plain MLP: for each weight shard
+    (:func:`comm.ring_over_shards`) and each tile of this rank's tokens, ``intermediate(xt,
+    ins, biases)`` (the tile's [tile, F/D] product of the input projections and the activation)
+    times the shard's down columns, added into the output."""
+    B, L, h = x.shape
+    x2 = x.reshape(B * L, h)
+    y = torch.zeros_like(x2)
+    tiles = token_tiles(B * L, tile)
+
+    def compute(_owner: int, shard: torch.Tensor) -> None:
+        ins, wd, biases = _split(pack.unpack(shard), n_in)
+        for sl in tiles:
+            m = intermediate(x2[sl], ins, biases)
+            y[sl].addmm_(m, wd.t())
+            del m  # before the next tile's
+
+    comm.ring_over_shards(pack.pack(weights), group, compute)
+    return y.view(B, L, h)
+
+
+def _ring_backward(x: torch.Tensor, dy: torch.Tensor, group, pack: FlatPack, weights,
+                   tile: int, n_in: int, tile_backward: TileBackward):
+    """The ring schedule's backward, shared by the gated and the plain MLP: the shards circulate
+    again (:func:`comm.ring_over_shards_with_grads`); for each tile, ``tile_backward(xt, dyt,
+    ins, wd, biases, d_wd)`` recomputes the tile's intermediate (only the input is kept for
+    backward), adds its down gradient into ``d_wd`` and returns the input projections'
+    pre-activation gradients; from those the tile's input gradient and the projections' weight
+    (and bias) gradients, summed over the tiles (:func:`tiles.grad_accumulator`). Returns
+    (dx [B, L, h], the gradient of this rank's own shard, packed)."""
+    B, L, h = x.shape
+    x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
+    dx = torch.zeros_like(x2)
+    tiles = token_tiles(B * L, tile)
+
+    def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
+        ins, wd, biases = _split(pack.unpack(shard), n_in)
+        grads = grad_accumulator(pack.numel, shard.dtype, shard.device, len(tiles))
+        d_ins, d_wd, d_biases = _split(pack.unpack(grads), n_in)
+        for sl in tiles:
+            xt = x2[sl]
+            d_pre = tile_backward(xt, dy2[sl], ins, wd, biases, d_wd)
+            for i, w in enumerate(ins):
+                dx[sl].addmm_(d_pre[i], w)
+            for i, g in enumerate(d_ins):
+                g.add_(d_pre[i].t() @ xt)
+            if biases[0] is not None:
+                for i, g in enumerate(d_biases):
+                    g.add_(d_pre[i].sum(0))
+            del d_pre  # before the next tile's
+        return grads.to(shard.dtype)
+
+    grad = comm.ring_over_shards_with_grads(pack.pack(weights), group, contribute)
+    return dx.view(B, L, h), grad
+
+
 class _TSPGatedMLPFn(torch.autograd.Function):
     """The ring schedule over this rank's tokens in tiles of ``tile`` (docs/design.md "Long
     context"): for each weight shard, one tile's gate, up and activation at a time in the
@@ -83,63 +162,37 @@ class _TSPGatedMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec: MLPSpec, group, tile: int, *weights):
         pack = FlatPack([w.shape for w in weights])
-        B, L, h = x.shape
-        x2 = x.reshape(B * L, h)
-        y = torch.zeros_like(x2)
-        tiles = token_tiles(B * L, tile)
 
-        def compute(_owner: int, shard: torch.Tensor) -> None:
-            wg, wu, wd, *b = pack.unpack(shard)
-            bg, bu = b if b else (None, None)
-            for sl in tiles:
-                xt = x2[sl]
-                m = _act(F.linear(xt, wg, bg), spec.activation) * F.linear(xt, wu, bu)
-                y[sl].addmm_(m, wd.t())
-                del m  # before the next tile's
+        def intermediate(xt, ins, biases):
+            return (_act(F.linear(xt, ins[0], biases[0]), spec.activation)
+                    * F.linear(xt, ins[1], biases[1]))
 
-        comm.ring_over_shards(pack.pack(weights), group, compute)
+        y = _ring_forward(x, group, pack, weights, tile, 2, intermediate)
         ctx.spec, ctx.group, ctx.pack, ctx.tile = spec, group, pack, tile
         ctx.save_for_backward(x, *weights)
-        return y.view(B, L, h)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        spec, group, pack = ctx.spec, ctx.group, ctx.pack
+        spec = ctx.spec
         x, *weights = ctx.saved_tensors
-        B, L, h = x.shape
-        x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
-        dx = torch.zeros_like(x2)
-        tiles = token_tiles(B * L, ctx.tile)
 
-        def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
-            wg, wu, wd, *b = pack.unpack(shard)
-            bg, bu = b if b else (None, None)
-            grads = grad_accumulator(pack.numel, shard.dtype, shard.device, len(tiles))
-            d_wg, d_wu, d_wd, *d_b = pack.unpack(grads)
-            for sl in tiles:
-                xt, dyt = x2[sl], dy2[sl]
-                g = F.linear(xt, wg, bg)  # recomputed: only the input is kept for backward
-                u = F.linear(xt, wu, bu)
-                a = _act(g, spec.activation)
-                d_wd.add_(dyt.t() @ (a * u))
-                dm = dyt @ wd
-                du = dm * a
-                del a
-                dg = dm.mul_(u)
-                del u
-                dg.mul_(_act_grad(g, spec.activation))
-                del g
-                dx[sl].addmm_(dg, wg).addmm_(du, wu)
-                d_wg.add_(dg.t() @ xt)
-                d_wu.add_(du.t() @ xt)
-                if d_b:
-                    d_b[0].add_(dg.sum(0))
-                    d_b[1].add_(du.sum(0))
-                del dm, dg, du  # before the next tile's
-            return grads.to(shard.dtype)
+        def tile_backward(xt, dyt, ins, wd, biases, d_wd):
+            g = F.linear(xt, ins[0], biases[0])  # recomputed: only the input is kept
+            u = F.linear(xt, ins[1], biases[1])
+            a = _act(g, spec.activation)
+            d_wd.add_(dyt.t() @ (a * u))
+            dm = dyt @ wd
+            du = dm * a
+            del a
+            dg = dm.mul_(u)
+            del u
+            dg.mul_(_act_grad(g, spec.activation))
+            return [dg, du]
 
-        grad = comm.ring_over_shards_with_grads(pack.pack(weights), group, contribute)
-        return (dx.view(B, L, h), None, None, None, *pack.unpack(grad))
+        dx, grad = _ring_backward(x, dy, ctx.group, ctx.pack, weights, ctx.tile, 2,
+                                  tile_backward)
+        return (dx, None, None, None, *ctx.pack.unpack(grad))
 
 
 class TSPGatedMLP(TokenTiled, ShardedModule):
@@ -202,6 +255,10 @@ class TSPGatedMLP(TokenTiled, ShardedModule):
 # ------------------------------------------------------------------ the plain (ungated) MLP
 
 PLAIN_ACTIVATIONS = ("silu", "gelu_tanh", "xielu")
+# [tile, F/D] tensors one plain MLP tile holds at once, by activation (its backward's peak, measured
+# by tests/layers/test_tiles.py): SiLU's and tanh-GELU's under tiles.MLP_TILE_TENSORS; xIELU's
+# autograd keeps both branches' intermediates, so its tile is chosen as if for more channels
+PLAIN_TILE_TENSORS = {"silu": 4, "gelu_tanh": 4, "xielu": 11}
 # xIELU's constants and its learnable scalars' initial values (transformers' XIELUActivation)
 XIELU_INIT = dict(alpha_p=0.8, alpha_n=0.8, beta=0.5, eps=-1e-6)
 
@@ -221,6 +278,15 @@ def _plain_act(u: torch.Tensor, kind: str, scalars: list[torch.Tensor],
                        (torch.expm1(torch.min(u, eps)) - u) * alpha_n + beta * u)
 
 
+def plain_tile_tokens(local_channels: int, dtype: torch.dtype, activation: str) -> int:
+    """The plain MLP's tile (``tile_tokens=None``): :func:`tiles.mlp_tile_tokens` of
+    ``local_channels`` (F/D) times the multiple of :data:`tiles.MLP_TILE_TENSORS` its
+    activation's :data:`PLAIN_TILE_TENSORS` needs (1 for SiLU and tanh-GELU, 2 for xIELU), so
+    that its working set stays under :data:`tiles.TILE_BYTES` as the gated MLP's does."""
+    widen = -(-PLAIN_TILE_TENSORS[activation] // MLP_TILE_TENSORS)
+    return mlp_tile_tokens(local_channels * widen, dtype)
+
+
 @dataclass(frozen=True)
 class PlainMLPSpec:
     hidden_size: int
@@ -230,8 +296,8 @@ class PlainMLPSpec:
 
 
 class _TSPPlainMLPFn(torch.autograd.Function):
-    """``down(act(up(x)))`` on the ring schedule of :class:`_TSPGatedMLPFn` (the same tiles, the
-    same shard and gradient hops). The activation's learnable scalars are replicated: their
+    """``down(act(up(x)))`` on the ring schedule of :class:`_TSPGatedMLPFn` (the same tile loop,
+    the same shard and gradient hops). The activation's learnable scalars are replicated: their
     gradient is this rank's sum over every shard and tile (the caller's ``sum_grad`` adds the
     other ranks'). The backward differentiates the activation with autograd, a tile at a time,
     on the recomputed ``up`` (the same operations as the forward, for any activation)."""
@@ -241,62 +307,40 @@ class _TSPPlainMLPFn(torch.autograd.Function):
                 *tensors):
         weights, scalars = tensors[:n_weights], list(tensors[n_weights:])
         pack = FlatPack([w.shape for w in weights])
-        B, L, h = x.shape
-        x2 = x.reshape(B * L, h)
-        y = torch.zeros_like(x2)
-        tiles = token_tiles(B * L, tile)
 
-        def compute(_owner: int, shard: torch.Tensor) -> None:
-            wu, wd, *b = pack.unpack(shard)
-            for sl in tiles:
-                a = _plain_act(F.linear(x2[sl], wu, b[0] if b else None), spec.activation,
-                               scalars, consts)
-                y[sl].addmm_(a, wd.t())
-                del a  # before the next tile's
+        def intermediate(xt, ins, biases):
+            return _plain_act(F.linear(xt, ins[0], biases[0]), spec.activation, scalars, consts)
 
-        comm.ring_over_shards(pack.pack(weights), group, compute)
+        y = _ring_forward(x, group, pack, weights, tile, 1, intermediate)
         ctx.spec, ctx.group, ctx.pack, ctx.tile, ctx.consts = spec, group, pack, tile, consts
         ctx.save_for_backward(x, *weights, *scalars)
         ctx.n_weights = n_weights
-        return y.view(B, L, h)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        spec, group, pack, consts = ctx.spec, ctx.group, ctx.pack, ctx.consts
+        spec, consts = ctx.spec, ctx.consts
         x, *rest = ctx.saved_tensors
         weights, scalars = rest[:ctx.n_weights], rest[ctx.n_weights:]
-        B, L, h = x.shape
-        x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
-        dx = torch.zeros_like(x2)
-        tiles = token_tiles(B * L, ctx.tile)
         wide = torch.promote_types(x.dtype, torch.float32)
         d_scalars = [torch.zeros(s.shape, dtype=wide, device=s.device) for s in scalars]
         leaves = [s.detach().requires_grad_() for s in scalars]
 
-        def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
-            wu, wd, *b = pack.unpack(shard)
-            grads = grad_accumulator(pack.numel, shard.dtype, shard.device, len(tiles))
-            d_wu, d_wd, *d_b = pack.unpack(grads)
-            for sl in tiles:
-                xt, dyt = x2[sl], dy2[sl]
-                with torch.enable_grad():  # up recomputed: only the input is kept for backward
-                    u = F.linear(xt, wu, b[0] if b else None).requires_grad_()
-                    a = _plain_act(u, spec.activation, leaves, consts)
-                d_wd.add_(dyt.t() @ a.detach())
-                du, *ds = torch.autograd.grad(a, [u, *leaves], dyt @ wd)
-                del a, u
-                dx[sl].addmm_(du, wu)
-                d_wu.add_(du.t() @ xt)
-                if d_b:
-                    d_b[0].add_(du.sum(0))
-                for acc, g in zip(d_scalars, ds):
-                    acc.add_(g)
-                del du, ds  # before the next tile's
-            return grads.to(shard.dtype)
+        def tile_backward(xt, dyt, ins, wd, biases, d_wd):
+            with torch.enable_grad():  # up recomputed: only the input is kept for backward
+                u = F.linear(xt, ins[0], biases[0]).requires_grad_()
+                a = _plain_act(u, spec.activation, leaves, consts)
+            d_wd.add_(dyt.t() @ a.detach())
+            du, *ds = torch.autograd.grad(a, [u, *leaves], dyt @ wd)
+            del a, u
+            for acc, g in zip(d_scalars, ds):
+                acc.add_(g)
+            return [du]
 
-        grad = comm.ring_over_shards_with_grads(pack.pack(weights), group, contribute)
+        dx, grad = _ring_backward(x, dy, ctx.group, ctx.pack, weights, ctx.tile, 1,
+                                  tile_backward)
         d_scalars = [g.to(s.dtype) for g, s in zip(d_scalars, scalars)]
-        return (dx.view(B, L, h), None, None, None, None, None, *pack.unpack(grad), *d_scalars)
+        return (dx, None, None, None, None, None, *ctx.pack.unpack(grad), *d_scalars)
 
 
 class TSPPlainMLP(TokenTiled, ShardedModule):
@@ -305,7 +349,7 @@ class TSPPlainMLP(TokenTiled, ShardedModule):
     :class:`TSPGatedMLP` does without the gate; down's bias is replicated. xIELU's learnable
     scalars ``act_fn.alpha_p`` and ``act_fn.alpha_n`` are replicated parameters (their gradient
     summed over the group), its ``act_fn.beta`` and ``act_fn.eps`` buffers, all under Hugging
-    Face's names."""
+    Face's names. ``tile_tokens``: as :class:`TSPGatedMLP`'s (None: :func:`plain_tile_tokens`)."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, intermediate_size: int, *,
                  activation: str = "xielu", bias: bool = False,
@@ -376,7 +420,8 @@ class TSPPlainMLP(TokenTiled, ShardedModule):
         scalars = [local_replicated(self.get_parameter(n), self.mesh).to(x.dtype)
                    for n in self.scalar_names]
         consts = [c.to(x.dtype) for c in self._consts()]
-        tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size, x.dtype)
+        tile = self.tile_tokens or plain_tile_tokens(s.intermediate_size // s.tsp_size, x.dtype,
+                                                     s.activation)
         with context:
             y = _TSPPlainMLPFn.apply(x, s, self.mesh.group, tile, consts, len(weights),
                                      *weights, *scalars)

@@ -37,7 +37,7 @@ more [k T, h] buffers while they run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Mapping, Sequence
 
 import torch
@@ -70,7 +70,7 @@ class MoESpec:
     num_experts: int
     top_k: int
     tsp_size: int
-    activation: str = "silu"
+    activation: str = "silu"  # ACTIVATIONS, or "swiglu_clamped" (gpt-oss: swiglu_limit, _alpha)
     norm_topk: bool = True              # renormalise the top-k weights to sum to one
     weights_in_logits_dtype: bool = False  # cast them back to the logits' dtype (Qwen3-MoE)
     # the router kind (ROUTERS) and its parameters; "sigmoid": GLM-4.5's (DeepSeek-V3's) router
@@ -82,36 +82,57 @@ class MoESpec:
     # a dense gated MLP beside the routed experts on every token (0: none), its module's name
     shared_intermediate_size: int = 0
     shared_name: str = "shared_experts"
+    router_name: str = "gate"           # the router module's name (gpt-oss, Llama 4: "router")
+    router_bias: bool = False           # the router's logits have a bias (gpt-oss)
+    weight_input: bool = False          # the weights scale the experts' input (Llama 4)
+    layout: str = "rows"                # how Hugging Face stores the experts (LAYOUTS)
+    expert_bias: bool = False           # gate_up_proj_bias [E, 2F], down_proj_bias [E, h]
+    swiglu_limit: float = 7.0           # "swiglu_clamped": gate <= limit, |up| <= limit
+    swiglu_alpha: float = 1.702         # ... gate * sigmoid(alpha * gate) * (up + 1)
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.tsp_size
 
     def options(self) -> dict:
-        """The keyword arguments of :class:`TSPMoE` beyond the shapes: how it routes and what
-        runs beside the experts (``parallelize`` builds the layers with them)."""
-        return dict(activation=self.activation, norm_topk=self.norm_topk,
-                    weights_in_logits_dtype=self.weights_in_logits_dtype, router=self.router,
-                    routed_scaling=self.routed_scaling, n_group=self.n_group,
-                    topk_group=self.topk_group, correction_bias=self.correction_bias,
-                    shared_intermediate_size=self.shared_intermediate_size,
-                    shared_name=self.shared_name)
+        """The keyword arguments of :class:`TSPMoE` beyond the shapes: how it routes, how its
+        experts compute and are stored, and what runs beside them (``parallelize`` builds the
+        layers with them)."""
+        shapes = ("hidden_size", "intermediate_size", "num_experts", "top_k", "tsp_size")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in shapes}
 
 
-ROUTERS = ("softmax", "sigmoid")
+# "softmax": softmax of every logit, top-k (Mixtral, Qwen3-MoE); "sigmoid": GLM-4.5's;
+# "topk_softmax": top-k logits, softmax over them (gpt-oss); "topk_sigmoid": top-k logits,
+# sigmoid of each (Llama 4)
+ROUTERS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
+# the experts' tensors as Hugging Face stores them: "rows" gate_up_proj [E, 2F, h] (gate rows,
+# then up) and down_proj [E, h, F] (Mixtral, Qwen3-MoE, GLM-4.5); "columns" [E, h, 2F] (gate
+# columns, then up) and [E, F, h] (Llama 4); "interleaved" [E, h, 2F] with gate and up in
+# alternate columns (gpt-oss)
+LAYOUTS = ("rows", "columns", "interleaved")
+EXPERT_ACTIVATIONS = (*ACTIVATIONS, "swiglu_clamped")
 
 
 def check_router(spec: MoESpec) -> None:
     """Raise, naming the numbers, when the router's options cannot route (before any
     collective): an unknown kind, groups that do not divide the experts, too few experts in the
-    chosen groups for the top-k."""
+    chosen groups for the top-k; an unknown layout or activation."""
     E, k, g, tg = spec.num_experts, spec.top_k, spec.n_group, spec.topk_group
     if spec.router not in ROUTERS:
         raise ValueError(f"router {spec.router!r} is not one of {ROUTERS}")
-    if spec.router == "softmax" and (g != 1 or tg != 1 or spec.correction_bias):
+    if spec.layout not in LAYOUTS:
+        raise ValueError(f"experts layout {spec.layout!r} is not one of {LAYOUTS}")
+    if spec.activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"activation {spec.activation!r} is not one of {EXPERT_ACTIVATIONS}")
+    if spec.weight_input and spec.expert_bias:
+        raise ValueError("weight_input (the weights scale the experts' input) with expert biases "
+                         "is not implemented: no family has both")
+    if spec.router != "sigmoid" and (g != 1 or tg != 1 or spec.correction_bias):
         raise ValueError(f"n_group ({g}), topk_group ({tg}) and the correction bias "
-                         f"({spec.correction_bias}) belong to the \"sigmoid\" router; the softmax "
-                         f"router takes n_group=1, topk_group=1, correction_bias=False")
+                         f"({spec.correction_bias}) belong to the \"sigmoid\" router; the "
+                         f"{spec.router!r} router takes n_group=1, topk_group=1, "
+                         f"correction_bias=False")
     if g < 1 or E % g:
         raise ValueError(f"n_group ({g}) must divide the number of experts ({E})")
     if g > 1 and E // g < 2:
@@ -147,14 +168,15 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, spec: MoESpec) -> torch.Tensor:
-    """Router logits [N, E] of tokens x [N, h]: in the input's dtype for the softmax router; in
-    float32 at least for the sigmoid one (GLM-4.5 casts the input and the weight to float32;
-    a float64 model stays float64)."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor, spec: MoESpec,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Router logits [N, E] of tokens x [N, h] (plus ``bias``, gpt-oss): in the input's dtype,
+    except for the sigmoid router, float32 at least (GLM-4.5 casts the input and the weight to
+    float32; a float64 model stays float64)."""
     if spec.router == "sigmoid":
         wide = torch.promote_types(x.dtype, torch.float32)
         return F.linear(x.to(wide), weight.to(wide))
-    return F.linear(x, weight)
+    return F.linear(x, weight, bias)
 
 
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
@@ -164,14 +186,15 @@ def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
     Qwen3-MoE. "sigmoid" (GLM-4.5): scores sigmoid(logits); the choice ranks scores + ``bias``
     (the correction bias: it moves which experts are chosen, never their weights), first the
     ``topk_group`` groups whose best two sum highest, then the top-k inside them; the weights
-    are the chosen experts' scores, renormalised (``norm_topk``). Both: times
-    ``routed_scaling``."""
+    are the chosen experts' scores, renormalised (``norm_topk``). "topk_softmax" (gpt-oss): the
+    top-k logits, softmax over them in the logits' dtype. "topk_sigmoid" (Llama 4): the top-k
+    logits, the sigmoid of each in float32 at least, cast back. All: times ``routed_scaling``."""
     if spec.router == "softmax":
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, spec.top_k, dim=-1)
         if spec.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-    else:
+    elif spec.router == "sigmoid":
         scores = logits.sigmoid()
         choice = scores if bias is None else scores + bias
         if spec.n_group > 1:
@@ -183,11 +206,76 @@ def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
         weights = scores.gather(1, experts)
         if spec.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        top, experts = torch.topk(logits, spec.top_k, dim=-1)
+        if spec.router == "topk_softmax":
+            weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+        else:
+            weights = top.to(torch.promote_types(top.dtype, torch.float32)).sigmoid().to(top.dtype)
     if spec.routed_scaling != 1.0:
         weights = weights * spec.routed_scaling
     if spec.weights_in_logits_dtype:
         weights = weights.to(logits.dtype)
     return weights, experts
+
+
+def dense_weights(weights: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The top-k ``weights`` [N, k] scattered into [N, E] (zero where not chosen): the experts'
+    down-projection biases of every token are then one product with [E, h] (gpt-oss's
+    ``down_proj_bias``, each chosen expert's bias times its weight)."""
+    return weights.new_zeros(weights.shape[0], num_experts).scatter(1, experts, weights)
+
+
+def glu(g: torch.Tensor, u: torch.Tensor, spec: MoESpec) -> torch.Tensor:
+    """An expert's intermediate from its gate and up projections: ``act(g) * u``, or gpt-oss's
+    clamped SwiGLU ``(clamp(u, -l, l) + 1) * gc * sigmoid(alpha * gc)``, gc = min(g, l)."""
+    if spec.activation != "swiglu_clamped":
+        return _act(g, spec.activation) * u
+    gc = g.clamp(max=spec.swiglu_limit)
+    return (u.clamp(-spec.swiglu_limit, spec.swiglu_limit) + 1) * (gc * torch.sigmoid(
+        gc * spec.swiglu_alpha))
+
+
+def glu_backward(g: torch.Tensor, u: torch.Tensor, dm: torch.Tensor, spec: MoESpec
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) of :func:`glu` given its output gradient ``dm`` (consumed: reused in place).
+    A clamp passes the gradient where its input is inside the bounds, limits included, as
+    torch.clamp's backward does."""
+    if spec.activation != "swiglu_clamped":
+        a = _act(g, spec.activation)
+        du = dm * a
+        del a
+        return dm.mul_(u).mul_(_act_grad(g, spec.activation)), du
+    lim, alpha = spec.swiglu_limit, spec.swiglu_alpha
+    gc = g.clamp(max=lim)
+    s = torch.sigmoid(gc * alpha)
+    du = (gc * s).mul_(dm).mul_((u >= -lim) & (u <= lim))
+    ds = (1 - s).mul_(gc).mul_(alpha).add_(1).mul_(s)       # d(gc sigmoid(alpha gc)) / d gc
+    del s, gc
+    dg = dm.mul_(u.clamp(-lim, lim).add_(1)).mul_(ds).mul_(g <= lim)
+    return dg, du
+
+
+def expert_views(spec: MoESpec, tensors: Sequence[torch.Tensor], e: int, split: bool = False
+                 ) -> tuple[torch.Tensor, ...]:
+    """(gate [F', h], up [F', h], down [h, F'], gate bias, up bias) of local expert ``e`` as
+    views of the experts' ``tensors`` in Hugging Face's layout (``spec.layout``): ``gate_up,
+    down[, gate_up_bias]``, or with ``split`` (the ring schedule's "rows" and "columns") ``gate,
+    up, down``. The same views of gradient accumulators of the same shapes take the gradients in
+    place. The biases are None without ``expert_bias``."""
+    if split:
+        g, u, d = (t[e] for t in tensors[:3])
+        if spec.layout == "columns":
+            g, u, d = g.t(), u.t(), d.t()
+        return g, u, d, None, None
+    gu, d = tensors[0][e], tensors[1][e]
+    if spec.layout != "rows":
+        gu, d = gu.t(), d.t()
+    b = tensors[2][e] if len(tensors) > 2 else None
+    if spec.layout == "interleaved":
+        return gu[0::2], gu[1::2], d, *((None, None) if b is None else (b[0::2], b[1::2]))
+    f = gu.shape[0] // 2
+    return gu[:f], gu[f:], d, *((None, None) if b is None else (b[:f], b[f:]))
 
 
 @dataclass(frozen=True)
@@ -224,71 +312,77 @@ def _splits(experts: torch.Tensor, spec: MoESpec, group) -> _Splits:
 
 class _TiledExpertsFn(torch.autograd.Function):
     """This rank's experts on the rows they received, grouped by expert (``sizes`` rows each),
-    ``tile`` rows at a time: each expert's ``gate_up`` [2F, h] and ``down`` [h, F] as Hugging
-    Face's eager experts apply them. The backward recomputes a tile's gate, up and activation
-    at a time, so only the rows are kept and the working set is a few [tile, F] tensors, not the
-    intermediates of every received row."""
+    ``tile`` rows at a time: each expert's gate, up and down projections (:func:`expert_views` of
+    ``experts``: ``gate_up``, ``down`` and, with expert biases, ``gate_up_bias``, as Hugging Face
+    stores them) and its activation (:func:`glu`). The backward recomputes a tile's gate, up and
+    activation at a time, so only the rows are kept and the working set is a few [tile, F]
+    tensors, not the intermediates of every received row."""
 
     @staticmethod
-    def forward(ctx, rows, sizes: list[int], tile: int, activation: str, gate_up, down):
+    def forward(ctx, rows, sizes: list[int], tile: int, spec: MoESpec, *experts):
         out = rows.new_empty(rows.shape)
         start = 0
         for e, n in enumerate(sizes):
+            wg, wu, wd, bg, bu = expert_views(spec, experts, e)
             for sl in token_tiles(n, tile):
                 r = rows[start + sl.start:start + sl.stop]
-                gate, up = F.linear(r, gate_up[e]).chunk(2, dim=-1)
-                out[start + sl.start:start + sl.stop] = F.linear(_act(gate, activation) * up,
-                                                                 down[e])
-                del r, gate, up  # before the next tile's
+                m = glu(F.linear(r, wg, bg), F.linear(r, wu, bu), spec)
+                out[start + sl.start:start + sl.stop] = F.linear(m, wd)
+                del r, m  # before the next tile's
             start += n
-        ctx.sizes, ctx.tile, ctx.activation = sizes, tile, activation
-        ctx.save_for_backward(rows, gate_up, down)
+        ctx.sizes, ctx.tile, ctx.spec = sizes, tile, spec
+        ctx.save_for_backward(rows, *experts)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        rows, gate_up, down = ctx.saved_tensors
-        sizes, tile, activation = ctx.sizes, ctx.tile, ctx.activation
+        rows, *experts = ctx.saved_tensors
+        sizes, tile, spec = ctx.sizes, ctx.tile, ctx.spec
         d_out = d_out.contiguous()
         d_rows = torch.zeros_like(rows)
         most = max((len(token_tiles(n, tile)) for n in sizes), default=1)
-        d_gate_up = grad_accumulator(gate_up.numel(), gate_up.dtype, gate_up.device,
-                                     most).view(gate_up.shape)
-        d_down = grad_accumulator(down.numel(), down.dtype, down.device, most).view(down.shape)
-        f = down.shape[-1]
+        grads = [grad_accumulator(t.numel(), t.dtype, t.device, most).view(t.shape)
+                 for t in experts]
         start = 0
         for e, n in enumerate(sizes):
+            wg, wu, wd, bg, bu = expert_views(spec, experts, e)
+            dwg, dwu, dwd, dbg, dbu = expert_views(spec, grads, e)
             for sl in token_tiles(n, tile):
                 rs = slice(start + sl.start, start + sl.stop)
                 r, dy = rows[rs], d_out[rs]
-                gate, up = F.linear(r, gate_up[e]).chunk(2, dim=-1)  # recomputed
-                a = _act(gate, activation)
-                d_down[e] += dy.t() @ (a * up)
-                dm = dy @ down[e]
-                du = dm * a
-                del a
-                dg = dm.mul_(up).mul_(_act_grad(gate, activation))
-                del gate, up
-                d_rows[rs] = dg @ gate_up[e, :f] + du @ gate_up[e, f:]
-                d_gate_up[e, :f] += dg.t() @ r
-                d_gate_up[e, f:] += du.t() @ r
-                del r, dy, dm, du, dg  # before the next tile's
+                g, u = F.linear(r, wg, bg), F.linear(r, wu, bu)  # recomputed
+                dwd += dy.t() @ glu(g, u, spec)
+                dg, du = glu_backward(g, u, dy @ wd, spec)
+                del g, u
+                d_rows[rs] = dg @ wg + du @ wu
+                dwg += dg.t() @ r
+                dwu += du.t() @ r
+                if dbg is not None:
+                    dbg += dg.sum(0)
+                    dbu += du.sum(0)
+                del r, dy, dg, du  # before the next tile's
             start += n
-        return (d_rows, None, None, None, d_gate_up.to(gate_up.dtype), d_down.to(down.dtype))
+        return (d_rows, None, None, None, *(g.to(t.dtype) for g, t in zip(grads, experts)))
 
 
 def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                     gate_up: torch.Tensor, down: torch.Tensor, spec: MoESpec,
+                     local_experts: Sequence[torch.Tensor], spec: MoESpec,
                      group, tile: int | None = None) -> torch.Tensor:
-    """x [N, h] this rank's tokens, their top-k ``weights`` and ``experts`` [N, k]; ``gate_up``
-    [E/D, 2F, h] and ``down`` [E/D, h, F] this rank's experts, applied to their received rows
-    ``tile`` at a time (None: all at once). Returns [N, h]: each token's weighted sum of its
-    experts' outputs."""
+    """x [N, h] this rank's tokens, their top-k ``weights`` and ``experts`` [N, k];
+    ``local_experts`` this rank's experts' tensors in Hugging Face's layout (``gate_up``
+    [E/D, 2F, h] and ``down`` [E/D, h, F] for "rows", and so on: :func:`expert_views`), applied
+    to their received rows ``tile`` at a time (None: all at once). Returns [N, h]: each token's
+    weighted sum of its experts' outputs (with ``weight_input``, Llama 4: the sum of its experts'
+    outputs of its weighted copies)."""
     k, per = spec.top_k, spec.local_experts
     order = torch.argsort(experts.reshape(-1), stable=True)  # copies grouped by expert, then token
     tokens = order // k
     splits = _splits(experts, spec, group)
-    rows = comm.all_to_all_rows(x[tokens], group, splits.recv, splits.send)
+    copies = x[tokens]
+    if spec.weight_input:  # Hugging Face scales the routed input in its own dtype
+        copies = copies * weights.reshape(-1)[order, None].to(x.dtype)
+    rows = comm.all_to_all_rows(copies, group, splits.recv, splits.send)
+    del copies
     # received: by source rank, then by local expert; the experts want them by expert
     owner = torch.arange(per, device=x.device).repeat(spec.tsp_size)
     counts = torch.tensor([c for row in splits.received for c in row], device=x.device)
@@ -297,16 +391,16 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     grouped = rows[by_expert]
     del rows  # every [k T, h] buffer is dropped as soon as the next one exists
     sizes = splits.per_expert
-    outs = _TiledExpertsFn.apply(grouped, sizes, tile or max(sizes, default=1) or 1,
-                                 spec.activation, gate_up, down)
+    outs = _TiledExpertsFn.apply(grouped, sizes, tile or max(sizes, default=1) or 1, spec,
+                                 *local_experts)
     del grouped
     out_rows = outs.new_empty(outs.shape).index_copy(0, by_expert, outs)
     del outs
     back = comm.all_to_all_rows(out_rows, group, splits.send, splits.recv)
     del out_rows
-    weighted = back * weights.reshape(-1)[order, None]  # promoted as Hugging Face's product is
-    del back
-    return x.new_zeros(x.shape).index_add(0, tokens, weighted.to(x.dtype))
+    if not spec.weight_input:
+        back = back * weights.reshape(-1)[order, None]  # promoted as Hugging Face's product is
+    return x.new_zeros(x.shape).index_add(0, tokens, back.to(x.dtype))
 
 
 @dataclass(frozen=True)
@@ -391,37 +485,44 @@ def _by_expert(experts: torch.Tensor, num_experts: int) -> list[tuple[torch.Tens
 class _RingExpertsFn(torch.autograd.Function):
     """Schedule "ring": every expert's channel slices travel around the TSP ring
     (:func:`comm.ring_over_shards`); each rank applies each slice to its own tokens routed to
-    that expert, ``tile`` of them at a time, and adds the weighted partial outputs. The backward
+    that expert, ``tile`` of them at a time, and adds the weighted partial outputs (with
+    ``weight_input``, Llama 4, the partial outputs of the weighted input). The backward
     circulates the slices again, recomputing the activations a tile at a time, with each slice's
     gradient accumulator following it (:func:`comm.ring_over_shards_with_grads`). Kept for
     backward: the input, the routing and this rank's own slices; the working set is a few
-    [tile, F/D] tensors (:mod:`.tiles`) and the tile's rows, whatever the number of tokens."""
+    [tile, F/D] tensors (:mod:`.tiles`) and the tile's rows, whatever the number of tokens.
+    ``own``: this rank's slices, ``gate, up, down`` ("rows", "columns") or ``gate_up, down[,
+    gate_up_bias]`` ("interleaved": a slice of channels is one run of columns)."""
 
     @staticmethod
-    def forward(ctx, x, weights, experts, spec: MoESpec, group, tile, gate, up, down):
-        pack = FlatPack([gate.shape, up.shape, down.shape])
+    def forward(ctx, x, weights, experts, spec: MoESpec, group, tile, *own):
+        pack = FlatPack([t.shape for t in own])
+        split = spec.layout != "interleaved"
         routed = _by_expert(experts, spec.num_experts)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         y = torch.zeros(x.shape, dtype=acc, device=x.device)
 
         def compute(_owner: int, shard: torch.Tensor) -> None:
-            wg, wu, wd = pack.unpack(shard)
+            slices = pack.unpack(shard)
             for e, (tokens, slots) in enumerate(routed):
+                wg, wu, wd, bg, bu = expert_views(spec, slices, e, split)
                 for sl in token_tiles(len(tokens), tile):
                     tok, slot = tokens[sl], slots[sl]
-                    xe = x[tok]
-                    m = _act(F.linear(xe, wg[e]), spec.activation) * F.linear(xe, wu[e])
-                    y.index_add_(0, tok, F.linear(m, wd[e]).to(acc) * weights[tok, slot, None])
-                    del xe, m  # before the next tile's
+                    w = weights[tok, slot, None]
+                    xe = x[tok] * w.to(x.dtype) if spec.weight_input else x[tok]
+                    out = F.linear(glu(F.linear(xe, wg, bg), F.linear(xe, wu, bu), spec), wd)
+                    y.index_add_(0, tok, out.to(acc) if spec.weight_input else out.to(acc) * w)
+                    del xe, out  # before the next tile's
 
-        comm.ring_over_shards(pack.pack([gate, up, down]), group, compute)
+        comm.ring_over_shards(pack.pack(list(own)), group, compute)
         ctx.spec, ctx.group, ctx.pack, ctx.routed, ctx.tile = spec, group, pack, routed, tile
-        ctx.save_for_backward(x, weights, gate, up, down)
+        ctx.save_for_backward(x, weights, *own)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         spec, pack, routed, tile = ctx.spec, ctx.pack, ctx.routed, ctx.tile
+        split = spec.layout != "interleaved"
         x, weights, *own = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.zeros_like(x)
@@ -432,32 +533,40 @@ class _RingExpertsFn(torch.autograd.Function):
         most = max((len(token_tiles(len(tokens), tile)) for tokens, _ in routed), default=1)
 
         def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
-            wg, wu, wd = pack.unpack(shard)
+            slices = pack.unpack(shard)
             grads = grad_accumulator(shard.numel(), shard.dtype, shard.device, most)
-            gg, gu, gd = pack.unpack(grads)
+            grad_slices = pack.unpack(grads)
             for e, (tokens, slots) in enumerate(routed):
+                wg, wu, wd, bg, bu = expert_views(spec, slices, e, split)
+                dwg, dwu, dwd, dbg, dbu = expert_views(spec, grad_slices, e, split)
                 for sl in token_tiles(len(tokens), tile):
                     tok, slot = tokens[sl], slots[sl]
-                    xe, dye = x[tok], dy[tok]
-                    g, u = F.linear(xe, wg[e]), F.linear(xe, wu[e])  # recomputed
-                    a = _act(g, spec.activation)
-                    m = a * u
-                    dw.index_put_((tok, slot), (F.linear(m, wd[e]) * dye).sum(-1).to(acc),
-                                  accumulate=True)
-                    dpart = (dye * weights[tok, slot, None]).to(x.dtype)
-                    dm = dpart @ wd[e]
-                    gd[e] += dpart.t() @ m
+                    w, dye = weights[tok, slot, None], dy[tok]
+                    xe = x[tok] * w.to(x.dtype) if spec.weight_input else x[tok]
+                    g, u = F.linear(xe, wg, bg), F.linear(xe, wu, bu)  # recomputed
+                    m = glu(g, u, spec)
+                    if spec.weight_input:
+                        dpart = dye
+                    else:
+                        dw.index_put_((tok, slot), (F.linear(m, wd) * dye).sum(-1).to(acc),
+                                      accumulate=True)
+                        dpart = (dye * w).to(x.dtype)
+                    dwd += dpart.t() @ m
                     del m
-                    du = dm * a
-                    del a
-                    dg = dm.mul_(u)
-                    del u
-                    dg.mul_(_act_grad(g, spec.activation))
-                    del g
-                    dx.index_add_(0, tok, dg @ wg[e] + du @ wu[e])
-                    gg[e] += dg.t() @ xe
-                    gu[e] += du.t() @ xe
-                    del xe, dye, dpart, dm, dg, du  # before the next tile's
+                    dg, du = glu_backward(g, u, dpart @ wd, spec)
+                    del g, u
+                    dxe = dg @ wg + du @ wu
+                    if spec.weight_input:
+                        dw.index_put_((tok, slot), (dxe * x[tok]).sum(-1).to(acc), accumulate=True)
+                        dx.index_add_(0, tok, dxe * w.to(x.dtype))
+                    else:
+                        dx.index_add_(0, tok, dxe)
+                    dwg += dg.t() @ xe
+                    dwu += du.t() @ xe
+                    if dbg is not None:
+                        dbg += dg.sum(0)
+                        dbu += du.sum(0)
+                    del xe, dye, dpart, dg, du, dxe  # before the next tile's
             return grads.to(shard.dtype)
 
         grad = comm.ring_over_shards_with_grads(pack.pack(own), ctx.group, contribute)
@@ -466,26 +575,27 @@ class _RingExpertsFn(torch.autograd.Function):
 
 class TSPMoE(TokenTiled, ShardedModule):
     """A sparse mixture-of-experts block with Hugging Face's names and shapes: the router
-    ``gate.weight`` [E, h] (replicated), ``experts.gate_up_proj`` [E, 2F, h] (gate rows, then up
-    rows) and ``experts.down_proj`` [E, h, F]. ``schedule`` "expert": split by whole experts over
-    the TSP group; "ring": every expert split by intermediate channels (kept as
-    ``experts.gate_proj`` and ``experts.up_proj`` [E, F, h], named and loaded as the fused
-    ``gate_up_proj`` in every full state dict and checkpoint). ``forward(x)`` takes this rank's
-    tokens [B, S/D, h]."""
+    ``<router_name>.weight`` [E, h] (and ``.bias`` [E], gpt-oss; replicated), the experts as the
+    family stores them (``layout``, :data:`LAYOUTS`: ``experts.gate_up_proj`` [E, 2F, h] and
+    ``experts.down_proj`` [E, h, F] for "rows"; [E, h, 2F] and [E, F, h] otherwise; with
+    ``expert_bias`` ``experts.gate_up_proj_bias`` [E, 2F] and ``experts.down_proj_bias`` [E, h],
+    the latter replicated: it is added per token after the experts, each chosen expert's bias
+    times its weight, one [N, E] x [E, h] product). ``schedule`` "expert": split by whole experts
+    over the TSP group; "ring": every expert split by intermediate channels (for "rows" and
+    "columns" kept as ``experts.gate_proj`` and ``experts.up_proj``, named and loaded as the
+    fused ``gate_up_proj`` in every full state dict and checkpoint; an "interleaved" slice of
+    channels is one run of columns of ``gate_up_proj``). ``options``: the other
+    :class:`MoESpec` fields. ``forward(x)`` takes this rank's tokens [B, S/D, h] (``returns_pair``:
+    see :meth:`forward`)."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int, *, activation: str = "silu", norm_topk: bool = True,
-                 weights_in_logits_dtype: bool = False, router: str = "softmax",
-                 routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1,
-                 correction_bias: bool = False, shared_intermediate_size: int = 0,
-                 shared_name: str = "shared_experts", schedule: str = "expert",
-                 dtype: torch.dtype | None = None, router_dtype: torch.dtype | None = None,
+                 top_k: int, *, schedule: str = "expert", dtype: torch.dtype | None = None,
+                 router_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0,
-                 tile_tokens: int | None = None) -> None:
+                 tile_tokens: int | None = None, returns_pair: bool = False,
+                 **options) -> None:
         super().__init__()
-        self.tile_tokens = tile_tokens
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+        self.tile_tokens, self.returns_pair = tile_tokens, returns_pair
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
         check_moe_shape(mesh.size, num_experts, top_k, schedule)
@@ -494,107 +604,140 @@ class TSPMoE(TokenTiled, ShardedModule):
                                     f"the experts' intermediate size {intermediate_size}")
             raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
                              f"({intermediate_size}) under the ring schedule; {hint}")
-        fs = shared_intermediate_size
+        self.spec = s = MoESpec(hidden_size, intermediate_size, num_experts, top_k, mesh.size,
+                                **options)
+        check_router(s)
+        fs = s.shared_intermediate_size
         if fs % mesh.size:
             hint = valid_sizes_hint(valid_tsp_sizes(None, None, fs),
                                     f"the shared experts' intermediate size {fs}")
             raise ValueError(f"tsp_size ({mesh.size}) must divide the shared experts' "
                              f"intermediate size ({fs}): they run as the dense TSP MLP; {hint}")
+        if s.expert_bias and s.layout != "interleaved":
+            raise ValueError(f"expert biases are implemented for the \"interleaved\" layout "
+                             f"(gpt-oss), not {s.layout!r}")
         self.mesh, self.schedule = mesh, schedule
-        self.spec = MoESpec(hidden_size, intermediate_size, num_experts, top_k, mesh.size,
-                            activation, norm_topk, weights_in_logits_dtype, router,
-                            routed_scaling, n_group, topk_group, correction_bias, fs, shared_name)
-        check_router(self.spec)
         h, f, e = hidden_size, intermediate_size, num_experts
-        if schedule == "expert":
-            self.names = ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
-            self.full_shapes = {"gate.weight": (e, h), "experts.gate_up_proj": (e, 2 * f, h),
-                                "experts.down_proj": (e, h, f)}
-        else:
-            self.names = ("gate.weight", "experts.gate_proj", "experts.up_proj",
-                          "experts.down_proj")
-            self.full_shapes = {"gate.weight": (e, h), "experts.gate_proj": (e, f, h),
-                                "experts.up_proj": (e, f, h), "experts.down_proj": (e, h, f)}
+        r = s.router_name
+        self.router_names = (f"{r}.weight", *((f"{r}.bias",) if s.router_bias else ()))
+        shapes = {f"{r}.weight": (e, h), f"{r}.bias": (e,)}
+        rows = s.layout == "rows"
+        gate_up, down = ((e, 2 * f, h), (e, h, f)) if rows else ((e, h, 2 * f), (e, f, h))
+        if schedule == "expert" or s.layout == "interleaved":
+            self.expert_names = ("experts.gate_up_proj", "experts.down_proj",
+                                 *(("experts.gate_up_proj_bias",) if s.expert_bias else ()))
+            shapes.update({"experts.gate_up_proj": gate_up, "experts.down_proj": down,
+                           "experts.gate_up_proj_bias": (e, 2 * f)})
+        else:  # the ring's gate and up slices, fused by name below
+            self.expert_names = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+            part = (e, f, h) if rows else (e, h, f)
+            shapes.update({"experts.gate_proj": part, "experts.up_proj": part,
+                           "experts.down_proj": down})
+        self.down_bias = ("experts.down_proj_bias",) if s.expert_bias else ()
+        shapes["experts.down_proj_bias"] = (e, h)
         # the shared experts: TSPGatedMLP's parameters and schedule, on this rank's own tokens
-        self.shared = tuple(f"{shared_name}.{p}_proj.weight" for p in ("gate", "up", "down"))
-        if fs:
-            self.names += self.shared
-            self.full_shapes.update({self.shared[0]: (fs, h), self.shared[1]: (fs, h),
-                                     self.shared[2]: (h, fs)})
+        self.shared = tuple(f"{s.shared_name}.{p}_proj.weight" for p in ("gate", "up", "down"))
+        shapes.update({self.shared[0]: (fs, h), self.shared[1]: (fs, h), self.shared[2]: (h, fs)})
+        self.names = (*self.router_names, *self.expert_names, *self.down_bias,
+                      *(self.shared if fs else ()))
+        self.full_shapes = {n: shapes[n] for n in self.names}
         self.router_logits: torch.Tensor | None = None
         full = init_full(self.full_shapes, init_seed, dtype, device)
         if router_dtype is not None:  # GLM-4.5's router weight stays float32 in a bf16 model
-            full["gate.weight"] = full["gate.weight"].to(router_dtype)
+            full[f"{r}.weight"] = full[f"{r}.weight"].to(router_dtype)
         self._create(full)
-        if schedule == "ring":
-            self.fuse_tensors("experts.gate_up_proj", ("experts.gate_proj", "experts.up_proj"), 1)
-        if correction_bias:  # a buffer (not trained), float32 at least, as Hugging Face keeps it
+        if schedule == "ring" and s.layout != "interleaved":
+            self.fuse_tensors("experts.gate_up_proj", ("experts.gate_proj", "experts.up_proj"),
+                              1 if rows else 2)
+        if s.correction_bias:  # a buffer (not trained), float32 at least, as Hugging Face keeps it
             wide = torch.promote_types(dtype or torch.get_default_dtype(), torch.float32)
-            self.gate.register_buffer("e_score_correction_bias",
-                                      torch.zeros(e, dtype=wide, device=device))
+            self.router_module.register_buffer("e_score_correction_bias",
+                                        torch.zeros(e, dtype=wide, device=device))
+
+    @property
+    def router_module(self) -> torch.nn.Module:
+        """The router's module (Hugging Face's ``gate`` or ``router``)."""
+        return getattr(self, self.spec.router_name)
 
     def load_full(self, full) -> None:
         """The parameters' slices, and the correction bias whole where ``full`` has it (a
         checkpoint may leave a buffer out: it keeps its value)."""
         super().load_full(full)
-        name = "gate.e_score_correction_bias"
+        name = f"{self.spec.router_name}.e_score_correction_bias"
         if self.spec.correction_bias:
             source = TensorSource(full) if isinstance(full, Mapping) else full
             if source.shape(name) is not None:
                 with torch.no_grad():
-                    self.gate.e_score_correction_bias.copy_(source.read(name, None, 0, 0))
+                    self.router_module.e_score_correction_bias.copy_(source.read(name, None, 0, 0))
 
-    def _route(self, x2: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(logits, top-k weights, experts) of tokens x2 [N, h] with router weight ``router``."""
-        logits = router_logits(x2, router, self.spec)
-        bias = self.gate.e_score_correction_bias if self.spec.correction_bias else None
-        return (logits, *route(logits, self.spec, bias))
+    def _route(self, x2: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None
+               ) -> tuple[torch.Tensor, ...]:
+        """(logits, top-k weights, experts) of tokens x2 [N, h] with router weight ``router``
+        (and logits bias ``bias``)."""
+        logits = router_logits(x2, router, self.spec, bias)
+        choice = self.router_module.e_score_correction_bias if self.spec.correction_bias else None
+        return (logits, *route(logits, self.spec, choice))
 
     def extra_repr(self) -> str:
         s = self.spec
         return (f"hidden_size={s.hidden_size}, intermediate_size={s.intermediate_size}, "
                 f"experts={s.num_experts}, top_k={s.top_k}, tsp_size={s.tsp_size}, "
-                f"schedule={self.schedule}, router={s.router}"
+                f"schedule={self.schedule}, router={s.router}, layout={s.layout}"
                 + (f", shared={s.shared_intermediate_size}" if s.shared_intermediate_size else ""))
 
     def shard_spec(self, name: str, rank: int) -> ShardSpec:
         s = self.spec
-        if name == "gate.weight":
+        if name in self.router_names or name in self.down_bias:
             return REPLICATED
         if name in self.shared:  # the dense TSP MLP's slices of intermediate channels
             return even_spec(s.shared_intermediate_size, rank, s.tsp_size,
                              1 if name == self.shared[2] else 0)
         if self.schedule == "expert":
             return even_spec(s.num_experts, rank, s.tsp_size, 0)
-        dim = 2 if name == "experts.down_proj" else 1
-        return even_spec(s.intermediate_size, rank, s.tsp_size, dim)
+        # the ring: the intermediate channels' dim ([E, F or 2F, ...] or [E, ..., F or 2F])
+        down = name == "experts.down_proj"
+        dim = (2 if down else 1) if s.layout == "rows" else (1 if down or "bias" in name else 2)
+        return even_spec(self.full_shapes[name][dim], rank, s.tsp_size, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens' output; with ``returns_pair`` (gpt-oss's and Llama 4's blocks
+        return a pair their layer unpacks) (output, router logits)."""
         if self.tsp_decode is not None:  # generation: x identical on every rank
-            return self.tsp_decode.mlp(self, x)
+            y = self.tsp_decode.mlp(self, x)
+            return (y, None) if self.returns_pair else y
+        y, logits = self._forward(x)
+        return (y, logits) if self.returns_pair else y
+
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
         check_local_input(x, s.hidden_size)
-        x, experts_weights, context = schedule_inputs(self, list(self.names[1:]), x)
-        shared = experts_weights[len(experts_weights) - 3:] if s.shared_intermediate_size else []
-        experts_weights = experts_weights[:len(experts_weights) - len(shared)]
-        router = local(self.gate.weight)  # in its own dtype: the sigmoid router widens it
-        if s.router == "softmax":  # the input's dtype (autocast's, as the other weights)
-            router = router.to(x.dtype)
+        x, weights, context = schedule_inputs(self, list(self.names[len(self.router_names):]), x)
+        experts_weights = weights[:len(self.expert_names)]
+        down_bias = weights[len(self.expert_names):][:len(self.down_bias)]
+        shared = weights[len(self.expert_names) + len(self.down_bias):]
+        router = [local(self.get_parameter(n)) for n in self.router_names]
+        if s.router != "sigmoid":  # the input's dtype (autocast's, as the other weights)
+            router = [w.to(x.dtype) for w in router]  # the sigmoid router widens it itself
         with context:
             x2 = x.reshape(-1, s.hidden_size)
-            logits, weights, experts = self._route(x2, comm.sum_grad(router, self.mesh.group))
+            router = [comm.sum_grad(w, self.mesh.group) for w in router]
+            logits, weights, experts = self._route(x2, *router, *(None,) * (2 - len(router)))
             if not recomputing():  # the load-balancing loss reads the forward's, not a recompute's
                 self.router_logits = logits
             if self.schedule == "expert":
-                # a tile's gate and up are one [tile, 2F] product: count 2F channels
+                # a tile's gate and up are two [tile, F] products: count 2F channels
                 tile = self.tile_tokens or mlp_tile_tokens(2 * s.intermediate_size, x.dtype)
-                y = dispatch_combine(x2, weights, experts, *experts_weights, s, self.mesh.group,
+                y = dispatch_combine(x2, weights, experts, experts_weights, s, self.mesh.group,
                                      tile)
             else:
                 tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size,
                                                            x.dtype)
                 y = _RingExpertsFn.apply(x2, weights, experts, s, self.mesh.group, tile,
                                          *experts_weights)
+            if down_bias:  # each chosen expert's bias, times its weight
+                bias = comm.sum_grad(down_bias[0], self.mesh.group)
+                y = y + (dense_weights(weights, experts, s.num_experts).to(bias.dtype) @ bias
+                         ).to(y.dtype)
             y = y.view(x.shape)
             if shared:  # Hugging Face adds them after the routed experts' sum
                 spec = MLPSpec(s.hidden_size, s.shared_intermediate_size, s.tsp_size,
@@ -602,38 +745,43 @@ class TSPMoE(TokenTiled, ShardedModule):
                 tile = self.tile_tokens or mlp_tile_tokens(
                     s.shared_intermediate_size // s.tsp_size, x.dtype)
                 y = y + _TSPGatedMLPFn.apply(x, spec, self.mesh.group, tile, *shared)
-        return y
+        return y, logits
 
     def decode_step(self, x: torch.Tensor) -> torch.Tensor:
         """Generation: ``x`` [..., h] identical on every rank; each rank adds what it holds (its
         own experts, or its channels of every expert) for each token's experts, weighted; an
-        all-reduce sums them. No token or weight moves."""
+        all-reduce sums them. No token or weight moves. Replicated tensors (the down-projection
+        biases) are added after the sum, once."""
         s = self.spec
         x2 = x.reshape(-1, s.hidden_size)
-        _, weights, experts = self._route(x2, local(self.gate.weight))
-        w = {n: local(p) for n, p in self.named_parameters()}
-        if self.schedule == "expert":
-            first, owned = self.mesh.rank * s.local_experts, range(s.local_experts)
-            gate, up = w["experts.gate_up_proj"].chunk(2, dim=1)
-        else:
-            first, owned = 0, range(s.num_experts)
-            gate, up = w["experts.gate_proj"], w["experts.up_proj"]
-        down = w["experts.down_proj"]
+        router = [local(self.get_parameter(n)) for n in self.router_names]
+        _, weights, experts = self._route(x2, *router, *(None,) * (2 - len(router)))
+        tensors = [local(self.get_parameter(n)) for n in self.expert_names]
+        expert = self.schedule == "expert"
+        first, owned = ((self.mesh.rank * s.local_experts, range(s.local_experts)) if expert
+                        else (0, range(s.num_experts)))
+        split = not expert and s.layout != "interleaved"
         y = torch.zeros_like(x2)
         for e in owned:
             token, slot = torch.where(experts == first + e)
             if token.numel():
-                xe = x2[token]
-                m = _act(F.linear(xe, gate[e]), s.activation) * F.linear(xe, up[e])
-                y.index_add_(0, token, (F.linear(m, down[e]) * weights[token, slot, None])
-                             .to(y.dtype))
+                wg, wu, wd, bg, bu = expert_views(s, tensors, e, split)
+                w = weights[token, slot, None]
+                xe = x2[token] * w.to(x2.dtype) if s.weight_input else x2[token]
+                out = F.linear(glu(F.linear(xe, wg, bg), F.linear(xe, wu, bu), s), wd)
+                y.index_add_(0, token, (out if s.weight_input else out * w).to(y.dtype))
         if s.shared_intermediate_size:  # this rank's channels of the shared experts: summed
-            wg, wu, wd = (w[n] for n in self.shared)  # apart, added after, as Hugging Face does
-            shared = (_act(F.linear(x2, wg), s.activation) * F.linear(x2, wu)) @ wd.t()
+            wg, wu, wd = (local(self.get_parameter(n)) for n in self.shared)  # apart, added
+            shared = (_act(F.linear(x2, wg), s.activation) * F.linear(x2, wu)) @ wd.t()  # after
             both = torch.stack([y, shared])
             comm.all_reduce(both, self.mesh.group)  # one all-reduce for both
-            return (both[0] + both[1]).view(x.shape)
-        comm.all_reduce(y, self.mesh.group)
+            y = both[0] + both[1]
+        else:
+            comm.all_reduce(y, self.mesh.group)
+        if self.down_bias:
+            bias = local(self.get_parameter(self.down_bias[0]))
+            y = y + (dense_weights(weights, experts, s.num_experts).to(bias.dtype) @ bias
+                     ).to(y.dtype)
         return y.view(x.shape)
 
 

@@ -53,6 +53,7 @@ class HFTSPAttention(TSPAttention):
     """:class:`TSPAttention` with the call signature of a Hugging Face attention module."""
 
     rotary: bool = True  # False: a NoPE layer (DecoderPolicy.rotary)
+    rope_half_width: bool = False  # the model's cos/sin hold each frequency once (gpt-oss)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 cache=None, **kwargs: Any):
@@ -61,6 +62,10 @@ class HFTSPAttention(TSPAttention):
                                       "model.generate(...) or tsp_core.generate "
                                       "(tsp_core.inference.decode keeps its own "
                                       "sequence-sharded cache)")
+        if self.rope_half_width and position_embeddings is not None:
+            # Hugging Face's usual cos/sin repeat the frequencies (cat(freqs, freqs)); gpt-oss's
+            # rotate halves with one copy: the same rotation once widened
+            position_embeddings = tuple(torch.cat((t, t), dim=-1) for t in position_embeddings)
         if not self.rotary and position_embeddings is not None:
             # rope.apply rotates the first cos.shape[-1] channels: none, exactly the identity
             position_embeddings = tuple(t[..., :0] for t in position_embeddings)
@@ -586,6 +591,7 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             attention_chunk_size=policy.attention_chunk(c, attn),
             sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter), init_seed=None, **opts)
         new_attn.rotary = bool(policy.rotary(c, attn))
+        new_attn.rope_half_width = policy.rope_half_width
         replace(layer, policy.attention, new_attn)
         mlp = getattr(layer, policy.mlp)
         if policy.sparse_mlp(mlp):
@@ -593,7 +599,8 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             replace(layer, policy.mlp, TSPMoE(
                 mesh, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k,
                 **spec.options(), schedule=moe_schedule, init_seed=None,
-                router_dtype=getattr(mlp, policy.moe.router).weight.dtype, **opts))
+                router_dtype=getattr(mlp, policy.moe.router).weight.dtype,
+                returns_pair=policy.moe.returns_pair, **opts))
         elif _plain_mlp(mlp, policy):
             replace(layer, policy.mlp, TSPPlainMLP(
                 mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..baselines.layouts import LayoutSpec
 from ..layers.attention import backward_floor_bytes
+from ..layers.mlp import PLAIN_TILE_TENSORS, plain_tile_tokens
 from ..layers.tiles import loss_tile_tokens, mlp_tile_tokens
 from .traffic import ModelShape
 
@@ -137,6 +138,19 @@ def grouped_experts_working_set(shape: ModelShape, rows: float, channels: float,
     return rows * (2 * h + 4 * channels) * b + 3 * rows * h * w
 
 
+def mlp_tile(shape: ModelShape, local_channels: int, b: int = 2) -> tuple[int, int]:
+    """(tokens of TSP's MLP tile when ``tile_tokens`` is None, [tile, F/D] tensors the planner
+    counts per tile). Gated (``mlp_matrices`` 3): :func:`tiles.mlp_tile_tokens`, its gate, up,
+    activation and product (4). Ungated (2: Apertus): :func:`~tsp_core.layers.mlp.plain_tile_tokens`
+    of xIELU, the ungated family's activation, and the tensors its backward holds
+    (:data:`~tsp_core.layers.mlp.PLAIN_TILE_TENSORS`: autograd keeps both branches of xIELU,
+    so more than the gated MLP's, on a tile half as long)."""
+    if shape.mlp_matrices == 3:
+        return mlp_tile_tokens(local_channels, shape_dtype(b)), 4
+    return (plain_tile_tokens(local_channels, shape_dtype(b), "xielu"),
+            PLAIN_TILE_TENSORS["xielu"])
+
+
 def tokens(lay: LayoutSpec, seq: int, batch: int) -> tuple[float, float]:
     """(residual-stream tokens, tokens entering the projections) per rank."""
     s = batch * seq
@@ -157,7 +171,8 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
         w_att, w_mlp = shape.attention_weights / d * b, shape.mlp_weights / d * b
         per = -(-V // d)
         chunk = min(n_r, loss_tile_tokens(per, shape_dtype(b)))
-        tile = min(n_r, mlp_tile_tokens(F // d, shape_dtype(b)))
+        tile, tile_tensors = mlp_tile(shape, F // d, b)
+        tile = min(n_r, tile)
         # attention's backward: the norm's input (r), the attention's input x, local Q and output
         # (2r), K/V of all heads (2r/g), the incoming gradient (r), the backward's floor (one head
         # group's whole-sequence K/V, one more K/V-sized buffer and its float32 dK/dV; dX, dQ, dO
@@ -168,10 +183,11 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
                                      shape.num_heads // d, h, dtype_bytes=b)
         attn = r + r + 2 * r + 2 * r / g + r + floor + 6 * w_att
         # MLP: both norms' inputs (2r: a norm keeps only its input), attention's saved tensors
-        # (4r + 2r/g), the MLP input, per tile of the ring's shard gate/up/act/product
-        # [tile, F/D] (4), dx, dy; the ring's current and next shard, their gradient
-        # accumulators and the owner's gradient (5)
-        mlp = 2 * r + 4 * r + 2 * r / g + r + 4 * tile * F / d * b + 2 * r + 5 * w_mlp
+        # (4r + 2r/g), the MLP input, per tile of the ring's shard its [tile, F/D] tensors
+        # (mlp_tile), dx, dy; the ring's current and next shard, their gradient accumulators
+        # and the owner's gradient (5)
+        mlp = (2 * r + 4 * r + 2 * r / g + r + tile_tensors * tile * F / d * b + 2 * r
+               + 5 * w_mlp)
         if shape.is_moe:  # schedule (a): k T routed rows through this rank's E/D whole experts
             moe = moe_working_set(shape, shape.top_k * n_r, shape.expert_intermediate_size,
                                   shape.num_experts / d, b, tokens=n_r)

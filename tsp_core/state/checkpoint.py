@@ -178,7 +178,7 @@ def _hub_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     per expert and projection, the block under its checkpoint name), as transformers' own
     ``save_pretrained`` writes it; other models' unchanged."""
     policy = getattr(model, "_tsp_policy", None)
-    if policy is None or policy.moe is None:
+    if policy is None or policy.moe is None or policy.moe.hub_parts is None:
         return state
     gate, up, down = policy.moe.hub_parts
     out = {}
@@ -244,7 +244,7 @@ def _open(state_dict_or_path: Mapping[str, torch.Tensor] | str | os.PathLike,
 def _hub_experts(model: nn.Module, source: FullSource) -> _HubExperts | None:
     """A mixture-of-experts model reads the Hub's per-expert layout too."""
     policy = getattr(model, "_tsp_policy", None)
-    if policy is None or policy.moe is None:
+    if policy is None or policy.moe is None or policy.moe.hub_parts is None:
         return None
     return _HubExperts(source, policy, getattr(model.config, policy.moe.num_experts))
 

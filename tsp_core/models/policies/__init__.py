@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (each registers its family)
     gemma,
     glm4,
     glm4_moe,
+    gpt_oss,
     granite,
     hunyuan_v1_dense,
     llama,

@@ -50,23 +50,29 @@ class ExpertsPolicy:
     norm_topk: Callable[[Any], bool] = field(default=_always)
     weights_in_logits_dtype: bool = False
     # the Hub's checkpoint layout (transformers' conversion mapping): one tensor per expert and
-    # projection, ``<mlp>.experts.<e>.<gate|up|down>.weight``, the block under ``hub_module``
-    hub_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # projection, ``<mlp>.experts.<e>.<gate|up|down>.weight``, the block under ``hub_module``;
+    # None: the Hub stores the experts as the model does (gpt-oss, Llama 4)
+    hub_parts: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     hub_module: str | None = None   # the block's name in the checkpoint, if not the model's
     options: Callable[[Any], dict] = field(default=_softmax_router)
     aux_loss: bool = True
     # the router's weight may stay float32 in a model of another dtype (GLM-4.5: transformers
     # keeps it so, ``_keep_in_fp32_modules_strict``); the TSP router keeps its dtype
     router_float32: bool = False
+    # the block's forward returns (hidden states, its router's output) and its decoder layer
+    # unpacks the pair (gpt-oss, Llama 4); the TSP block returns (hidden states, router logits)
+    returns_pair: bool = False
 
     def spec(self, config: Any, size: int, activation: str = "silu"):
         """The :class:`~tsp_core.layers.moe.MoESpec` of the sparse MLPs over ``size`` ranks."""
         from ...layers.moe import MoESpec
 
+        options = {"activation": activation, "router_name": self.router,
+                   **self.options(config)}  # options may set the experts' own activation
         return MoESpec(config.hidden_size, getattr(config, self.intermediate_size),
                        getattr(config, self.num_experts), getattr(config, self.top_k), size,
-                       activation, self.norm_topk(config), self.weights_in_logits_dtype,
-                       **self.options(config))
+                       norm_topk=self.norm_topk(config),
+                       weights_in_logits_dtype=self.weights_in_logits_dtype, **options)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,9 @@ class DecoderPolicy:
     norm: str = "llama"                        # every RMSNorm's numerics (layers.norm.NORMS)
     logits_divisor: Callable[[Any], float] | None = None  # logits / this (Granite)
     attn_softcap: Callable[[Any], float | None] | None = None    # scores soft-capped (Gemma 2)
+    # the model's rotary gives cos/sin [.., head_dim / 2], each frequency once, and rotates
+    # halves with them (gpt-oss); TSP widens them to Hugging Face's usual cat(freqs, freqs)
+    rope_half_width: bool = False
     logits_softcap: Callable[[Any], float | None] | None = None  # logits soft-capped (Gemma 2)
     # config fields TSP does not implement: (name, what it is); a truthy value is refused
     unsupported: tuple[tuple[str, str], ...] = ()
