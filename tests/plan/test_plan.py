@@ -153,18 +153,27 @@ def test_model_presets_and_config_files(tmp_path):
         model_config("nope")
 
 
+# the newer mixture-of-experts families, built by tests/layers/test_moe.py
+NEWER_MOE_FAMILIES = ("glm4_moe",)
+
+
 @pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
-                                    "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text"])
+                                    "ernie4_5", "apertus", "hunyuan_v1_dense",
+                                    *NEWER_MOE_FAMILIES])
 def test_newer_families_config_files(tmp_path, family):
     # `tsp plan` and `tsp simulate` take a newer family's config.json: its shape (head_dim of its
-    # own, a sliding layer cut with layer_types) and a TSP simulation of the model it describes
+    # own, a sliding layer cut with layer_types, the experts of a sparse one) and a TSP
+    # simulation of the model it describes
     import torch
 
+    from tests.layers import test_moe
     from tests.support import hf_models
     from tsp_core.plan.command import model_shape
     from tsp_core.plan.simulate import model_config
 
-    hf_models.build(family, torch.float32).config.save_pretrained(tmp_path)
+    moe = family in NEWER_MOE_FAMILIES
+    model = test_moe.build(family) if moe else hf_models.build(family, torch.float32)
+    model.config.save_pretrained(tmp_path)
     config = model_config(str(tmp_path / "config.json"), layers=1)
     assert (config.model_type, config.num_hidden_layers) == (family, 1)
     shape = model_shape(str(tmp_path), None)
@@ -173,6 +182,13 @@ def test_newer_families_config_files(tmp_path, family):
     # the planner's dense MLP weights: Apertus's MLP has no gate (up and down only)
     matrices = 2 if family == "apertus" else 3
     assert shape.mlp_weights == matrices * config.intermediate_size * config.hidden_size
+    if moe:  # the experts as the family's policy reads them
+        from tsp_core.models.policies import find_policy
+
+        spec = find_policy(model).moe.spec(model.config, 1)
+        assert (shape.num_experts, shape.top_k, shape.expert_intermediate_size) == \
+            (spec.num_experts, spec.top_k, spec.intermediate_size) and shape.num_moe_layers > 0
+    assert shape.is_moe == moe
     out = tmp_path / "sim.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--model",
@@ -243,6 +259,50 @@ def test_glm45_shape_counts_its_dense_layers_and_shared_experts(tmp_path):
     assert with_shared.a_forward - without.a_forward == pytest.approx(f * dense)
     assert with_shared.b_backward - without.b_backward == pytest.approx((f + 1) * dense)
     assert with_shared.crossover == pytest.approx(without.crossover)
+
+
+def preset_parameters(name: str, layers: tuple[int, ...]) -> list[int]:
+    """Hugging Face's parameter count of the preset cut to each number of ``layers`` (on the meta
+    device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tsp_core.plan.simulate import model_config
+
+    out = []
+    for n in layers:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config(name, layers=n))
+        out.append(sum(p.numel() for p in model.parameters()))
+    return out
+
+
+def test_glm45_air_preset():
+    """glm-4.5-air: the published config.json's sizes (106.85e9 parameters: GLM-4.5-Air's 106B),
+    the planner's shape (the first layer dense, 45 sparse with a shared expert, q width 12288)
+    and `tsp plan`'s per-rank parameters equal to the model's at TSP D = 8."""
+    from tsp_core.plan.command import model_shape
+
+    s = model_shape("glm-4.5-air", None)
+    assert (s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.q_width, s.vocab_size,
+            s.intermediate_size) == (4096, 46, 96, 8, 12288, 151552, 10944)
+    assert (s.num_experts, s.top_k, s.expert_intermediate_size, s.shared_intermediate_size,
+            s.num_moe_layers, s.num_dense_layers, s.routing_fp32) == (128, 8, 1408, 1408, 45, 1,
+                                                                      True)
+    dense, two = preset_parameters("glm-4.5-air", (1, 2))
+    h, biases, norms = 4096, 12288 + 2 * 1024, 2 * 4096
+    sparse = s.attention_weights + biases + norms + s.expert_weights + s.router_weights + \
+        s.shared_weights
+    assert two - dense == sparse
+    assert dense + 45 * sparse == 106_852_245_504
+    rest = 2 * 151552 * h + h                      # untied embedding and head, final norm
+    assert dense == s.attention_weights + biases + norms + s.mlp_weights + rest
+    # the planner's share of rank 0 at D = 8 (bf16): the weights 1/D, the router and the norms
+    # replicated (its q/k/v biases, 0.01% of the attention, are not counted)
+    planned = estimate(s, LayoutSpec("tsp", 8), 4096).parts["parameters"] / 2
+    assert planned == 45 * ((s.attention_weights + s.expert_weights + s.shared_weights) / 8
+                            + s.router_weights + norms) + \
+        (s.attention_weights + s.mlp_weights) / 8 + norms + 2 * 151552 * h / 8 + h
 
 
 def test_moe_presets_and_schedule_bytes():

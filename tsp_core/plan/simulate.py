@@ -89,6 +89,21 @@ MODELS = {
                           head_dim=128, vocab_size=151936, moe_intermediate_size=768,
                           num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[]),
+    # GLM-4.5-Air, the sizes of its published config.json (zai-org/GLM-4.5-Air): h 4096, 46
+    # layers (the first dense: first_k_dense_replace 1, intermediate 10944), 96 query heads of
+    # 128 (q width 12288) and 8 key/value heads, q/k/v biases, no q/k norms, partial rotary 0.5
+    # (theta 1e6), 128 routed experts of 1408 channels, top 8 (sigmoid router, one group,
+    # scaling 1.0, renormalised) plus 1 shared expert, vocabulary 151552, untied: 106.85e9
+    # parameters (its next-token-prediction layer, num_nextn_predict_layers, is not trained by
+    # Hugging Face's model and is left out)
+    "glm-4.5-air": dict(model_type="glm4_moe", hidden_size=4096, intermediate_size=10944,
+                        num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+                        head_dim=128, vocab_size=151552, attention_bias=True, use_qk_norm=False,
+                        partial_rotary_factor=0.5, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                        max_position_embeddings=131072, tie_word_embeddings=False,
+                        moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1,
+                        num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        routed_scaling_factor=1.0, norm_topk_prob=True),
     "7b": dict(hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
     "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
