@@ -50,9 +50,20 @@ def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return (xa * weight.to(acc)).type_as(x)
 
 
+def l2_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Llama 4's q/k norm (``Llama4TextL2Norm``): RMS-normalised over the last dim without a
+    weight (``weight`` is ignored), in float32 at least, then cast back. Hugging Face's
+    ``x.float()`` rounds a float64 model to float32; here a float64 model stays in float64."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xa = x.to(acc)
+    return (xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 NORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
     "llama": rms_norm, "gemma": gemma_rms_norm, "olmo2": olmo2_rms_norm,
-    "gemma4": gemma4_rms_norm}
+    "gemma4": gemma4_rms_norm, "l2": l2_norm}
+# kinds without a weight: q/k norms only (TSPAttention), never a layer's TSPRMSNorm
+WEIGHTLESS = ("l2",)
 
 
 def unscaled_norm(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
@@ -118,8 +129,9 @@ class TSPRMSNorm(TokenTiled, ShardedModule):
     def __init__(self, mesh: TSPMesh, hidden_size: int, eps: float = 1e-6, kind: str = "llama",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
-        if kind not in NORMS:
-            raise ValueError(f"unknown RMSNorm kind {kind!r}; one of {sorted(NORMS)}")
+        if kind not in NORMS or kind in WEIGHTLESS:
+            raise ValueError(f"unknown RMSNorm kind {kind!r}; one of "
+                             f"{sorted(set(NORMS) - set(WEIGHTLESS))}")
         self.mesh, self.eps, self.kind = mesh, eps, kind
         self.full_shapes = {"weight": (hidden_size,)}
         full = init_full(self.full_shapes, 0, dtype, device, ones=("weight",))

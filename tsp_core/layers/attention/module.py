@@ -21,6 +21,8 @@ from ...distributed.params import (
     schedule_inputs,
 )
 from .. import rope
+from ..norm import NORMS as NORM_KINDS
+from ..norm import WEIGHTLESS
 from ..sizes import valid_sizes_hint, valid_tsp_sizes
 from .per_group import PerGroupAttentionFn
 from .phased import PhasedAttentionFn
@@ -55,6 +57,21 @@ def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_k
         raise ValueError(f"hidden_size ({hidden_size}) and head_dim ({head_dim}) must be positive")
 
 
+def real_rotary(position_embeddings):
+    """A Hugging Face rotary embedding's output as ``(cos, sin)`` [B, L, r] in the ``cat(freqs,
+    freqs)`` convention: as given, or from Llama 4's one complex tensor ``freqs_cis`` [B, L, r/2]
+    (``cos + i sin`` per channel pair, applied to pairs (2i, 2i+1): the policy's
+    ``rope_interleaved``). None stays None."""
+    if not isinstance(position_embeddings, torch.Tensor):
+        return position_embeddings
+    if not position_embeddings.is_complex():
+        raise ValueError(f"position_embeddings: a (cos, sin) pair or a complex freqs_cis "
+                         f"tensor, got a {position_embeddings.dtype} tensor of shape "
+                         f"{tuple(position_embeddings.shape)}")
+    re, im = position_embeddings.real, position_embeddings.imag
+    return torch.cat((re, re), dim=-1), torch.cat((im, im), dim=-1)
+
+
 class TSPAttention(ShardedModule):
     """Multi-head / grouped-query attention with TSP: rank p owns query heads
     [p*nq/D, (p+1)*nq/D), the key/value heads they use (with fewer key/value heads than ranks, an
@@ -74,6 +91,11 @@ class TSPAttention(ShardedModule):
     ``qk_norm_kind``'s numerics (Gemma 4's v_norm). ``values_from_keys``: no ``v_proj``; the
     values are the key projection's output before the key norm and RoPE (Gemma 4's
     ``attention_k_eq_v``); each round then carries the key rows twice.
+    ``qk_norm_kind`` "l2" (Llama 4's ``qk_norm``): the per-head q/k norm has no weight, so
+    there are no ``q_norm``/``k_norm`` parameters. ``query_scale(positions, dtype)``: every query
+    is multiplied by a factor of its global position in the row (Llama 4's attention temperature
+    tuning on its NoPE layers), after RoPE and the q/k norm, in training, prefill and decode;
+    packed rows are refused on such a layer (Hugging Face counts the position across documents).
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
@@ -91,6 +113,7 @@ class TSPAttention(ShardedModule):
                  qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"),
                  attention_chunk_size: int | None = None, sinks: bool = False,
                  v_norm_eps: float | None = None, values_from_keys: bool = False,
+                 query_scale: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
                  dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
@@ -107,6 +130,12 @@ class TSPAttention(ShardedModule):
         if qk_norm_after_rope and qk_norm_all_heads:
             raise ValueError("qk_norm_after_rope is implemented for per-head q/k norms only, not "
                              "with qk_norm_all_heads")
+        if qk_norm_kind not in NORM_KINDS:
+            raise ValueError(f"unknown q/k norm kind {qk_norm_kind!r}; one of "
+                             f"{sorted(NORM_KINDS)}")
+        if qk_norm_kind in WEIGHTLESS and qk_norm_all_heads:
+            raise ValueError(f"the {qk_norm_kind!r} q/k norm (no weight) is per head; "
+                             f"qk_norm_all_heads is not implemented for it")
         if v_norm_eps is not None and qk_norm_all_heads:
             raise ValueError("v_norm_eps (a per-head value norm) is implemented on the default "
                              "schedule only, not with qk_norm_all_heads")
@@ -120,7 +149,7 @@ class TSPAttention(ShardedModule):
                                   qk_norm_after_rope=qk_norm_after_rope,
                                   rope_interleaved=rope_interleaved,
                                   chunk_size=attention_chunk_size, sinks=sinks,
-                                  v_norm_eps=v_norm_eps)
+                                  v_norm_eps=v_norm_eps, query_scale=query_scale)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -135,7 +164,7 @@ class TSPAttention(ShardedModule):
             self.full_shapes["o_proj.bias"] = (hidden_size,)
         if sinks:
             self.full_shapes["sinks"] = (num_heads,)
-        if qk_norm_eps is not None:
+        if qk_norm_eps is not None and qk_norm_kind not in WEIGHTLESS:
             widths = (q, kv) if qk_norm_all_heads else (head_dim, head_dim)
             self.full_shapes.update({n: (w,) for n, w in zip(self.NORMS, widths)})
         ones = self.NORMS if qk_norm_kind != "gemma" else ()  # gemma's: an offset from one
@@ -153,6 +182,8 @@ class TSPAttention(ShardedModule):
                 f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={s.sliding_window}"
                 + (f", attention_chunk_size={s.chunk_size}" if s.chunk_size is not None else "")
                 + (", sinks=True" if s.sinks else "")
+                + (f", qk_norm={s.qk_norm_kind}" if s.qk_norm_eps is not None else "")
+                + (f", query_scale={s.query_scale}" if s.query_scale is not None else "")
                 + (f", v_norm_eps={s.v_norm_eps}" if s.v_norm_eps is not None else "")
                 + (", values_from_keys=True" if self.values_from_keys else ""))
 
@@ -199,6 +230,16 @@ class TSPAttention(ShardedModule):
             if len(docs) != x.shape[0] or any(sum(row) != x.shape[1] * s.tsp_size for row in docs):
                 raise ValueError(f"docs {docs} do not describe {x.shape[0]} rows of "
                                  f"{x.shape[1] * s.tsp_size} tokens; pass shard_batch's tsp_docs")
+            packed = [b for b, row in enumerate(docs) if len(row) > 1]
+            if s.query_scale is not None and packed:  # same docs on every rank: all raise here
+                raise ValueError(
+                    f"packed rows (row {packed[0]} holds {len(docs[packed[0]])} documents: "
+                    f"{docs[packed[0]]}) on a layer whose queries are scaled by their position "
+                    f"({s.query_scale}): Hugging Face scales them by the position in the row "
+                    f"(Llama 4's attn_temperature_tuning counts across documents), which a row "
+                    f"whose documents shard_batch padded to multiples of {2 * s.tsp_size} "
+                    f"cannot give; feed one document per row, or set "
+                    f"attn_temperature_tuning=False")
         if position_embeddings is None:
             if position_ids is None:
                 raise ValueError("pass the global position_ids of the local tokens (from "
@@ -209,11 +250,14 @@ class TSPAttention(ShardedModule):
                 raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match "
                                  f"the input's [batch, local_seq] = {tuple(x.shape[:2])}")
             position_embeddings = rope.cos_sin(position_ids, self.inv_freq, 1.0, x.dtype)
-        norms = list(self.NORMS) if s.qk_norm_eps is not None else []
+        weightless = s.qk_norm_eps is not None and s.qk_norm_kind in WEIGHTLESS
+        norms = list(self.NORMS) if s.qk_norm_eps is not None and not weightless else []
         x, weights, context = schedule_inputs(self, self._weight_names() + norms, x)
         if norms:  # replicated: every rank normalises its own tokens, gradients summed
             weights[-2:] = [comm.sum_grad(w, self.mesh.group) for w in weights[-2:]]
-        cos, sin = (t.to(x.dtype) for t in position_embeddings)
+        if weightless:  # the schedules take norm weights: empty placeholders, never read
+            weights += [x.new_empty(0), x.new_empty(0)]
+        cos, sin = (t.to(x.dtype) for t in real_rotary(position_embeddings))
         fn = PhasedAttentionFn if s.qk_norm_all_heads else PerGroupAttentionFn
         with context:
             y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)

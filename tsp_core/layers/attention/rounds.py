@@ -10,7 +10,7 @@ functions decide what is saved (docs/design.md "Memory rules").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,10 @@ class AttentionSpec:
     # a learned per-head logit in the softmax denominator (gpt-oss's ``sinks`` [num_heads],
     # sharded with the heads and broadcast with their round's shard: flash.add_sinks)
     sinks: bool = False
+    # queries scaled per token by a function of its global position in the row (Llama 4's
+    # attention temperature tuning on NoPE layers): ``query_scale(positions, dtype)`` -> the
+    # factors in ``dtype`` (float32 at least); applied to the rotated, normed queries
+    query_scale: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
     # an RMSNorm without a learned scale over each value head, in qk_norm_kind's numerics
     # (Gemma 4's v_norm); None: values as projected
     v_norm_eps: float | None = None
@@ -135,23 +139,52 @@ class _RowGroup:
     rows: slice | list[int]
     docs: tuple[int, ...] | None
     pieces: list
+    positions: tuple[int, ...] = ()  # the local tokens' global positions in the row, in order
 
 
 def _row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
                 spec: AttentionSpec) -> list[_RowGroup]:
-    def pieces(d: tuple[int, ...] | None):
+    def group(rows: slice | list[int], d: tuple[int, ...] | None) -> _RowGroup:
         segs = row_segments(d or (seq,), rank, spec.tsp_size, spec.layout)
-        return flash.plan_pieces(segs, seq, spec.causal, spec.sliding_window, spec.chunk_size)
+        pieces = flash.plan_pieces(segs, seq, spec.causal, spec.sliding_window, spec.chunk_size)
+        positions = (tuple(i for a, b, _ in segs for i in range(a, b))
+                     if spec.query_scale is not None else ())
+        return _RowGroup(rows, d, pieces, positions)
 
     if docs is None:
-        return [_RowGroup(slice(None), None, pieces(None))]
+        return [group(slice(None), None)]
     by_docs: dict[tuple[int, ...], list[int]] = {}
     for b, d in enumerate(docs):
         by_docs.setdefault(tuple(d), []).append(b)
     if len(by_docs) == 1:
         (d,) = by_docs
-        return [_RowGroup(slice(None), d, pieces(d))]
-    return [_RowGroup(rows, d, pieces(d)) for d, rows in by_docs.items()]
+        return [group(slice(None), d)]
+    return [group(rows, d) for d, rows in by_docs.items()]
+
+
+def query_scale(spec: AttentionSpec, positions: torch.Tensor, like: torch.Tensor
+                ) -> torch.Tensor | None:
+    """The per-token query factors of ``positions`` (any shape) in ``like``'s dtype widened to
+    float32 at least, on its device; None without ``spec.query_scale``."""
+    if spec.query_scale is None:
+        return None
+    wide = torch.promote_types(like.dtype, torch.float32)
+    return spec.query_scale(positions.to(like.device), wide).to(wide)
+
+
+def scale_queries(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """q [..., L, d] times ``scale`` [L] per token, in the scale's (wider) dtype, cast back, as
+    Hugging Face's Llama 4 does; also the backward (the factor does not depend on q)."""
+    if scale is None:
+        return q
+    return (q.to(scale.dtype) * scale[:, None]).to(q.dtype)
+
+
+def _group_scale(g: _RowGroup, spec: AttentionSpec, like: torch.Tensor) -> torch.Tensor | None:
+    """Row group ``g``'s query factors [L] (None without a query scale)."""
+    if spec.query_scale is None:
+        return None
+    return query_scale(spec, torch.tensor(g.positions, dtype=torch.long), like)
 
 
 class _Shards:
@@ -338,7 +371,9 @@ def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: Attention
     with torch.enable_grad():
         pre = pre.detach().requires_grad_()
         weight = weight.detach().requires_grad_()
-        return torch.autograd.grad(_head_norm(pre, weight, spec), (pre, weight), grad)
+        # a norm without a weight (Llama 4's L2 norm: an empty placeholder) gets zeros
+        return torch.autograd.grad(_head_norm(pre, weight, spec), (pre, weight), grad,
+                                   allow_unused=True, materialize_grads=True)
 
 
 class _KVGathers:
@@ -420,7 +455,8 @@ def _attend(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.T
     R = spec.kv_replicas
     j = r // R
     for g, kv in zip(kvs.groups, kvs.get(j)):
-        o, lse = flash.attention_forward(q_all[r][g.rows], kv[0], kv[1], g.pieces,
+        q = scale_queries(q_all[r][g.rows], _group_scale(g, spec, q_all))
+        o, lse = flash.attention_forward(q, kv[0], kv[1], g.pieces,
                                          spec.softmax_scale, softcap=spec.softcap, sinks=sinks)
         out_all[r][g.rows], lse_all[r][g.rows] = o, lse
     if r % R == R - 1:
@@ -443,11 +479,13 @@ def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: tor
     j, first, last = r // R, r % R == 0, r % R == R - 1
     dq_parts = []
     for i, (g, kv) in enumerate(zip(kvs.groups, kvs.get(j))):
+        scale = _group_scale(g, spec, q_all)  # the queries attended scaled: so is their grad
         dq_g, dkv_sum[i] = flash.attention_backward(
-            do[g.rows], q_all[r][g.rows], kv, out_all[r][g.rows], lse_all[r][g.rows], g.pieces,
-            spec.softmax_scale, softcap=spec.softcap, dkv=None if first else dkv_sum[i],
+            do[g.rows], scale_queries(q_all[r][g.rows], scale), kv, out_all[r][g.rows],
+            lse_all[r][g.rows], g.pieces, spec.softmax_scale, softcap=spec.softcap,
+            dkv=None if first else dkv_sum[i],
             halfway=(lambda: kvs.halfway(j)) if i == 0 else None)
-        dq_parts.append((g.rows, dq_g))
+        dq_parts.append((g.rows, scale_queries(dq_g, scale)))
     del kv  # the loop's last K/V: dropped below after j's last round
     dq = _by_rows(dq_parts, q_all[r])
     if last:
