@@ -326,6 +326,55 @@ def test_glm4_moe_build_exercises_every_feature():
         build_baseline(model, tp)
 
 
+def test_gpt_oss_build_exercises_every_feature():
+    """The gpt-oss of the parity tests has every feature on and each one matters, on the hidden
+    states its layers really see: the clamps cut at least a tenth of the gates and of the ups,
+    the expert and router biases and the sinks are far from zero, the yarn rotary's attention
+    factor is not 1, and both layer kinds are there. TSP's route gives Hugging Face's router's
+    experts and weights (in exact arithmetic those of Mixtral's softmax renormalised over the
+    top k; a softmax over every logit not renormalised would not give them)."""
+    from tsp_core.layers.moe import MoESpec, expert_views, glu, route
+
+    model = build("gpt_oss")
+    c, layers = model.config, model.model.layers
+    assert c.layer_types == ["sliding_attention", "full_attention"], c.layer_types
+    assert model.model.rotary_emb.attention_scaling > 1.1
+    mlp = layers[1].mlp
+    seen = []
+    hooks = [mlp.router.register_forward_hook(lambda m, a, out: seen.append((a[0], out)))]
+    ids, _ = next(batches(c.vocab_size, 2, 16, 1))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    (x, (_, want_w, want_e)), = seen
+    spec = MoESpec(c.hidden_size, c.intermediate_size, 4, 2, 1, router="topk_softmax",
+                   router_bias=True, layout="interleaved", expert_bias=True,
+                   activation="swiglu_clamped", swiglu_limit=c.swiglu_limit,
+                   swiglu_alpha=c.swiglu_alpha)
+    logits = F.linear(x, mlp.router.weight, mlp.router.bias)
+    w, e = route(logits, spec)
+    assert torch.equal(e, want_e)
+    assert_close(w, want_w, 1e-15, "route vs Hugging Face's router")
+    other = route(logits, dataclasses.replace(spec, router="softmax", norm_topk=False))[0]
+    assert (other - w).abs().max() > 1e-2, "the top-k softmax is not seen in these weights"
+    ex = mlp.experts
+    tensors = [ex.gate_up_proj.detach(), ex.down_proj.detach(), ex.gate_up_proj_bias.detach()]
+    cut_gate = cut_up = 0
+    for k in range(4):
+        wg, wu, _, bg, bu = expert_views(spec, tensors, k)
+        g, u = F.linear(x, wg, bg), F.linear(x, wu, bu)
+        cut_gate += (g > c.swiglu_limit).sum().item()
+        cut_up += (u.abs() > c.swiglu_limit).sum().item()
+        assert not torch.equal(glu(g, u, spec),
+                               glu(g, u, dataclasses.replace(spec, swiglu_limit=1e9)))
+    rows = 4 * x.shape[0] * c.intermediate_size
+    assert cut_gate > rows / 10 and cut_up > rows / 10, (cut_gate, cut_up, rows)
+    for name, p in model.named_parameters():
+        if name.endswith(("sinks", "bias")):
+            assert p.abs().mean() > 0.1, f"{name} is near zero: it would not be seen"
+
+
 def glm4_moe_variants(tsp: int) -> None:
     """GLM-4.5 with its options off (no q/k norms, a single group, scaling 1):
     one float64 step's loss to 1e-10 and every first-step gradient to 1e-10, at ``tsp``; and in
@@ -537,7 +586,8 @@ def resume(family: str, tsp: int, root: str, saver_loss: float,
 
 @pytest.mark.parametrize("family,saved,loaded", [
     ("mixtral", "expert", "expert"), ("mixtral", "ring", "expert"),
-    ("qwen3_moe", "expert", "ring"), ("glm4_moe", "ring", "expert")])
+    ("qwen3_moe", "expert", "ring"), ("glm4_moe", "ring", "expert"),
+    ("gpt_oss", "expert", "ring")])
 def test_checkpoint_saved_at_tsp2_resumes_at_4_1_and_plain(pools, tmp_path, family, saved,
                                                            loaded):
     # across schedules too: a checkpoint holds Hugging Face's tensors, whatever the layout
@@ -573,7 +623,8 @@ def load_hf_saved(family: str, root: str, schedule: str = "expert") -> None:
 
 
 @pytest.mark.parametrize("family,schedule", [("mixtral", "expert"), ("qwen3_moe", "expert"),
-                                             ("mixtral", "ring"), ("glm4_moe", "expert")])
+                                             ("mixtral", "ring"), ("glm4_moe", "expert"),
+                                             ("gpt_oss", "ring")])
 def test_hf_saved_checkpoint_loads_into_tsp(pools, tmp_path, family, schedule):
     pools.of(2).run(load_hf_saved, family, str(tmp_path), schedule)
 
@@ -730,6 +781,51 @@ def ring_traffic(tsp: int, case: str, shared: int = 0) -> None:
 @pytest.mark.parametrize("case", ["uniform", "skewed"])
 def test_ring_layer_collectives_exact(pools, case):
     pools.of(4).run(ring_traffic, 4, case)
+
+
+GPT_OSS_EXPERTS = dict(router="topk_softmax", router_bias=True, router_name="router",
+                       layout="interleaved", expert_bias=True, activation="swiglu_clamped",
+                       swiglu_limit=0.6)
+
+
+def gpt_oss_traffic(tsp: int) -> None:
+    """gpt-oss's experts (biases, the interleaved layout) under both schedules: the router's
+    weight and bias and the replicated down-projection biases each get one gradient all-reduce
+    (2 (D-1)/D of E h, E and E h numbers); the ring's slices carry their gate_up_proj_bias
+    columns (E 2F/D numbers more per pass); the expert schedule's all-to-alls are those of any
+    family (their bytes: test_layer_collectives_exact)."""
+    c = TRAFFIC
+    D, E, h, F_, k = tsp, c["experts"], c["hidden"], c["intermediate"], c["top_k"]
+    mesh = dist_pool.mesh(tsp)
+    frac = (D - 1) / D
+    reduces = 2 * (E * h + E + E * h) * 8 * frac
+    shard = (3 * E * F_ // D * h + E * 2 * F_ // D) * 8
+    for schedule in ("expert", "ring"):
+        moe = TSPMoE(mesh, h, F_, E, k, dtype=torch.float64, schedule=schedule,
+                     **GPT_OSS_EXPERTS)
+        x = torch.randn(c["rows"], c["seq"] // D, h, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(mesh.rank), requires_grad=True)
+        with comm.track() as fwd:
+            y = moe(x)
+        with comm.track() as bwd:
+            y.sum().backward()
+        if schedule == "ring":
+            assert dict(fwd.calls) == {"ring_pass": D - 1}, dict(fwd.calls)
+            assert dict(fwd.bytes) == {"ring_pass": (D - 1) * shard}, dict(fwd.bytes)
+            assert dict(bwd.calls) == {"ring_pass": 2 * D - 1, "all_reduce": 3}, dict(bwd.calls)
+            assert dict(bwd.bytes) == {"ring_pass": (2 * D - 1) * shard,
+                                       "all_reduce": pytest.approx(reduces)}, dict(bwd.bytes)
+        else:
+            assert dict(fwd.calls) == {"all_to_all": 3}, dict(fwd.calls)
+            assert dict(bwd.calls) == {"all_to_all": 2, "all_reduce": 3}, dict(bwd.calls)
+            assert bwd.bytes["all_reduce"] == pytest.approx(reduces), dict(bwd.bytes)
+        grads = [p.grad for p in moe.parameters()]
+        assert all(g is not None for g in grads), [n for n, p in moe.named_parameters()
+                                                   if p.grad is None]
+
+
+def test_gpt_oss_layer_collectives(pools):
+    pools.of(4).run(gpt_oss_traffic, 4)
 
 
 # ------------------------------------------------------------------------------ refusals
