@@ -299,3 +299,66 @@ def test_interleaved_rope_is_glm4s_forward_and_backward(rotary_dim):
     g = torch.randn(want.shape, dtype=torch.float64, generator=gen)
     (want_grad,) = torch.autograd.grad(want, q, g)
     assert_close(rope.apply_backward(g, cos, sin, interleaved=True), want_grad, 1e-12, "backward")
+
+
+# ------------------------------------------------------- the rotation's precision (float32 island)
+
+def float32_island(family: str, tsp: int) -> int:
+    """One bf16 training step of a tiny ``family`` (Ernie 4.5, OLMo 2: their rotary embedding
+    returns float32 cos/sin and their ``apply_rotary_pos_emb`` rotates bf16 q and k in float32,
+    then rounds) under TSP at ``tsp``: every rotation TSP computes (rope.apply; rope.apply_backward
+    where the schedule calls it) equals, bit for bit, Hugging Face's own function on the same
+    input with the cos/sin of Hugging Face's rotary embedding at the rank's positions (its
+    backward by autograd through that function). Returns the rotations compared."""
+    import importlib
+
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build(family, torch.bfloat16)
+    hf = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    hf_apply = getattr(hf.apply_rotary_pos_emb, "hf_original", hf.apply_rotary_pos_emb)
+    model = tsp_core.parallelize(ref, mesh)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (2, 16), generator=gen)
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    cos, sin = model.model.rotary_emb(torch.ones(1, dtype=torch.bfloat16), batch["position_ids"])
+    assert cos.dtype == torch.float32  # Hugging Face's float32 island
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return hf_apply(t, t, cos, sin)[0]
+
+    calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    forward, backward = rope.apply, rope.apply_backward
+
+    def apply(x, *args, **kwargs):
+        out = forward(x, *args, **kwargs)
+        calls.append(("apply", x.detach(), out.detach()))
+        return out
+
+    def apply_backward(g, *args, **kwargs):
+        out = backward(g, *args, **kwargs)
+        calls.append(("apply_backward", g, out))
+        return out
+
+    rope.apply, rope.apply_backward = apply, apply_backward
+    try:
+        model(**batch).loss.backward()
+    finally:
+        rope.apply, rope.apply_backward = forward, backward
+    for i, (name, x, got) in enumerate(calls):
+        assert got.dtype == torch.bfloat16, (name, got.dtype)
+        if name == "apply":
+            want = rotate(x)
+        else:
+            leaf = torch.zeros_like(x, requires_grad=True)
+            (want,) = torch.autograd.grad(rotate(leaf), leaf, x)
+        diff = (got.float() - want.float()).abs().max().item()
+        assert torch.equal(got, want), f"{family} tsp {tsp} call {i} ({name}): off by {diff:.3g}"
+    assert calls and all(n == "apply" for n, *_ in calls[:2])
+    dist.barrier()
+    return len(calls)
+
+
+@pytest.mark.parametrize("family,tsp", [("ernie4_5", 1), ("ernie4_5", 2), ("olmo2", 2)])
+def test_bf16_rotation_is_hugging_faces_float32_island(pools, family, tsp):
+    counts = pools.of(tsp).run(float32_island, family, tsp)
+    assert min(counts) > 0, counts

@@ -65,29 +65,49 @@ def _convention(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
     return cos, sin, rotate_half
 
 
+def rotation_inputs(position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for :func:`apply` on activations of ``dtype``: in the wider of ``dtype`` and
+    their own. The precision of the rotation is the one the family's rotary embedding gives:
+    most return cos/sin in the activations' dtype (the rotation runs in it); Ernie 4.5's, OLMo
+    2's and OLMo 3's return them in float32 (Llama 4's complex ``freqs_cis`` too) and rotate a
+    bf16 q and k in float32, then round (Hugging Face's float32 island), which :func:`apply`
+    then does too."""
+    return tuple(t.to(torch.promote_types(t.dtype, dtype)) for t in position_embeddings)
+
+
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           interleaved: bool = False) -> torch.Tensor:
     """Rotate x [B, H, L, d] with cos, sin [B, L, r]: the first r <= d channels of each head
     (r < d: partial rotary, ``partial_rotary_factor``; the rest pass unchanged, as in HF).
     ``interleaved``: rotate channel pairs (2i, 2i+1) instead of (i, i + r/2), as GLM-4's and
-    Ernie 4.5's ``apply_rotary_pos_emb`` do with the same cos/sin."""
+    Ernie 4.5's ``apply_rotary_pos_emb`` do with the same cos/sin. With cos/sin wider than x
+    (:func:`rotation_inputs`) the rotation runs in their dtype and the result is rounded to x's,
+    as ``(q.float() * cos + rotate_half(q).float() * sin).to(q.dtype)`` does."""
     cos, sin, turn = _convention(cos, sin, interleaved)
     r = cos.shape[-1]
     if r == x.shape[-1]:
-        return x * cos + turn(x) * sin
-    rot, rest = x[..., :r], x[..., r:]
-    return torch.cat([rot * cos + turn(rot) * sin, rest], dim=-1)
+        return (_wide(x, cos) * cos + turn(_wide(x, cos)) * sin).to(x.dtype)
+    rot, rest = _wide(x[..., :r], cos), x[..., r:]
+    return torch.cat([(rot * cos + turn(rot) * sin).to(x.dtype), rest], dim=-1)
 
 
 def apply_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    interleaved: bool = False) -> torch.Tensor:
-    """Gradient through :func:`apply` (the rotation's transpose)."""
+    """Gradient through :func:`apply` (the rotation's transpose). With cos/sin wider than g, as
+    autograd differentiates the wide rotation: each product rounded to g's dtype on its own,
+    then their sum in g's dtype."""
     cos, sin, turn = _convention(cos, sin, interleaved)
     r = cos.shape[-1]
     if r == g.shape[-1]:
-        return g * cos - turn(g * sin)
-    rot, rest = g[..., :r], g[..., r:]
-    return torch.cat([rot * cos - turn(rot * sin), rest], dim=-1)
+        return (_wide(g, cos) * cos).to(g.dtype) - turn((_wide(g, cos) * sin).to(g.dtype))
+    rot, rest = _wide(g[..., :r], cos), g[..., r:]
+    return torch.cat([(rot * cos).to(g.dtype) - turn((rot * sin).to(g.dtype)), rest], dim=-1)
+
+
+def _wide(x: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """x in cos's dtype when that is wider (the float32 island), else x itself."""
+    return x.to(cos.dtype) if torch.finfo(cos.dtype).bits > torch.finfo(x.dtype).bits else x
 
 
 # ------------------------------------------------ rope whose frequencies depend on the length

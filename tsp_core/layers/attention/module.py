@@ -257,7 +257,7 @@ class TSPAttention(ShardedModule):
             weights[-2:] = [comm.sum_grad(w, self.mesh.group) for w in weights[-2:]]
         if weightless:  # the schedules take norm weights: empty placeholders, never read
             weights += [x.new_empty(0), x.new_empty(0)]
-        cos, sin = (t.to(x.dtype) for t in real_rotary(position_embeddings))
+        cos, sin = rope.rotation_inputs(real_rotary(position_embeddings), x.dtype)
         fn = PhasedAttentionFn if s.qk_norm_all_heads else PerGroupAttentionFn
         with context:
             y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
