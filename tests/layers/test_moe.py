@@ -828,6 +828,40 @@ def test_gpt_oss_layer_collectives(pools):
     pools.of(4).run(gpt_oss_traffic, 4)
 
 
+def gpt_oss_fp16(root: str, tsp: int) -> float:
+    """gpt-oss in float16 as from_pretrained loads it: its RMSNorm weights stay float32
+    (``_keep_in_fp32_modules``, honoured for float16 only), in TSP and in its full state dict,
+    and the loss is Hugging Face's to float16 noise. Returns the relative difference."""
+    import os
+
+    from transformers import GptOssForCausalLM
+
+    mesh = dist_pool.mesh(tsp)
+    path = os.path.join(root, "gpt_oss")
+    if dist.get_rank() == 0:
+        build("gpt_oss").save_pretrained(path)
+    dist.barrier()
+    ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.float16)
+    ref.set_experts_implementation("eager")
+    kept = {n for n, p in ref.named_parameters() if p.dtype == torch.float32}
+    assert kept and all(n.endswith("norm.weight") for n in kept), sorted(kept)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids, labels = next(batches(ref.config.vocab_size, 2, 16, 1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=labels).loss.item()
+        got = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)).loss
+    full, saved = tsp_core.full_state_dict(model), ref.state_dict()
+    for name in kept:
+        assert full[name].dtype == torch.float32 and torch.equal(full[name], saved[name]), name
+    dist.barrier()
+    return abs(got.item() - want) / abs(want)
+
+
+def test_gpt_oss_fp16_keeps_hf_float32_norms(pools, tmp_path):
+    rel = pools.of(2).run(gpt_oss_fp16, str(tmp_path), 2)
+    assert max(rel) <= 1e-3, rel  # float16 noise of a 2-layer model
+
+
 # ------------------------------------------------------------------------------ refusals
 
 def refusals() -> list[str]:
@@ -884,8 +918,9 @@ def refusals() -> list[str]:
         if name.endswith("mlp.gate.weight"):
             p.data = p.data.float()
     fsdp = dist_pool.mesh(2, dp_shard=2)
-    expect(r"the model's routers are float32 and its other parameters \['torch\.bfloat16'\]: "
-           r"FSDP2 \(fsdp_size 2\) needs one dtype per decoder layer; cast the model to one dtype",
+    expect(r"the model keeps its routers or norms float32 \(as from_pretrained loads them\) "
+           r"and its other parameters \['torch\.bfloat16'\]: FSDP2 \(fsdp_size 2\) needs one "
+           r"dtype per decoder layer; cast the model to one dtype",
            lambda: tsp_core.parallelize(bf16, fsdp))
     expect(r"n_group \(2\), topk_group \(1\) and the correction bias \(False\) belong to the "
            r"\"sigmoid\" router", lambda: TSPMoE(mesh, 32, 16, 8, 2, n_group=2,

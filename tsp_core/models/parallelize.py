@@ -9,7 +9,7 @@ loss is the global mean, identical on every rank.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -378,14 +378,14 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
                          f"parameters on meta but buffers materialised (e.g. accelerate's "
                          f"init_empty_weights(include_buffers=False)), as "
                          f"tsp_transformers.load_pretrained does")
-    moe = policy.moe
-    router = f"{policy.mlp}.{moe.router}.weight" if moe is not None and moe.router_float32 else None
-    dtypes = {p.dtype for n, p in model.named_parameters()  # a float32 router may stay so
-              if router is None or not (n.endswith(router) and p.dtype == torch.float32)}
+    kept = _float32_kept(model, policy)
+    dtypes = {p.dtype for n, p in model.named_parameters()  # what Hugging Face keeps float32
+              if not (kept(n) and p.dtype == torch.float32)}
     if mesh.fsdp_size > 1 and len(dtypes | {p.dtype for p in params}) > 1:
-        raise ValueError(f"the model's routers are float32 and its other parameters "
-                         f"{sorted(map(str, dtypes))}: FSDP2 (fsdp_size {mesh.fsdp_size}) "
-                         f"needs one dtype per decoder layer; cast the model to one dtype first")
+        raise ValueError(f"the model keeps its routers or norms float32 (as from_pretrained "
+                         f"loads them) and its other parameters {sorted(map(str, dtypes))}: "
+                         f"FSDP2 (fsdp_size {mesh.fsdp_size}) needs one dtype per decoder layer; "
+                         f"cast the model to one dtype first")
     if len(dtypes) > 1:
         raise ValueError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; cast it "
                          f"to one dtype first")
@@ -400,6 +400,25 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
                                  "v_proj": nkv * head_dim, "gate_proj": c.intermediate_size,
                                  "up_proj": c.intermediate_size})
     rope.length_dependent_rotaries(model)  # raises for one TSP cannot give the global length
+
+
+def _float32_kept(model: nn.Module, policy: DecoderPolicy) -> Callable[[str], bool]:
+    """Whether parameter ``name`` may stay float32 in a model of another dtype, as
+    ``from_pretrained`` keeps it and the TSP module that replaces it keeps it too: the router
+    (``ExpertsPolicy.router_float32``, GLM-4.5) and the RMSNorms among the model's
+    ``_keep_in_fp32_modules`` (gpt-oss's in a float16 model; each TSPRMSNorm takes its weight's
+    dtype)."""
+    moe = policy.moe
+    router = f"{policy.mlp}.{moe.router}.weight" if moe is not None and moe.router_float32 else None
+    listed = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
+              *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
+    norms = listed & {*policy.layer_norms, policy.final_norm}
+
+    def kept(name: str) -> bool:
+        parts = name.split(".")
+        return (router is not None and name.endswith(router)) or (
+            len(parts) >= 2 and parts[-2] in norms and parts[-1] == "weight")
+    return kept
 
 
 def _linear(module: nn.Module, name: str, fused: dict[str, tuple[str, ...]]) -> nn.Module:
@@ -612,10 +631,12 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
                 init_seed=None, **opts))
         for norm in policy.layer_norms:
             old = getattr(layer, norm)
-            replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))
+            replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm,
+                                            **{**opts, "dtype": old.weight.dtype}))
     old = getattr(base, policy.final_norm)
     replace(base, policy.final_norm,
-            TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm, **opts))
+            TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm,
+                       **{**opts, "dtype": old.weight.dtype}))
     if tied:
         planned.append((model, policy.lm_head,
                         TSPLMHead(mesh, c.vocab_size, c.hidden_size, tied_to=embed), None))
