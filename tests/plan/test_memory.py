@@ -211,10 +211,10 @@ def breaking_the_rule(variant: str | None) -> Iterator[None]:
 
 
 def simulate_variant(degree: int, variant: str | None, model: str = "7b", seq: int = SEQ,
-                     tile_tokens: int | None = None) -> dict:
-    """One simulate record (as ``tsp simulate --json`` writes it) of one layer of ``model`` (a
-    preset), run in a worker process of its own process group, with the rule broken as
-    ``variant`` says (``tile_tokens``: as ``parallelize`` takes it)."""
+                     tile_tokens: int | None = None, layers: int = LAYERS) -> dict:
+    """One simulate record (as ``tsp simulate --json`` writes it) of ``layers`` layers of
+    ``model`` (a preset), run in a worker process of its own process group, with the rule broken
+    as ``variant`` says (``tile_tokens``: as ``parallelize`` takes it)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
@@ -222,7 +222,7 @@ def simulate_variant(degree: int, variant: str | None, model: str = "7b", seq: i
     from tsp_core.plan.simulate import simulate as run
 
     torch.set_num_threads(1)
-    req = SimulationRequest("tsp", degree, 1, seq, model, LAYERS, recompute="none",
+    req = SimulationRequest("tsp", degree, 1, seq, model, layers, recompute="none",
                             tile_tokens=tile_tokens)
     with breaking_the_rule(variant):
         return record_dict(run(req))
@@ -278,6 +278,9 @@ def test_simulate_rejects_bad_requests(tmp_path, bad, message):
 # ------------------------------------------------------------------ the rule in every family
 
 FAMILY_BLOCKS = ("qwen3-8b", "gemma-2-9b", "olmo-2-7b")  # q/k norms, sandwich + soft-caps, phased
+# a block is one layer, or the layers up to a preset's first sparse one (GLM-4.5-Air's first is
+# dense: first_k_dense_replace)
+BLOCK_LAYERS = {"glm-4.5-air": 2}
 FAMILY_SEQ = 16384
 WORKING_SETS = (("attention_forward", "activations"), ("attention_backward", "temporaries"),
                 ("mlp_forward", "activations"), ("mlp_backward", "temporaries"))
@@ -310,15 +313,17 @@ def scaling_violations(runs: dict[tuple[int, int], dict]) -> list[str]:
 
 def family_runs(models: tuple[str, ...], variants: tuple[str | None, ...],
                 tile_tokens: int | None = None) -> dict:
+    """Each model's block (its first BLOCK_LAYERS layers) at (S, 4), (S, 8), (2S, 8)."""
     points = [(FAMILY_SEQ, 4), (FAMILY_SEQ, 8), (2 * FAMILY_SEQ, 8)]
     keys = [(m, v, p) for m in models for v in variants for p in points]
+    layers = [BLOCK_LAYERS.get(m, LAYERS) for m, _, _ in keys]
     with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
         recs = pool.map(simulate_variant, [p[1] for _, _, p in keys], [v for _, v, _ in keys],
                         [m for m, _, _ in keys], [p[0] for _, _, p in keys],
-                        [tile_tokens] * len(keys))
+                        [tile_tokens] * len(keys), layers)
         out: dict = {}
-        for (m, v, p), rec in zip(keys, recs):
-            assert rec["layers"] == LAYERS and rec["seq"] == p[0] and rec["degree"] == p[1]
+        for (m, v, p), n, rec in zip(keys, layers, recs):
+            assert rec["layers"] == n and rec["seq"] == p[0] and rec["degree"] == p[1]
             out.setdefault((m, v), {})[p] = rec
     return out
 
@@ -345,16 +350,19 @@ def test_the_rule_holds_in_every_family_and_its_breaks_show():
 # ------------------------------------------------------------------ mixture of experts
 
 def test_the_rule_holds_for_moe_blocks():
-    """One block of Mixtral-8x7B (8 experts, top 2) and of Qwen3-30B-A3B (128 experts, top 8,
-    per-head q/k norms) under TSP's expert-parallel schedule (tsp_core.layers.moe, uniform routing
+    """One block of Mixtral-8x7B (8 experts, top 2), of Qwen3-30B-A3B (128 experts, top 8,
+    per-head q/k norms) and of GLM-4.5-Air (its dense first layer and first sparse one: 128
+    experts, top 8 by the sigmoid router, a shared expert on the dense ring, 96 query heads of
+    128) under TSP's expert-parallel schedule (tsp_core.layers.moe, uniform routing
     under fake tensors). What the forward keeps is linear in this rank's tokens; the MoE
     block's working sets and the parameters shrink at least as 1/D, up to what expert
     parallelism keeps constant: the replicated router, and the expert running backward (its
     k S / E rows and its gate/up gradient slice do not depend on D). Attention is the dense
     rule's (Qwen3-30B-A3B has 4 key/value heads: below D = 8 they are not cut further)."""
-    models = ("mixtral-8x7b", "qwen3-30b-a3b")
+    shapes = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
+              "glm-4.5-air": (4096, 1408, 128, 8)}
+    models = tuple(shapes)
     runs = family_runs(models, (None,))
-    shapes = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}
     for model in models:
         h, f, e, k = shapes[model]
         s4, s8, l8 = (runs[(model, None)][p] for p in
