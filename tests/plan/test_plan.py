@@ -154,7 +154,7 @@ def test_model_presets_and_config_files(tmp_path):
 
 
 # the newer mixture-of-experts families, built by tests/layers/test_moe.py
-NEWER_MOE_FAMILIES = ("glm4_moe",)
+NEWER_MOE_FAMILIES = ("glm4_moe", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
@@ -277,10 +277,12 @@ def preset_parameters(name: str, layers: tuple[int, ...]) -> list[int]:
     return out
 
 
-def test_glm45_air_preset():
-    """glm-4.5-air: the published config.json's sizes (106.85e9 parameters: GLM-4.5-Air's 106B),
-    the planner's shape (the first layer dense, 45 sparse with a shared expert, q width 12288)
-    and `tsp plan`'s per-rank parameters equal to the model's at TSP D = 8."""
+def test_newer_moe_presets():
+    """glm-4.5-air and gpt-oss-20b: the published config.json's sizes (106.85e9 parameters:
+    GLM-4.5-Air's 106B; 20.91e9: gpt-oss-20b's 21B), the planner's shape (GLM-4.5-Air: the first
+    layer dense, 45 sparse with a shared expert, q width 12288; gpt-oss: 24 sparse layers whose
+    routing weights are in the logits' dtype) and `tsp plan`'s per-rank parameters equal to the
+    model's at TSP D = 8."""
     from tsp_core.plan.command import model_shape
 
     s = model_shape("glm-4.5-air", None)
@@ -303,6 +305,21 @@ def test_glm45_air_preset():
     assert planned == 45 * ((s.attention_weights + s.expert_weights + s.shared_weights) / 8
                             + s.router_weights + norms) + \
         (s.attention_weights + s.mlp_weights) / 8 + norms + 2 * 151552 * h / 8 + h
+    one = model_shape("glm-4.5-air", 1)  # the first layer alone is dense: no experts to plan
+    assert not one.is_moe and one.num_dense_layers == 1
+
+    g = model_shape("gpt-oss-20b", None)
+    assert (g.hidden_size, g.num_layers, g.num_heads, g.num_kv_heads, g.q_width, g.vocab_size,
+            g.num_experts, g.top_k, g.expert_intermediate_size, g.num_moe_layers,
+            g.shared_intermediate_size, g.routing_fp32) == (2880, 24, 64, 8, 4096, 201088, 32, 4,
+                                                            2880, 24, 0, False)
+    one, two = preset_parameters("gpt-oss-20b", (1, 2))
+    h, e, f = 2880, 32, 2880
+    # attention with q/k/v/o biases and the sinks, the experts with their biases, the router
+    # with its bias, two norms
+    layer = g.attention_weights + 4096 + 2 * 512 + h + 64 + g.expert_weights + e * (2 * f + h) \
+        + g.router_weights + e + 2 * h
+    assert two - one == layer and one + 23 * layer == 20_914_757_184
 
 
 def test_moe_presets_and_schedule_bytes():

@@ -104,6 +104,22 @@ MODELS = {
                         moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1,
                         num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
                         routed_scaling_factor=1.0, norm_topk_prob=True),
+    # gpt-oss-20b, the sizes of its published config.json (openai/gpt-oss-20b): h 2880, 24
+    # layers alternating sliding (window 128) and full attention with sinks, 64 query heads of
+    # 64 and 8 key/value heads, q/k/v/o biases, yarn rope (factor 32 over 4096, theta 150000),
+    # 32 experts of 2880 channels with biases in every layer, top 4 (softmax over the top
+    # logits), the clamped SwiGLU (limit 7.0), vocabulary 201088, untied: 20.91e9 parameters
+    # (trained in bf16 here; the Hub's experts are MXFP4)
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, vocab_size=201088, attention_bias=True, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12,
+                        rope_theta=150000.0, rope_scaling=dict(
+                            rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                            original_max_position_embeddings=4096, truncate=False),
+                        max_position_embeddings=131072, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False, num_local_experts=32, num_experts_per_tok=4,
+                        swiglu_limit=7.0),
     "7b": dict(hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
     "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,

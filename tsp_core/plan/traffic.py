@@ -168,9 +168,10 @@ def _gated_mlp(config) -> bool:
 def _moe_fields(config) -> dict:
     """The MoE fields of :class:`ModelShape` from a config, by the family's TSP policy
     (:class:`tsp_core.models.policies.ExpertsPolicy`: which config fields hold the expert count,
-    top-k and per-expert size); {} for dense families. Which layers are sparse follows Hugging
-    Face's Qwen3-MoE rule (``mlp_only_layers``, ``decoder_sparse_step``); Mixtral's are all
-    sparse."""
+    top-k and per-expert size); {} for dense families, and for a cut with no sparse layer. Which
+    layers are sparse follows Hugging Face's Qwen3-MoE rule (``mlp_only_layers``,
+    ``decoder_sparse_step``), GLM-4.5's (``first_k_dense_replace``) and Llama 4's list
+    (``moe_layers``); Mixtral's and gpt-oss's are all sparse."""
     from types import SimpleNamespace
 
     from ..models.policies import find_policy
@@ -186,12 +187,18 @@ def _moe_fields(config) -> dict:
     dense = set(getattr(config, "mlp_only_layers", None) or ())
     dense |= set(range(getattr(config, "first_k_dense_replace", None) or 0))  # GLM-4.5
     step = getattr(config, "decoder_sparse_step", None) or 1
-    sparse = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0)
+    listed = getattr(config, "moe_layers", None)  # Llama 4: the sparse layers' indices
+    sparse = sum(1 for i in range(L) if i not in dense and (i + 1) % step == 0
+                 and (not isinstance(listed, list) or i in listed))
+    if not sparse:
+        return {}
     spec = m.spec(config, 1)
+    # the routing weights stay float32: Mixtral's softmax router (Qwen3-MoE's casts them back),
+    # GLM-4.5's float32 router; the top-k routers (gpt-oss, Llama 4) weigh in the logits' dtype
+    fp32 = m.router_float32 or (spec.router == "softmax" and not spec.weights_in_logits_dtype)
     return dict(num_experts=spec.num_experts, top_k=spec.top_k,
                 expert_intermediate_size=spec.intermediate_size,
-                moe_layers=None if sparse == L else sparse,
-                routing_fp32=not m.weights_in_logits_dtype,
+                moe_layers=None if sparse == L else sparse, routing_fp32=fp32,
                 shared_intermediate_size=spec.shared_intermediate_size)
 
 
