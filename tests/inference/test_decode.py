@@ -67,6 +67,11 @@ def test_greedy_matches_hf(pools, tsp):
                    "ernie4_5", "apertus", "hunyuan_v1_dense"):
         outs = pools.of(tsp).run(greedy_parity, family, tsp, [7, 33, 100], 32)
         assert all(o == outs[0] for o in outs), f"{family}: ranks generated different tokens"
+    # Hugging Face's Llama 4 scales queries by the position in the left-padded row (13 pad tokens
+    # move this model's logits by 8.7e-4 from the prompt's alone); TSP by the prompt's own
+    # position, as the prompt alone: prompts of one length, no padding
+    outs = pools.of(tsp).run(greedy_parity, "llama4_text", tsp, [33, 33], 32)
+    assert all(o == outs[0] for o in outs), "llama4_text: ranks generated different tokens"
 
 
 def held_bytes(make) -> tuple[int, int]:

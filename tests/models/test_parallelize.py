@@ -109,7 +109,8 @@ def bad_models() -> list[str]:
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
          r"\['apertus', 'ernie4_5', 'exaone4', 'gemma', 'gemma2', 'gemma3', 'glm4', 'glm4_moe', "
-         r"'granite', 'hunyuan_v1_dense', 'llama', 'mistral', 'mixtral', 'olmo2', 'olmo3', 'phi3', "
+         r"'gpt_oss', 'granite', 'hunyuan_v1_dense', 'llama', 'llama4_text', 'mistral', 'mixtral', "
+         r"'olmo2', 'olmo3', 'phi3', "
          r"'qwen2', 'qwen3', "
          r"'qwen3_moe', 'seed_oss', 'smollm3'\]\. "
          r"Describe its module names"),

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tests.support import llama4_reference
+
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
             "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
-            "ernie4_5", "apertus", "hunyuan_v1_dense")
+            "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text")
 # every family runs Hugging Face's SDPA attention, float64 throughout: the eager attention of
 # OLMo 3, Seed-OSS, EXAONE 4 and SmolLM3 computes its softmax in float32 even in a float64 model
 # (only Gemma 2, whose soft-capping exists only in eager, runs a float64 copy: use_exact_eager;
@@ -24,6 +26,10 @@ BASELINE_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
 # ones up to 3.8e-5 (relative to their max) off the float64 ones, TSP's 7.9e-5. Their float64
 # runs hold every weight to 1e-8
 FLOAT32_FAMILIES = ("llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite")
+
+
+# the sparse layers of the tiny Llama 4
+LLAMA4_MOE_LAYERS = (0,)
 
 
 def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):
@@ -147,13 +153,27 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         rope = dict(rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0)  # static: "ntk_alpha"
         model = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(
             vocab_size=96, head_dim=24, attention_bias=True, rope_parameters=rope, **common))
+    elif family == "llama4_text":  # layer 0 with RoPE: chunks of 5 tokens (a zigzag chunk holds
+        from transformers import Llama4ForCausalLM, Llama4TextConfig  # 3 or 6), the L2 q/k norm
+
+        # and the MoE (LLAMA4_MOE_LAYERS: 4 experts of 64 channels, top 1, a shared expert);
+        # NoPE layer 1: the attention temperature (floor_scale 4: the factor changes
+        # every 4 tokens), a dense MLP of intermediate_size_mlp 96, not intermediate_size 64.
+        # RoPE from complex freqs_cis on channel pairs. Its float32 steps run in float64 in a
+        # float64 model (tests/support/llama4_reference.py)
+        model = Llama4ForCausalLM(Llama4TextConfig(
+            vocab_size=96, pad_token_id=None, **{**common, "intermediate_size": 64},
+            intermediate_size_mlp=96, no_rope_layers=[1, 0], attention_chunk_size=5,
+            use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+            num_local_experts=4, num_experts_per_tok=1, moe_layers=list(LLAMA4_MOE_LAYERS)))
+        llama4_reference.float64_llama4(model)
     else:
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
     if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
                   "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus",
-                  "hunyuan_v1_dense"):
+                  "hunyuan_v1_dense", "llama4_text"):
         # norms and biases away from their initial ones/zeros: a weight applied the wrong way
         # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():

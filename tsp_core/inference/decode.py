@@ -46,6 +46,7 @@ from ..distributed.mesh import TSPMesh
 from ..distributed.params import local
 from ..layers import rope
 from ..layers.attention import AttentionSpec, TSPAttention
+from ..layers.attention.rounds import query_scale, scale_queries
 from ..layers.mlp import TSPGatedMLP, _act
 from ..layers.moe import TSPMoE
 from ..layers.norm import NORMS
@@ -185,7 +186,7 @@ class _Decode:
         visible = visible_slots(module.spec, self.valid, self.used, self.positions)
         cos, sin = position_embeddings
         y = _attention_step(self.parts, self.index[id(module)], module, x[:, 0], cos, sin,
-                            self.cache, self.slot, visible)
+                            self.cache, self.slot, visible, self.positions)
         return y.unsqueeze(1)
 
 
@@ -346,7 +347,10 @@ def _attend_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: to
 
 def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, cache: ShardedKVCache, slot: int | None,
-                    visible: torch.Tensor) -> torch.Tensor:
+                    visible: torch.Tensor, positions: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """One decode step of attention ``i``; ``positions`` [B] (the new tokens' global positions)
+    feed a query scale (``spec.query_scale``: Llama 4's attention temperature)."""
     group, D = parts.mesh.group, parts.mesh.size
     spec = attn.spec
     nq, d = spec.local_heads, spec.head_dim
@@ -378,11 +382,15 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
                 return norm(t, weight, spec.qk_norm_eps)
             return norm(t.reshape(B, -1), weight, spec.qk_norm_eps).view(t.shape)
 
-        q_all, k_all = normed(q_all, w[attn.NORMS[0]]), normed(k_all, w[attn.NORMS[1]])
+        # a weightless norm (Llama 4's L2) has no parameters
+        q_all, k_all = normed(q_all, w.get(attn.NORMS[0])), normed(k_all, w.get(attn.NORMS[1]))
     if not spec.qk_norm_after_rope:
         q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)
         k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)
     q_all, k_all = q_all[:, :, 0], k_all[:, :, 0]                     # [B, nq_total, d]
+    if spec.query_scale is not None:                  # Llama 4's temperature, per row
+        q_all = scale_queries(q_all.transpose(0, 1), query_scale(spec, positions, q_all)
+                              ).transpose(0, 1)
     v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
     if slot is not None:                                              # this rank's turn
         cache.keys[i][:, :, slot] = k_all

@@ -26,6 +26,7 @@ from ..sequence.layout import IGNORE_INDEX, batch_fingerprint
 
 LABELS_RANGE, LABELS_SHAPE, POSITIONS_NEGATIVE, POSITIONS_LAYOUT, NONFINITE, SHAPE, ROPE_LEN = (
     1, 2, 4, 8, 16, 32, 64)
+PACKED_QUERY_SCALE = 128
 FIELDS = ("rows", "local_len", "docs_checksum", "problems", "nonfinite", "rope_len", "fingerprint")
 _CAUSES = ("usual causes: a DistributedSampler over the whole world instead of the data-parallel "
            "ranks (use DistributedSampler(dataset, num_replicas=mesh.dp_size, "
@@ -46,6 +47,11 @@ _FIX = {
     ROPE_LEN: "no tsp_rope_len, which this model's rotary embedding ({rope} rope: frequencies "
               "that depend on the sequence length) needs to rotate every rank like the whole "
               "sequence: pass the full batch through tsp_core.shard_batch, which gives it",
+    PACKED_QUERY_SCALE: "packed rows (several documents in a row) on a model whose queries are "
+                        "scaled by their position in the row (Llama 4's attn_temperature_tuning "
+                        "counts it across the row's documents; shard_batch pads each document, "
+                        "so a TSP rank cannot give that position): feed one document per row, or "
+                        "set attn_temperature_tuning=False",
 }
 
 
@@ -183,6 +189,12 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
             problems |= SHAPE
             details.append(f"local sequence length {seq} does not split into this layout's "
                            f"chunks ({layout}, tsp_size={size})")
+    packed = [r for r, d in enumerate(docs or ()) if len(d) > 1]
+    if packed and any(getattr(getattr(m, "spec", None), "query_scale", None) is not None
+                      for m in model.modules()):
+        problems |= PACKED_QUERY_SCALE
+        details.append(f"row {packed[0]} holds {len(docs[packed[0]])} documents "
+                       f"{list(docs[packed[0]])} and layers scale queries by position")
     ropes = [t for m in getattr(model, "_tsp_ropes", []) for t in length_dependent_types(m)]
     if ropes and rope_len is None:
         problems |= ROPE_LEN

@@ -23,6 +23,7 @@ from ..inference.generation import hf_generate
 from ..inference.logits import token_index
 from ..layers import rope
 from ..layers.attention import TSPAttention, check_attention_shape
+from ..layers.attention.module import real_rotary
 from ..layers.mlp import ACTIVATIONS as GATED_ACTIVATIONS
 from ..layers.mlp import PLAIN_ACTIVATIONS, TSPGatedMLP, TSPPlainMLP
 from ..layers.moe import (
@@ -57,6 +58,7 @@ class HFTSPAttention(TSPAttention):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 cache=None, **kwargs: Any):
+        position_embeddings = real_rotary(position_embeddings)  # Llama 4's complex freqs_cis
         if cache is not None:
             raise NotImplementedError("TSP attention's forward takes no KV cache; generate with "
                                       "model.generate(...) or tsp_core.generate "
@@ -334,7 +336,8 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
     layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
     sparse = [policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers]
     spec = _moe_spec(c, policy, mesh) if any(sparse) else None
-    divided = [] if all(sparse) else [c.intermediate_size]  # what is cut into tsp_size slices
+    dense_size = getattr(c, policy.dense_intermediate_size)
+    divided = [] if all(sparse) else [dense_size]  # what is cut into tsp_size slices
     if spec is not None:
         divided.append(spec.num_experts if moe_schedule == "expert" else spec.intermediate_size)
     hint = valid_sizes_hint(valid := valid_tsp_sizes(nq, nkv, *divided))
@@ -344,9 +347,9 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
         if moe_schedule == "ring" and spec.intermediate_size % mesh.size:
             raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
                              f"({spec.intermediate_size}) under the ring schedule; {hint}")
-    if not all(sparse) and c.intermediate_size % mesh.size:
-        raise ValueError(f"tsp_size ({mesh.size}) must divide intermediate_size "
-                         f"({c.intermediate_size}); {hint}")
+    if not all(sparse) and dense_size % mesh.size:
+        raise ValueError(f"tsp_size ({mesh.size}) must divide {policy.dense_intermediate_size} "
+                         f"({dense_size}); {hint}")
     refused = [f"config.{name}={getattr(c, name)!r} ({what})" for name, what in policy.unsupported
                if getattr(c, name, None)]
     if refused:
@@ -397,8 +400,8 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
     _check_head_norms(model, policy, nq * head_dim if policy.qk_norm_all_heads else head_dim,
                       nkv * head_dim if policy.qk_norm_all_heads else head_dim)
     _check_fused(model, policy, {"q_proj": nq * head_dim, "k_proj": nkv * head_dim,
-                                 "v_proj": nkv * head_dim, "gate_proj": c.intermediate_size,
-                                 "up_proj": c.intermediate_size})
+                                 "v_proj": nkv * head_dim, "gate_proj": dense_size,
+                                 "up_proj": dense_size})
     rope.length_dependent_rotaries(model)  # raises for one TSP cannot give the global length
 
 
@@ -571,6 +574,7 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     nq = c.num_attention_heads
     nkv = getattr(c, "num_key_value_heads", None) or nq
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
+    dense_size = getattr(c, policy.dense_intermediate_size)  # the dense MLPs' channels
 
     # (parent, name, TSP module, the replaced module's state): applied once every one is checked
     planned: list[tuple[nn.Module, str, nn.Module, dict[str, torch.Tensor] | None]] = []
@@ -597,18 +601,22 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     replace(base, policy.embed, embed)
     for layer in getattr(base, policy.layers):
         attn = getattr(layer, policy.attention)
+        l2_eps = policy.l2_qk_norm(c, attn)  # a weightless L2 q/k norm (Llama 4)
         new_attn = HFTSPAttention(
             mesh, c.hidden_size, nq, nkv, head_dim,
             qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
             o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
-            scale=attn.scaling, qk_norm_eps=_head_norm_eps(policy, attn, c),
-            qk_norm_kind=policy.norm, softcap=_softcap(policy.attn_softcap, c),
+            scale=attn.scaling,
+            qk_norm_eps=_head_norm_eps(policy, attn, c) if l2_eps is None else l2_eps,
+            qk_norm_kind=policy.norm if l2_eps is None else "l2",
+            softcap=_softcap(policy.attn_softcap, c),
             qk_norm_all_heads=policy.qk_norm_all_heads,
             qk_norm_after_rope=policy.head_norms_after_rope,
             qk_norm_names=policy.head_norms or ("q_norm", "k_norm"),
             rope_interleaved=policy.rope_interleaved,
             attention_chunk_size=policy.attention_chunk(c, attn),
-            sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter), init_seed=None, **opts)
+            sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter),
+            query_scale=policy.query_scale(c, attn), init_seed=None, **opts)
         new_attn.rotary = bool(policy.rotary(c, attn))
         new_attn.rope_half_width = policy.rope_half_width
         replace(layer, policy.attention, new_attn)
@@ -622,11 +630,11 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
                 returns_pair=policy.moe.returns_pair, **opts))
         elif _plain_mlp(mlp, policy):
             replace(layer, policy.mlp, TSPPlainMLP(
-                mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
+                mesh, c.hidden_size, dense_size, activation=ACTIVATIONS[_activation(c)],
                 bias=mlp.up_proj.bias is not None, init_seed=None, **opts))
         else:
             replace(layer, policy.mlp, TSPGatedMLP(
-                mesh, c.hidden_size, c.intermediate_size, activation=ACTIVATIONS[_activation(c)],
+                mesh, c.hidden_size, dense_size, activation=ACTIVATIONS[_activation(c)],
                 bias=_linear(mlp, "gate_proj", policy.fused_in("mlp")).bias is not None,
                 init_seed=None, **opts))
         for norm in policy.layer_norms:

@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (each registers its family)
     granite,
     hunyuan_v1_dense,
     llama,
+    llama4_text,
     mistral,
     mixtral,
     olmo2,

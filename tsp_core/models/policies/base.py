@@ -106,7 +106,18 @@ class DecoderPolicy:
     # whether a layer's attention rotates q and k (False: a NoPE layer, SmolLM3's
     # no_rope_layers, EXAONE 4's hybrid full layers): read from the HF attention module
     rotary: Callable[[Any, nn.Module], bool] = field(default=_rotary)
+    # a layer's per-token query scale, a function of the tokens' global positions
+    # (AttentionSpec.query_scale: Llama 4's attention temperature on NoPE layers), None: off
+    query_scale: Callable[[Any, nn.Module], Any] = field(default=_no_window)
+    # the eps of a layer's weightless L2 q/k norm (Llama 4's qk_norm, only on its RoPE layers,
+    # after RoPE with head_norms_after_rope), None: none
+    l2_qk_norm: Callable[[Any, nn.Module], float | None] = field(default=_no_window)
+    # the config field of the dense MLPs' intermediate size (Llama 4: intermediate_size_mlp)
+    dense_intermediate_size: str = "intermediate_size"
     rope_interleaved: bool = False  # RoPE on channel pairs (2i, 2i+1): GLM-4, Ernie 4.5
+    # the model's rotary gives cos/sin [.., head_dim / 2], each frequency once, and rotates
+    # halves with them (gpt-oss); TSP widens them to Hugging Face's usual cat(freqs, freqs)
+    rope_half_width: bool = False
     head_norms: tuple[str, str] | None = None  # the attention's per-head q/k RMSNorms (Qwen3)
     # whether the config turns those norms on (GLM-4.5's use_qk_norm); default: always
     head_norms_on: Callable[[Any], bool] = field(default=_always)
@@ -115,9 +126,6 @@ class DecoderPolicy:
     norm: str = "llama"                        # every RMSNorm's numerics (layers.norm.NORMS)
     logits_divisor: Callable[[Any], float] | None = None  # logits / this (Granite)
     attn_softcap: Callable[[Any], float | None] | None = None    # scores soft-capped (Gemma 2)
-    # the model's rotary gives cos/sin [.., head_dim / 2], each frequency once, and rotates
-    # halves with them (gpt-oss); TSP widens them to Hugging Face's usual cat(freqs, freqs)
-    rope_half_width: bool = False
     logits_softcap: Callable[[Any], float | None] | None = None  # logits soft-capped (Gemma 2)
     # config fields TSP does not implement: (name, what it is); a truthy value is refused
     unsupported: tuple[tuple[str, str], ...] = ()
