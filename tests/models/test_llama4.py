@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import tsp_core
 from tests.support import dist_pool, hf_models
-from tests.support.reference import assert_close
+from tests.support.reference import assert_close, assert_grads_close
 from tsp_core import comm
 
 LENGTHS = [13, 4, 19]  # 36 tokens: documents straddle chunk boundaries of the row (chunk 5)
@@ -76,6 +76,31 @@ def packed_temperature_refused(tsp: int) -> str:
     assert model(**tsp_core.shard_batch(one, mesh)).loss.isfinite()  # one document: runs
     dist.barrier()
     return str(err.value)
+
+
+def ring_schedule(tsp: int) -> None:
+    """The MoE layer under the ring schedule (every expert's channels split, the slices travel;
+    the family tests run the expert schedule): loss and every gradient of one step."""
+    from tsp_core.layers.moe import TSPMoE
+
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build("llama4_text", torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh, moe_schedule="ring")
+    assert [m.schedule for m in model.modules() if isinstance(m, TSPMoE)] == ["ring"]
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=gen)
+    expected = hf_models.reference_loss(ref, ids, ids)
+    loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss, expected)
+    expected.backward()
+    loss.backward()
+    assert_grads_close(hf_models.full_grads(model), {n: p.grad for n, p in ref.named_parameters()},
+                       1e-10, f"ring schedule, tsp {tsp}")
+    dist.barrier()
+
+
+def test_moe_ring_schedule(pools):
+    pools.of(2).run(ring_schedule, 2)
 
 
 @pytest.mark.parametrize("tsp", [2, 4])
