@@ -158,21 +158,24 @@ NEWER_MOE_FAMILIES = ("glm4_moe", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
-                                    "ernie4_5", "apertus", "hunyuan_v1_dense",
+                                    "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text",
                                     *NEWER_MOE_FAMILIES])
 def test_newer_families_config_files(tmp_path, family):
     # `tsp plan` and `tsp simulate` take a newer family's config.json: its shape (head_dim of its
-    # own, a sliding layer cut with layer_types, the experts of a sparse one) and a TSP
-    # simulation of the model it describes
+    # own, a sliding layer cut with layer_types, the experts of a sparse one, Llama 4's dense
+    # layers of intermediate_size_mlp) and a TSP simulation of the model it describes
     import torch
 
     from tests.layers import test_moe
     from tests.support import hf_models
+    from tsp_core.models.policies import find_policy
     from tsp_core.plan.command import model_shape
     from tsp_core.plan.simulate import model_config
 
-    moe = family in NEWER_MOE_FAMILIES
-    model = test_moe.build(family) if moe else hf_models.build(family, torch.float32)
+    model = (test_moe.build(family) if family in NEWER_MOE_FAMILIES
+             else hf_models.build(family, torch.float32))
+    policy = find_policy(model)
+    moe = policy.moe is not None
     model.config.save_pretrained(tmp_path)
     config = model_config(str(tmp_path / "config.json"), layers=1)
     assert (config.model_type, config.num_hidden_layers) == (family, 1)
@@ -181,13 +184,15 @@ def test_newer_families_config_files(tmp_path, family):
     assert (shape.num_layers, shape.num_kv_heads, shape.kv_width) == (2, 2, 2 * head_dim)
     # the planner's dense MLP weights: Apertus's MLP has no gate (up and down only)
     matrices = 2 if family == "apertus" else 3
-    assert shape.mlp_weights == matrices * config.intermediate_size * config.hidden_size
+    dense = getattr(config, policy.dense_intermediate_size)
+    assert shape.mlp_weights == matrices * dense * config.hidden_size
     if moe:  # the experts as the family's policy reads them
-        from tsp_core.models.policies import find_policy
-
-        spec = find_policy(model).moe.spec(model.config, 1)
+        spec = policy.moe.spec(model.config, 1)
         assert (shape.num_experts, shape.top_k, shape.expert_intermediate_size) == \
-            (spec.num_experts, spec.top_k, spec.intermediate_size) and shape.num_moe_layers > 0
+            (spec.num_experts, spec.top_k, spec.intermediate_size)
+        layers = getattr(getattr(model, policy.base_model), policy.layers)
+        sparse = sum(policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers)
+        assert shape.num_moe_layers == sparse > 0   # GLM-4.5's first and Llama 4's layer 1 dense
     assert shape.is_moe == moe
     out = tmp_path / "sim.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -278,11 +283,12 @@ def preset_parameters(name: str, layers: tuple[int, ...]) -> list[int]:
 
 
 def test_newer_moe_presets():
-    """glm-4.5-air and gpt-oss-20b: the published config.json's sizes (106.85e9 parameters:
-    GLM-4.5-Air's 106B; 20.91e9: gpt-oss-20b's 21B), the planner's shape (GLM-4.5-Air: the first
-    layer dense, 45 sparse with a shared expert, q width 12288; gpt-oss: 24 sparse layers whose
-    routing weights are in the logits' dtype) and `tsp plan`'s per-rank parameters equal to the
-    model's at TSP D = 8."""
+    """glm-4.5-air, gpt-oss-20b and llama-4-scout: the published config.json's sizes (106.85e9
+    parameters: GLM-4.5-Air's 106B; 20.91e9: gpt-oss-20b's 21B; 107.77e9: Llama-4-Scout's 109B
+    less its vision model), the planner's shape (GLM-4.5-Air: the first layer dense, 45 sparse
+    with a shared expert, q width 12288; gpt-oss and Llama 4: every layer sparse, routing
+    weights in the logits' dtype; Llama 4's dense size is intermediate_size_mlp) and `tsp
+    plan`'s per-rank parameters equal to the model's at TSP D = 8 (GLM-4.5-Air)."""
     from tsp_core.plan.command import model_shape
 
     s = model_shape("glm-4.5-air", None)
@@ -320,6 +326,16 @@ def test_newer_moe_presets():
     layer = g.attention_weights + 4096 + 2 * 512 + h + 64 + g.expert_weights + e * (2 * f + h) \
         + g.router_weights + e + 2 * h
     assert two - one == layer and one + 23 * layer == 20_914_757_184
+
+    s = model_shape("llama-4-scout", None)
+    assert (s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.q_width, s.vocab_size,
+            s.intermediate_size, s.num_experts, s.top_k, s.expert_intermediate_size,
+            s.num_moe_layers, s.shared_intermediate_size, s.routing_fp32) == \
+        (5120, 48, 40, 8, 5120, 202048, 16384, 16, 1, 8192, 48, 8192, False)
+    one, two = preset_parameters("llama-4-scout", (1, 2))
+    layer = s.attention_weights + s.expert_weights + s.router_weights + s.shared_weights + \
+        2 * 5120                                   # no biases, a weightless q/k norm
+    assert two - one == layer and one + 47 * layer == 107_769_861_120  # the text model's
 
 
 def test_moe_presets_and_schedule_bytes():

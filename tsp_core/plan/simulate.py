@@ -120,6 +120,23 @@ MODELS = {
                         max_position_embeddings=131072, rms_norm_eps=1e-5,
                         tie_word_embeddings=False, num_local_experts=32, num_experts_per_tok=4,
                         swiglu_limit=7.0),
+    # Llama-4-Scout-17B-16E's text model, the sizes of its published config.json's text_config
+    # (meta-llama/Llama-4-Scout-17B-16E): h 5120, 48 layers, every one sparse (16 experts of
+    # 8192 channels, top 1 weighted by its sigmoid, plus a shared expert of 8192), 40 query
+    # heads of 128 and 8 key/value heads, chunked attention (8192) on the RoPE layers and NoPE
+    # every fourth layer with the attention temperature (floor_scale 8192, attn_scale 0.1), the
+    # L2 q/k norm, llama3 rope (theta 5e5, factor 16 over 8192), vocabulary 202048, untied
+    "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
+                          intermediate_size_mlp=16384, num_hidden_layers=48,
+                          num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                          vocab_size=202048, num_local_experts=16, num_experts_per_tok=1,
+                          interleave_moe_layer_step=1, attention_chunk_size=8192,
+                          use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192,
+                          attn_scale=0.1, rope_theta=500000.0, rope_scaling=dict(
+                              rope_type="llama3", factor=16.0, low_freq_factor=1.0,
+                              high_freq_factor=1.0, original_max_position_embeddings=8192),
+                          max_position_embeddings=10485760, rms_norm_eps=1e-5,
+                          attention_bias=False, tie_word_embeddings=False),
     "7b": dict(hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
     "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -319,7 +336,7 @@ def _phases(tracker, model: torch.nn.Module, layers) -> dict[str, dict[str, int]
 def simulate(req: SimulationRequest) -> MemoryRecord:
     """Peak memory of rank 0 over one training step of ``req``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from .peak_tracker import IndexedMemTracker as MemTracker  # PyTorch's, faster: same numbers
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoModelForCausalLM
 

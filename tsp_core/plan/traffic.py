@@ -62,10 +62,16 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
+        """The shape of a Hugging Face config, read through the family's TSP policy where there
+        is one: its experts (:func:`_moe_fields`) and the config field of its dense MLPs'
+        intermediate size (``DecoderPolicy.dense_intermediate_size``: Llama 4's
+        ``intermediate_size_mlp``)."""
         nq = config.num_attention_heads
-        experts = _moe_fields(config)
+        policy = _policy(config)
+        experts = _moe_fields(config, policy)
+        dense = getattr(config, policy.dense_intermediate_size if policy else "intermediate_size")
         return cls(config.hidden_size, nq, getattr(config, "num_key_value_heads", None) or nq,
-                   config.intermediate_size, config.num_hidden_layers, config.vocab_size,
+                   dense, config.num_hidden_layers, config.vocab_size,
                    getattr(config, "head_dim", None), **experts,
                    mlp_matrices=3 if experts or _gated_mlp(config) else 2)
 
@@ -165,22 +171,26 @@ def _gated_mlp(config) -> bool:
     return not mlps or any(hasattr(m, a) for m in mlps[:1] for a in ("gate_proj", "gate_up_proj"))
 
 
-def _moe_fields(config) -> dict:
+def _policy(config):
+    """The family's TSP policy of ``config``, None if there is none (a namespace of sizes)."""
+    from types import SimpleNamespace
+
+    from ..models.policies import find_policy
+
+    try:
+        return find_policy(SimpleNamespace(config=config))
+    except ValueError:
+        return None
+
+
+def _moe_fields(config, policy) -> dict:
     """The MoE fields of :class:`ModelShape` from a config, by the family's TSP policy
     (:class:`tsp_core.models.policies.ExpertsPolicy`: which config fields hold the expert count,
     top-k and per-expert size); {} for dense families, and for a cut with no sparse layer. Which
     layers are sparse follows Hugging Face's Qwen3-MoE rule (``mlp_only_layers``,
     ``decoder_sparse_step``), GLM-4.5's (``first_k_dense_replace``) and Llama 4's list
     (``moe_layers``); Mixtral's and gpt-oss's are all sparse."""
-    from types import SimpleNamespace
-
-    from ..models.policies import find_policy
-
-    try:
-        policy = find_policy(SimpleNamespace(config=config))
-    except ValueError:
-        return {}
-    m = policy.moe
+    m = policy.moe if policy is not None else None
     if m is None or not getattr(config, m.num_experts, None):
         return {}
     L = config.num_hidden_layers
