@@ -353,9 +353,10 @@ def test_the_rule_holds_for_moe_blocks():
     """One block of Mixtral-8x7B (8 experts, top 2), of Qwen3-30B-A3B (128 experts, top 8,
     per-head q/k norms), of GLM-4.5-Air (its dense first layer and first sparse one: 128
     experts, top 8 by the sigmoid router, a shared expert on the dense ring, 96 query heads of
-    128) and of gpt-oss-20b (its first layer: sliding attention with sinks, 32 experts with
-    biases, top 4) under TSP's expert-parallel schedule (tsp_core.layers.moe, uniform routing
-    under fake tensors). What the forward keeps is linear in this rank's tokens; the MoE
+    128), of gpt-oss-20b (its first layer: sliding attention with sinks, 32 experts with
+    biases, top 4) and of Llama-4-Scout (its first layer: chunked attention, the L2 q/k norm, 16
+    experts, top 1 weighting the input, a shared expert on the dense ring) under TSP's
+    expert-parallel schedule (tsp_core.layers.moe, uniform routing under fake tensors). What the forward keeps is linear in this rank's tokens; the MoE
     block's working sets and the parameters shrink at least as 1/D, up to what expert
     parallelism keeps constant: the replicated router (and gpt-oss's experts' down biases, [E,
     h], which every token's chosen experts add), and the expert running backward (its k S / E
@@ -363,7 +364,8 @@ def test_the_rule_holds_for_moe_blocks():
     (Qwen3-30B-A3B has 4 key/value heads: below D = 8 they are not cut further)."""
     # h, F per expert, E, top k, replicated [E, h] tensors per sparse layer, sparse layers
     shapes = {"mixtral-8x7b": (4096, 14336, 8, 2, 1, 1), "qwen3-30b-a3b": (2048, 768, 128, 8, 1, 1),
-              "glm-4.5-air": (4096, 1408, 128, 8, 1, 1), "gpt-oss-20b": (2880, 2880, 32, 4, 2, 1)}
+              "glm-4.5-air": (4096, 1408, 128, 8, 1, 1), "gpt-oss-20b": (2880, 2880, 32, 4, 2, 1),
+              "llama-4-scout": (5120, 8192, 16, 1, 1, 1)}
     models = tuple(shapes)
     runs = family_runs(models, (None,))
     for model in models:
