@@ -64,7 +64,7 @@ def greedy_parity(family: str, tsp: int, lengths: list[int], new: int) -> list[l
 def test_greedy_matches_hf(pools, tsp):
     for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite",
                    "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
-                   "ernie4_5", "apertus", "hunyuan_v1_dense"):
+                   "ernie4_5", "apertus", "hunyuan_v1_dense", "gemma4"):
         outs = pools.of(tsp).run(greedy_parity, family, tsp, [7, 33, 100], 32)
         assert all(o == outs[0] for o in outs), f"{family}: ranks generated different tokens"
     # Hugging Face's Llama 4 scales queries by the position in the left-padded row (13 pad tokens

@@ -108,9 +108,9 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['apertus', 'ernie4_5', 'exaone4', 'gemma', 'gemma2', 'gemma3', 'glm4', 'glm4_moe', "
-         r"'gpt_oss', 'granite', 'hunyuan_v1_dense', 'llama', 'llama4_text', 'mistral', 'mixtral', "
-         r"'olmo2', 'olmo3', 'phi3', "
+         r"\['apertus', 'ernie4_5', 'exaone4', 'gemma', 'gemma2', 'gemma3', 'gemma4', 'glm4', "
+         r"'glm4_moe', 'gpt_oss', 'granite', 'hunyuan_v1_dense', 'llama', 'llama4_text', "
+         r"'mistral', 'mixtral', 'olmo2', 'olmo3', 'phi3', "
          r"'qwen2', 'qwen3', "
          r"'qwen3_moe', 'seed_oss', 'smollm3'\]\. "
          r"Describe its module names"),
@@ -138,6 +138,24 @@ def bad_models() -> list[str]:
     cases.append((Gemma3ForCausalLM(Gemma3TextConfig(use_bidirectional_attention=True, **small)),
                   r"Gemma3ForCausalLM: config\.use_bidirectional_attention=True \(bidirectional "
                   r"attention\) not implemented by TSP; set it to None/False"))
+    # Gemma 4's KV-shared layers (an earlier layer's K/V, which TSP drops inside that layer's
+    # rounds), its MoE block beside the MLP and bidirectional attention (docs/families.md
+    # "Gemma 4")
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    g4 = dict(small, num_hidden_layers=3, global_head_dim=16, hidden_size_per_layer_input=0,
+              layer_types=["sliding_attention", "full_attention", "full_attention"])
+    cases.append((Gemma4ForCausalLM(Gemma4TextConfig(num_kv_shared_layers=1, **g4)),
+                  r"Gemma4ForCausalLM: config\.num_kv_shared_layers=1 \(KV-shared layers: a layer "
+                  r"attends with an earlier layer's K/V, which TSP computes and drops inside that "
+                  r"layer's rounds\) not implemented by TSP"))
+    cases.append((Gemma4ForCausalLM(Gemma4TextConfig(
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, **g4)),
+                  r"Gemma4ForCausalLM is a mixture-of-experts model \(config\.num_experts=4\) "
+                  r"and the policy 'gemma4' describes no experts"))
+    cases.append((Gemma4ForCausalLM(Gemma4TextConfig(use_bidirectional_attention="all", **g4)),
+                  r"Gemma4ForCausalLM: config\.use_bidirectional_attention='all' \(bidirectional "
+                  r"attention\) not implemented by TSP"))
     # Seed-OSS's dropout on the attention output (on by default) is not applied by TSP attention
     from transformers import SeedOssConfig, SeedOssForCausalLM
 

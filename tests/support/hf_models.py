@@ -12,7 +12,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
             "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
-            "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text")
+            "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text", "gemma4")
 # every family runs Hugging Face's SDPA attention, float64 throughout: the eager attention of
 # OLMo 3, Seed-OSS, EXAONE 4 and SmolLM3 computes its softmax in float32 even in a float64 model
 # (only Gemma 2, whose soft-capping exists only in eager, runs a float64 copy: use_exact_eager;
@@ -167,13 +167,28 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
             use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
             num_local_experts=4, num_experts_per_tok=1, moe_layers=list(LLAMA4_MOE_LAYERS)))
         llama4_reference.float64_llama4(model)
+    elif family == "gemma4":       # Gemma 4 text: weight-scaled norms, the value norm, global
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig  # layers with their own
+
+        # head size (32) and one key/value head (MQA: K/V slices at tsp 2, 4) whose values are
+        # the keys' projection (attention_k_eq_v); per-layer inputs; the final logit soft-cap;
+        # a vocabulary that needs padding at tsp 2 and 4, for both embeddings
+        model = Gemma4ForCausalLM(Gemma4TextConfig(
+            **{**common, "num_key_value_heads": 2 if kv_heads is None else kv_heads},
+            vocab_size=97, vocab_size_per_layer_input=97, head_dim=24, global_head_dim=32,
+            num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=9,
+            layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+            final_logit_softcapping=3.0, initializer_range=0.2))
+        with torch.no_grad():  # the layers' scalars off one: a layer that skips it is off
+            for layer in model.model.layers:
+                layer.layer_scalar.fill_(0.8 + 0.4 * torch.rand(()).item())
     else:
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
     if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
                   "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus",
-                  "hunyuan_v1_dense", "llama4_text"):
+                  "hunyuan_v1_dense", "llama4_text", "gemma4"):
         # norms and biases away from their initial ones/zeros: a weight applied the wrong way
         # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():
@@ -250,14 +265,21 @@ def float64_gemma_norms(model) -> None:
     below)."""
     import types
 
-    from tsp_core.layers.norm import gemma_rms_norm
+    from tsp_core.layers.norm import gemma4_rms_norm, gemma_rms_norm, unscaled_norm
 
     def forward(self, x):
         return gemma_rms_norm(x, self.weight, self.eps)
 
+    def gemma4(self, x):  # Gemma 4's: scaled by the weight itself, or not at all (its v_norm)
+        if not self.with_scale:
+            return unscaled_norm(x, "gemma4", self.eps)
+        return gemma4_rms_norm(x, self.weight, self.eps)
+
     for module in model.modules():
-        if type(module).__name__.startswith("Gemma") and type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(forward, module)
+        name = type(module).__name__
+        if name.startswith("Gemma") and name.endswith("RMSNorm"):
+            module.forward = types.MethodType(gemma4 if name == "Gemma4RMSNorm" else forward,
+                                              module)
 
 
 def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

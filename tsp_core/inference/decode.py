@@ -49,7 +49,7 @@ from ..layers.attention import AttentionSpec, TSPAttention
 from ..layers.attention.rounds import query_scale, scale_queries
 from ..layers.mlp import TSPGatedMLP, _act
 from ..layers.moe import TSPMoE
-from ..layers.norm import NORMS
+from ..layers.norm import NORMS, unscaled_norm
 from ..layers.vocab import TSPEmbedding, TSPLMHead
 from ..sequence import layout
 
@@ -360,7 +360,8 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     def proj(name: str) -> torch.Tensor:                              # [B, this rank's rows]
         return F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
 
-    mine = torch.cat([proj("q"), proj("k"), proj("v")], dim=1)
+    # values_from_keys (Gemma 4's attention_k_eq_v): the key projection's output is the values
+    mine = torch.cat([proj("q"), proj("k"), proj("k" if attn.values_from_keys else "v")], dim=1)
     kv_rows = w["k_proj.weight"].shape[0]  # this rank's key/value heads, or its slice of them
     every = mine.new_empty(D, *mine.shape)
     comm.all_gather(every, mine.contiguous(), group)                  # every rank's q, k, v rows
@@ -392,6 +393,8 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
         q_all = scale_queries(q_all.transpose(0, 1), query_scale(spec, positions, q_all)
                               ).transpose(0, 1)
     v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
+    if spec.v_norm_eps is not None:          # Gemma 4: each value head normed without a weight
+        v_all = unscaled_norm(v_all, spec.qk_norm_kind, spec.v_norm_eps)
     if slot is not None:                                              # this rank's turn
         cache.keys[i][:, :, slot] = k_all
         cache.values[i][:, :, slot] = v_all

@@ -35,6 +35,7 @@ from ..layers.moe import (
     load_balancing_loss,
 )
 from ..layers.norm import TSPRMSNorm
+from ..layers.replicated import TSPReplicatedLinear
 from ..layers.sizes import valid_sizes_hint, valid_tsp_sizes
 from ..layers.tiles import check_tile_tokens
 from ..layers.vocab import TSPEmbedding, TSPLMHead
@@ -330,26 +331,33 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
     if isinstance(model, TSPCausalLM):
         raise ValueError("this model is already parallelized with TSP")
     c = model.config
-    nq = c.num_attention_heads
-    nkv = getattr(c, "num_key_value_heads", None) or nq
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
+    nq, nkv, head_dim = _config_shape(c)
     layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
     sparse = [policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers]
     spec = _moe_spec(c, policy, mesh) if any(sparse) else None
     dense_size = getattr(c, policy.dense_intermediate_size)
-    divided = [] if all(sparse) else [dense_size]  # what is cut into tsp_size slices
+    # what is cut into tsp_size slices: each dense MLP's width (Gemma 4's double-wide ones)
+    widths = sorted({_mlp_width(getattr(layer, policy.mlp), c, policy)
+                     for layer, s in zip(layers, sparse) if not s})
+    divided = list(widths)
     if spec is not None:
         divided.append(spec.num_experts if moe_schedule == "expert" else spec.intermediate_size)
-    hint = valid_sizes_hint(valid := valid_tsp_sizes(nq, nkv, *divided))
-    check_attention_shape(mesh.size, c.hidden_size, nq, nkv, head_dim, valid)
+    # each layer's key/value heads and head_dim (Gemma 4's global layers: their own)
+    shapes = sorted({_attention_shape(getattr(layer, policy.attention), nq, nkv, head_dim)
+                     for layer in layers}) or [(nkv, head_dim)]
+    valid = sorted(set.intersection(*(set(valid_tsp_sizes(nq, k, *divided)) for k, _ in shapes)))
+    hint = valid_sizes_hint(valid)
+    for k, d in shapes:
+        check_attention_shape(mesh.size, c.hidden_size, nq, k, d, valid)
     if spec is not None:
         check_moe_shape(mesh.size, spec.num_experts, spec.top_k, moe_schedule, valid)
         if moe_schedule == "ring" and spec.intermediate_size % mesh.size:
             raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
                              f"({spec.intermediate_size}) under the ring schedule; {hint}")
-    if not all(sparse) and dense_size % mesh.size:
-        raise ValueError(f"tsp_size ({mesh.size}) must divide {policy.dense_intermediate_size} "
-                         f"({dense_size}); {hint}")
+    for width in widths:
+        if width % mesh.size:
+            raise ValueError(f"tsp_size ({mesh.size}) must divide "
+                             f"{policy.dense_intermediate_size} ({width}); {hint}")
     refused = [f"config.{name}={getattr(c, name)!r} ({what})" for name, what in policy.unsupported
                if getattr(c, name, None)]
     if refused:
@@ -397,8 +405,8 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
         if not hasattr(base, name):
             raise ValueError(f"{type(model).__name__}.{policy.base_model} has no {name!r}; the "
                              f"policy {policy.name!r} does not describe this model")
-    _check_head_norms(model, policy, nq * head_dim if policy.qk_norm_all_heads else head_dim,
-                      nkv * head_dim if policy.qk_norm_all_heads else head_dim)
+    _check_head_norms(model, policy, nq, nkv, head_dim)
+    _check_attention_rows(model, policy, nq, nkv, head_dim)
     _check_fused(model, policy, {"q_proj": nq * head_dim, "k_proj": nkv * head_dim,
                                  "v_proj": nkv * head_dim, "gate_proj": dense_size,
                                  "up_proj": dense_size})
@@ -422,6 +430,98 @@ def _float32_kept(model: nn.Module, policy: DecoderPolicy) -> Callable[[str], bo
         return (router is not None and name.endswith(router)) or (
             len(parts) >= 2 and parts[-2] in norms and parts[-1] == "weight")
     return kept
+
+
+def _config_shape(config: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head_dim) of the config; on a heterogeneous config (Gemma
+    4's: head_dim and num_key_value_heads per layer, which transformers refuses to read globally)
+    the model-wide values, each layer's own being read from its attention module
+    (:func:`_attention_shape`)."""
+    def read(name: str) -> Any:
+        try:
+            return getattr(config, name, None)
+        except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+            return config._getattr_without_heterogeneous_validation(name)
+
+    nq = config.num_attention_heads
+    return nq, read("num_key_value_heads") or nq, read("head_dim") or config.hidden_size // nq
+
+
+def _attention_shape(attn: nn.Module, nq: int, nkv: int, head_dim: int) -> tuple[int, int]:
+    """A layer's (key/value heads, head_dim): the Hugging Face attention module's own where it
+    has them (``num_key_value_groups``, ``head_dim``: Gemma 4's global layers have their own),
+    else the config's ``nkv`` and ``head_dim``."""
+    groups = getattr(attn, "num_key_value_groups", None)
+    return (nq // groups if groups else nkv), (getattr(attn, "head_dim", None) or head_dim)
+
+
+def _check_attention_rows(model: nn.Module, policy: DecoderPolicy, nq: int, nkv: int,
+                          head_dim: int) -> None:
+    """Each layer's unfused q/k projections have the rows of the shape read for it
+    (:func:`_attention_shape`), so a module whose attributes say otherwise raises here."""
+    for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
+        attn = getattr(layer, policy.attention)
+        k, d = _attention_shape(attn, nq, nkv, head_dim)
+        for name, rows in (("q_proj", nq * d), ("k_proj", k * d)):
+            linear = getattr(attn, name, None)
+            if isinstance(linear, nn.Linear) and linear.out_features != rows:
+                raise ValueError(f"layer {i}: {policy.attention}.{name} has "
+                                 f"{linear.out_features} rows, but the layer's {nq} query and {k} "
+                                 f"key/value heads of head_dim {d} make {rows}")
+
+
+def _mlp_width(mlp: nn.Module, config: Any, policy: DecoderPolicy) -> int:
+    """A dense MLP's intermediate size, from its up projection's rows (its share of a fused one):
+    each layer's own (Gemma 4's double-wide MLPs on its KV-shared layers), else the config's."""
+    for name, parts in policy.fused_in("mlp").items():
+        if "up_proj" in parts and isinstance(getattr(mlp, name, None), nn.Linear):
+            return getattr(mlp, name).out_features // len(parts)
+    up = getattr(mlp, "up_proj", None)
+    if isinstance(up, nn.Linear):
+        return up.out_features
+    return getattr(config, policy.dense_intermediate_size)
+
+
+def _value_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
+    """The epsilon of the attention's weightless value norm (``DecoderPolicy.value_norm``), None
+    when the policy names none."""
+    if policy.value_norm is None:
+        return None
+    norm = getattr(attn, policy.value_norm, None)
+    if norm is None:
+        raise ValueError(f"the policy {policy.name!r} names a value norm {policy.value_norm!r} "
+                         f"that the attention ({type(attn).__name__}) does not have")
+    return _eps(norm)
+
+
+def _replicated(mesh: TSPMesh, old: nn.Module, policy: DecoderPolicy, opts: dict) -> nn.Module:
+    """The TSP module, replicated over the group, of a small per-token Linear or RMSNorm that
+    the policy names (``base_replicated``, ``layer_replicated``)."""
+    if isinstance(old, nn.Linear):
+        return TSPReplicatedLinear(mesh, old.in_features, old.out_features, old.bias is not None,
+                                   init_seed=None, **opts)
+    weight = getattr(old, "weight", None)
+    if isinstance(weight, nn.Parameter) and weight.dim() == 1 and (
+            hasattr(old, "eps") or hasattr(old, "variance_epsilon")):
+        return TSPRMSNorm(mesh, weight.shape[0], _eps(old), policy.norm, **opts)
+    raise ValueError(f"the policy {policy.name!r} replicates a {type(old).__name__}: only "
+                     f"nn.Linear and RMSNorms (a 1-d weight and an eps) can be")
+
+
+def _refuse_unconverted(model: nn.Module, policy: DecoderPolicy, planned: list) -> None:
+    """Every parameter goes to a TSP module: one left in a Hugging Face module would be trained
+    on this rank's tokens only (its gradient a part of the whole) and miss from every TSP state
+    dict. Raised before the model changes, naming the parameters and the fix."""
+    where = {id(m): n for n, m in model.named_modules()}
+    done = tuple(f"{where[id(parent)]}.{name}.".lstrip(".") for parent, name, _, _ in planned)
+    left = [n for n, _ in model.named_parameters() if not n.startswith(done)]
+    if left:
+        raise ValueError(f"policy {policy.name!r}: parameters {left[:4]}"
+                         f"{f' and {len(left) - 4} more' if len(left) > 4 else ''} belong to "
+                         f"no module that TSP converts, so they would be trained on each rank's "
+                         f"tokens only; describe them in the policy (base_replicated, "
+                         f"layer_replicated, extra_embeds) or refuse the config field that adds "
+                         f"them")
 
 
 def _linear(module: nn.Module, name: str, fused: dict[str, tuple[str, ...]]) -> nn.Module:
@@ -497,13 +597,16 @@ def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module, config: Any) -> float
     return _eps(getattr(attn, policy.head_norms[0]))
 
 
-def _check_head_norms(model: nn.Module, policy: DecoderPolicy, q_width: int, k_width: int) -> None:
-    """The q/k norms are what the policy says: per head (weights of head_dim) or over all heads of
-    a token (``qk_norm_all_heads``: nq*head_dim, nkv*head_dim), with the same eps."""
+def _check_head_norms(model: nn.Module, policy: DecoderPolicy, nq: int, nkv: int,
+                      head_dim: int) -> None:
+    """The q/k norms are what the policy says: per head (weights of the layer's head_dim) or over
+    all heads of a token (``qk_norm_all_heads``: nq*head_dim, nkv*head_dim), with the same eps."""
     if policy.qk_norms(model.config) is None:
         return
     for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
         attn = getattr(layer, policy.attention)
+        k, d = _attention_shape(attn, nq, nkv, head_dim)
+        q_width, k_width = (nq * d, k * d) if policy.qk_norm_all_heads else (d, d)
         norms = [getattr(attn, n, None) for n in policy.head_norms]
         if any(n is None for n in norms):
             raise ValueError(f"layer {i}: the policy {policy.name!r} names q/k norms "
@@ -571,10 +674,7 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     else:
         device = torch.device("cpu")
     opts = dict(dtype=p0.dtype, device=device)
-    nq = c.num_attention_heads
-    nkv = getattr(c, "num_key_value_heads", None) or nq
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // nq
-    dense_size = getattr(c, policy.dense_intermediate_size)  # the dense MLPs' channels
+    nq, nkv, head_dim = _config_shape(c)
 
     # (parent, name, TSP module, the replaced module's state): applied once every one is checked
     planned: list[tuple[nn.Module, str, nn.Module, dict[str, torch.Tensor] | None]] = []
@@ -599,11 +699,27 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     if getattr(old_embed, "embed_scale", None) is not None:  # HF's scaled word embedding (Gemma)
         embed.scale_by(old_embed.embed_scale)
     replace(base, policy.embed, embed)
+    for name in policy.extra_embeds:  # Gemma 4's per-layer inputs, where the model has them
+        old = getattr(base, name, None)
+        if old is not None:
+            extra = TSPEmbedding(mesh, old.num_embeddings, old.embedding_dim, old.padding_idx,
+                                 init_seed=None, **opts)
+            if getattr(old, "embed_scale", None) is not None:
+                extra.scale_by(old.embed_scale)
+            replace(base, name, extra)
+
+    def replicate(parent: nn.Module, names: tuple[str, ...]) -> None:
+        for name in names:
+            if getattr(parent, name, None) is not None:
+                replace(parent, name, _replicated(mesh, getattr(parent, name), policy, opts))
+
+    replicate(base, policy.base_replicated)
     for layer in getattr(base, policy.layers):
         attn = getattr(layer, policy.attention)
         l2_eps = policy.l2_qk_norm(c, attn)  # a weightless L2 q/k norm (Llama 4)
+        layer_nkv, layer_head_dim = _attention_shape(attn, nq, nkv, head_dim)
         new_attn = HFTSPAttention(
-            mesh, c.hidden_size, nq, nkv, head_dim,
+            mesh, c.hidden_size, nq, layer_nkv, layer_head_dim,
             qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
             o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
             scale=attn.scaling,
@@ -616,7 +732,9 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             rope_interleaved=policy.rope_interleaved,
             attention_chunk_size=policy.attention_chunk(c, attn),
             sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter),
-            query_scale=policy.query_scale(c, attn), init_seed=None, **opts)
+            query_scale=policy.query_scale(c, attn),
+            v_norm_eps=_value_norm_eps(policy, attn),
+            values_from_keys=bool(policy.values_from_keys(c, attn)), init_seed=None, **opts)
         new_attn.rotary = bool(policy.rotary(c, attn))
         new_attn.rope_half_width = policy.rope_half_width
         replace(layer, policy.attention, new_attn)
@@ -630,17 +748,20 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
                 returns_pair=policy.moe.returns_pair, **opts))
         elif _plain_mlp(mlp, policy):
             replace(layer, policy.mlp, TSPPlainMLP(
-                mesh, c.hidden_size, dense_size, activation=ACTIVATIONS[_activation(c)],
+                mesh, c.hidden_size, _mlp_width(mlp, c, policy),
+                activation=ACTIVATIONS[_activation(c)],
                 bias=mlp.up_proj.bias is not None, init_seed=None, **opts))
         else:
             replace(layer, policy.mlp, TSPGatedMLP(
-                mesh, c.hidden_size, dense_size, activation=ACTIVATIONS[_activation(c)],
+                mesh, c.hidden_size, _mlp_width(mlp, c, policy),
+                activation=ACTIVATIONS[_activation(c)],
                 bias=_linear(mlp, "gate_proj", policy.fused_in("mlp")).bias is not None,
                 init_seed=None, **opts))
         for norm in policy.layer_norms:
             old = getattr(layer, norm)
             replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm,
                                             **{**opts, "dtype": old.weight.dtype}))
+        replicate(layer, policy.layer_replicated)
     old = getattr(base, policy.final_norm)
     replace(base, policy.final_norm,
             TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm,
@@ -651,6 +772,7 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     else:
         replace(model, policy.lm_head, TSPLMHead(mesh, c.vocab_size, c.hidden_size,
                                                  init_seed=None, **opts), old_head)
+    _refuse_unconverted(model, policy, planned)
     if not empty:  # before any change: every rank raises together
         where = {id(m): n for n, m in model.named_modules()}
         check_replicas_agree(mesh, [(f"{where[id(parent)]}.{name}.{k}".lstrip("."), t)

@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (each registers its family)
     ernie4_5,
     exaone4,
     gemma,
+    gemma4,
     glm4,
     glm4_moe,
     gpt_oss,

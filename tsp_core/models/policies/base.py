@@ -23,6 +23,10 @@ def _rotary(config: Any, attention: nn.Module) -> bool:
     return True
 
 
+def _never(config: Any, attention: nn.Module) -> bool:
+    return False
+
+
 def _softmax_router(config: Any) -> dict:
     return {}
 
@@ -83,11 +87,16 @@ class DecoderPolicy:
     per-head q/k norms (``head_norms``: the attention's module names, each an RMSNorm over
     head_dim), the norms' numerics (``norm``), a divisor of the logits (``logits_divisor(config)``), soft-caps
     (``tanh(x / cap) * cap``, None: off) of the attention scores (``attn_softcap(config)``) and of
-    the logits after the divisor (``logits_softcap(config)``), and the config fields to refuse
-    (``unsupported``). The rest of a family (embedding scale, sandwich
-    norms, residual multipliers, per-layer rotary embeddings, the softmax scale) is the Hugging
-    Face model's own code around the TSP modules, in training and in generation; the attention's
-    ``scaling`` is read from the module, a scaled word embedding's ``embed_scale`` too."""
+    the logits after the divisor (``logits_softcap(config)``), the config fields to refuse
+    (``unsupported``), and Gemma 4's hooks: a weightless value norm (``value_norm``), layers
+    whose values are the key projection (``values_from_keys(config, attention)``), further
+    vocabulary-sharded embeddings (``extra_embeds``) and small replicated per-token Linears and
+    norms (``base_replicated``, ``layer_replicated``). Each layer's key/value heads, head_dim and
+    MLP width are read from its Hugging Face modules. The rest of a family (embedding scale,
+    sandwich norms, residual multipliers, per-layer rotary embeddings, the softmax scale) is the
+    Hugging Face model's own code around the TSP modules, in training and in generation; the
+    attention's ``scaling`` is read from the module, a scaled word embedding's ``embed_scale``
+    too."""
 
     name: str
     model_types: tuple[str, ...]
@@ -139,6 +148,20 @@ class DecoderPolicy:
     recompute_cache_at: Callable[[Any], int | None] | None = None
     # sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE): None for dense families
     moe: ExpertsPolicy | None = None
+    # the attention's RMSNorm without a weight over each value head (Gemma 4's v_norm): it holds
+    # no tensor, so only the policy can say it is there; its eps is read from the module
+    value_norm: str | None = None
+    # a layer whose attention has no value projection: the values are the key projection's
+    # output before the key norm and RoPE (Gemma 4's attention_k_eq_v on its global layers)
+    values_from_keys: Callable[[Any, nn.Module], bool] = field(default=_never)
+    # further embeddings over a vocabulary on the base model, vocabulary-sharded like the main
+    # one (Gemma 4's per-layer inputs, embed_tokens_per_layer), where the model has them
+    extra_embeds: tuple[str, ...] = ()
+    # small per-token Linears and RMSNorms on the base model and in each layer, replicated over
+    # the TSP group (their gradients summed over it), where the model has them (Gemma 4's
+    # per-layer input projections and norms); any parameter left unconverted is refused
+    base_replicated: tuple[str, ...] = ()
+    layer_replicated: tuple[str, ...] = ()
 
     def qk_norms(self, config: Any) -> tuple[str, str] | None:
         """The q/k norms' module names where ``config`` has them, else None."""

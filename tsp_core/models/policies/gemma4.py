@@ -1,0 +1,43 @@
+"""Gemma 4 text (``gemma4_text``, Gemma4ForCausalLM). Gemma 3's layout (sandwich norms, sliding
+layers from ``config.layer_types``, per-head q/k norms, a scaled word embedding, tanh-GELU, the
+final logit soft-cap) with Gemma 4's numerics and features:
+
+- every RMSNorm scales by its weight itself, not ``1 + weight`` (``norm="gemma4"``), and the
+  attention's softmax scale is 1 (the module's ``scaling``);
+- a value norm, an RMSNorm without a weight over each value head (``value_norm``);
+- the global (full-attention) layers have their own head size and, with ``attention_k_eq_v``,
+  their own key/value heads and no value projection: the values are the key projection's output
+  before the key norm and RoPE (``values_from_keys``); read per layer from the attention module;
+- per-layer inputs (``hidden_size_per_layer_input`` > 0): a second embedding,
+  ``embed_tokens_per_layer``, vocabulary-sharded like the main one (``extra_embeds``), and small
+  per-token projections and norms, replicated over the TSP group (``base_replicated``,
+  ``layer_replicated``); the model's own code combines them, as in Hugging Face.
+
+Refused by config field (docs/families.md "Gemma 4"): ``num_kv_shared_layers`` > 0 (a layer
+attends with an earlier layer's K/V, which the TSP schedule computes and drops inside that
+layer's round; its double-wide MLP, ``use_double_wide_mlp``, exists only on those layers),
+``enable_moe_block`` (a dense MLP and an MoE side by side in each layer, with a router of its
+own: TSP's MoE replaces the MLP), ``use_bidirectional_attention``."""
+
+from .base import DecoderPolicy, register_policy
+from .gemma import SANDWICH, _logits_softcap, _window
+
+
+def _values_from_keys(config, attention) -> bool:
+    """attention_k_eq_v's global layers: Hugging Face builds them without a v_proj."""
+    return hasattr(attention, "k_proj") and getattr(attention, "v_proj", None) is None
+
+
+GEMMA4 = register_policy(DecoderPolicy(
+    name="gemma4", model_types=("gemma4_text",), class_names=("Gemma4ForCausalLM",),
+    norm="gemma4", layer_norms=SANDWICH, sliding_window=_window,
+    head_norms=("q_norm", "k_norm"), logits_softcap=_logits_softcap, value_norm="v_norm",
+    values_from_keys=_values_from_keys, extra_embeds=("embed_tokens_per_layer",),
+    base_replicated=("per_layer_model_projection", "per_layer_projection_norm"),
+    layer_replicated=("per_layer_input_gate", "per_layer_projection",
+                      "post_per_layer_input_norm"),
+    unsupported=(
+        ("num_kv_shared_layers", "KV-shared layers: a layer attends with an earlier layer's "
+         "K/V, which TSP computes and drops inside that layer's rounds"),
+        ("enable_moe_block", "Gemma 4's MoE beside the dense MLP, with its own router"),
+        ("use_bidirectional_attention", "bidirectional attention"))))
