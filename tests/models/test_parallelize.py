@@ -138,17 +138,12 @@ def bad_models() -> list[str]:
     cases.append((Gemma3ForCausalLM(Gemma3TextConfig(use_bidirectional_attention=True, **small)),
                   r"Gemma3ForCausalLM: config\.use_bidirectional_attention=True \(bidirectional "
                   r"attention\) not implemented by TSP; set it to None/False"))
-    # Gemma 4's KV-shared layers (an earlier layer's K/V, which TSP drops inside that layer's
-    # rounds), its MoE block beside the MLP and bidirectional attention (docs/families.md
+    # Gemma 4's MoE block beside the MLP and bidirectional attention (docs/families.md
     # "Gemma 4")
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     g4 = dict(small, num_hidden_layers=3, global_head_dim=16, hidden_size_per_layer_input=0,
               layer_types=["sliding_attention", "full_attention", "full_attention"])
-    cases.append((Gemma4ForCausalLM(Gemma4TextConfig(num_kv_shared_layers=1, **g4)),
-                  r"Gemma4ForCausalLM: config\.num_kv_shared_layers=1 \(KV-shared layers: a layer "
-                  r"attends with an earlier layer's K/V, which TSP computes and drops inside that "
-                  r"layer's rounds\) not implemented by TSP"))
     cases.append((Gemma4ForCausalLM(Gemma4TextConfig(
         enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, **g4)),
                   r"Gemma4ForCausalLM is a mixture-of-experts model \(config\.num_experts=4\) "

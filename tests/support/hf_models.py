@@ -173,11 +173,15 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         # head size (32) and one key/value head (MQA: K/V slices at tsp 2, 4) whose values are
         # the keys' projection (attention_k_eq_v); per-layer inputs; the final logit soft-cap;
         # a vocabulary that needs padding at tsp 2 and 4, for both embeddings
+        # layers 2 and 3 reuse the K/V of layers 0 and 1 (KV-shared layers), with MLPs of
+        # twice the width (use_double_wide_mlp)
         model = Gemma4ForCausalLM(Gemma4TextConfig(
-            **{**common, "num_key_value_heads": 2 if kv_heads is None else kv_heads},
+            **{**common, "num_key_value_heads": 2 if kv_heads is None else kv_heads,
+               "num_hidden_layers": 4},
             vocab_size=97, vocab_size_per_layer_input=97, head_dim=24, global_head_dim=32,
             num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=9,
-            layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
             final_logit_softcapping=3.0, initializer_range=0.2))
         with torch.no_grad():  # the layers' scalars off one: a layer that skips it is off
             for layer in model.model.layers:

@@ -360,9 +360,13 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     def proj(name: str) -> torch.Tensor:                              # [B, this rank's rows]
         return F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
 
-    # values_from_keys (Gemma 4's attention_k_eq_v): the key projection's output is the values
-    mine = torch.cat([proj("q"), proj("k"), proj("k" if attn.values_from_keys else "v")], dim=1)
-    kv_rows = w["k_proj.weight"].shape[0]  # this rank's key/value heads, or its slice of them
+    # values_from_keys (Gemma 4's attention_k_eq_v): the key projection's output is the values;
+    # a KV-shared layer (spec.kv_shared) projects queries only and reads its source layer's cache
+    shared = spec.kv_shared
+    names = ["q"] if shared else ["q", "k", "k" if attn.values_from_keys else "v"]
+    mine = torch.cat([proj(n) for n in names], dim=1)
+    # this rank's key/value heads, or its slice of them
+    kv_rows = 0 if shared else w["k_proj.weight"].shape[0]
     every = mine.new_empty(D, *mine.shape)
     comm.all_gather(every, mine.contiguous(), group)                  # every rank's q, k, v rows
     q_all, k_all, v_all = every.split([nq * d, kv_rows, kv_rows], dim=2)
@@ -371,7 +375,7 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
         return t.permute(1, 0, 2).reshape(B, -1)[:, :n * d].reshape(B, n, 1, d)
 
     q_all = heads(q_all, D * nq)
-    k_all = heads(k_all, spec.num_kv_heads)
+    k_all = heads(k_all, 0 if shared else spec.num_kv_heads)          # shared: [B, 0, 1, d]
     if spec.qk_norm_after_rope:              # Hunyuan dense: the per-head norms after RoPE
         q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)
         k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)
@@ -384,7 +388,8 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
             return norm(t.reshape(B, -1), weight, spec.qk_norm_eps).view(t.shape)
 
         # a weightless norm (Llama 4's L2) has no parameters
-        q_all, k_all = normed(q_all, w.get(attn.NORMS[0])), normed(k_all, w.get(attn.NORMS[1]))
+        q_all = normed(q_all, w.get(attn.NORMS[0]))
+        k_all = k_all if shared else normed(k_all, w.get(attn.NORMS[1]))
     if not spec.qk_norm_after_rope:
         q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)
         k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)
@@ -392,10 +397,12 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     if spec.query_scale is not None:                  # Llama 4's temperature, per row
         q_all = scale_queries(q_all.transpose(0, 1), query_scale(spec, positions, q_all)
                               ).transpose(0, 1)
-    v_all = heads(v_all, spec.num_kv_heads)[:, :, 0]
+    v_all = heads(v_all, 0 if shared else spec.num_kv_heads)[:, :, 0]
     if spec.v_norm_eps is not None:          # Gemma 4: each value head normed without a weight
         v_all = unscaled_norm(v_all, spec.qk_norm_kind, spec.v_norm_eps)
-    if slot is not None:                                              # this rank's turn
+    if shared:                               # the K/V the source layer wrote this step
+        i = attn.kv_source
+    elif slot is not None:                                            # this rank's turn
         cache.keys[i][:, :, slot] = k_all
         cache.values[i][:, :, slot] = v_all
     L = cache.length

@@ -55,6 +55,11 @@ class HFTSPAttention(TSPAttention):
     """:class:`TSPAttention` with the call signature of a Hugging Face attention module."""
 
     rotary: bool = True  # False: a NoPE layer (DecoderPolicy.rotary)
+    # KV sharing (DecoderPolicy.kv_sharing): "store" or "reuse" under kv_key; kv_source: the index
+    # of the layer whose K/V a "reuse" layer attends with (its decode cache)
+    kv_role: str | None = None
+    kv_key: Any = None
+    kv_source: int | None = None
     rope_half_width: bool = False  # the model's cos/sin hold each frequency once (gpt-oss)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
@@ -75,10 +80,33 @@ class HFTSPAttention(TSPAttention):
         state = self.tsp_decode  # tsp_core.inference.decode: a decode step, or prefill's K/V sink
         if state is not None and state.decoding:
             return state.attention(self, hidden_states, position_embeddings), None
+        shared = self._shared_kv(kwargs.get("shared_kv_states"))
         out = super().forward(hidden_states, position_embeddings=position_embeddings,
                               docs=kwargs.get("tsp_docs"),
-                              kv_sink=None if state is None else state.sink)
+                              kv_sink=None if state is None else state.sink, shared_kv=shared)
+        if self.kv_role == "store":
+            out, kv_all = out
+            kwargs["shared_kv_states"][self.kv_key] = (kv_all,)
         return out, None
+
+    def _shared_kv(self, states: Any) -> torch.Tensor | None:
+        """The K/V this "reuse" layer attends with: what the layer that stores them put in the
+        model's ``shared_kv_states`` in this forward (None for other layers)."""
+        if self.kv_role is None:
+            return None
+        if states is None:
+            raise ValueError(f"a KV-shared layer ({self.kv_role!r}) needs the model's "
+                             f"shared_kv_states, which its forward passes every attention")
+        if self.kv_role != "reuse":
+            return None
+        (kv_all,) = states[self.kv_key]
+        if (torch.is_grad_enabled() and not kv_all.requires_grad
+                and any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError("a KV-shared layer got K/V without their gradient path: reentrant "
+                               "activation checkpointing recomputes the storing layer after this "
+                               "one; use gradient_checkpointing_enable(gradient_checkpointing_"
+                               "kwargs={'use_reentrant': False})")
+        return kv_all
 
 
 class TSPCausalLM:
@@ -406,6 +434,7 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
             raise ValueError(f"{type(model).__name__}.{policy.base_model} has no {name!r}; the "
                              f"policy {policy.name!r} does not describe this model")
     _check_head_norms(model, policy, nq, nkv, head_dim)
+    _check_kv_sharing(model, policy, nq, nkv, head_dim)
     _check_attention_rows(model, policy, nq, nkv, head_dim)
     _check_fused(model, policy, {"q_proj": nq * head_dim, "k_proj": nkv * head_dim,
                                  "v_proj": nkv * head_dim, "gate_proj": dense_size,
@@ -597,6 +626,29 @@ def _head_norm_eps(policy: DecoderPolicy, attn: nn.Module, config: Any) -> float
     return _eps(getattr(attn, policy.head_norms[0]))
 
 
+def _check_kv_sharing(model: nn.Module, policy: DecoderPolicy, nq: int, nkv: int,
+                      head_dim: int) -> None:
+    """Each layer that reuses K/V (``DecoderPolicy.kv_sharing``) comes after a layer that stores
+    them under its key, with the same key/value heads and head_dim."""
+    stored: dict[Any, tuple[int, tuple[int, int]]] = {}
+    for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
+        attn = getattr(layer, policy.attention)
+        sharing = policy.kv_sharing(model.config, attn)
+        if sharing is None:
+            continue
+        role, key = sharing
+        shape = _attention_shape(attn, nq, nkv, head_dim)
+        if role == "store":
+            stored[key] = (i, shape)
+        elif key not in stored:
+            raise ValueError(f"layer {i} reuses the K/V stored under {key!r}, which no earlier "
+                             f"layer stores")
+        elif stored[key][1] != shape:
+            raise ValueError(f"layer {i} reuses layer {stored[key][0]}'s K/V ({key!r}) with "
+                             f"(key/value heads, head_dim) {shape}, but they have "
+                             f"{stored[key][1]}")
+
+
 def _check_head_norms(model: nn.Module, policy: DecoderPolicy, nq: int, nkv: int,
                       head_dim: int) -> None:
     """The q/k norms are what the policy says: per head (weights of the layer's head_dim) or over
@@ -607,17 +659,21 @@ def _check_head_norms(model: nn.Module, policy: DecoderPolicy, nq: int, nkv: int
         attn = getattr(layer, policy.attention)
         k, d = _attention_shape(attn, nq, nkv, head_dim)
         q_width, k_width = (nq * d, k * d) if policy.qk_norm_all_heads else (d, d)
-        norms = [getattr(attn, n, None) for n in policy.head_norms]
+        sharing = policy.kv_sharing(model.config, attn)
+        names = policy.head_norms
+        if sharing is not None and sharing[0] == "reuse":  # no K/V, no k norm of its own
+            names, k_width = names[:1], None
+        norms = [getattr(attn, n, None) for n in names]
         if any(n is None for n in norms):
             raise ValueError(f"layer {i}: the policy {policy.name!r} names q/k norms "
-                             f"{policy.head_norms} that the attention does not have")
+                             f"{names} that the attention does not have")
         shapes = [tuple(n.weight.shape) for n in norms]
-        if shapes != [(q_width,), (k_width,)]:
+        if shapes != [(q_width,), (k_width,)][:len(norms)]:
             what = ("over all heads of a token" if policy.qk_norm_all_heads else "per head")
             raise ValueError(f"layer {i}: q/k norm weights of shapes {shapes}, but the policy "
                              f"{policy.name!r} describes norms {what}: [({q_width},), "
                              f"({k_width},)]; set DecoderPolicy.qk_norm_all_heads to match")
-        if _eps(norms[0]) != _eps(norms[1]):
+        if len(norms) == 2 and _eps(norms[0]) != _eps(norms[1]):
             raise ValueError(f"layer {i}: q_norm eps ({_eps(norms[0])}) and k_norm eps "
                              f"({_eps(norms[1])}) differ")
 
@@ -714,10 +770,14 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
                 replace(parent, name, _replicated(mesh, getattr(parent, name), policy, opts))
 
     replicate(base, policy.base_replicated)
+    stores: dict[Any, int] = {}  # KV sharing: key -> the index of the layer that stores it
+    built: list[HFTSPAttention] = []
     for layer in getattr(base, policy.layers):
         attn = getattr(layer, policy.attention)
         l2_eps = policy.l2_qk_norm(c, attn)  # a weightless L2 q/k norm (Llama 4)
         layer_nkv, layer_head_dim = _attention_shape(attn, nq, nkv, head_dim)
+        sharing = policy.kv_sharing(c, attn)
+        reuse = sharing is not None and sharing[0] == "reuse"
         new_attn = HFTSPAttention(
             mesh, c.hidden_size, nq, layer_nkv, layer_head_dim,
             qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
@@ -733,8 +793,16 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             attention_chunk_size=policy.attention_chunk(c, attn),
             sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter),
             query_scale=policy.query_scale(c, attn),
-            v_norm_eps=_value_norm_eps(policy, attn),
-            values_from_keys=bool(policy.values_from_keys(c, attn)), init_seed=None, **opts)
+            v_norm_eps=None if reuse else _value_norm_eps(policy, attn),
+            values_from_keys=bool(policy.values_from_keys(c, attn)), kv_shared=reuse,
+            kv_out=sharing is not None and sharing[0] == "store", init_seed=None, **opts)
+        if sharing is not None:
+            new_attn.kv_role, new_attn.kv_key = sharing
+            if reuse:  # the last layer before it that stores under its key
+                new_attn.kv_source = stores.get(new_attn.kv_key)
+            else:
+                stores[new_attn.kv_key] = len(built)
+        built.append(new_attn)
         new_attn.rotary = bool(policy.rotary(c, attn))
         new_attn.rope_half_width = policy.rope_half_width
         replace(layer, policy.attention, new_attn)

@@ -90,7 +90,10 @@ class TSPAttention(ShardedModule):
     ``v_norm_eps``: each value head RMS-normalised without a learned scale, in
     ``qk_norm_kind``'s numerics (Gemma 4's v_norm). ``values_from_keys``: no ``v_proj``; the
     values are the key projection's output before the key norm and RoPE (Gemma 4's
-    ``attention_k_eq_v``); each round then carries the key rows twice.
+    ``attention_k_eq_v``); each round then carries the key rows twice. ``kv_out``: ``forward``
+    returns ``(output, kv_all)``, this rank's tokens' K/V, for later layers to reuse;
+    ``kv_shared``: no key/value projection or key norm, ``forward(..., shared_kv=kv_all)``
+    attends with another layer's (Gemma 4's KV-shared layers), whose gradient goes back to it.
     ``qk_norm_kind`` "l2" (Llama 4's ``qk_norm``): the per-head q/k norm has no weight, so
     there are no ``q_norm``/``k_norm`` parameters. ``query_scale(positions, dtype)``: every query
     is multiplied by a factor of its global position in the row (Llama 4's attention temperature
@@ -113,6 +116,7 @@ class TSPAttention(ShardedModule):
                  qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"),
                  attention_chunk_size: int | None = None, sinks: bool = False,
                  v_norm_eps: float | None = None, values_from_keys: bool = False,
+                 kv_shared: bool = False, kv_out: bool = False,
                  query_scale: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
                  dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
@@ -139,6 +143,9 @@ class TSPAttention(ShardedModule):
         if v_norm_eps is not None and qk_norm_all_heads:
             raise ValueError("v_norm_eps (a per-head value norm) is implemented on the default "
                              "schedule only, not with qk_norm_all_heads")
+        if (kv_shared or kv_out) and qk_norm_all_heads:
+            raise ValueError("KV-shared layers (kv_shared, kv_out) are implemented on the default "
+                             "schedule only, not with qk_norm_all_heads")
         self.values_from_keys = values_from_keys
         self.NORMS = tuple(f"{n}.weight" for n in qk_norm_names)  # the q/k norms' HF names
         self.mesh = mesh
@@ -149,7 +156,8 @@ class TSPAttention(ShardedModule):
                                   qk_norm_after_rope=qk_norm_after_rope,
                                   rope_interleaved=rope_interleaved,
                                   chunk_size=attention_chunk_size, sinks=sinks,
-                                  v_norm_eps=v_norm_eps, query_scale=query_scale)
+                                  v_norm_eps=v_norm_eps, query_scale=query_scale,
+                                  kv_shared=kv_shared, kv_out=kv_out)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -167,6 +175,9 @@ class TSPAttention(ShardedModule):
         if qk_norm_eps is not None and qk_norm_kind not in WEIGHTLESS:
             widths = (q, kv) if qk_norm_all_heads else (head_dim, head_dim)
             self.full_shapes.update({n: (w,) for n, w in zip(self.NORMS, widths)})
+        if kv_shared:  # another layer's K/V: no key/value projection, no key norm of its own
+            self.full_shapes = {n: s for n, s in self.full_shapes.items()
+                                if not n.startswith(("k_proj.", "v_proj.")) and n != self.NORMS[1]}
         ones = self.NORMS if qk_norm_kind != "gemma" else ()  # gemma's: an offset from one
         full = init_full(self.full_shapes, init_seed, dtype, device, ones=ones)
         for n in self.NORMS if qk_norm_kind == "gemma" and qk_norm_eps is not None else ():
@@ -202,6 +213,10 @@ class TSPAttention(ShardedModule):
         """The schedule's weights in its order; with ``values_from_keys`` the key projection
         stands in the value projection's place too (the schedule computes V from it as from any
         value projection; autograd sums the two gradients of the one parameter)."""
+        if self.spec.kv_shared:  # (wq, wo[, bq]): the K/V are another layer's
+            names = ["q_proj.weight", "o_proj.weight"]
+            names += ["q_proj.bias"] if "q_proj.bias" in self.full_shapes else []
+            return names + (["sinks"] if self.spec.sinks else [])
         v = "k_proj" if self.values_from_keys else "v_proj"
         names = ["q_proj.weight", "k_proj.weight", f"{v}.weight", "o_proj.weight"]
         if "q_proj.bias" in self.full_shapes:
@@ -211,14 +226,19 @@ class TSPAttention(ShardedModule):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 docs: Sequence[Sequence[int]] | None = None,
-                kv_sink: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                kv_sink: Callable[[torch.Tensor], None] | None = None,
+                shared_kv: torch.Tensor | None = None):
         """``docs``: for packed rows, each row's document lengths (as ``shard_batch`` pads them:
         multiples of 2D); attention then stays inside each document. ``kv_sink`` (prefill for
         :mod:`tsp_core.inference.decode`) is called once with ``kv_all`` [G, 2, B, local_kv_heads,
         S/D, head_dim], G = D / kv_replicas key/value head groups in order: the K/V (RoPE applied)
         of this rank's own tokens for every key/value head, all computed here, none received from
-        another rank."""
+        another rank. ``shared_kv``: with ``kv_shared``, the ``kv_all`` another layer returned
+        (Gemma 4's KV-shared layers). With ``kv_out`` the result is ``(output, kv_all)``."""
         s = self.spec
+        if s.kv_shared != (shared_kv is not None):
+            raise ValueError(f"a layer {'with' if s.kv_shared else 'without'} kv_shared takes "
+                             f"{'the' if s.kv_shared else 'no'} shared_kv of the layer it reuses")
         if x.dim() != 3 or x.shape[-1] != s.hidden_size:
             raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
                              f"[batch, local_seq, hidden_size={s.hidden_size}]")
@@ -252,15 +272,20 @@ class TSPAttention(ShardedModule):
             position_embeddings = rope.cos_sin(position_ids, self.inv_freq, 1.0, x.dtype)
         weightless = s.qk_norm_eps is not None and s.qk_norm_kind in WEIGHTLESS
         norms = list(self.NORMS) if s.qk_norm_eps is not None and not weightless else []
+        norms = norms[:1] if s.kv_shared else norms
         x, weights, context = schedule_inputs(self, self._weight_names() + norms, x)
         if norms:  # replicated: every rank normalises its own tokens, gradients summed
-            weights[-2:] = [comm.sum_grad(w, self.mesh.group) for w in weights[-2:]]
+            weights[-len(norms):] = [comm.sum_grad(w, self.mesh.group)
+                                     for w in weights[-len(norms):]]
         if weightless:  # the schedules take norm weights: empty placeholders, never read
-            weights += [x.new_empty(0), x.new_empty(0)]
+            weights += [x.new_empty(0)] * (1 if s.kv_shared else 2)
+        if s.kv_shared:
+            weights = [shared_kv, *weights]
         cos, sin = rope.rotation_inputs(real_rotary(position_embeddings), x.dtype)
         fn = PhasedAttentionFn if s.qk_norm_all_heads else PerGroupAttentionFn
         with context:
             y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
+        y, kv_all = y if s.kv_out else (y, None)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
-        return y
+        return (y, kv_all) if s.kv_out else y

@@ -51,10 +51,16 @@ class PerGroupAttentionFn(torch.autograd.Function):
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
         D, R = spec.tsp_size, spec.kv_replicas
         groups = _row_groups(docs, L * D, dist.get_rank(group), spec)
+        if spec.kv_shared:  # the first "weight" is another layer's kv_all, reused as it is
+            shared, *weights = weights
         proj, (qn, kn) = _split_norms(weights, spec)
         shards = _Shards(proj, spec, group)
         q_all = x.new_empty(D, B, nq, L, d)
-        kv_all = x.new_empty(D // R, 2, B, nkv, L, d)
+        kv_all = shared if spec.kv_shared else x.new_empty(D // R, 2, B, nkv, L, d)
+        if tuple(kv_all.shape) != (D // R, 2, B, nkv, L, d):
+            raise ValueError(f"the shared K/V have shape {tuple(kv_all.shape)}, this layer needs "
+                             f"{(D // R, 2, B, nkv, L, d)}: the layers sharing K/V must have "
+                             f"the same key/value heads and head_dim")
         out_all = x.new_empty(D, B, nq, L, d)
         lse_all = x.new_empty(D, B, nq, L, dtype=torch.float64 if x.dtype == torch.float64
                               else torch.float32)
@@ -66,7 +72,9 @@ class PerGroupAttentionFn(torch.autograd.Function):
             whose gather starts at once; returns the round's output projection and sinks."""
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
             q_all[r] = _rotated(_heads(F.linear(x, wq, bq), nq), qn, cos, sin, spec)
-            if r % R == 0:
+            if r % R == 0 and spec.kv_shared:
+                kvs.start(r // R)
+            elif r % R == 0:
                 j = r // R
                 kv_all[j, 0] = _rotated(_heads(F.linear(x, wk, bk), nkv), kn, cos, sin, spec)
                 kv_all[j, 1] = _values(_heads(F.linear(x, wv, bv), nkv), spec)
@@ -88,12 +96,17 @@ class PerGroupAttentionFn(torch.autograd.Function):
             kv_sink(kv_all)
         ctx.spec, ctx.group, ctx.groups = spec, group, groups
         ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
+        if spec.kv_out:  # for the layers that reuse these K/V; their gradient comes back
+            ctx.set_materialize_grads(False)
+            return y, kv_all
         return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dkv_reused=None):
         spec, group, groups = ctx.spec, ctx.group, ctx.groups
         x, cos, sin, q_all, kv_all, out_all, lse_all, *weights = ctx.saved_tensors
+        if dy is None:  # only the returned K/V were used
+            dy = torch.zeros_like(x)
         B, L, h = x.shape
         nq, nkv, R = spec.local_heads, spec.local_kv_heads, spec.kv_replicas
         proj, (qn, kn) = _split_norms(weights, spec)
@@ -107,6 +120,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
         reduces = _OwnerReduces(group)
         kvs = _KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
+        shared_grad = torch.empty_like(kv_all) if spec.kv_shared else None
 
         def finish(r: int, grads: list, wk: torch.Tensor, wv: torch.Tensor,
                    bk: torch.Tensor | None, bv: torch.Tensor | None,
@@ -114,8 +128,12 @@ class PerGroupAttentionFn(torch.autograd.Function):
             """Round r's tail, one round late so that its dK/dV reduce-scatter overlapped the
             next round: in the last round of a key/value head, that projection's backward; then
             the round's weight gradients (and its sinks') on their way to the owner."""
-            if r % R == R - 1:
+            if r % R == R - 1 and spec.kv_shared:  # the K/V's owner layer takes their gradient
+                shared_grad[r // R] = kvs.scattered(r // R)
+            elif r % R == R - 1:
                 dkv = kvs.scattered(r // R)
+                if dkv_reused is not None:  # the KV-shared layers' gradient of these K/V
+                    dkv = dkv + dkv_reused[r // R]
                 pre = None if kn is None else _heads(F.linear(x, wk, bk), nkv)  # recomputed
                 dk, g = _rotated_backward(pre, kn, cos, sin, spec, dkv[0])
                 if g is not None:
@@ -152,5 +170,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
         finish(*previous)
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
         if qn is not None:
-            grads = [*grads, *norm_grads]
+            grads = [*grads, *(norm_grads[:1] if spec.kv_shared else norm_grads)]
+        if spec.kv_shared:
+            grads = [shared_grad, *grads]
         return (dx, None, None, None, None, None, None, *grads)

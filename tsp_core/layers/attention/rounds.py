@@ -55,6 +55,11 @@ class AttentionSpec:
     # an RMSNorm without a learned scale over each value head, in qk_norm_kind's numerics
     # (Gemma 4's v_norm); None: values as projected
     v_norm_eps: float | None = None
+    # the layer's K/V are another layer's (Gemma 4's KV-shared layers): its schedule takes that
+    # layer's kv_all and projects none; its rounds carry q and o only
+    kv_shared: bool = False
+    # the schedule also returns its kv_all, for the KV-shared layers that reuse it
+    kv_out: bool = False
 
     @property
     def local_heads(self) -> int:
@@ -206,9 +211,12 @@ class _Shards:
                  group: dist.ProcessGroup, split_out: bool = False) -> None:
         weights = list(weights)
         self.sinks = weights.pop() if spec.sinks else None
+        if spec.kv_shared:  # (wq, wo[, bq]): no key/value projection, as with slices without any
+            wq, wo, *bq = weights
+            weights = [wq, wq[:0], wq[:0], wo] + ([bq[0], bq[0][:0], bq[0][:0]] if bq else [])
         wq, wk, wv, wo, *b = weights
         self.spec, self.group, self.bias = spec, group, bool(b)
-        self.sliced = spec.kv_replicas > 1
+        self.sliced = spec.kv_replicas > 1 or spec.kv_shared
         self.round = [wq, wo, *b[:1]] if self.sliced else list(weights)
         # split_out: the output projection goes round by round on its own (phased.py)
         self.split_out = split_out
@@ -220,7 +228,7 @@ class _Shards:
         self.round_pack = FlatPack([w.shape for w in self.round])
         self.kv_rows = spec.num_kv_heads * spec.head_dim
         self.kv_full: list[torch.Tensor] = []
-        if self.sliced:
+        if self.sliced and not spec.kv_shared:
             kv = [wk, wv, *b[1:]]
             self.kv_pack = FlatPack([w.shape for w in kv])
             D = spec.tsp_size
@@ -292,12 +300,16 @@ class _Shards:
             own.insert(1 if self.sliced else 3, go)
         if not self.sliced:
             return own + tail
+        if self.spec.kv_shared:  # the weights it has: (wq, wo[, bq])
+            return own + tail
         gk, gv, *gb = self.scatter_kv_grads(kv_grads)
         gq, go, *gbq = own
         return [gq, gk, gv, go] + ([gbq[0], gb[0], gb[1]] if self.bias else []) + tail
 
     def kv_grad_buffers(self) -> list[torch.Tensor]:
         """Zeroed padded full-row accumulators for the key/value weight gradients (sliced)."""
+        if self.spec.kv_shared:
+            return []
         D = self.spec.tsp_size
         return [t.new_zeros(D * s[0], *s[1:]) for t, s in zip(self.kv_full, self.kv_pack.shapes)]
 
@@ -311,9 +323,12 @@ class _Shards:
 
 
 def _split_norms(weights: Sequence[torch.Tensor], spec: AttentionSpec):
-    """(projection weights, (q_norm weight, k_norm weight) or (None, None))."""
+    """(projection weights, (q_norm weight, k_norm weight) or (None, None)); a KV-shared layer
+    has no k_norm (None)."""
     if spec.qk_norm_eps is None:
         return list(weights), (None, None)
+    if spec.kv_shared:
+        return list(weights[:-1]), (weights[-1], None)
     return list(weights[:-2]), tuple(weights[-2:])
 
 

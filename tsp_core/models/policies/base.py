@@ -27,6 +27,10 @@ def _never(config: Any, attention: nn.Module) -> bool:
     return False
 
 
+def _no_sharing(config: Any, attention: nn.Module) -> None:
+    return None
+
+
 def _softmax_router(config: Any) -> dict:
     return {}
 
@@ -162,6 +166,11 @@ class DecoderPolicy:
     # per-layer input projections and norms); any parameter left unconverted is refused
     base_replicated: tuple[str, ...] = ()
     layer_replicated: tuple[str, ...] = ()
+    # KV-shared layers (Gemma 4's num_kv_shared_layers): ("store", key) for a layer whose K/V
+    # later layers reuse, ("reuse", key) for a layer that attends with the K/V last stored under
+    # key, None for the others; the Hugging Face model's own forward passes the K/V between them
+    # (its ``shared_kv_states``)
+    kv_sharing: Callable[[Any, nn.Module], tuple[str, Any] | None] = field(default=_no_sharing)
 
     def qk_norms(self, config: Any) -> tuple[str, str] | None:
         """The q/k norms' module names where ``config`` has them, else None."""

@@ -11,13 +11,15 @@ final logit soft-cap) with Gemma 4's numerics and features:
 - per-layer inputs (``hidden_size_per_layer_input`` > 0): a second embedding,
   ``embed_tokens_per_layer``, vocabulary-sharded like the main one (``extra_embeds``), and small
   per-token projections and norms, replicated over the TSP group (``base_replicated``,
-  ``layer_replicated``); the model's own code combines them, as in Hugging Face.
+  ``layer_replicated``); the model's own code combines them, as in Hugging Face;
+- KV-shared layers (``num_kv_shared_layers``): the last layers attend with the K/V of the last
+  earlier layer of their type (``kv_sharing``: that layer's schedule hands over this rank's
+  tokens' K/V and takes their gradient back), with MLPs of their own width
+  (``use_double_wide_mlp``, read per layer).
 
-Refused by config field (docs/families.md "Gemma 4"): ``num_kv_shared_layers`` > 0 (a layer
-attends with an earlier layer's K/V, which the TSP schedule computes and drops inside that
-layer's round; its double-wide MLP, ``use_double_wide_mlp``, exists only on those layers),
-``enable_moe_block`` (a dense MLP and an MoE side by side in each layer, with a router of its
-own: TSP's MoE replaces the MLP), ``use_bidirectional_attention``."""
+Refused by config field (docs/families.md "Gemma 4"): ``enable_moe_block`` (a dense MLP and an
+MoE side by side in each layer, with a router of its own: TSP's MoE replaces the MLP; refused by
+its ``num_experts``), ``use_bidirectional_attention``."""
 
 from .base import DecoderPolicy, register_policy
 from .gemma import SANDWICH, _logits_softcap, _window
@@ -28,6 +30,15 @@ def _values_from_keys(config, attention) -> bool:
     return hasattr(attention, "k_proj") and getattr(attention, "v_proj", None) is None
 
 
+def _kv_sharing(config, attention):
+    """Hugging Face's KV sharing of the layer (``config.kv_sharing_modes``), keyed by its type."""
+    if getattr(attention, "is_kv_shared_layer", False):
+        return "reuse", attention.layer_type
+    if getattr(attention, "store_full_length_kv", False):
+        return "store", attention.layer_type
+    return None
+
+
 GEMMA4 = register_policy(DecoderPolicy(
     name="gemma4", model_types=("gemma4_text",), class_names=("Gemma4ForCausalLM",),
     norm="gemma4", layer_norms=SANDWICH, sliding_window=_window,
@@ -36,8 +47,5 @@ GEMMA4 = register_policy(DecoderPolicy(
     base_replicated=("per_layer_model_projection", "per_layer_projection_norm"),
     layer_replicated=("per_layer_input_gate", "per_layer_projection",
                       "post_per_layer_input_norm"),
-    unsupported=(
-        ("num_kv_shared_layers", "KV-shared layers: a layer attends with an earlier layer's "
-         "K/V, which TSP computes and drops inside that layer's rounds"),
-        ("enable_moe_block", "Gemma 4's MoE beside the dense MLP, with its own router"),
-        ("use_bidirectional_attention", "bidirectional attention"))))
+    kv_sharing=_kv_sharing,
+    unsupported=(("use_bidirectional_attention", "bidirectional attention"),)))
