@@ -6,15 +6,22 @@ and updates those whose name is in ``ModTracker.parents`` (the modules running n
 whole-model simulation has hundreds of modules (about nine per decoder layer) and millions of ops,
 so the walk costs O(modules) per op, O(layers^2) per step: most of a 32-layer simulation's time.
 Here the walk visits only the running modules, through an index from a module's name to its
-stats, rebuilt whenever a module's stats may have been added or renamed.
+stats, rebuilt whenever a module's stats may have been added or renamed; and an op's single
+tensor output is tracked without a pytree walk.
 """
 
 from __future__ import annotations
 
 from copy import deepcopy
+from functools import partial
 from typing import Any
 
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _ModMemStats, _State
+import torch
+from torch._guards import active_fake_mode
+from torch.distributed._tools.mem_tracker import (_TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats,
+                                                  _ModState, _State)
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 
 class IndexedMemTracker(MemTracker):
@@ -52,6 +59,32 @@ class IndexedMemTracker(MemTracker):
                 index.setdefault(mod_stats.mod_fqn, []).append(mod_stats)
             self._by_fqn = index
         return self._by_fqn
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        """PyTorch's ``MemTracker.__torch_dispatch__`` line for line, but for a bare tensor
+        result, which is tracked directly: ``tree_map_only(torch.Tensor, f, t)`` is ``f(t)`` for
+        a tensor ``t`` (a pytree leaf), so the same storages are tracked in the same order."""
+        if any(t == DTensor for t in types):
+            return NotImplemented
+        if (func is torch.ops._c10d_functional.wait_tensor.default
+                and active_fake_mode()):
+            res = args[0]   # PyTorch's: its meta impl returns a new tensor, eager does not
+        else:
+            res = func(*args, **kwargs or {})
+        if active_fake_mode() is self._fake_mode_on_entry:
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = _MemRefType.TEMP
+            else:
+                reftype = _MemRefType.ACT
+            if isinstance(res, torch.Tensor):
+                self._track(reftype, res)
+            else:
+                tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+            peak_state = _ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW
+            self._update_peak_stats(peak_state)
+        return res
 
     def _update_peak_stats(self, peak_state: _State) -> None:
         curr_snap = self._curr_mem_snap
