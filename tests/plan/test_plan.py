@@ -409,17 +409,21 @@ def test_moe_plan_ranks_tsp_with_expert_traffic_and_memory(tmp_path):
 
 def test_moe_memory_within_ten_percent_of_simulate():
     """The planner's MoE working set (docs/planning.md) against `tsp simulate` of the real
-    TSPMoE (schedule (a), uniform routing under fake tensors) on a one-layer cut of
-    Mixtral-8x7B at 16K tokens, D = 8."""
+    TSPMoE (schedule (a), uniform routing under fake tensors, its experts' rows in tiles) on a
+    one-layer cut of Mixtral-8x7B at 16K and 128K tokens, D = 8 (the untiled count planned
+    8.54 GiB at 128K where 4.43 are measured)."""
     from tsp_core.plan.command import model_shape
     from tsp_core.plan.simulate import SimulationRequest, simulate_many
 
-    (r,) = simulate_many([SimulationRequest("tsp", 8, 1, 16384, "mixtral-8x7b", 1,
-                                            recompute="full")], jobs=1)
-    planned = estimate(model_shape("mixtral-8x7b", 1), LayoutSpec("tsp", 8), 16384)
-    print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned {planned.peak / 2**30:.3f} GiB")
-    assert planned.parts["parameters"] == r.breakdown["parameters"]
-    assert abs(planned.peak - r.peak_bytes) / r.peak_bytes < 0.10, (planned.peak, r.peak_bytes)
+    reqs = [SimulationRequest("tsp", 8, 1, seq, "mixtral-8x7b", 1, recompute="full")
+            for seq in (16384, 131072)]
+    for r in simulate_many(reqs, jobs=2, fresh=False):
+        planned = estimate(model_shape("mixtral-8x7b", 1), LayoutSpec("tsp", 8), r.seq)
+        print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned "
+              f"{planned.peak / 2**30:.3f} GiB")
+        assert planned.parts["parameters"] == r.breakdown["parameters"]
+        assert abs(planned.peak - r.peak_bytes) / r.peak_bytes < 0.10, \
+            (r.seq, planned.peak, r.peak_bytes)
 
 
 # ------------------------------------------------------------- FSDP2 on dp_shard (docs/memory.md)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from ..baselines.layouts import LayoutSpec
 from ..layers.attention import backward_floor_bytes
 from ..layers.mlp import PLAIN_TILE_TENSORS, plain_tile_tokens
-from ..layers.tiles import loss_tile_tokens, mlp_tile_tokens
+from ..layers.tiles import MLP_TILE_TENSORS, loss_tile_tokens, mlp_tile_tokens
 from .traffic import ModelShape
 
 
@@ -75,55 +75,36 @@ def moe_working_set(shape: ModelShape, rows: float, channels: float, experts: fl
     on one rank that runs ``experts`` (n) experts of ``channels`` (F) intermediate channels each
     on ``rows`` (R) routed copies of ``tokens`` (T, default R / k) tokens (uniform routing: TSP's
     (a) receives k T rows for its E/D whole experts). Read from
-    :func:`tsp_core.layers.moe.dispatch_combine` (each [R, h] buffer dropped once the next exists;
-    the experts run on ``unbind`` views, so each expert's weight gradient is its own [2F, h] and
-    [h, F] until one ``stack`` per weight after the last expert) and autograd's saved tensors.
-    What the forward keeps for backward, common to the first two moments: the rows sorted by
-    expert (one [R, h] buffer, split into views), every expert's gate/up output (2 F),
-    activation and product (F each), the experts' concatenated output (``index_copy`` keeps its
-    source) and the rows come back (the routing-weight product keeps them):
-    ``saved`` = R (3 h + 4 F) b. w: the routing weights' dtype (float32 under Mixtral, bf16
-    under Qwen3-MoE, which casts them back).
+    :func:`tsp_core.layers.moe.dispatch_combine` (each [R, h] buffer dropped once the next
+    exists) and its experts' function, which runs each expert's rows ``t`` at a time
+    (:func:`tiles.mlp_tile_tokens` of 2F: a tile's gate and up) and keeps only the rows for
+    backward. What the forward keeps for backward, common to the first two moments: the rows
+    grouped by expert and the rows come back (the routing-weight product keeps them), and with
+    ``weight_input`` (Llama 4) the weighted copies: ``saved`` = R h b (2, or 3). w: the routing
+    weights' dtype (float32 under Mixtral and GLM-4.5, the model's under the others).
 
     - ``forward``: the end of the recomputed forward (it stops at ``index_add``, the last op
       that saves a tensor): ``saved``, the weighted rows in w and, under float32 routing, their
       bf16 copy (``index_add``'s source), and the [T, h] zeros it adds into;
     - ``weights_backward``: the routing-weight product's backward: ``saved`` and three [R, h]
       in w (the incoming gradient, the rows' and the weights' gradients before the sum);
-    - ``expert_backward``: the m-th expert to run backward (the last one first), with the sorted
-      rows, the gradient of the experts' output (one [R, h] buffer, freed after the last
-      expert's down backward), the saved tensors of the n - m experts not done and, for each
-      expert done, its [2F, h] and [h, F] weight gradients and its rows' [R/n, h] gradient; the
-      largest of three points: its down backward done (its product's gradient, [R/n, F], and
-      its [h, F] weight gradient), its product's backward (its product freed, three [R/n, F]
-      gradients: the product's, the activation's, the up half's) and its gate/up backward (its
-      saved tensors freed, its [R/n, 2F] output gradient, its weight gradients and its rows'
-      gradient). Linear in m but for the buffer freed at the last expert, so the largest of
-      m = 0, n - 2 and n - 1;
-    - ``weight_grad``: after the last expert, every local expert's weight gradient (3 n F h) with
-      the larger of the gate/up ``stack`` (the rows' gradients and the [n, 2F, h] stacked copy:
-      R h + 2 n F h) and the rows' gradients put back in arrival order (concatenated, zeros,
-      ``index_put``: 3 R h)."""
+    - ``expert_backward``: the experts' backward: the kept rows, the gradient of their output and
+      the rows' gradient (3 [R, h]), every local expert's weight-gradient accumulator (3 n F h,
+      float32 for a bf16 model with more than one tile) and the larger of one tile's tensors
+      (at most :data:`tiles.MLP_TILE_TENSORS` [t, F]) and, at the end, the gradients cast to
+      the weights' dtype (3 n F h b)."""
     h, F, R = shape.hidden_size, channels, rows
     n = max(1, round(experts))
     T = R / shape.top_k if tokens is None else tokens
     w = 4 if shape.routing_fp32 else b      # the routing weights' dtype
     cast = b if shape.routing_fp32 else 0   # the weighted rows cast back to the model's dtype
-    saved = R * (3 * h + 4 * F) * b
-    per = R / n                             # one expert's rows
-
-    def expert(m: int) -> float:
-        kept = R * h + m * (3 * F * h + per * h) + (n - m) * per * 4 * F
-        out_grad = R * h if m < n - 1 else 0
-        down = kept + R * h + per * F + F * h
-        act = kept + out_grad - per * F + 3 * per * F + F * h
-        gate_up = kept + out_grad - per * 4 * F + per * 2 * F + 3 * F * h + per * h
-        return max(down, act, gate_up) * b
-
+    saved = R * h * b * (3 if shape.weight_input else 2)
+    tile = min(mlp_tile_tokens(2 * int(F), shape_dtype(b)), max(1.0, R / n))
+    acc = 4 if b == 2 and R / n > tile else b
     return {"forward": saved + R * h * (w + cast) + T * h * b,
             "weights_backward": saved + 3 * R * h * w,
-            "expert_backward": max(expert(m) for m in {0, max(0, n - 2), n - 1}),
-            "weight_grad": (3 * n * F * h + max(R * h + 2 * n * F * h, 3 * R * h)) * b}
+            "expert_backward": 3 * R * h * b + 3 * n * F * h * acc
+            + max(MLP_TILE_TENSORS * tile * F * b, 3 * n * F * h * b)}
 
 
 def grouped_experts_working_set(shape: ModelShape, rows: float, channels: float,

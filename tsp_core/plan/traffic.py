@@ -57,6 +57,7 @@ class ModelShape:
     # experts in every MoE layer, on every token (0: none)
     shared_intermediate_size: int = 0
     routing_fp32: bool = False     # the top-k weights stay float32 (Mixtral; Qwen3-MoE casts back)
+    weight_input: bool = False     # the weights scale the experts' input (Llama 4), not output
     # weight matrices of a dense MLP: 3 gated (gate, up, down), 2 ungated (Apertus's up, down)
     mlp_matrices: int = 3
 
@@ -209,6 +210,7 @@ def _moe_fields(config, policy) -> dict:
     return dict(num_experts=spec.num_experts, top_k=spec.top_k,
                 expert_intermediate_size=spec.intermediate_size,
                 moe_layers=None if sparse == L else sparse, routing_fp32=fp32,
+                weight_input=spec.weight_input,
                 shared_intermediate_size=spec.shared_intermediate_size)
 
 
