@@ -91,7 +91,7 @@ def moe_working_set(shape: ModelShape, rows: float, channels: float, experts: fl
     - ``expert_backward``: the experts' backward: the kept rows, the gradient of their output and
       the rows' gradient (3 [R, h]), every local expert's weight-gradient accumulator (3 n F h,
       float32 for a bf16 model with more than one tile) and the larger of one tile's tensors
-      (at most :data:`tiles.MLP_TILE_TENSORS` [t, F]) and, at the end, the gradients cast to
+      (at most :data:`tiles.MLP_TILE_TENSORS` [t, F]) and, at the end, float32 ones cast to
       the weights' dtype (3 n F h b)."""
     h, F, R = shape.hidden_size, channels, rows
     n = max(1, round(experts))
@@ -101,10 +101,11 @@ def moe_working_set(shape: ModelShape, rows: float, channels: float, experts: fl
     saved = R * h * b * (3 if shape.weight_input else 2)
     tile = min(mlp_tile_tokens(2 * int(F), shape_dtype(b)), max(1.0, R / n))
     acc = 4 if b == 2 and R / n > tile else b
+    cast_grads = 3 * n * F * h * b if acc != b else 0  # .to(the weights' dtype): a copy
     return {"forward": saved + R * h * (w + cast) + T * h * b,
             "weights_backward": saved + 3 * R * h * w,
             "expert_backward": 3 * R * h * b + 3 * n * F * h * acc
-            + max(MLP_TILE_TENSORS * tile * F * b, 3 * n * F * h * b)}
+            + max(MLP_TILE_TENSORS * tile * F * b, cast_grads)}
 
 
 def grouped_experts_working_set(shape: ModelShape, rows: float, channels: float,
