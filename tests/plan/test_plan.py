@@ -157,6 +157,22 @@ def test_model_presets_and_config_files(tmp_path):
 NEWER_MOE_FAMILIES = ("glm4_moe", "gpt_oss")
 
 
+def test_a_config_whose_layers_differ_is_refused_by_name():
+    """Gemma 4's layers have two attention shapes (head_dim on sliding layers, global_head_dim on
+    full ones; transformers refuses config.head_dim): tsp plan's one-shape closed forms say so
+    and point to tsp simulate, instead of a traceback from transformers."""
+    from transformers import Gemma4TextConfig
+
+    from tsp_core.plan.traffic import ModelShape
+
+    config = Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              global_head_dim=32, vocab_size=96)
+    with pytest.raises(ValueError, match=r"Gemma4TextConfig: config\.head_dim differs from layer "
+                                         r"to layer .* estimate this model with tsp simulate"):
+        ModelShape.from_config(config)
+
+
 @pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
                                     "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text",
                                     *NEWER_MOE_FAMILIES])

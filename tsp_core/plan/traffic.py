@@ -68,6 +68,7 @@ class ModelShape:
         intermediate size (``DecoderPolicy.dense_intermediate_size``: Llama 4's
         ``intermediate_size_mlp``)."""
         nq = config.num_attention_heads
+        _check_one_layer_shape(config)
         policy = _policy(config)
         experts = _moe_fields(config, policy)
         dense = getattr(config, policy.dense_intermediate_size if policy else "intermediate_size")
@@ -170,6 +171,22 @@ def _gated_mlp(config) -> bool:
         model = AutoModelForCausalLM.from_config(one)
     mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
     return not mlps or any(hasattr(m, a) for m in mlps[:1] for a in ("gate_proj", "gate_up_proj"))
+
+
+def _check_one_layer_shape(config) -> None:
+    """The closed forms assume one attention shape for every layer; a config whose layers differ
+    (Gemma 4: ``head_dim`` on sliding layers, ``global_head_dim`` and its own key/value heads on
+    full ones; transformers then refuses the global fields) is refused with the fields, not a
+    traceback. ``tsp simulate`` builds each layer as it is and takes it."""
+    for field in ("num_key_value_heads", "head_dim"):
+        try:
+            getattr(config, field, None)
+        except RuntimeError as err:  # transformers' AmbiguousGlobalPerLayerAttributeError
+            raise ValueError(
+                f"{type(config).__name__}: config.{field} differs from layer to layer "
+                f"({type(err).__name__}); tsp plan's closed forms assume one attention shape for "
+                f"every layer: estimate this model with tsp simulate, which builds each layer as "
+                f"it is") from None
 
 
 def _policy(config):
