@@ -452,8 +452,12 @@ def long_context_llama8b(load: Loader) -> str:
 
 
 # the records behind long_context_llama8b, in the table's order, with their GPU's memory (GB)
-LONG_CONTEXT_RECORDS = (("simulate-llama8b-4m-offload", 80), ("simulate-llama8b-1.5m", 80),
-                        ("simulate-llama8b-16m-offload", 80))
+LONG_CONTEXT_RECORDS = (("simulate-llama8b-4m-offload", 80),
+                        ("simulate-llama8b-5.75m-offload", 80),
+                        ("simulate-llama8b-1.5m", 80),
+                        ("simulate-llama8b-16m-offload", 80),
+                        ("simulate-llama8b-6m-offload", 141),
+                        ("simulate-llama8b-2.75m", 141))
 
 
 RENDERERS: dict[str, Callable[[Loader], str]] = {
