@@ -19,13 +19,15 @@ HIDDEN, HEAD_DIM = 24, 8
 
 
 def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
-                 head_dim: int = HEAD_DIM, qk_norm: str | None = None):
+                 head_dim: int = HEAD_DIM, qk_norm: str | None = None, gate: bool = False):
+    """``gate``: q_proj's rows per head are [query | output gate] (Qwen3.5)."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3  # noqa: E731
-    w = {"q_proj.weight": r(nq * head_dim, HIDDEN), "k_proj.weight": r(nkv * head_dim, HIDDEN),
+    q_rows = nq * head_dim * (2 if gate else 1)
+    w = {"q_proj.weight": r(q_rows, HIDDEN), "k_proj.weight": r(nkv * head_dim, HIDDEN),
          "v_proj.weight": r(nkv * head_dim, HIDDEN), "o_proj.weight": r(HIDDEN, nq * head_dim)}
     if qkv_bias:
-        w.update({"q_proj.bias": r(nq * head_dim), "k_proj.bias": r(nkv * head_dim),
+        w.update({"q_proj.bias": r(q_rows), "k_proj.bias": r(nkv * head_dim),
                   "v_proj.bias": r(nkv * head_dim)})
     if o_bias:
         w["o_proj.bias"] = r(HIDDEN)
@@ -39,10 +41,10 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
                o_bias: bool = False, window: int | None = None, layout: str = "zigzag",
                causal: bool = True, head_dim: int = HEAD_DIM, qk_norm: str | None = None,
                chunk: int | None = None, sinks: bool = False, v_norm: bool = False,
-               k_eq_v: bool = False) -> None:
+               k_eq_v: bool = False, gate: bool = False) -> None:
     mesh = dist_pool.mesh(tsp, layout)
     D, p = mesh.size, mesh.rank
-    w = full_weights(nq, nkv, qkv_bias, o_bias, head_dim=head_dim, qk_norm=qk_norm)
+    w = full_weights(nq, nkv, qkv_bias, o_bias, head_dim=head_dim, qk_norm=qk_norm, gate=gate)
     if k_eq_v:  # Gemma 4: no value projection, the values are the raw key projection
         w = {k: t for k, t in w.items() if not k.startswith("v_proj.")}
     if sinks:  # logits of a few units: the sink takes a large share of each row
@@ -53,7 +55,7 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
                          qk_norm_eps=None if qk_norm is None else 1e-6, qk_norm_kind="gemma",
                          qk_norm_all_heads=qk_norm == "all", attention_chunk_size=chunk,
                          sinks=sinks, v_norm_eps=1e-6 if v_norm else None,
-                         values_from_keys=k_eq_v)
+                         values_from_keys=k_eq_v, output_gate=gate)
     layer.load_full(w)
     if sinks:  # sharded with the query heads
         assert tuple(local(layer.sinks).shape) == (nq // D,), tuple(local(layer.sinks).shape)
@@ -64,7 +66,7 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
     ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
     x_ref = x.clone().requires_grad_()
     y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window,
-                                chunk=chunk, qk_norm=qk_norm, v_norm=v_norm)
+                                chunk=chunk, qk_norm=qk_norm, v_norm=v_norm, output_gate=gate)
     y_ref.backward(dy)
 
     # pad at the end (causal: padding cannot reach real tokens); zero upstream grad on padding
@@ -109,6 +111,10 @@ CASES = [
     dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, qk_norm="head", window=5, v_norm=True),
     dict(nq=4, nkv=1, seq=13, batch=1, qkv_bias=True, qk_norm="head", v_norm=True, k_eq_v=True),
     dict(nq=8, nkv=4, seq=16, batch=1, k_eq_v=True),
+    # Qwen3.5's output gate ([query | gate] rows per head in q_proj): with per-head q/k norms,
+    # GQA and biases; with K/V slices at D = 4, padding and a sliding window
+    dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, qk_norm="head", gate=True),
+    dict(nq=4, nkv=1, seq=13, batch=1, o_bias=True, window=5, gate=True),
 ]
 
 
@@ -125,11 +131,11 @@ def test_parity_contiguous_layout(pool, tsp):
 
 
 def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool,
-                      all_heads: bool = False, sinks: bool = False):
+                      all_heads: bool = False, sinks: bool = False, gate: bool = False):
     mesh = dist_pool.mesh(tsp)
     norms = dict(qk_norm_eps=1e-6, qk_norm_all_heads=True) if all_heads else {}
     layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, qkv_bias=qkv_bias, dtype=torch.float64,
-                         sinks=sinks, **norms)
+                         sinks=sinks, output_gate=gate, **norms)
     x = torch.randn(batch, seq // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
     pos = position_ids(seq, mesh.rank, tsp)
     with comm.track() as fwd:
@@ -325,6 +331,27 @@ def test_collective_counts(pool, tsp, nq, nkv, bias, all_heads, sinks):
         assert bwd_bytes["reduce"] == pytest.approx(D * frac * shard * 8)
         assert bwd_bytes["reduce_scatter"] == pytest.approx(
             (heads_gathered * kv + kv_weights) * frac * 8)
+
+
+def counts_with_and_without_gate(tsp: int, nq: int, nkv: int, bias: bool):
+    return [count_collectives(tsp, nq, nkv, 16, 2, bias, gate=gate) for gate in (False, True)]
+
+
+@pytest.mark.parametrize("tsp,nq,nkv,bias", [(4, 8, 2, True), (4, 4, 1, False)])
+def test_output_gate_adds_no_collective(pool, tsp, nq, nkv, bias):
+    """The output gate (Qwen3.5) travels inside the query shard: the same calls in both passes,
+    and only the broadcasts and owner reduces grow, by the gate's rows of q_proj (nq/D heads of
+    head_dim rows, plus their biases) per round; the K/V all-gathers and reduce-scatters are
+    unchanged."""
+    D = tsp
+    extra = D * (D - 1) / D * (nq // D) * HEAD_DIM * (HIDDEN + bias) * 8
+    for plain, gated in pool.run(counts_with_and_without_gate, tsp, nq, nkv, bias):
+        assert plain[:2] == gated[:2], (plain[:2], gated[:2])  # calls, forward and backward
+        for before, after in ((plain[2], gated[2]), (plain[3], gated[3])):  # bytes
+            assert sorted(before) == sorted(after), (before, after)
+            for name in before:
+                grow = extra if name in ("broadcast", "reduce") else 0
+                assert after[name] == pytest.approx(before[name] + grow), (name, before, after)
 
 
 def test_size_errors_list_exactly_the_sizes_that_work():

@@ -111,7 +111,7 @@ def bad_models() -> list[str]:
          r"\['apertus', 'ernie4_5', 'exaone4', 'gemma', 'gemma2', 'gemma3', 'gemma4', 'glm4', "
          r"'glm4_moe', 'gpt_oss', 'granite', 'hunyuan_v1_dense', 'llama', 'llama4_text', "
          r"'mistral', 'mixtral', 'olmo2', 'olmo3', 'phi3', "
-         r"'qwen2', 'qwen3', "
+         r"'qwen2', 'qwen3', 'qwen3_5', "
          r"'qwen3_moe', 'seed_oss', 'smollm3'\]\. "
          r"Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,

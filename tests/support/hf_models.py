@@ -186,13 +186,22 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         with torch.no_grad():  # the layers' scalars off one: a layer that skips it is off
             for layer in model.model.layers:
                 layer.layer_scalar.fill_(0.8 + 0.4 * torch.rand(()).item())
+    elif family == "qwen3_5":      # Qwen3.5 text, full-attention layers only: the output gate
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # ([query | gate] rows
+
+        # per head in q_proj), partial rotary (0.25 of head_dim 24: 6 channels) through the
+        # text rotary's mrope sections, (1 + w) norms, q/k/v/o biases
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            vocab_size=96, head_dim=24, attention_bias=True,
+            layer_types=["full_attention"] * COMMON["num_hidden_layers"], **common))
+        float64_qwen3_5_norms(model)
     else:
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
     if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
                   "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus",
-                  "hunyuan_v1_dense", "llama4_text", "gemma4"):
+                  "hunyuan_v1_dense", "llama4_text", "gemma4", "qwen3_5"):
         # norms and biases away from their initial ones/zeros: a weight applied the wrong way
         # (w vs 1 + w), or not at all, changes the very first loss
         with torch.no_grad():
@@ -284,6 +293,23 @@ def float64_gemma_norms(model) -> None:
         if name.startswith("Gemma") and name.endswith("RMSNorm"):
             module.forward = types.MethodType(gemma4 if name == "Gemma4RMSNorm" else forward,
                                               module)
+
+
+def float64_qwen3_5_norms(model) -> None:
+    """Qwen3.5's RMSNorms (``Qwen3_5RMSNorm``: scaled by ``1 + weight``) compute in float32 even
+    in a float64 model (``x.float()``), as Gemma's do: the reference's compute in the model's
+    dtype when it is wider, with tsp_core.layers.norm.gemma_rms_norm (the same ops for float32
+    and below)."""
+    import types
+
+    from tsp_core.layers.norm import gemma_rms_norm
+
+    def forward(self, x):
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+    for module in model.modules():
+        if type(module).__name__ == "Qwen3_5RMSNorm":
+            module.forward = types.MethodType(forward, module)
 
 
 def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -24,14 +24,16 @@ def rope(t: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Te
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
               head_dim: int, *, causal: bool = True, window: int | None = None,
               chunk: int | None = None, qk_norm: str | None = None, v_norm: bool = False,
-              eps: float = 1e-6) -> torch.Tensor:
+              eps: float = 1e-6, output_gate: bool = False) -> torch.Tensor:
     """``qk_norm``: RMSNorms of q and k scaled by ``1 + w[q_norm.weight]`` (Gemma's numerics, in
     the input's dtype), over each head ("head") or over all heads of a token ("all", OLMo 2).
     ``chunk``: Llama 4's chunked mask (query i sees only keys j with j // chunk == i // chunk).
     With ``w["sinks"]`` [num_heads], gpt-oss's sinks in Hugging Face's eager order: a column of
     each head's sink logit beside the scores, the softmax, the column dropped. ``v_norm``: each
     value head RMS-normalised without a scale (Gemma 4); without ``w["v_proj.weight"]`` the
-    values are the key projection's output before its norm and RoPE (Gemma 4's k_eq_v)."""
+    values are the key projection's output before its norm and RoPE (Gemma 4's k_eq_v).
+    ``output_gate`` (Qwen3.5): ``q_proj`` gives per head [query | gate], 2 * head_dim rows, and
+    the attention output is multiplied by sigmoid(gate) before ``o_proj``."""
     B, S, _ = x.shape
     pos = torch.arange(S)
 
@@ -43,6 +45,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
             name = "kv"  # the key projection, without the key norm
         p = "k" if name == "kv" else name
         y = F.linear(x, w[f"{p}_proj.weight"], w.get(f"{p}_proj.bias"))
+        if output_gate and name == "q":  # each head's rows: [query | gate]
+            y = y.view(B, S, n, 2, head_dim)[:, :, :, 0].reshape(B, S, n * head_dim)
         if qk_norm == "all" and name in ("q", "k"):
             y = rms(y, w[f"{name}_norm.weight"])
         y = y.view(B, S, n, head_dim)
@@ -70,8 +74,11 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
     if "sinks" in w:
         sink = w["sinks"].reshape(1, -1, 1, 1).expand(B, -1, S, 1)
         scores = torch.cat([scores, sink], -1)
-    a = torch.softmax(scores, -1)[..., :S] @ v
-    return F.linear(a.transpose(1, 2).reshape(B, S, -1), w["o_proj.weight"], w.get("o_proj.bias"))
+    a = (torch.softmax(scores, -1)[..., :S] @ v).transpose(1, 2).reshape(B, S, -1)
+    if output_gate:
+        q_rows = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+        a = a * torch.sigmoid(q_rows.view(B, S, num_heads, 2, head_dim)[:, :, :, 1].flatten(2))
+    return F.linear(a, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
 def gated_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], activation: str = "silu") -> torch.Tensor:

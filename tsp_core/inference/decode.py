@@ -46,7 +46,7 @@ from ..distributed.mesh import TSPMesh
 from ..distributed.params import local
 from ..layers import rope
 from ..layers.attention import AttentionSpec, TSPAttention
-from ..layers.attention.rounds import query_scale, scale_queries
+from ..layers.attention.rounds import gated, query_scale, scale_queries, split_gate
 from ..layers.mlp import TSPGatedMLP, _act
 from ..layers.moe import TSPMoE
 from ..layers.norm import NORMS, unscaled_norm
@@ -364,7 +364,10 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     # a KV-shared layer (spec.kv_shared) projects queries only and reads its source layer's cache
     shared = spec.kv_shared
     names = ["q"] if shared else ["q", "k", "k" if attn.values_from_keys else "v"]
-    mine = torch.cat([proj(n) for n in names], dim=1)
+    projected = {n: proj(n) for n in names}
+    # an output gate (Qwen3.5) stays here: rank r applies its own heads' gate after the merge
+    projected["q"], gate = split_gate(projected["q"], spec, nq)
+    mine = torch.cat([projected[n] for n in names], dim=1)
     # this rank's key/value heads, or its slice of them
     kv_rows = 0 if shared else w["k_proj.weight"].shape[0]
     every = mine.new_empty(D, *mine.shape)
@@ -415,7 +418,7 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     comm.all_to_all(recv, send, group)
     parts_lse, parts_out = recv[..., d], recv[..., :d]               # [D, B, nq], [D, B, nq, d]
     merged = merge_heads(parts_lse, parts_out, w.get("sinks"))      # its heads' sinks, if any
-    y = merged.to(x.dtype).reshape(B, nq * d) @ w["o_proj.weight"].t()
+    y = gated(merged.to(x.dtype).reshape(B, nq * d), gate) @ w["o_proj.weight"].t()
     comm.all_reduce(y, group)
     if "o_proj.bias" in w:
         y = y + w["o_proj.bias"]

@@ -360,6 +360,9 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
         raise ValueError("this model is already parallelized with TSP")
     c = model.config
     nq, nkv, head_dim = _config_shape(c)
+    refused = policy.refused(c) if policy.refused is not None else []
+    if refused:  # first: such a layer may lack the modules the checks below read
+        raise ValueError(f"{type(model).__name__}: {'; '.join(refused)} not implemented by TSP")
     layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
     sparse = [policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers]
     spec = _moe_spec(c, policy, mesh) if any(sparse) else None
@@ -491,7 +494,8 @@ def _check_attention_rows(model: nn.Module, policy: DecoderPolicy, nq: int, nkv:
     for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
         attn = getattr(layer, policy.attention)
         k, d = _attention_shape(attn, nq, nkv, head_dim)
-        for name, rows in (("q_proj", nq * d), ("k_proj", k * d)):
+        q_rows = nq * d * (2 if policy.output_gate else 1)  # [query | gate] per head (Qwen3.5)
+        for name, rows in (("q_proj", q_rows), ("k_proj", k * d)):
             linear = getattr(attn, name, None)
             if isinstance(linear, nn.Linear) and linear.out_features != rows:
                 raise ValueError(f"layer {i}: {policy.attention}.{name} has "
@@ -795,7 +799,8 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
             query_scale=policy.query_scale(c, attn),
             v_norm_eps=None if reuse else _value_norm_eps(policy, attn),
             values_from_keys=bool(policy.values_from_keys(c, attn)), kv_shared=reuse,
-            kv_out=sharing is not None and sharing[0] == "store", init_seed=None, **opts)
+            kv_out=sharing is not None and sharing[0] == "store",
+            output_gate=policy.output_gate, init_seed=None, **opts)
         if sharing is not None:
             new_attn.kv_role, new_attn.kv_key = sharing
             if reuse:  # the last layer before it that stores under its key

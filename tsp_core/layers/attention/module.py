@@ -99,6 +99,11 @@ class TSPAttention(ShardedModule):
     is multiplied by a factor of its global position in the row (Llama 4's attention temperature
     tuning on its NoPE layers), after RoPE and the q/k norm, in training, prefill and decode;
     packed rows are refused on such a layer (Hugging Face counts the position across documents).
+    ``output_gate`` (Qwen3.5, Qwen3-Next): ``q_proj`` has 2 * head_dim rows per head, [query |
+    gate], and each head's attention output is multiplied by sigmoid(gate) before ``o_proj``;
+    each round computes the gate of this rank's tokens from the broadcast query shard (and
+    recomputes it in the backward), so its gradient joins the query shard's, reduced to the
+    owner with the round's other gradients.
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
@@ -118,7 +123,7 @@ class TSPAttention(ShardedModule):
                  v_norm_eps: float | None = None, values_from_keys: bool = False,
                  kv_shared: bool = False, kv_out: bool = False,
                  query_scale: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
-                 dtype: torch.dtype | None = None,
+                 output_gate: bool = False, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -143,6 +148,9 @@ class TSPAttention(ShardedModule):
         if v_norm_eps is not None and qk_norm_all_heads:
             raise ValueError("v_norm_eps (a per-head value norm) is implemented on the default "
                              "schedule only, not with qk_norm_all_heads")
+        if output_gate and qk_norm_all_heads:
+            raise ValueError("output_gate (a per-head output gate) is implemented on the default "
+                             "schedule only, not with qk_norm_all_heads")
         if (kv_shared or kv_out) and qk_norm_all_heads:
             raise ValueError("KV-shared layers (kv_shared, kv_out) are implemented on the default "
                              "schedule only, not with qk_norm_all_heads")
@@ -157,14 +165,16 @@ class TSPAttention(ShardedModule):
                                   rope_interleaved=rope_interleaved,
                                   chunk_size=attention_chunk_size, sinks=sinks,
                                   v_norm_eps=v_norm_eps, query_scale=query_scale,
-                                  kv_shared=kv_shared, kv_out=kv_out)
+                                  kv_shared=kv_shared, kv_out=kv_out, output_gate=output_gate)
         self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
                              persistent=False)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
-        self.full_shapes = {"q_proj.weight": (q, hidden_size), "k_proj.weight": (kv, hidden_size),
+        q_rows = 2 * q if output_gate else q  # each head's [query | gate] rows
+        self.full_shapes = {"q_proj.weight": (q_rows, hidden_size), "k_proj.weight": (kv, hidden_size),
                             "v_proj.weight": (kv, hidden_size), "o_proj.weight": (hidden_size, q)}
         if qkv_bias:
-            self.full_shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+            self.full_shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,),
+                                     "v_proj.bias": (kv,)})
         if values_from_keys:  # no value projection of its own: the key projection's output
             self.full_shapes = {n: s for n, s in self.full_shapes.items()
                                 if not n.startswith("v_proj.")}
@@ -196,7 +206,8 @@ class TSPAttention(ShardedModule):
                 + (f", qk_norm={s.qk_norm_kind}" if s.qk_norm_eps is not None else "")
                 + (f", query_scale={s.query_scale}" if s.query_scale is not None else "")
                 + (f", v_norm_eps={s.v_norm_eps}" if s.v_norm_eps is not None else "")
-                + (", values_from_keys=True" if self.values_from_keys else ""))
+                + (", values_from_keys=True" if self.values_from_keys else "")
+                + (", output_gate=True" if s.output_gate else ""))
 
     NORMS = ("q_norm.weight", "k_norm.weight")
 

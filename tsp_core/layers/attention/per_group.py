@@ -31,6 +31,10 @@ from .rounds import (
     _split_norms,
     _values,
     _values_backward,
+    gated,
+    gated_backward,
+    join_gate,
+    split_gate,
 )
 
 
@@ -67,11 +71,13 @@ class PerGroupAttentionFn(torch.autograd.Function):
         y = x.new_zeros(x.shape)  # contiguous, whatever x's strides
         kvs = _KVGathers(kv_all, groups, spec, group)
 
-        def project(r: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def project(r: int, buf: torch.Tensor) -> tuple:
             """Round r's queries and, in the first round of its key/value head, that head's K/V,
-            whose gather starts at once; returns the round's output projection and sinks."""
+            whose gather starts at once; returns the round's output projection, sinks and output
+            gate (this rank's tokens', from the round's query shard; None without one)."""
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
-            q_all[r] = _rotated(_heads(F.linear(x, wq, bq), nq), qn, cos, sin, spec)
+            q, gate = split_gate(F.linear(x, wq, bq), spec, nq)
+            q_all[r] = _rotated(_heads(q, nq), qn, cos, sin, spec)
             if r % R == 0 and spec.kv_shared:
                 kvs.start(r // R)
             elif r % R == 0:
@@ -79,18 +85,19 @@ class PerGroupAttentionFn(torch.autograd.Function):
                 kv_all[j, 0] = _rotated(_heads(F.linear(x, wk, bk), nkv), kn, cos, sin, spec)
                 kv_all[j, 1] = _values(_heads(F.linear(x, wv, bv), nkv), spec)
                 kvs.start(j)
-            return wo, None if shards.sinks is None else shards.round_sinks(buf)
+            return wo, None if shards.sinks is None else shards.round_sinks(buf), gate
 
-        def attend(r: int, wo: torch.Tensor, sinks: torch.Tensor | None) -> None:
+        def attend(r: int, wo: torch.Tensor, sinks: torch.Tensor | None,
+                   gate: torch.Tensor | None) -> None:
             _attend(r, q_all, out_all, lse_all, kvs, sinks)
-            y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
+            y.view(B * L, -1).addmm_(gated(_flat(out_all[r]), gate).reshape(B * L, -1), wo.t())
 
         previous = None
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
-            wo, sinks = project(r, buf)  # receiving buf started round r+1's broadcast
+            wo, sinks, gate = project(r, buf)  # receiving buf started round r+1's broadcast
             if previous is not None:
                 attend(*previous)
-            previous = (r, wo, sinks)
+            previous = (r, wo, sinks, gate)
         attend(*previous)
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
@@ -150,18 +157,24 @@ class PerGroupAttentionFn(torch.autograd.Function):
         for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
             o = out_all[r]
-            do = _heads(F.linear(dy, wo.t()), nq).contiguous()
+            # recomputed from this rank's tokens: the pre-norm queries (with a q norm) and the
+            # output gate (with one); nothing of them was kept from the forward
+            pre, gate = (split_gate(F.linear(x, wq, bq), spec, nq)
+                         if qn is not None or spec.output_gate else (None, None))
+            do, dgate = gated_backward(F.linear(dy, wo.t()), _flat(o), gate)
+            do = _heads(do, nq).contiguous()
             dq = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
             sinks_grad = (None if shards.sinks is None else
                           flash.sink_backward(do, o, lse_all[r], shards.round_sinks(buf)))
             del do
-            pre = None if qn is None else _heads(F.linear(x, wq, bq), nq)  # recomputed
+            pre = None if qn is None else _heads(pre, nq)
             dq, g = _rotated_backward(pre, qn, cos, sin, spec, dq)
             if g is not None:
                 norm_grads[0] = g if norm_grads[0] is None else norm_grads[0] + g
-            dq = _flat(dq).reshape(B * L, -1)
+            dq = join_gate(_flat(dq), dgate, spec, nq).reshape(B * L, -1)
+            del dgate
             dx2.addmm_(dq, wq)
-            grads = [dq.t() @ x2, None, None, dy2.t() @ _flat(o).reshape(B * L, -1),
+            grads = [dq.t() @ x2, None, None, dy2.t() @ gated(_flat(o), gate).reshape(B * L, -1),
                      dq.sum(0) if shards.bias else None, None, None]
             del dq
             if previous is not None:

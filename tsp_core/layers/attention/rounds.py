@@ -60,6 +60,10 @@ class AttentionSpec:
     kv_shared: bool = False
     # the schedule also returns its kv_all, for the KV-shared layers that reuse it
     kv_out: bool = False
+    # an output gate (Qwen3.5, Qwen3-Next): the query projection gives per head [query | gate]
+    # (2 * head_dim rows), and each head's attention output is multiplied by sigmoid(gate)
+    # before o_proj; the gate comes from this rank's tokens and the round's query shard
+    output_gate: bool = False
 
     @property
     def local_heads(self) -> int:
@@ -89,6 +93,45 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     """[B, n, L, d] -> [B, L, n*d]"""
     B, n, L, d = t.shape
     return t.transpose(1, 2).reshape(B, L, n * d)
+
+
+def split_gate(raw: torch.Tensor, spec: AttentionSpec, heads: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The query projection's output [..., heads * q_width] -> (queries [..., heads * d], the
+    output gate [..., heads * d] or None without ``spec.output_gate``): with the gate each head's
+    2d rows are [query | gate], as Hugging Face's Qwen3.5 chunks them."""
+    if not spec.output_gate:
+        return raw, None
+    q, gate = raw.unflatten(-1, (heads, 2 * spec.head_dim)).chunk(2, dim=-1)
+    return q.flatten(-2), gate.flatten(-2)
+
+
+def join_gate(dq: torch.Tensor, dgate: torch.Tensor | None, spec: AttentionSpec,
+              heads: int) -> torch.Tensor:
+    """The backward of :func:`split_gate`: the gradients of the queries and of the gate
+    [..., heads * d] -> the query projection output's [..., heads * 2d] (dq as is without a
+    gate)."""
+    if dgate is None:
+        return dq
+    d = spec.head_dim
+    return torch.cat((dq.unflatten(-1, (heads, d)), dgate.unflatten(-1, (heads, d))),
+                     dim=-1).flatten(-2)
+
+
+def gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The attention output [..., heads * d] times sigmoid(gate) (Qwen3.5's order, in the
+    output's dtype); as is without a gate."""
+    return out if gate is None else out * torch.sigmoid(gate)
+
+
+def gated_backward(grad: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`gated` w.r.t. the attention output and the gate, from the gradient
+    ``grad`` of its result; the gate is recomputed by the caller from this rank's tokens."""
+    if gate is None:
+        return grad, None
+    s = torch.sigmoid(gate)
+    return grad * s, grad * out * s * (1 - s)
 
 
 class _Rounds:

@@ -23,6 +23,7 @@ from . import (  # noqa: F401  (each registers its family)
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_5,
     seed_oss,
     smollm3,
 )

@@ -1,0 +1,156 @@
+"""Qwen3.5 text (Qwen3_5ForCausalLM) under TSP against the unmodified Hugging Face model on one
+process, float64. Its full-attention layers (tests/support/hf_models.py "qwen3_5": layer_types
+all "full_attention"): the output gate ([query | gate] rows per head in q_proj), per-head q/k
+norms scaled by 1 + w, partial rotary through the text rotary's mrope sections, q/k/v/o biases.
+Hugging Face's RMSNorms compute in float32 even in a float64 model; the reference's run in
+float64 (hf_models.float64_qwen3_5_norms, the same formula), the rest is Hugging Face's own code
+(SDPA attention). Plain SGD, so that a gradient of the wrong scale shows in the weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tsp_core
+from tests.inference.test_decode import greedy_parity
+from tests.support import dist_pool, hf_models
+from tests.support.reference import assert_close
+from tsp_core import comm
+
+
+def test_text_rotary_is_plain_rope():
+    """The text rotary's mrope sections (T, H, W) take the same position on every axis for text
+    (2-D position_ids, or 3 equal rows): cos/sin of plain RoPE over the rotated channels
+    (partial_rotary_factor 0.25 of head_dim 24: 6), bit for bit."""
+    model = hf_models.build("qwen3_5", torch.float64)
+    c = model.config
+    dim = int(c.head_dim * c.rope_parameters["partial_rotary_factor"])
+    pos = torch.tensor([[0, 1, 5, 9, 30, 31, 100, 255], [3, 4, 5, 6, 7, 8, 9, 10]])
+    inv = 1.0 / (c.rope_parameters["rope_theta"]
+                 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    freqs = pos[..., None].float() * inv
+    want = [t.to(torch.float64) for t in (torch.cat((freqs, freqs), -1).cos(),
+                                          torch.cat((freqs, freqs), -1).sin())]
+    x = torch.zeros(2, 8, c.hidden_size, dtype=torch.float64)
+    for given in (pos, pos[None].expand(3, -1, -1)):
+        got = model.model.rotary_emb(x, given)
+        assert got[0].shape[-1] == dim
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), "mrope != plain RoPE for text"
+
+
+def batches(vocab: int, rows: int, seq: int, steps: int):
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (rows, seq), generator=gen)
+        labels = ids.clone()
+        labels[0, :3] = -100
+        yield ids, labels
+
+
+def sgd_parity(tsp: int, seq: int = 24, steps: int = 3, lr: float = 0.5) -> list[float]:
+    """Each step's loss to 1e-10, the first step's gradients (gathered) to 1e-10 and the weights
+    after ``steps`` SGD steps to 1e-8, on every rank; dp = world / tsp replicas, 2 rows each."""
+    mesh = dist_pool.mesh(tsp)
+    dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
+    ref = hf_models.build("qwen3_5", torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step, (ids, labels) in enumerate(batches(ref.config.vocab_size, 2 * dp, seq, steps)):
+        expected = hf_models.reference_loss(ref, ids, labels)
+        mine = slice(dp_rank * 2, (dp_rank + 1) * 2)
+        loss = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
+                                            mesh)).loss
+        assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), \
+            f"step {step}: loss {loss.item()!r} vs {expected.item()!r}"
+        losses.append(loss.item())
+        expected.backward()
+        loss.backward()
+        if step == 0:
+            from tests.support.reference import assert_grads_close
+
+            assert_grads_close(hf_models.full_grads(model),
+                               {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
+                               f"qwen3_5 dp {dp} x tsp {tsp} rank {dist.get_rank()} step 0")
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    full = tsp_core.full_state_dict(model)
+    want = ref.state_dict()
+    assert sorted(full) == sorted(want)
+    for name, t in want.items():
+        assert_close(full[name], t, 1e-8, f"weights after {steps} steps: {name}")
+    dist.barrier()
+    return losses
+
+
+@pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
+def test_training_parity_float64(pools, world, tsp):
+    losses = pools.of(world).run(sgd_parity, tsp)
+    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_greedy_generation_matches_hf(pools, tsp):
+    # left-padded prompts of 7, 33 and 100 tokens, 24 new tokens: the decode step applies each
+    # rank's own heads' output gate after the log-sum-exp merge
+    outs = pools.of(tsp).run(greedy_parity, "qwen3_5", tsp, [7, 33, 100], 24)
+    assert all(o == outs[0] for o in outs), "ranks generated different tokens"
+
+
+def round_trips(tsp: int, root: str) -> None:
+    """full_state_dict, save_pretrained (the safetensors file) and load_full_state_dict into a
+    model of other weights give Hugging Face's tensors bit for bit (float32)."""
+    from safetensors.torch import load_file
+
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build("qwen3_5", torch.float32)
+    want = ref.state_dict()
+
+    def same(got: dict, what: str) -> None:
+        assert sorted(got) == sorted(want), f"{what}: {sorted(set(got) ^ set(want))}"
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{what}: {name}"
+
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    same(tsp_core.full_state_dict(model), "full_state_dict")
+    path = os.path.join(root, f"qwen3_5-{tsp}")
+    model.save_pretrained(path)
+    dist.barrier()
+    same(load_file(os.path.join(path, "model.safetensors")), "save_pretrained")
+    other = tsp_core.parallelize(hf_models.build("qwen3_5", torch.float32, seed=5), mesh)
+    tsp_core.load_full_state_dict(other, want)
+    same(tsp_core.full_state_dict(other), "after load_full_state_dict")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_round_trips_bit_for_bit(pools, tmp_path, tsp):
+    pools.of(tsp).run(round_trips, tsp, str(tmp_path))
+
+
+def linear_layers_refused() -> str:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    mesh = dist_pool.mesh(2)
+    config = Qwen3_5TextConfig(vocab_size=96, head_dim=24, **hf_models.COMMON,
+                               layer_types=["linear_attention", "full_attention"])
+    model = Qwen3_5ForCausalLM(config)
+    with comm.track() as stats, pytest.raises(ValueError) as err:
+        tsp_core.parallelize(model, mesh)
+    assert not dict(stats.calls), dict(stats.calls)  # before any collective
+    dist.barrier()
+    return str(err.value)
+
+
+def test_linear_attention_layers_refused_by_field_and_value(pools):
+    msgs = pools.of(2).run(linear_layers_refused)
+    assert msgs[0] == msgs[1], msgs
+    assert msgs[0].startswith("Qwen3_5ForCausalLM: config.layer_types[0]='linear_attention' "
+                              "(1 of 2 layers are Gated DeltaNet"), msgs[0]
