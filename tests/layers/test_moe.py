@@ -146,7 +146,8 @@ def float64_glm_router(model) -> None:
         return router_logits, topk_weights, topk_indices
 
     for module in model.modules():
-        if type(module).__name__ == "Glm4MoeTopkRouter":
+        # DeepSeek-V3's router is the same code (tests/models/test_deepseek_v3.py)
+        if type(module).__name__ in ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter"):
             module.forward = types.MethodType(forward, module)
 
 

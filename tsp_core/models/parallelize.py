@@ -438,7 +438,8 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
                              f"policy {policy.name!r} does not describe this model")
     _check_head_norms(model, policy, nq, nkv, head_dim)
     _check_kv_sharing(model, policy, nq, nkv, head_dim)
-    _check_attention_rows(model, policy, nq, nkv, head_dim)
+    if policy.attention_module is None:  # a family's own attention checks its own rows
+        _check_attention_rows(model, policy, nq, nkv, head_dim)
     _check_fused(model, policy, {"q_proj": nq * head_dim, "k_proj": nkv * head_dim,
                                  "v_proj": nkv * head_dim, "gate_proj": dense_size,
                                  "up_proj": dense_size})
@@ -782,7 +783,8 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
         layer_nkv, layer_head_dim = _attention_shape(attn, nq, nkv, head_dim)
         sharing = policy.kv_sharing(c, attn)
         reuse = sharing is not None and sharing[0] == "reuse"
-        new_attn = HFTSPAttention(
+        own = policy.attention_module  # the family's own schedule (DeepSeek-V3's latent one)
+        new_attn = own(mesh, c, attn, opts) if own is not None else HFTSPAttention(
             mesh, c.hidden_size, nq, layer_nkv, layer_head_dim,
             qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
             o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),

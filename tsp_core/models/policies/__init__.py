@@ -4,6 +4,7 @@ with :func:`register_policy`."""
 
 from . import (  # noqa: F401  (each registers its family)
     apertus,
+    deepseek_v3,
     ernie4_5,
     exaone4,
     gemma,

@@ -177,6 +177,10 @@ class DecoderPolicy:
     # key, None for the others; the Hugging Face model's own forward passes the K/V between them
     # (its ``shared_kv_states``)
     kv_sharing: Callable[[Any, nn.Module], tuple[str, Any] | None] = field(default=_no_sharing)
+    # a layer's attention built by the family instead of TSPAttention, with its own schedule
+    # (DeepSeek-V3's multi-head latent attention): (mesh, config, the Hugging Face attention,
+    # dtype/device options) -> the TSP module; None: TSPAttention
+    attention_module: Callable[..., nn.Module] | None = None
 
     def qk_norms(self, config: Any) -> tuple[str, str] | None:
         """The q/k norms' module names where ``config`` has them, else None."""

@@ -1,0 +1,241 @@
+"""DeepSeek-V3 (``deepseek_v3``) under TSP: multi-head latent attention on its own schedule
+(tsp_core/layers/attention/latent.py) and the MoE of GLM-4.5's policy.
+
+- Training parity in float64 against the unmodified Hugging Face model on one process, at tsp 1,
+  2, 4 and dp 2 x tsp 2, with the low-rank query (q_lora_rank) and without it (q_proj, on the dp 2
+  x tsp 2 run): the loss of each of 3 SGD steps (1e-10), the first step's gradient of every
+  parameter (1e-10, every rank) and every weight after the 3 steps (1e-8). The tiny model has
+  every feature on: a dense first layer and a sparse one (8 experts in 2 groups, top 2 of the
+  best group, a random correction bias, routed_scaling_factor 2.5, one shared expert), yarn
+  rotary (its mscale changes the softmax scale and its attention factor cos/sin), DeepSeek's
+  interleaved rotary pairs, a query/key head size (12) unlike the value head size (6), RMSNorm
+  weights away from one. Hugging Face's eager softmax runs in float32: the reference runs SDPA
+  (float64 throughout); its router computes in float32 (``hidden_states.type(torch.float32)``):
+  the reference's router runs the same code in float64 (tests/layers/test_moe.py's
+  float64_glm_router, the same router code as GLM-4.5's).
+- The collectives of one MLA layer at tsp 2 and 4: calls and bytes equal
+  ``latent_collectives`` (docs/design.md "Multi-head latent attention").
+- The memory rule under fake tensors: what one layer of DeepSeek-V3's attention keeps for the
+  backward is the same at D = 4 and D = 8 for the same local tokens (nothing grows with the
+  gathered sequence) and within the named floor of local tensors.
+- Generation is refused by name, before any collective (decode of the latent is not
+  implemented).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tsp_core
+from tests.layers.test_moe import float64_glm_router
+from tests.support import dist_pool, hf_models
+from tests.support.reference import assert_close, assert_grads_close
+from tsp_core import comm
+from tsp_core.sequence.layout import position_ids
+
+
+def build(q_lora_rank: int | None = 16, seed: int = 0):
+    """A tiny DeepSeek-V3 in float64 with every feature TSP runs (module docstring)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=q_lora_rank, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+        norm_topk_prob=True, rope_interleave=True, max_position_embeddings=128,
+        rope_parameters=rope))
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("norm.weight"):
+                t.add_(0.1 * torch.randn(t.shape))
+            elif name.endswith("e_score_correction_bias"):
+                t.copy_(0.3 * torch.randn(t.shape))
+            elif name.endswith("mlp.gate.weight"):  # routing far from uniform
+                t.normal_(0, 0.5)
+    float64_glm_router(model)
+    model.set_experts_implementation("eager")
+    return model.to(torch.float64)
+
+
+def test_build_exercises_every_feature():
+    ref = build()
+    attn = ref.model.layers[0].self_attn
+    assert ref.config._attn_implementation == "sdpa"
+    assert attn.scaling != attn.qk_head_dim ** -0.5  # yarn's mscale
+    assert attn.qk_head_dim != attn.v_head_dim and ref.config.rope_interleave
+    assert not hasattr(ref.model.layers[0].mlp, "experts")  # first_k_dense_replace
+    assert hasattr(ref.model.layers[1].mlp, "experts")
+    assert ref.model.layers[1].mlp.gate.e_score_correction_bias.abs().min() > 0
+    assert build(None).model.layers[0].self_attn.q_proj is not None
+
+
+def train_parity(tsp: int, q_lora_rank: int | None, steps: int = 3, seq: int = 24) -> list[float]:
+    mesh = dist_pool.mesh(tsp)
+    dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
+    ref = build(q_lora_rank)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(7)
+    rows, losses = 2, []
+    for step in range(steps):
+        ids = torch.randint(0, ref.config.vocab_size, (rows * dp, seq), generator=gen)
+        labels = ids.clone()
+        labels[0, :3] = -100
+        expected = hf_models.reference_loss(ref, ids, labels)
+        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        loss = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
+                                            mesh)).loss
+        rel = abs(loss.item() - expected.item()) / abs(expected.item())
+        assert rel <= 1e-10, f"step {step}: loss {loss.item()!r} vs {expected.item()!r}"
+        losses.append(loss.item())
+        expected.backward()
+        loss.backward()
+        if step == 0:
+            assert_grads_close(hf_models.full_grads(model),
+                               {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
+                               f"deepseek_v3 q_lora_rank {q_lora_rank} dp {dp} x tsp {tsp} rank "
+                               f"{dist.get_rank()} step 0")
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    full, want = tsp_core.full_state_dict(model), ref.state_dict()
+    assert sorted(full) == sorted(want)
+    for name, t in want.items():
+        assert_close(full[name], t, 1e-8, f"{name} after {steps} steps")
+    dist.barrier()
+    return losses
+
+
+@pytest.mark.parametrize("world,tsp,q_lora_rank", [(1, 1, 16), (2, 2, 16), (4, 4, 16),
+                                                   (4, 2, None)], ids=str)
+def test_training_parity_float64(pools, world, tsp, q_lora_rank):
+    losses = pools.of(world).run(train_parity, tsp, q_lora_rank)
+    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+
+
+def count_collectives(tsp: int) -> None:
+    """One MLA layer of the tiny shape, with biases (attention_bias): calls and bytes of each
+    pass against the formula."""
+    from tsp_core.layers.attention.latent import TSPLatentAttention, latent_collectives
+
+    mesh = dist_pool.mesh(tsp)
+    batch, seq = 2, 32
+    layer = TSPLatentAttention(mesh, 32, 8, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+                               qk_rope_head_dim=4, v_head_dim=6, attention_bias=True,
+                               dtype=torch.float64)
+    x = torch.randn(batch, seq // tsp, 32, dtype=torch.float64, requires_grad=True)
+    angles = position_ids(seq, mesh.rank, tsp)[None, :, None].double() * 0.1
+    cos_sin = (angles.cos().expand(batch, -1, 4), angles.sin().expand(batch, -1, 4))
+    with comm.track() as fwd:
+        y = layer(x, cos_sin)
+    with comm.track() as bwd:
+        y.square().sum().backward()
+    replicated = [t.numel() for n, t in layer.named_parameters()
+                  if layer.shard_spec(n, 0).dim is None]
+    assert len(replicated) == 7, replicated  # q_a (w, b), its norm, kv_a (w, b), its norm, o bias
+    want = latent_collectives(layer.spec, batch, seq, 8, replicated)
+    for what, stats in (("forward", fwd), ("backward", bwd)):
+        got = {k: (stats.calls[k], stats.bytes[k]) for k in stats.calls}
+        assert got == want[what], f"tsp {tsp} {what}: {got} != {want[what]}"
+    dist.barrier()
+
+
+def test_collectives_of_one_layer_match_the_formula(pools):
+    pools.of(2).run(count_collectives, 2)
+    pools.of(4).run(count_collectives, 4)
+
+
+def generation_refused(tsp: int) -> str:
+    mesh = dist_pool.mesh(tsp)
+    model = tsp_core.parallelize(build(), mesh)
+    with comm.track() as stats, pytest.raises(NotImplementedError,
+                                              match="multi-head latent attention") as err:
+        tsp_core.generate(model, torch.tensor([[1, 2, 3]]), 2)
+    assert not stats.calls, dict(stats.calls)  # refused before any collective
+    dist.barrier()
+    return str(err.value)
+
+
+def test_generation_is_refused_by_name(pools):
+    (msg, _) = pools.of(2).run(generation_refused, 2)
+    assert "DeepseekV3ForCausalLM" in msg and "deepseek_v3" in msg, msg
+
+
+# ------------------------------------------------------------------- memory rule, fake tensors
+
+# DeepSeek-V3's attention (the published config: h 7168, 128 heads, q_lora_rank 1536,
+# kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128) as rank 0 of D ranks, bf16
+V3 = dict(hidden_size=7168, num_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+          qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+LOCAL = 2048             # this rank's tokens, at every D
+SLACK_PER_TOKEN = 64     # bytes; the gathered latent is 1152 D bytes per local token
+
+
+def kept_for_backward(D: int) -> int:
+    """Bytes one MLA layer's forward leaves alive besides its output (what autograd keeps for
+    the backward), rank 0 of a fake D-rank world; the backward then runs too. Runs in a spawned
+    process that owns the default process group."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tsp_core.layers.attention.latent import TSPLatentAttention
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=D)
+    try:
+        mesh = tsp_core.init_mesh(D)
+        with FakeTensorMode():
+            layer = TSPLatentAttention(mesh, dtype=torch.bfloat16, init_seed=None, **V3)
+            tracker = MemTracker()
+            tracker.track_external(layer)
+            with tracker:  # the inputs exist before the forward starts
+                x = torch.empty(1, LOCAL, V3["hidden_size"], dtype=torch.bfloat16,
+                                requires_grad=True)
+                cos_sin = tuple(torch.empty(1, LOCAL, V3["qk_rope_head_dim"],
+                                            dtype=torch.bfloat16) for _ in range(2))
+                y = layer(x, cos_sin)
+                y.backward(torch.empty_like(y))
+            snaps = tracker.memory_tracking[layer].snapshots
+            (pre,) = snaps[_ModState.PRE_FW][0].values()
+            (post,) = snaps[_ModState.POST_FW][0].values()
+            return int(post["Total"]) - int(pre["Total"]) - y.numel() * y.element_size()
+    finally:
+        dist.destroy_process_group()
+
+
+def local_floor_per_token() -> int:
+    """Bytes per local token the layer may keep (bf16, float32 for the norms' statistics): the
+    schedule's q input, latent, queries of every head, output and LSE, and what autograd keeps of
+    the local down-projections (each RMSNorm's float32 input and normalised output and its
+    rsqrt; the rotation of the rotary key keeps only cos and sin, which exist already)."""
+    nq, dqk = V3["num_heads"], V3["qk_nope_head_dim"] + V3["qk_rope_head_dim"]
+    cq, r, dr = V3["q_lora_rank"], V3["kv_lora_rank"], V3["qk_rope_head_dim"]
+    schedule = 2 * cq + 2 * (r + dr) + 2 * nq * (dqk + V3["v_head_dim"]) + 4 * nq
+    norms = (4 + 2) * cq + 4 + (4 + 2) * r + 4
+    return schedule + norms
+
+
+def test_the_memory_rule_holds_under_fake_tensors():
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        kept = dict(zip((4, 8), pool.map(kept_for_backward, (4, 8))))
+    floor = local_floor_per_token() * LOCAL
+    slack = SLACK_PER_TOKEN * LOCAL
+    what = (f"kept for backward at {LOCAL} local tokens: D=4 {kept[4]}, D=8 {kept[8]} bytes; "
+            f"local floor {floor} (+ slack {slack})")
+    assert abs(kept[8] - kept[4]) <= slack, what  # nothing of the gathered sequence is kept
+    assert floor - slack <= kept[8] <= floor + slack, what
