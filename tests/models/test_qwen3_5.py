@@ -1,6 +1,6 @@
 """Qwen3.5 text (Qwen3_5ForCausalLM) under TSP against the unmodified Hugging Face model on one
-process, float64. Its full-attention layers (tests/support/hf_models.py "qwen3_5": layer_types
-all "full_attention"): the output gate ([query | gate] rows per head in q_proj), per-head q/k
+process, float64. Its Gated DeltaNet layers at the end (test_delta_net_*). Its full-attention
+layers (tests/support/hf_models.py "qwen3_5": layer_types all "full_attention"): the output gate ([query | gate] rows per head in q_proj), per-head q/k
 norms scaled by 1 + w, partial rotary through the text rotary's mrope sections, q/k/v/o biases.
 Hugging Face's RMSNorms compute in float32 even in a float64 model; the reference's run in
 float64 (hf_models.float64_qwen3_5_norms, the same formula), the rest is Hugging Face's own code
@@ -51,12 +51,15 @@ def batches(vocab: int, rows: int, seq: int, steps: int):
         yield ids, labels
 
 
-def sgd_parity(tsp: int, seq: int = 24, steps: int = 3, lr: float = 0.5) -> list[float]:
+def sgd_parity(tsp: int, seq: int = 24, steps: int = 3, lr: float = 0.5,
+               family: str = "qwen3_5") -> list[float]:
     """Each step's loss to 1e-10, the first step's gradients (gathered) to 1e-10 and the weights
-    after ``steps`` SGD steps to 1e-8, on every rank; dp = world / tsp replicas, 2 rows each."""
+    after ``steps`` SGD steps to 1e-8, on every rank; dp = world / tsp replicas, 2 rows each.
+    ``family``: tests/support/hf_models.py's Qwen3.5 (with Gated DeltaNet layers: "qwen3_5-linear",
+    "qwen3_5-mixed")."""
     mesh = dist_pool.mesh(tsp)
     dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
-    ref = hf_models.build("qwen3_5", torch.float64)
+    ref = hf_models.build(family, torch.float64)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -76,7 +79,7 @@ def sgd_parity(tsp: int, seq: int = 24, steps: int = 3, lr: float = 0.5) -> list
 
             assert_grads_close(hf_models.full_grads(model),
                                {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
-                               f"qwen3_5 dp {dp} x tsp {tsp} rank {dist.get_rank()} step 0")
+                               f"{family} dp {dp} x tsp {tsp} rank {dist.get_rank()} step 0")
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
@@ -135,12 +138,13 @@ def test_round_trips_bit_for_bit(pools, tmp_path, tsp):
     pools.of(tsp).run(round_trips, tsp, str(tmp_path))
 
 
-def linear_layers_refused() -> str:
+def delta_net_heads_refused() -> str:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     mesh = dist_pool.mesh(2)
     config = Qwen3_5TextConfig(vocab_size=96, head_dim=24, **hf_models.COMMON,
-                               layer_types=["linear_attention", "full_attention"])
+                               layer_types=["linear_attention", "full_attention"],
+                               linear_num_key_heads=3, linear_num_value_heads=6)
     model = Qwen3_5ForCausalLM(config)
     with comm.track() as stats, pytest.raises(ValueError) as err:
         tsp_core.parallelize(model, mesh)
@@ -149,8 +153,21 @@ def linear_layers_refused() -> str:
     return str(err.value)
 
 
-def test_linear_attention_layers_refused_by_field_and_value(pools):
-    msgs = pools.of(2).run(linear_layers_refused)
+def test_delta_net_heads_that_do_not_split_are_refused(pools):
+    """Gated DeltaNet key heads that tsp_size does not divide: refused by field and value on
+    every rank, before any collective, naming the sizes that work."""
+    msgs = pools.of(2).run(delta_net_heads_refused)
     assert msgs[0] == msgs[1], msgs
-    assert msgs[0].startswith("Qwen3_5ForCausalLM: config.layer_types[0]='linear_attention' "
-                              "(1 of 2 layers are Gated DeltaNet"), msgs[0]
+    assert msgs[0].startswith("tsp_size (2) must divide linear_num_key_heads (3)"), msgs[0]
+    assert msgs[0].endswith("valid tsp_size values for this model: 1"), msgs[0]
+
+
+# Gated DeltaNet layers (tsp_core.layers.linear_attention): Hugging Face's float32 islands (its
+# torch fallback of the gated delta rule, the gated norm, the decay's casts) computed in float64
+# by tests/support/delta_net_reference.py, a copy of its code that changes only those casts.
+# 13 tokens: padded to 16, zigzag chunks of 2 tokens at tsp 4, shorter than the kernel's halo of 3
+@pytest.mark.parametrize("family,seq", [("qwen3_5-linear", 13), ("qwen3_5-mixed", 24)])
+@pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
+def test_delta_net_training_parity_float64(pools, world, tsp, family, seq):
+    losses = pools.of(world).run(sgd_parity, tsp, seq, family=family)
+    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"

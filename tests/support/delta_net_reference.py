@@ -6,11 +6,10 @@ fallback of the gated delta rule (``torch_chunk_gated_delta_rule``) casts every 
 ``Qwen3_5RMSNormGated`` normalises in float32, and the decay is computed from ``A_log.float()``
 and ``a.float()``. That would cap any agreement at ~1e-7. :func:`float64_delta_nets` patches a
 model's (or one layer's) forward with a copy of Hugging Face's code in which those casts keep the
-model's dtype when it is wider than float32, and nothing else changes: the chunk rule is Hugging
-Face's own source with ``torch.float32`` replaced by the input dtype (:func:`_faithful_rule`),
-the convolution and the L2 norm are Hugging Face's functions, and the forward below is theirs
-line for line without the cache paths. test_linear_attention checks the copy against the
-unmodified layer in float32 (where the two must agree exactly up to float32 rounding)."""
+model's dtype when it is wider than float32, and nothing else changes: the copies are Hugging
+Face's own source (the chunked and the recurrent rule, the gated norm, the layer's forward with
+its cache paths), compiled again with those casts replaced (:func:`_faithful`).
+test_linear_attention checks that the copy gives the unmodified layer's bits in float32."""
 
 from __future__ import annotations
 
@@ -19,79 +18,50 @@ import textwrap
 import types
 
 import torch
-import torch.nn.functional as F
 
 
-def _faithful_rule():
-    """Hugging Face's ``torch_chunk_gated_delta_rule`` with its float32 casts in the input's
-    dtype (``initial_dtype``) instead; float32 inputs give exactly the original."""
+def _faithful(source_of, casts: dict[str, str]):
+    """Hugging Face's function or method (its source, decorators off) compiled again in its
+    module's namespace with each cast in ``casts`` (text -> replacement, each present) changed:
+    the float32 islands in the input's dtype when that is wider; float32 inputs give exactly the
+    original."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    src = textwrap.dedent(inspect.getsource(m.torch_chunk_gated_delta_rule))
-    src = src[src.index("def "):]  # the hub-kernel decorator off
-    assert src.count("torch.float32") == 1, "Hugging Face's chunk rule changed: re-check the copy"
-    src = src.replace("torch.float32", "torch.promote_types(initial_dtype, torch.float32)")
+    src = textwrap.dedent(inspect.getsource(source_of))
+    src = src[src.index("def "):]  # the hub-kernel and deprecation decorators off
+    for old, new in casts.items():
+        assert old in src, f"Hugging Face's {source_of.__qualname__} changed: re-check the copy"
+        src = src.replace(old, new)
     namespace = dict(vars(m))
+    namespace.update(_FAITHFUL)  # the copies call each other
     exec(compile(src, m.__file__, "exec"), namespace)
-    return namespace["torch_chunk_gated_delta_rule"]
+    return namespace[source_of.__name__]
 
 
-def _gated_norm(self, hidden_states, gate):
-    """``Qwen3_5RMSNormGated.forward`` in float32 or wider."""
-    input_dtype = hidden_states.dtype
-    wide = torch.promote_types(input_dtype, torch.float32)
-    hidden_states = hidden_states.to(wide)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    hidden_states = self.weight * hidden_states.to(input_dtype)
-    hidden_states = hidden_states * F.silu(gate.to(wide))
-    return hidden_states.to(input_dtype)
+_FAITHFUL: dict = {}
 
 
-def _forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """``Qwen3_5GatedDeltaNet.forward`` without a cache, the decay's casts in float32 or wider."""
+def _build() -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    if cache is not None:
-        raise NotImplementedError("the float64 reference layer runs without a cache")
-    hidden_states = m.apply_mask_to_padding_states(hidden_states, attention_mask)
-    batch_size, seq_len, _ = hidden_states.shape
-    mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
-    z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
-    b = self.in_proj_b(hidden_states)
-    a = self.in_proj_a(hidden_states)
-    mixed_qkv = m.causal_conv1d_fn(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                   activation=self.activation)
-    mixed_qkv = mixed_qkv.transpose(1, 2)
-    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-    query = query.reshape(batch_size, seq_len, -1, self.head_k_dim)
-    key = key.reshape(batch_size, seq_len, -1, self.head_k_dim)
-    value = value.reshape(batch_size, seq_len, -1, self.head_v_dim)
-    beta = b.sigmoid()
-    wide = torch.promote_types(hidden_states.dtype, torch.float32)
-    g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias)
-    core_attn_out, _ = RULE(query, key, value, g=g, beta=beta, initial_state=None,
-                            output_final_state=False, use_qk_l2norm_in_kernel=True)
-    core_attn_out = core_attn_out.reshape(-1, self.head_v_dim)
-    z = z.reshape(-1, self.head_v_dim)
-    core_attn_out = self.norm(core_attn_out, z)
-    core_attn_out = core_attn_out.reshape(batch_size, seq_len, -1)
-    return self.out_proj(core_attn_out)
-
-
-RULE = None
+    wide = "torch.promote_types({}, torch.float32)"
+    for rule in (m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule):
+        _FAITHFUL[rule.__name__] = _faithful(rule, {"torch.float32": wide.format("initial_dtype")})
+    _FAITHFUL["norm"] = _faithful(m.Qwen3_5RMSNormGated.forward,
+                                  {"torch.float32": wide.format("input_dtype")})
+    _FAITHFUL["forward"] = _faithful(m.Qwen3_5GatedDeltaNet.forward,
+                                     {".float()": f".to({wide.format('hidden_states.dtype')})"})
 
 
 def float64_delta_nets(module: torch.nn.Module) -> None:
     """Patch every ``Qwen3_5GatedDeltaNet`` in ``module`` (itself included) with the faithful
-    forward above, and its gated norm."""
-    global RULE
-    if RULE is None:
-        RULE = _faithful_rule()
+    forward (with and without a cache: prefill and decode) and its gated norm."""
+    if not _FAITHFUL:
+        _build()
     for sub in module.modules():
         if type(sub).__name__ == "Qwen3_5GatedDeltaNet":
-            sub.forward = types.MethodType(_forward, sub)
-            sub.norm.forward = types.MethodType(_gated_norm, sub.norm)
+            sub.forward = types.MethodType(_FAITHFUL["forward"], sub)
+            sub.norm.forward = types.MethodType(_FAITHFUL["norm"], sub.norm)
 
 
 def hf_layer(config_kwargs: dict, dtype: torch.dtype = torch.float64, faithful: bool = True):
@@ -116,3 +86,23 @@ def hf_layer(config_kwargs: dict, dtype: torch.dtype = torch.float64, faithful: 
     if faithful:
         float64_delta_nets(layer)
     return layer, cfg
+
+
+# tests/support/hf_models.py's tiny Qwen3.5 with Gated DeltaNet layers: 4 key heads repeated to
+# 8 value heads of 8 channels, a kernel-4 convolution
+DELTA_NET = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                 linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+
+def spread_delta_nets(model: torch.nn.Module) -> None:
+    """Every Gated DeltaNet's decays to a few tenths per token (Hugging Face draws A up to 16:
+    the state would forget within a token), ``dt_bias`` and the gated norm's weight off one, and
+    every RMSNorm weight off its initial value: a weight applied the wrong way changes the loss."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-2.5, -0.5)
+            elif name.endswith(("dt_bias", "linear_attn.norm.weight")):
+                p.add_(0.3 * torch.randn(p.shape))
+            elif name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape))

@@ -199,6 +199,18 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         raise ValueError(family)
     if family.startswith("gemma"):
         float64_gemma_norms(model)
+    elif family in ("qwen3_5-linear", "qwen3_5-mixed"):  # Qwen3.5's Gated DeltaNet layers: all
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # of them, or the mix
+
+        from tests.support import delta_net_reference as dn  # (linear, full); their float32
+        kinds = ["linear_attention", "linear_attention" if family.endswith("linear")  # islands
+                 else "full_attention"]  # in float64: tests/support/delta_net_reference.py
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(  # (without a full-attention layer HF's
+            vocab_size=96, head_dim=24, layer_types=kinds, **dn.DELTA_NET, **common,  # cache
+            use_cache=family.endswith("mixed")))  # cannot say its length: no cache by default
+        float64_qwen3_5_norms(model)
+        dn.float64_delta_nets(model)
+        dn.spread_delta_nets(model)
     if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
                   "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus",
                   "hunyuan_v1_dense", "llama4_text", "gemma4", "qwen3_5"):

@@ -41,6 +41,7 @@ from ..layers.tiles import check_tile_tokens
 from ..layers.vocab import TSPEmbedding, TSPLMHead
 from ..sequence.layout import IGNORE_INDEX, document_lengths, shard_batch
 from ..state.checkpoint import save_pretrained
+from .delta_net import check_delta_nets, tsp_delta_net
 from .input_checks import check_model_inputs
 from .offload import install_activation_offload
 from .policies import DecoderPolicy, find_policy
@@ -375,11 +376,15 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
         divided.append(spec.num_experts if moe_schedule == "expert" else spec.intermediate_size)
     # each layer's key/value heads and head_dim (Gemma 4's global layers: their own)
     shapes = sorted({_attention_shape(getattr(layer, policy.attention), nq, nkv, head_dim)
-                     for layer in layers}) or [(nkv, head_dim)]
+                     for layer in layers if _delta_net(layer, policy) is None}) or [(nkv, head_dim)]
+    delta_nets = any(_delta_net(layer, policy) is not None for layer in layers)
+    divided += [c.linear_num_key_heads] if delta_nets else []  # Qwen3.5's linear attention
     valid = sorted(set.intersection(*(set(valid_tsp_sizes(nq, k, *divided)) for k, _ in shapes)))
     hint = valid_sizes_hint(valid)
     for k, d in shapes:
         check_attention_shape(mesh.size, c.hidden_size, nq, k, d, valid)
+    if delta_nets:
+        check_delta_nets(c, mesh.size, valid)
     if spec is not None:
         check_moe_shape(mesh.size, spec.num_experts, spec.top_k, moe_schedule, valid)
         if moe_schedule == "ring" and spec.intermediate_size % mesh.size:
@@ -488,11 +493,19 @@ def _attention_shape(attn: nn.Module, nq: int, nkv: int, head_dim: int) -> tuple
     return (nq // groups if groups else nkv), (getattr(attn, "head_dim", None) or head_dim)
 
 
+def _delta_net(layer: nn.Module, policy: DecoderPolicy) -> nn.Module | None:
+    """A decoder layer's Gated DeltaNet (``DecoderPolicy.linear_attention``, Qwen3.5's linear
+    attention), None for a layer with softmax attention."""
+    return getattr(layer, policy.linear_attention, None) if policy.linear_attention else None
+
+
 def _check_attention_rows(model: nn.Module, policy: DecoderPolicy, nq: int, nkv: int,
                           head_dim: int) -> None:
     """Each layer's unfused q/k projections have the rows of the shape read for it
     (:func:`_attention_shape`), so a module whose attributes say otherwise raises here."""
     for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
+        if _delta_net(layer, policy) is not None:  # no softmax attention
+            continue
         attn = getattr(layer, policy.attention)
         k, d = _attention_shape(attn, nq, nkv, head_dim)
         q_rows = nq * d * (2 if policy.output_gate else 1)  # [query | gate] per head (Qwen3.5)
@@ -637,6 +650,8 @@ def _check_kv_sharing(model: nn.Module, policy: DecoderPolicy, nq: int, nkv: int
     them under its key, with the same key/value heads and head_dim."""
     stored: dict[Any, tuple[int, tuple[int, int]]] = {}
     for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
+        if _delta_net(layer, policy) is not None:  # no softmax attention
+            continue
         attn = getattr(layer, policy.attention)
         sharing = policy.kv_sharing(model.config, attn)
         if sharing is None:
@@ -661,6 +676,8 @@ def _check_head_norms(model: nn.Module, policy: DecoderPolicy, nq: int, nkv: int
     if policy.qk_norms(model.config) is None:
         return
     for i, layer in enumerate(getattr(getattr(model, policy.base_model), policy.layers)):
+        if _delta_net(layer, policy) is not None:  # no softmax attention
+            continue
         attn = getattr(layer, policy.attention)
         k, d = _attention_shape(attn, nq, nkv, head_dim)
         q_width, k_width = (nq * d, k * d) if policy.qk_norm_all_heads else (d, d)
@@ -778,41 +795,45 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     stores: dict[Any, int] = {}  # KV sharing: key -> the index of the layer that stores it
     built: list[HFTSPAttention] = []
     for layer in getattr(base, policy.layers):
-        attn = getattr(layer, policy.attention)
-        l2_eps = policy.l2_qk_norm(c, attn)  # a weightless L2 q/k norm (Llama 4)
-        layer_nkv, layer_head_dim = _attention_shape(attn, nq, nkv, head_dim)
-        sharing = policy.kv_sharing(c, attn)
-        reuse = sharing is not None and sharing[0] == "reuse"
-        own = policy.attention_module  # the family's own schedule (DeepSeek-V3's latent one)
-        new_attn = own(mesh, c, attn, opts) if own is not None else HFTSPAttention(
-            mesh, c.hidden_size, nq, layer_nkv, layer_head_dim,
-            qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
-            o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
-            scale=attn.scaling,
-            qk_norm_eps=_head_norm_eps(policy, attn, c) if l2_eps is None else l2_eps,
-            qk_norm_kind=policy.norm if l2_eps is None else "l2",
-            softcap=_softcap(policy.attn_softcap, c),
-            qk_norm_all_heads=policy.qk_norm_all_heads,
-            qk_norm_after_rope=policy.head_norms_after_rope,
-            qk_norm_names=policy.head_norms or ("q_norm", "k_norm"),
-            rope_interleaved=policy.rope_interleaved,
-            attention_chunk_size=policy.attention_chunk(c, attn),
-            sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter),
-            query_scale=policy.query_scale(c, attn),
-            v_norm_eps=None if reuse else _value_norm_eps(policy, attn),
-            values_from_keys=bool(policy.values_from_keys(c, attn)), kv_shared=reuse,
-            kv_out=sharing is not None and sharing[0] == "store",
-            output_gate=policy.output_gate, init_seed=None, **opts)
-        if sharing is not None:
-            new_attn.kv_role, new_attn.kv_key = sharing
-            if reuse:  # the last layer before it that stores under its key
-                new_attn.kv_source = stores.get(new_attn.kv_key)
-            else:
-                stores[new_attn.kv_key] = len(built)
-        built.append(new_attn)
-        new_attn.rotary = bool(policy.rotary(c, attn))
-        new_attn.rope_half_width = policy.rope_half_width
-        replace(layer, policy.attention, new_attn)
+        linear = _delta_net(layer, policy)
+        if linear is not None:  # Qwen3.5's Gated DeltaNet: no softmax attention in this layer
+            replace(layer, policy.linear_attention, tsp_delta_net(mesh, c, linear, opts))
+        else:
+            attn = getattr(layer, policy.attention)
+            l2_eps = policy.l2_qk_norm(c, attn)  # a weightless L2 q/k norm (Llama 4)
+            layer_nkv, layer_head_dim = _attention_shape(attn, nq, nkv, head_dim)
+            sharing = policy.kv_sharing(c, attn)
+            reuse = sharing is not None and sharing[0] == "reuse"
+            own = policy.attention_module  # the family's own schedule (DeepSeek-V3's latent one)
+            new_attn = own(mesh, c, attn, opts) if own is not None else HFTSPAttention(
+                mesh, c.hidden_size, nq, layer_nkv, layer_head_dim,
+                qkv_bias=_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
+                o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
+                scale=attn.scaling,
+                qk_norm_eps=_head_norm_eps(policy, attn, c) if l2_eps is None else l2_eps,
+                qk_norm_kind=policy.norm if l2_eps is None else "l2",
+                softcap=_softcap(policy.attn_softcap, c),
+                qk_norm_all_heads=policy.qk_norm_all_heads,
+                qk_norm_after_rope=policy.head_norms_after_rope,
+                qk_norm_names=policy.head_norms or ("q_norm", "k_norm"),
+                rope_interleaved=policy.rope_interleaved,
+                attention_chunk_size=policy.attention_chunk(c, attn),
+                sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter),
+                query_scale=policy.query_scale(c, attn),
+                v_norm_eps=None if reuse else _value_norm_eps(policy, attn),
+                values_from_keys=bool(policy.values_from_keys(c, attn)), kv_shared=reuse,
+                kv_out=sharing is not None and sharing[0] == "store",
+                output_gate=policy.output_gate, init_seed=None, **opts)
+            if sharing is not None:
+                new_attn.kv_role, new_attn.kv_key = sharing
+                if reuse:  # the last layer before it that stores under its key
+                    new_attn.kv_source = stores.get(new_attn.kv_key)
+                else:
+                    stores[new_attn.kv_key] = len(built)
+            built.append(new_attn)
+            new_attn.rotary = bool(policy.rotary(c, attn))
+            new_attn.rope_half_width = policy.rope_half_width
+            replace(layer, policy.attention, new_attn)
         mlp = getattr(layer, policy.mlp)
         if policy.sparse_mlp(mlp):
             spec = _moe_spec(c, policy, mesh)

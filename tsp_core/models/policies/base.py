@@ -167,6 +167,9 @@ class DecoderPolicy:
     # further embeddings over a vocabulary on the base model, vocabulary-sharded like the main
     # one (Gemma 4's per-layer inputs, embed_tokens_per_layer), where the model has them
     extra_embeds: tuple[str, ...] = ()
+    # the decoder layer's Gated DeltaNet module (Qwen3.5's linear attention): a layer that has it
+    # has no softmax attention and runs TSPGatedDeltaNet (tsp_core.layers.linear_attention)
+    linear_attention: str | None = None
     # small per-token Linears and RMSNorms on the base model and in each layer, replicated over
     # the TSP group (their gradients summed over it), where the model has them (Gemma 4's
     # per-layer input projections and norms); any parameter left unconverted is refused

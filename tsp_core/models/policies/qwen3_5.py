@@ -6,27 +6,15 @@ model's rotary gives cos/sin of the rotated channels only), and every RMSNorm sc
 ``1 + weight`` in float32 at least (``norm="gemma"``). The text rotary's multimodal sections
 (``mrope_section``) rotate by the same position on every axis for text: plain RoPE.
 
-Refused by config value: ``layer_types`` entries "linear_attention" (the Gated DeltaNet layers)."""
+Its linear-attention layers (``layer_types`` "linear_attention", module ``linear_attn``): Gated
+DeltaNet, run by TSPGatedDeltaNet (tsp_core.layers.linear_attention)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from .base import DecoderPolicy, register_policy
 
 
-def _refused(config: Any) -> list[str]:
-    """Gated DeltaNet layers ("linear_attention" in ``layer_types``): not run by TSP yet."""
-    types = list(getattr(config, "layer_types", None) or [])
-    linear = [i for i, t in enumerate(types) if t == "linear_attention"]
-    if not linear:
-        return []
-    return [f"config.layer_types[{linear[0]}]='linear_attention' ({len(linear)} of "
-            f"{len(types)} layers are Gated DeltaNet linear attention, layers {linear}; only "
-            f"'full_attention' layers run under TSP for now: set layer_types to all "
-            f"'full_attention' for a model without them)"]
-
-
 POLICY = register_policy(DecoderPolicy(
     name="qwen3_5", model_types=("qwen3_5_text",), class_names=("Qwen3_5ForCausalLM",),
-    norm="gemma", head_norms=("q_norm", "k_norm"), output_gate=True, refused=_refused))
+    norm="gemma", head_norms=("q_norm", "k_norm"), output_gate=True,
+    linear_attention="linear_attn"))
