@@ -13,6 +13,7 @@ from .layers.mlp import TSPGatedMLP
 from .layers.norm import TSPRMSNorm
 from .layers.vocab import TSPEmbedding, TSPLMHead
 from .models.parallelize import parallelize
+from .pipeline import TSPPipeline, pipeline
 from .sequence import layout
 from .sequence.layout import position_ids, shard_batch, shard_sequence, unshard_sequence
 from .state.checkpoint import full_state_dict, load_full_state_dict, save_pretrained
@@ -22,5 +23,6 @@ __all__ = ["FullLogits", "TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHe
            "TSPRMSNorm", "comm", "full_logits", "full_state_dict", "generate", "get_mesh", "guard",
            "init_mesh",
            "latest_checkpoint", "layout", "metrics", "load_checkpoint", "load_full_state_dict", "parallelize",
+           "pipeline", "TSPPipeline",
            "position_ids", "run_cleanly", "shutdown",
            "save_checkpoint", "save_pretrained", "shard_batch", "shard_sequence", "unshard_sequence"]

@@ -1,6 +1,6 @@
 """Bad input fails on every rank before any collective, with a message naming the numbers; the
-mesh puts TSP groups on consecutive ranks and wraps framework-made meshes; ``init_mesh(timeout=)``
-bounds every group's collectives."""
+mesh puts TSP groups on consecutive ranks and wraps framework-made meshes; ``init_mesh(pp_size=)``
+puts the pipeline dim outermost; ``init_mesh(timeout=)`` bounds every group's collectives."""
 
 from __future__ import annotations
 
@@ -97,6 +97,41 @@ def test_mesh_groups_are_consecutive(pool):
         assert (f["rank"], f["size"], f["dp"]) == (r % 2, 2, 2)
         assert (f["next"], f["prev"]) == ((r + 1) % 2, (r + 1) % 2)
         assert f["wrapped"] == (2, r % 2, ("dp_shard",))
+
+
+def pp_mesh_facts() -> dict:
+    with pytest.raises(ValueError, match=r"pp_size \(3\) must divide the world size \(4\)"):
+        init_mesh(1, pp_size=3)
+    with pytest.raises(ValueError, match=r"pp_size \(0\) must be a whole number"):
+        init_mesh(1, pp_size=0)
+    m = init_mesh(2, pp_size=2)
+    stage = m.stage_mesh()
+    f = init_mesh(1, pp_size=2, dp_shard=2)
+    with pytest.raises(ValueError, match=r"the mesh has a pipeline dim 'pp' of size 2; cut the "
+                                         r"model into stages with tsp_core.pipeline"):
+        import tsp_core
+        from tests.support.hf_models import build
+        tsp_core.parallelize(build("llama", torch.float32), m)
+    return dict(dims=m.device_mesh.mesh_dim_names, pp=dist.get_process_group_ranks(m.pp_group),
+                tsp=dist.get_process_group_ranks(m.group), sizes=(m.pp_size, m.dp_size, m.size),
+                pp_rank=m.pp_rank, other=m.other_dims, stage=stage.device_mesh.mesh_dim_names,
+                stage_tsp=dist.get_process_group_ranks(stage.group),
+                stage_sizes=(stage.pp_size, stage.dp_size, stage.size),
+                fsdp=(f.device_mesh.mesh_dim_names, f.pp_size, f.dp_size, f.fsdp_size,
+                      f.stage_mesh().device_mesh.mesh_dim_names, f.stage_mesh().shard_dim,
+                      dist.get_process_group_ranks(f.device_mesh.get_group("dp_shard"))))
+
+
+def test_pipeline_dim_is_outermost(pool):
+    for r, f in enumerate(pool.run(pp_mesh_facts)):
+        assert f["dims"] == ("pp", "dp", "tsp") and f["sizes"] == (2, 1, 2), f
+        assert f["pp"] == [r % 2, r % 2 + 2] and f["pp_rank"] == r // 2, f
+        assert f["tsp"] == f["stage_tsp"] == [r - r % 2, r - r % 2 + 1], f
+        assert f["other"] == ("dp",) and f["stage"] == ("dp", "tsp"), f
+        assert f["stage_sizes"] == (1, 1, 2), f
+        assert f["fsdp"] == (("pp", "dp_replicate", "dp_shard", "tsp"), 2, 2, 2,
+                             ("dp_replicate", "dp_shard", "tsp"), "dp_shard",
+                             [r - r % 2, r - r % 2 + 1]), f
 
 
 def group_timeout(group: dist.ProcessGroup) -> float:

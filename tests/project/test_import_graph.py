@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # (tsp_core/__init__.py); the adapters sit on top of everything. tsp_trl builds on
 # tsp_transformers (TRL's trainers are Trainers); nothing imports it, so it sits on top.
 ORDER = ("tsp_core.distributed", "tsp_core.sequence", "tsp_core.layers", "tsp_core.inference",
-         "tsp_core.state", "tsp_core.models", "tsp_core.baselines", "tsp_core.plan", "tsp_core",
+         "tsp_core.state", "tsp_core.models", "tsp_core.pipeline",
+         "tsp_core.baselines", "tsp_core.plan", "tsp_core",
          "tsp_core.tools", "tsp_deepspeed", "tsp_accelerate", "tsp_transformers", "tsp_lightning",
          "tsp_trl")
 

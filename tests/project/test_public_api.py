@@ -10,7 +10,8 @@ import tsp_core
 PUBLIC = {"FullLogits", "TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh",
           "TSPRMSNorm", "comm", "full_logits", "full_state_dict", "generate", "get_mesh", "guard",
           "init_mesh", "latest_checkpoint", "layout", "load_checkpoint", "load_full_state_dict",
-          "metrics", "parallelize", "position_ids", "run_cleanly", "save_checkpoint",
+          "metrics", "parallelize", "pipeline", "TSPPipeline", "position_ids", "run_cleanly",
+          "save_checkpoint",
           "save_pretrained", "shard_batch", "shard_sequence", "shutdown", "unshard_sequence"}
 
 HOMES = {"comm": "tsp_core.distributed.comm", "guard": "tsp_core.distributed.guard",

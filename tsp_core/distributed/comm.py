@@ -141,6 +141,15 @@ def _done(async_op: bool) -> Handle | None:
     return Handle() if async_op else None
 
 
+def count_point_to_point(ops: list) -> list:
+    """Count ``torch.distributed.P2POp`` sends and receives that another library issues (torch's
+    pipeline schedules batch them themselves: :mod:`tsp_core.pipeline`'s stages pass theirs
+    through here), kinds "send" and "recv", the whole buffer each (one hop); returns ``ops``."""
+    for op in ops:
+        _record("send" if op.op is dist.isend else "recv", _nbytes(op.tensor))
+    return ops
+
+
 # ---------------------------------------------------------------- raw, counted collectives
 
 def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: bool = False):

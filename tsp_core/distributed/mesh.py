@@ -3,7 +3,9 @@
 A TSP group is the innermost dim of a named ``DeviceMesh`` so that it spans consecutive ranks (one
 node). Every other dim is data parallel: it replicates the TSP group, or, for the dim named
 ``shard_dim`` (``dp_shard``), holds FSDP2 shards of each rank's TSP shard (docs/design.md "FSDP2 on
-the data-parallel axis"). Code always names the dim it uses instead of assuming a 1-D mesh.
+the data-parallel axis"), except a pipeline dim (``pp_dim``, outermost), whose ranks hold different
+stages of the model (:mod:`tsp_core.pipeline`). Code always names the dim it uses instead of
+assuming a 1-D mesh.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 class TSPMesh:
     """A device mesh plus the name of its TSP dim, the token layout used on that dim and, when
     FSDP2 shards model state over data parallel too, the name of the data-parallel dim it shards
-    over (``shard_dim``; every other non-TSP dim then holds replicas: HSDP)."""
+    over (``shard_dim``; every other non-TSP dim then holds replicas: HSDP), and, with pipeline
+    parallelism, the name of the dim whose ranks hold different stages (``pp_dim``: it is neither
+    TSP nor data parallel; :meth:`stage_mesh` is the mesh of one stage)."""
 
     device_mesh: DeviceMesh
     dim: str = "tsp"
     layout: Layout = "zigzag"
     shard_dim: str | None = None
+    pp_dim: str | None = None
 
     def __post_init__(self) -> None:
         names = self.device_mesh.mesh_dim_names or ()
@@ -46,13 +51,18 @@ class TSPMesh:
                              f"mesh (its dims are {names}; {self.dim!r} holds the TSP group)")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {LAYOUTS}")
+        if self.pp_dim is not None and (self.pp_dim not in names
+                                        or self.pp_dim in (self.dim, self.shard_dim)):
+            raise ValueError(f"pp_dim {self.pp_dim!r} must name a dim of the mesh other than the "
+                             f"TSP and shard dims (its dims are {names})")
 
     @classmethod
     def from_device_mesh(cls, mesh: DeviceMesh, dim: str, layout: Layout = "zigzag",
-                         shard_dim: str | None = None) -> "TSPMesh":
+                         shard_dim: str | None = None, pp_dim: str | None = None) -> "TSPMesh":
         """Wrap a mesh a framework already built (Accelerate calls its dim "tp", Lightning
-        "tensor_parallel"; Accelerate's FSDP2 dim is "dp_shard")."""
-        return cls(mesh, dim, layout, shard_dim)
+        "tensor_parallel"; Accelerate's FSDP2 dim is "dp_shard"; torchtitan's pipeline dim
+        "pp")."""
+        return cls(mesh, dim, layout, shard_dim, pp_dim)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -73,8 +83,8 @@ class TSPMesh:
 
     @property
     def other_dims(self) -> tuple[str, ...]:
-        """Dims that replicate the TSP group (data parallel and friends)."""
-        return tuple(n for n in self.device_mesh.mesh_dim_names if n != self.dim)
+        """Dims that replicate the TSP group (data parallel and friends; not the pipeline dim)."""
+        return tuple(n for n in self.device_mesh.mesh_dim_names if n not in (self.dim, self.pp_dim))
 
     @property
     def all_groups(self) -> list[dist.ProcessGroup]:
@@ -83,8 +93,37 @@ class TSPMesh:
 
     @property
     def dp_size(self) -> int:
-        """Number of TSP-group replicas (product of every non-TSP dim)."""
-        return self.device_mesh.size() // self.size
+        """Number of TSP-group replicas (product of every non-TSP dim but the pipeline dim)."""
+        return self.device_mesh.size() // self.size // self.pp_size
+
+    @property
+    def pp_size(self) -> int:
+        """Number of pipeline ranks (1 without a pipeline dim)."""
+        if self.pp_dim is None:
+            return 1
+        return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(self.pp_dim))
+
+    @property
+    def pp_rank(self) -> int:
+        """This process's rank on the pipeline dim (0 without one)."""
+        return 0 if self.pp_dim is None else self.device_mesh.get_local_rank(self.pp_dim)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The ranks that hold the other stages of this rank's TSP and data-parallel position."""
+        if self.pp_dim is None:
+            raise ValueError("this mesh has no pipeline dim: build it with "
+                             "tsp_core.init_mesh(tsp_size, pp_size=P)")
+        return self.device_mesh.get_group(self.pp_dim)
+
+    def stage_mesh(self) -> "TSPMesh":
+        """The mesh of this rank's pipeline stage: every dim but the pipeline dim (the TSP and
+        data-parallel groups of this stage); the mesh itself without a pipeline dim."""
+        if self.pp_dim is None:
+            return self
+        names = tuple(n for n in self.device_mesh.mesh_dim_names if n != self.pp_dim)
+        sub = self.device_mesh[names[0] if len(names) == 1 else names]
+        return TSPMesh(sub, self.dim, self.layout, self.shard_dim)
 
     @property
     def fsdp_size(self) -> int:
@@ -185,6 +224,18 @@ def check_mesh_shape(world_size: int, tsp_size: int, dp_size: int | None) -> int
     return dp_size
 
 
+def check_pp_size(world_size: int, pp_size: int) -> int:
+    """Return the processes of one pipeline stage, ``world_size / pp_size``, after checking that
+    ``pp_size`` divides the world; raises with the numbers."""
+    if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pp_size ({pp_size!r}) must be a whole number of pipeline ranks, at "
+                         f"least 1")
+    if world_size % pp_size:
+        raise ValueError(f"pp_size ({pp_size}) must divide the world size ({world_size}); launch "
+                         f"a multiple of {pp_size} processes or pick another pp_size")
+    return world_size // pp_size
+
+
 def warn_if_spanning_nodes(tsp_size: int, local_world_size: int | None = None) -> bool:
     """Ranks are numbered node by node and TSP is the innermost dim, so a TSP group stays inside a
     node exactly when its size divides the node's process count (``LOCAL_WORLD_SIZE``). Otherwise
@@ -212,14 +263,19 @@ def check_dp_shard(dp_size: int, dp_shard: int) -> int:
     return dp_size // dp_shard
 
 
-def init_mesh(tsp_size: int, dp_size: int | None = None, *, dp_shard: int | None = None,
-              layout: Layout = "zigzag", timeout: timedelta | float | None = None) -> TSPMesh:
+def init_mesh(tsp_size: int, dp_size: int | None = None, *, pp_size: int = 1,
+              dp_shard: int | None = None, layout: Layout = "zigzag",
+              timeout: timedelta | float | None = None) -> TSPMesh:
     """Build the mesh over all processes, TSP innermost, initialising the default process group
     first when needed (gloo on CPU, NCCL on CUDA). Without ``dp_shard`` it is ("dp", "tsp"), data
     parallel replicating each TSP group. With ``dp_shard`` it is ("dp_replicate", "dp_shard",
     "tsp"): the ``dp_size`` data-parallel ranks split into ``dp_size / dp_shard`` replicas of
     ``dp_shard`` ranks each, and :func:`tsp_core.parallelize` applies FSDP2 over "dp_shard" when
     it is larger than 1 (HSDP when there are replicas too).
+
+    ``pp_size`` > 1 adds a pipeline dim "pp", outermost: ("pp", "dp", "tsp") or ("pp",
+    "dp_replicate", "dp_shard", "tsp"); ``dp_size`` then counts the data-parallel ranks of one
+    stage (world = pp_size * dp_size * tsp_size). Build the model with :func:`tsp_core.pipeline`.
 
     ``timeout`` (a ``datetime.timedelta`` or seconds; None: torch's default, 30 minutes on gloo
     and 10 on NCCL) bounds how long a collective waits for the other ranks: it is passed to the
@@ -236,17 +292,21 @@ def init_mesh(tsp_size: int, dp_size: int | None = None, *, dp_shard: int | None
     if dp_shard is not None and dp_shard > 1:
         require(FSDP2_SPMD)  # before the process group and any collective
     init_process_group_from_env(timeout)
-    dp_size = check_mesh_shape(dist.get_world_size(), tsp_size, dp_size)
+    world = check_pp_size(dist.get_world_size(), pp_size)
+    dp_size = check_mesh_shape(world, tsp_size, dp_size)
     replicas = None if dp_shard is None else check_dp_shard(dp_size, dp_shard)
     warn_if_spanning_nodes(tsp_size)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    pp = ((pp_size,), ("pp",)) if pp_size > 1 else ((), ())
     if replicas is None:
-        mesh = TSPMesh(init_device_mesh(device_type, (dp_size, tsp_size),
-                                        mesh_dim_names=("dp", "tsp")), "tsp", layout)
+        mesh = TSPMesh(init_device_mesh(device_type, (*pp[0], dp_size, tsp_size),
+                                        mesh_dim_names=(*pp[1], "dp", "tsp")), "tsp", layout,
+                       pp_dim="pp" if pp_size > 1 else None)
     else:
-        mesh = TSPMesh(init_device_mesh(device_type, (replicas, dp_shard, tsp_size),
-                                        mesh_dim_names=("dp_replicate", "dp_shard", "tsp")),
-                       "tsp", layout, "dp_shard")
+        mesh = TSPMesh(init_device_mesh(device_type, (*pp[0], replicas, dp_shard, tsp_size),
+                                        mesh_dim_names=(*pp[1], "dp_replicate", "dp_shard",
+                                                        "tsp")),
+                       "tsp", layout, "dp_shard", pp_dim="pp" if pp_size > 1 else None)
     if timeout is not None:
         set_timeout(mesh, timeout)
     return mesh

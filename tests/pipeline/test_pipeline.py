@@ -1,0 +1,206 @@
+"""TSP x pipeline parallelism (tsp_core.pipeline) against the unmodified Hugging Face Llama on one
+process, float64: pp 2 x tsp 2 under 1F1B and under Interleaved1F1B (2 stages per rank), and
+pp 2 x dp_shard 2 x tsp 1 (FSDP2), 4 micro-batches whose labelled-token counts differ (so a mean
+of micro-batch means would be wrong). Each step's loss to 1e-10, the first step's gradients
+(before clipping) to 1e-10, the gradient norm the clipping sees and the weights after 3 AdamW
+steps with clipping active to 1e-8; the point-to-point counts of a step are those of
+docs/pipeline.md; bad configurations are refused on every rank before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.support import dist_pool
+from tests.support.reference import assert_close
+
+STEPS, LR, CLIP, M = 3, 1e-3, 0.05, 4
+ROWS, SEQ = 8, 16
+_MESHES: dict[tuple, object] = {}
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, rms_norm_eps=1e-6)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def batches() -> list[dict[str, torch.Tensor]]:
+    """STEPS global batches; each micro-batch (2 rows) has its own number of labelled tokens."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 96, (ROWS, SEQ), generator=g)
+        labels = ids.clone()
+        for row in range(ROWS):
+            labels[row, : 2 * row] = -100  # rows 0..7 lose 0..14 labels
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def reference() -> dict:
+    """One process: loss (float64 cross-entropy from HF's logits), gradients, clip, AdamW."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms, grads0 = [], [], None
+    for batch in batches():
+        logits = model(input_ids=batch["input_ids"]).logits
+        shifted = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        loss = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+        loss.backward()
+        if grads0 is None:
+            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, norms=norms, grads0=grads0,
+                weights={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def _mesh(tsp: int, pp: int, dp_shard: int | None = None):
+    import tsp_core
+
+    key = (tsp, pp, dp_shard)
+    if key not in _MESHES:
+        _MESHES[key] = tsp_core.init_mesh(tsp, pp_size=pp, dp_shard=dp_shard)
+    return _MESHES[key]
+
+
+def _full(pipe, grads: bool) -> dict[str, torch.Tensor]:
+    """This rank's stages' full tensors by the unmodified model's names."""
+    from tests.support.hf_models import full_grads
+    from tsp_core import full_state_dict
+
+    out = {}
+    for module in pipe.modules:
+        full = full_grads(module.model) if grads else full_state_dict(module.model)
+        out.update({module.global_name(n): t for n, t in full.items()
+                    if not n.endswith("inv_freq")})
+    return out
+
+
+def pipeline_run(schedule: str, tsp: int, dp_shard: int | None) -> dict:
+    import tsp_core
+    from tsp_core import comm
+
+    mesh = _mesh(tsp, 2, dp_shard)
+    pipe = tsp_core.pipeline(tiny_llama(), mesh, microbatches=M, schedule=schedule)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses, norms, grads0, counts = [], [], None, None
+    for step, batch in enumerate(batches()):
+        with comm.track() as stats:
+            loss = pipe.step(batch)
+        if step == 1:  # the first step also runs torch's one-time warm-up handshake
+            counts = {k: (stats.calls[k], stats.bytes[k]) for k in ("send", "recv")}
+        if grads0 is None:
+            grads0 = _full(pipe, grads=True)
+        norms.append(float(pipe.clip_grad_norm_(CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return dict(losses=losses, norms=norms, grads0=grads0, weights=_full(pipe, grads=False),
+                counts=counts, stages=pipe.stage_indices, split=[list(r) for r in pipe.layer_split])
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+def _check(per_rank: list[dict], ref: dict, what: str) -> None:
+    seen: set[str] = set()
+    for rank, run in enumerate(per_rank):
+        for step, (a, b) in enumerate(zip(run["losses"], ref["losses"], strict=True)):
+            assert abs(a - b) <= 1e-10 * abs(b), f"{what} rank {rank} loss, step {step}: {a} vs {b}"
+        for step, (a, b) in enumerate(zip(run["norms"], ref["norms"], strict=True)):
+            assert abs(a - b) <= 1e-10 * abs(b), f"{what} rank {rank} norm, step {step}: {a} vs {b}"
+        for key, tol in (("grads0", 1e-10), ("weights", 1e-8)):
+            for name, t in run[key].items():
+                assert_close(t, ref[key][name], tol, f"{what} rank {rank} {key} {name}")
+        seen |= set(run["weights"])
+    assert seen == set(ref["weights"]), f"{what}: names {sorted(set(ref['weights']) ^ seen)}"
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pp2_tsp2_matches_one_process(pool, ref, schedule):
+    per_rank = pool.run(pipeline_run, schedule, 2, None)
+    _check(per_rank, ref, f"pp2 x tsp2 {schedule}")
+    stages = 2 if schedule == "1F1B" else 4
+    shard = (ROWS // M) * (SEQ // 2) * 32 * 8  # [b, S/D, h] float64 bytes of one micro-batch
+    for rank, run in enumerate(per_rank):
+        # docs/pipeline.md: each stage but the last sends M shards forward, each but the first
+        # M gradients back; each TSP rank of a stage to the same TSP rank of the next
+        sends = sum(M * ((s < stages - 1) + (s > 0)) for s in run["stages"])
+        assert run["counts"] == {"send": (sends, sends * shard), "recv": (sends, sends * shard)}, \
+            (rank, run["counts"])
+    total = sum(run["counts"]["send"][0] for run in per_rank)
+    assert total == 2 * (stages - 1) * M * 2  # 2 x (stages - 1) x M per TSP position, 2 of them
+
+
+def test_pp2_fsdp2_matches_one_process(pool, ref):
+    _check(pool.run(pipeline_run, "1F1B", 1, 2), ref, "pp2 x dp_shard2 x tsp1")
+
+
+def _refused(fn, pattern: str) -> str:
+    from tsp_core import comm
+
+    with comm.track() as stats:
+        with pytest.raises(ValueError, match=pattern) as info:
+            fn()
+    assert not stats.calls, f"collectives before the error: {dict(stats.calls)}"
+    return str(info.value)
+
+
+def refusals() -> list[str]:
+    import tsp_core
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mesh, model = _mesh(2, 2), tiny_llama()
+
+    def build(**kw):
+        return lambda: tsp_core.pipeline(model, mesh, **{"microbatches": M, **kw})
+
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, tie_word_embeddings=True))
+    msgs = [
+        _refused(build(schedule="Interleaved1F1B", stages_per_rank=3, microbatches=6),
+                 r"6 decoder layers \+ the embedding \+ the head = 8 units do not divide into 6 "
+                 r"equal stages; pass layer_split, e.g. \[1, 1, 1, 1, 1, 1\]"),
+        _refused(build(schedule="Interleaved1F1B", stages_per_rank=4, microbatches=8),
+                 r"the model has 6 decoder layers, fewer than the 8 pipeline stages asked for"),
+        _refused(build(layer_split=[2, 3]), r"layer_split \[2, 3\] must give 2 stages of at "
+                                            r"least one decoder layer each, 6 layers in all"),
+        _refused(build(microbatches=1), r"microbatches \(1\) is fewer than the 2 pipeline stages"),
+        _refused(build(schedule="ZBVZeroBubble"), r"schedule 'ZBVZeroBubble' is not one of"),
+        _refused(build(schedule="1F1B", stages_per_rank=2), r"schedule '1F1B' runs 1 stage per "
+                                                            r"pipeline rank"),
+        _refused(lambda: tsp_core.pipeline(tied, mesh, microbatches=M),
+                 r"the model ties its embedding and LM head \(tie_word_embeddings=True\), which "
+                 r"would sit on the first and last of 2 stages"),
+        _refused(lambda: tsp_core.pipeline(model, dist_pool.mesh(2), microbatches=M),
+                 r"the mesh has no pipeline dim"),
+    ]
+    pipe = tsp_core.pipeline(model, mesh, microbatches=M, layer_split=[2, 4])
+    assert [list(r) for r in pipe.layer_split] == [[0, 1], [2, 3, 4, 5]]
+    bad = batches()[0]
+    msgs.append(_refused(lambda: pipe.step({k: v[:6] for k, v in bad.items()}),
+                         r"the batch's 6 rows do not divide into 1 data-parallel replicas x 4 "
+                         r"micro-batches; pass a multiple of 4 rows"))
+    msgs.append(_refused(lambda: pipe.step({"input_ids": bad["input_ids"] + 96,
+                                            "labels": bad["labels"]}),
+                         r"input_ids hold values from \d+ to \d+, outside the vocabulary \[0, 96\)"))
+    dist.barrier()
+    return msgs
+
+
+def test_bad_configurations_are_refused_on_every_rank_before_any_collective(pool):
+    per_rank = pool.run(refusals)
+    assert all(msgs == per_rank[0] for msgs in per_rank)

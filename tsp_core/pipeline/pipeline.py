@@ -1,0 +1,251 @@
+"""TSP x pipeline parallelism: stages of whole decoder layers, each a TSP model on its own TSP
+group, run by torch.distributed.pipelining's schedules (docs/pipeline.md).
+
+``TSPPipeline.step(batch)`` takes the full global batch on every rank, keeps this data-parallel
+replica's rows, shards them with :func:`tsp_core.shard_batch` and runs the schedule's forward and
+backward over ``microbatches`` micro-batches. Each micro-batch's loss is its summed cross-entropy
+over the stage mesh divided by the number of labelled tokens of the whole global batch, and the
+schedule does not rescale gradients (``scale_grads=False``), so the micro-batches' losses add up
+to the global mean of one process and every gradient is that of the global mean, exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import schedules
+
+from ..distributed import comm
+from ..distributed.mesh import TSPMesh
+from ..distributed.params import local
+from ..models.policies import find_policy
+from ..sequence.layout import IGNORE_INDEX, shard_batch
+from .split import split_layers, stage_ranks
+from .stage import CountedStage, StageModule, build_stage_module
+
+# schedule name -> (torch class, stages per pipeline rank: None means "at least 2, default 2")
+SCHEDULES: dict[str, tuple[type, int | None]] = {
+    "1F1B": (schedules.Schedule1F1B, 1),
+    "GPipe": (schedules.ScheduleGPipe, 1),
+    "Interleaved1F1B": (schedules.ScheduleInterleaved1F1B, None),
+    "InterleavedZeroBubble": (schedules.ScheduleInterleavedZeroBubble, None),
+}
+# families whose base model takes the previous stage's hidden states as inputs_embeds unchanged
+# (no embedding scale in the base model's forward) and whose layers share nothing across stages
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_pipeline_args(model: nn.Module, mesh: TSPMesh, microbatches: int, schedule: str,
+                        stages_per_rank: int | None, layer_split: Sequence[int] | None
+                        ) -> tuple[int, list[range]]:
+    """Raise ``ValueError`` naming the numbers for anything the pipeline cannot honour (on every
+    rank alike, before any collective); return the stage count and each stage's layers."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not one of {tuple(SCHEDULES)} (torch's "
+                         f"schedules TSP runs and tests; ZBVZeroBubble and DualPipeV place stages "
+                         f"in a V and are not supported)")
+    fixed = SCHEDULES[schedule][1]
+    if fixed is not None and stages_per_rank not in (None, fixed):
+        raise ValueError(f"schedule {schedule!r} runs {fixed} stage per pipeline rank, not "
+                         f"stages_per_rank={stages_per_rank}; use Interleaved1F1B for several")
+    per_rank = fixed or stages_per_rank or 2
+    if per_rank < 2 and fixed is None:
+        raise ValueError(f"schedule {schedule!r} interleaves at least 2 stages per pipeline rank, "
+                         f"not stages_per_rank={stages_per_rank}; use 1F1B for one")
+    num_stages = mesh.pp_size * per_rank
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches ({microbatches!r}) must be a positive whole number")
+    if microbatches < num_stages:
+        raise ValueError(f"microbatches ({microbatches}) is fewer than the {num_stages} pipeline "
+                         f"stages (pp_size {mesh.pp_size} x {per_rank} per rank): stages would "
+                         f"idle the whole step; use at least {num_stages}")
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % mesh.pp_size:
+        raise ValueError(f"{schedule} needs microbatches ({microbatches}) to be a multiple of "
+                         f"pp_size ({mesh.pp_size})")
+    policy = find_policy(model)
+    if policy.name not in FAMILIES:
+        raise ValueError(f"tsp_core.pipeline supports the families {FAMILIES}; {policy.name!r} "
+                         f"is not tested under pipeline parallelism (train it with "
+                         f"tsp_core.parallelize, pp_size 1)")
+    config = model.config
+    base = getattr(model, policy.base_model)
+    head = getattr(model, policy.lm_head)
+    if num_stages > 1 and head.weight is getattr(base, policy.embed).weight:
+        raise ValueError(f"the model ties its embedding and LM head (tie_word_embeddings="
+                         f"{getattr(config, 'tie_word_embeddings', None)}), which would sit on the "
+                         f"first and last of {num_stages} stages; untie them or use one stage")
+    layers = split_layers(len(getattr(base, policy.layers)), num_stages, layer_split)
+    return num_stages, layers
+
+
+class TSPPipeline:
+    """The stages of one pipeline rank and the torch schedule that runs them (build it with
+    :func:`pipeline`). ``step(batch)`` returns the global mean loss, the same on every rank;
+    ``parameters()`` go to the optimizer; ``clip_grad_norm_`` clips by the norm over every
+    stage."""
+
+    def __init__(self, model: nn.Module, mesh: TSPMesh, microbatches: int, schedule: str,
+                 stages_per_rank: int | None, layer_split: Sequence[int] | None,
+                 **parallelize_options: Any) -> None:
+        if mesh.pp_dim is None:
+            raise ValueError("the mesh has no pipeline dim: build it with "
+                             "tsp_core.init_mesh(tsp_size, pp_size=P)")
+        self.num_stages, self.layer_split = check_pipeline_args(
+            model, mesh, microbatches, schedule, stages_per_rank, layer_split)
+        self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
+        self.stage_mesh = mesh.stage_mesh()
+        policy = find_policy(model)
+        self.config = model.config
+        owners = stage_ranks(self.num_stages, mesh.pp_size)
+        self.stage_indices = [s for s in range(self.num_stages) if owners[s] == mesh.pp_rank]
+        self.last_rank = owners[-1]
+        self.modules: list[StageModule] = [
+            build_stage_module(model, policy, self.stage_mesh, self.layer_split[s], s == 0,
+                               s == self.num_stages - 1, **parallelize_options)
+            for s in self.stage_indices]
+        self.dtype = next(model.parameters()).dtype
+        self._schedules: dict[tuple, Any] = {}
+        self._count: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ what users call
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for module in self.modules:
+            yield from module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the unmodified model's names."""
+        for module in self.modules:
+            yield from module.hf_named_parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for module in self.modules:
+            module.zero_grad(set_to_none)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of the global ``batch`` (``input_ids`` and ``labels`` of shape
+        [batch, seq], optionally ``attention_mask``/``position_ids``; the same on every rank) over
+        the micro-batches; gradients accumulate into ``.grad``. Returns the global mean loss over
+        every labelled token of the batch, identical on every rank."""
+        sharded = self._shard(batch)
+        if self.mesh.pp_rank == self.last_rank:  # the global count of labelled tokens
+            count = (sharded["shift_labels"] != IGNORE_INDEX).sum().to(self._loss_dtype)
+            for group in self.stage_mesh.all_groups:
+                comm.all_reduce(count, group)
+            self._count = count
+        ids = sharded.pop("input_ids")
+        labels = sharded["shift_labels"]
+        schedule = self._schedule(tuple(ids.shape))
+        losses: list[torch.Tensor] = []
+        schedule.step(ids, target=labels, losses=losses, return_outputs=False, **sharded)
+        total = torch.zeros((), dtype=self._loss_dtype)
+        if losses:
+            total = torch.stack([loss.detach() for loss in losses]).sum().to(self._loss_dtype)
+        comm.broadcast(total, self.last_rank, self.mesh.pp_group)
+        self._count = None
+        return total
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every stage's gradients: this rank's stages'
+        norm (DTensor shards reduced over their mesh as torch does), combined over the pipeline
+        group, then the same clipping on every rank. Returns the total norm."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        norm = local(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norm = norm.to(torch.float64)
+        if norm_type == float("inf"):
+            parts = torch.zeros(self.mesh.pp_size, dtype=torch.float64)
+            parts[self.mesh.pp_rank] = norm
+            comm.all_reduce(parts, self.mesh.pp_group)
+            total = parts.max()
+        else:
+            total = norm ** norm_type
+            comm.all_reduce(total, self.mesh.pp_group)
+            total = total ** (1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    # ------------------------------------------------------------------ internals
+    @property
+    def _loss_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This replica's rows of the global batch, sharded for this TSP rank; raises naming the
+        numbers (the same on every rank, before any collective)."""
+        if "input_ids" not in batch or "labels" not in batch:
+            raise ValueError(f"a pipeline step takes 'input_ids' and 'labels' (the loss is the "
+                             f"last stage's); got {sorted(batch)}")
+        ids = batch["input_ids"]
+        rows = ids.shape[0]
+        dp, m = self.stage_mesh.dp_size, self.microbatches
+        if rows % (dp * m):
+            raise ValueError(f"the batch's {rows} rows do not divide into {dp} data-parallel "
+                             f"replicas x {m} micro-batches; pass a multiple of {dp * m} rows")
+        vocab = self.config.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"input_ids hold values from {int(ids.min())} to {int(ids.max())}, "
+                             f"outside the vocabulary [0, {vocab})")
+        replica = self._replica_index()
+        per = rows // dp
+        mine = {k: v[replica * per:(replica + 1) * per] for k, v in batch.items()}
+        sharded = shard_batch(mine, self.stage_mesh)
+        sharded.pop("tsp_fingerprint", None)  # compared by a TSP model's forward, not here
+        sharded.pop("attention_mask", None)   # right padding only: the labels already ignore it
+        return sharded
+
+    def _replica_index(self) -> int:
+        """This rank's data-parallel replica, 0..dp_size-1 (row-major over the data dims)."""
+        dm, index = self.stage_mesh.device_mesh, 0
+        for name in self.stage_mesh.other_dims:
+            index = index * dm.size(dm.mesh_dim_names.index(name)) + dm.get_local_rank(name)
+        return index
+
+    def _schedule(self, ids_shape: tuple[int, ...]):
+        """The torch schedule for batches of this local shape (stages take static shapes)."""
+        if ids_shape in self._schedules:
+            return self._schedules[ids_shape]
+        rows, seq = ids_shape[0] // self.microbatches, ids_shape[1]
+        device = local(next(iter(self.parameters()))).device
+        # static shapes (no metadata inference, which would run an uncounted forward and backward);
+        # requires_grad: gradients flow back across the cut
+        hidden = torch.empty(rows, seq, self.config.hidden_size, dtype=self.dtype, device=device,
+                             requires_grad=True)
+        stages = []
+        for index, module in zip(self.stage_indices, self.modules):
+            first, last = index == 0, index == self.num_stages - 1
+            inputs = torch.empty(rows, seq, dtype=torch.long, device=device) if first else hidden
+            outputs = (torch.empty((), dtype=self._loss_dtype, device=device, requires_grad=True)
+                       if last else hidden)
+            stages.append(CountedStage(module, index, self.num_stages, device, input_args=inputs,
+                                       output_args=outputs, group=self.mesh.pp_group))
+        cls, fixed = SCHEDULES[self.schedule_name]
+        stage_arg = stages[0] if fixed == 1 else stages
+        schedule = cls(stage_arg, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        self._schedules[ids_shape] = schedule
+        return schedule
+
+    def _loss(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the global mean: its cross-entropy summed over the stage mesh
+        over the labelled tokens of the whole global batch."""
+        return comm.sum_over(output, self.stage_mesh.all_groups) / self._count
+
+
+def pipeline(model: nn.Module, mesh: TSPMesh, *, microbatches: int, schedule: str = "1F1B",
+             stages_per_rank: int | None = None, layer_split: Sequence[int] | None = None,
+             **parallelize_options: Any) -> TSPPipeline:
+    """Cut the Hugging Face causal LM ``model`` into pipeline stages of whole decoder layers on
+    ``mesh`` (``tsp_core.init_mesh(tsp_size, pp_size=P)``), each made TSP on its stage's TSP group
+    (:func:`tsp_core.parallelize`; ``parallelize_options`` are its keywords), and return the
+    :class:`TSPPipeline` of this rank. ``model`` itself is left unchanged (each stage converts a
+    copy holding its own layers).
+
+    ``schedule``: one of torch.distributed.pipelining's, by name: "1F1B", "GPipe" (one stage per
+    rank), "Interleaved1F1B", "InterleavedZeroBubble" (``stages_per_rank`` stages per rank, 2 by
+    default, stage s on pipeline rank s mod pp_size). ``layer_split``: decoder layers per stage;
+    by default ``layers + 2`` units (the embedding and the head count as one layer each) shared
+    evenly. Bad arguments raise ``ValueError`` naming the numbers, on every rank, before any
+    collective."""
+    return TSPPipeline(model, mesh, microbatches, schedule, stages_per_rank, layer_split,
+                       **parallelize_options)
