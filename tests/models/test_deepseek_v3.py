@@ -18,8 +18,8 @@
 - The memory rule under fake tensors: what one layer of DeepSeek-V3's attention keeps for the
   backward is the same at D = 4 and D = 8 for the same local tokens (nothing grows with the
   gathered sequence) and within the named floor of local tensors.
-- Generation is refused by name, before any collective (decode of the latent is not
-  implemented).
+- Greedy generation over the sequence-sharded latent cache at tsp 2 and 4 (with and without
+  q_lora_rank): Hugging Face's tokens, and every step's logits to 1e-8.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
+from tests.inference.test_decode import left_padded, reference_logits
 from tests.layers.test_moe import float64_glm_router
 from tests.support import dist_pool, hf_models
 from tests.support.reference import assert_close, assert_grads_close
@@ -158,20 +159,32 @@ def test_collectives_of_one_layer_match_the_formula(pools):
     pools.of(4).run(count_collectives, 4)
 
 
-def generation_refused(tsp: int) -> str:
+def greedy_generation(tsp: int, q_lora_rank: int | None) -> list[list[int]]:
+    """tsp_core.generate and the model's own generate give Hugging Face's greedy tokens over the
+    sequence-sharded latent cache, and every step's logits are HF's float64 logits
+    (teacher-forced on the generated sequences) to 1e-8."""
     mesh = dist_pool.mesh(tsp)
-    model = tsp_core.parallelize(build(), mesh)
-    with comm.track() as stats, pytest.raises(NotImplementedError,
-                                              match="multi-head latent attention") as err:
-        tsp_core.generate(model, torch.tensor([[1, 2, 3]]), 2)
-    assert not stats.calls, dict(stats.calls)  # refused before any collective
-    dist.barrier()
-    return str(err.value)
+    ref = build(q_lora_rank)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids, mask = left_padded(ref.config.vocab_size, [6, 13])
+    new = 8
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    assert want.shape[1] == ids.shape[1] + new, "the reference stopped early: pick other prompts"
+    got, steps = tsp_core.generate(model, ids, new, attention_mask=mask, return_logits=True)
+    assert torch.equal(got, want), f"D={tsp}: tokens differ\n{got}\n{want}"
+    ref_logits = reference_logits(ref, want, mask, ids.shape[1])
+    for t, step in enumerate(steps):
+        assert_close(step, ref_logits[t], 1e-8, f"D={tsp} step {t} logits")
+    hf_api = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    assert torch.equal(hf_api, want), f"D={tsp}: model.generate differs\n{hf_api}"
+    return got.tolist()
 
 
-def test_generation_is_refused_by_name(pools):
-    (msg, _) = pools.of(2).run(generation_refused, 2)
-    assert "DeepseekV3ForCausalLM" in msg and "deepseek_v3" in msg, msg
+@pytest.mark.parametrize("tsp,q_lora_rank", [(2, 16), (4, None)], ids=str)
+def test_greedy_generation_matches_hf(pools, tsp, q_lora_rank):
+    # prompts of 6 and 13 tokens (13 is padded to 16 at D = 4), left-padded
+    outs = pools.of(tsp).run(greedy_generation, tsp, q_lora_rank)
+    assert all(o == outs[0] for o in outs), "ranks generated different tokens"
 
 
 # ------------------------------------------------------------------- memory rule, fake tensors

@@ -195,10 +195,6 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
             vocab_size=96, head_dim=24, attention_bias=True,
             layer_types=["full_attention"] * COMMON["num_hidden_layers"], **common))
         float64_qwen3_5_norms(model)
-    else:
-        raise ValueError(family)
-    if family.startswith("gemma"):
-        float64_gemma_norms(model)
     elif family in ("qwen3_5-linear", "qwen3_5-mixed"):  # Qwen3.5's Gated DeltaNet layers: all
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # of them, or the mix
 
@@ -211,6 +207,10 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         float64_qwen3_5_norms(model)
         dn.float64_delta_nets(model)
         dn.spread_delta_nets(model)
+    else:
+        raise ValueError(family)
+    if family.startswith("gemma"):
+        float64_gemma_norms(model)
     if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
                   "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus",
                   "hunyuan_v1_dense", "llama4_text", "gemma4", "qwen3_5"):

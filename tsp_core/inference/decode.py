@@ -46,12 +46,14 @@ from ..distributed.mesh import TSPMesh
 from ..distributed.params import local
 from ..layers import rope
 from ..layers.attention import AttentionSpec, TSPAttention
+from ..layers.attention.latent import TSPLatentAttention
 from ..layers.attention.rounds import gated, query_scale, scale_queries, split_gate
 from ..layers.mlp import TSPGatedMLP, _act
 from ..layers.moe import TSPMoE
 from ..layers.norm import NORMS, unscaled_norm
 from ..layers.vocab import TSPEmbedding, TSPLMHead
 from ..sequence import layout
+from .latent_decode import latent_step
 
 
 @dataclass
@@ -183,8 +185,13 @@ class _Decode:
     def attention(self, module: TSPAttention, x: torch.Tensor,
                   position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [B, 1, h] -> [B, 1, h]"""
-        visible = visible_slots(module.spec, self.valid, self.used, self.positions)
         cos, sin = position_embeddings
+        if isinstance(module, TSPLatentAttention):  # MLA: a latent cache (latent_decode.py)
+            i = self.index[id(module)]
+            return latent_step(self.parts.mesh, module, x[:, 0], cos, sin, self.cache.keys[i],
+                               self.cache.length, self.slot, self.valid, _attend_local,
+                               merge_heads).unsqueeze(1)
+        visible = visible_slots(module.spec, self.valid, self.used, self.positions)
         y = _attention_step(self.parts, self.index[id(module)], module, x[:, 0], cos, sin,
                             self.cache, self.slot, visible, self.positions)
         return y.unsqueeze(1)
@@ -279,6 +286,10 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     values: list[torch.Tensor] = []
 
     def sink(kv_all: torch.Tensor) -> None:
+        if kv_all.dim() == 3:  # a latent attention's own tokens' latent [B, L, C] (MLA): the
+            keys.append(kv_all[:, None][:, :, keep].clone())          # keys; no value channel
+            values.append(kv_all.new_zeros(kv_all.shape[0], 1, int(keep.sum()), 0))
+            return
         g, _, B, n, L, d = kv_all.shape          # every key/value head once, in order
         kv = kv_all.permute(1, 2, 0, 3, 4, 5).reshape(2, B, g * n, L, d)[:, :, :, keep]
         keys.append(kv[0].clone())

@@ -157,23 +157,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
     ``model.generation_config``, then Hugging Face's defaults (top_k 50 when sampling). Stops
     when every row produced an EOS token (``eos_token_id``, default the generation config's;
     ``[]`` for none)."""
-    check_decodable(model)
     with root_unsharded(model):
         return _generate(model, input_ids, max_new_tokens, attention_mask, do_sample, temperature,
                          top_k, top_p, eos_token_id, pad_token_id, seed, return_logits)
-
-
-def check_decodable(model: nn.Module) -> None:
-    """Raise, before any collective, for a model whose attention has no decode path under TSP:
-    a family's own attention schedule (its policy's ``attention_module``: DeepSeek-V3's
-    multi-head latent attention, whose sequence-sharded latent cache is not implemented)."""
-    policy = getattr(model, "_tsp_policy", None)
-    if getattr(policy, "attention_module", None) is not None:
-        raise NotImplementedError(
-            f"generation of {type(model).__name__} (policy {policy.name!r}) is not implemented "
-            f"under TSP: its attention runs its own schedule (multi-head latent attention) with "
-            f"no decode path yet; train it with TSP, and generate from its full state dict "
-            f"(tsp_core.full_state_dict) with the unmodified model")
 
 
 def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,

@@ -9,8 +9,8 @@ the ``e_score_correction_bias`` buffer moving the choice, ``n_group`` groups of 
 times ``routed_scaling_factor``) and ``n_shared_experts`` shared experts: the glm4_moe policy's
 experts (:mod:`tsp_core.layers.moe`).
 
-Decode of the latent attention is not implemented: generation refuses the model by name
-(docs/families.md "DeepSeek-V3"). The next-token-prediction layers (``num_nextn_predict_layers``)
+Generation decodes over a sequence-sharded latent cache (tsp_core/inference/latent_decode.py).
+The next-token-prediction layers (``num_nextn_predict_layers``)
 are not part of Hugging Face's model and are not trained here either."""
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ class HFTSPLatentAttention(TSPLatentAttention):
                 cache=None, **kwargs: Any):
         if cache is not None:
             raise NotImplementedError("TSP latent attention's forward takes no KV cache")
-        state = self.tsp_decode
-        if state is not None:  # tsp_core.inference refuses the model before any collective
-            raise NotImplementedError("decode of multi-head latent attention (DeepSeek-V3) is not "
-                                      "implemented under TSP")
-        return super().forward(hidden_states, position_embeddings,
-                               docs=kwargs.get("tsp_docs")), None
+        state = self.tsp_decode  # tsp_core.inference: a decode step, or prefill's latent sink
+        if state is not None and state.decoding:
+            return state.attention(self, hidden_states, position_embeddings), None
+        return super().forward(hidden_states, position_embeddings, docs=kwargs.get("tsp_docs"),
+                               kv_sink=None if state is None else state.sink), None
 
 
 def latent_attention(mesh, config: Any, attn: nn.Module, opts: dict) -> HFTSPLatentAttention:
