@@ -729,12 +729,12 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     checkpointed decoder layer's saved input in host memory between its forward and its backward
     (:mod:`tsp_core.models.offload`; needs activation checkpointing:
     ``model.gradient_checkpointing_enable()``)."""
-    if mp_policy is not None and mesh.fsdp_size == 1:
-        raise ValueError("mp_policy is FSDP2's and needs a mesh that shards data parallel "
     if mesh.pp_dim is not None:  # pipeline parallel: one TSP model per stage
         raise ValueError(f"the mesh has a pipeline dim {mesh.pp_dim!r} of size {mesh.pp_size}; "
                          f"cut the model into stages with tsp_core.pipeline(model, mesh, "
                          f"microbatches=M) instead of parallelize")
+    if mp_policy is not None and mesh.fsdp_size == 1:
+        raise ValueError("mp_policy is FSDP2's and needs a mesh that shards data parallel "
                          f"(dp_shard > 1; this mesh's is {mesh.fsdp_size}); without FSDP2 train "
                          "in mixed precision with autocast (Lightning's bf16-mixed)")
     check_tile_tokens(tile_tokens)
