@@ -8,6 +8,8 @@ docs/pipeline.md; bad configurations are refused on every rank before any collec
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,10 +23,10 @@ ROWS, SEQ = 8, 16
 _MESHES: dict[tuple, object] = {}
 
 
-def tiny_llama():
+def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -78,12 +80,7 @@ def _full(pipe, grads: bool) -> dict[str, torch.Tensor]:
     from tests.support.hf_models import full_grads
     from tsp_core import full_state_dict
 
-    out = {}
-    for module in pipe.modules:
-        full = full_grads(module.model) if grads else full_state_dict(module.model)
-        out.update({module.global_name(n): t for n, t in full.items()
-                    if not n.endswith("inv_freq")})
-    return out
+    return full_grads(pipe) if grads else full_state_dict(pipe)
 
 
 def pipeline_run(schedule: str, tsp: int, dp_shard: int | None) -> dict:
@@ -128,7 +125,7 @@ def _check(per_rank: list[dict], ref: dict, what: str) -> None:
     assert seen == set(ref["weights"]), f"{what}: names {sorted(set(ref['weights']) ^ seen)}"
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
 def test_pp2_tsp2_matches_one_process(pool, ref, schedule):
     per_rank = pool.run(pipeline_run, schedule, 2, None)
     _check(per_rank, ref, f"pp2 x tsp2 {schedule}")
@@ -204,3 +201,89 @@ def refusals() -> list[str]:
 def test_bad_configurations_are_refused_on_every_rank_before_any_collective(pool):
     per_rank = pool.run(refusals)
     assert all(msgs == per_rank[0] for msgs in per_rank)
+
+
+def train(model, opt, steps, mesh=None) -> list[float]:
+    """Steps of the global batches on a pipeline (``mesh`` None) or a TSP model on ``mesh`` (this
+    data-parallel replica's rows); clipping at CLIP, AdamW."""
+    import tsp_core
+
+    losses = []
+    for step in steps:
+        batch = batches()[step]
+        if mesh is None:
+            loss = model.step(batch)
+            model.clip_grad_norm_(CLIP)
+        else:
+            rank = dist.get_rank() // mesh.size
+            mine = {k: v.chunk(mesh.dp_size)[rank] for k, v in batch.items()}
+            loss = model(**tsp_core.shard_batch(mine, mesh)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def checkpoint_run(root: str) -> dict:
+    """Saved at pp 2 x tsp 2 after step 1; the pipeline goes on for steps 2 and 3; an interleaved
+    pipeline, a TSP model at tsp 2 (dp 2) and at tsp 4, each with another seed's weights until the
+    load, resume from the save."""
+    import tsp_core
+
+    pipe = tsp_core.pipeline(tiny_llama(), _mesh(2, 2), microbatches=M)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    train(pipe, opt, range(1))
+    path = os.path.join(root, "pp2_tsp2_step1")
+    tsp_core.save_checkpoint(path, pipe, opt, step=1)
+    assert tsp_core.state.resharding.read_marker(path)["model_class"] == "LlamaForCausalLM"
+    losses = train(pipe, opt, range(1, STEPS))
+    final = tsp_core.full_state_dict(pipe)
+    # into a pipeline again, Interleaved1F1B: other stages on each rank
+    again = tsp_core.pipeline(tiny_llama(seed=7), _mesh(2, 2), microbatches=M,
+                              schedule="Interleaved1F1B")
+    again_opt = torch.optim.AdamW(again.parameters(), lr=LR)
+    assert tsp_core.load_checkpoint(path, again, again_opt) == {"step": 1}
+    resumed = train(again, again_opt, range(1, STEPS))
+    assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(resumed, losses, strict=True)), \
+        f"pipeline resumed losses {resumed} vs {losses}"
+    for tsp in (2, 4):
+        mesh = dist_pool.mesh(tsp)
+        model = tsp_core.parallelize(tiny_llama(seed=7), mesh)
+        model_opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        assert tsp_core.load_checkpoint(path, model, model_opt) == {"step": 1}
+        resumed = train(model, model_opt, range(1, STEPS), mesh)
+        for step, (a, b) in enumerate(zip(resumed, losses, strict=True)):
+            assert abs(a - b) <= 1e-10 * abs(b), f"tsp {tsp} resumed loss, step {step + 1}: {a} vs {b}"
+        got = tsp_core.full_state_dict(model)
+        for name, t in final.items():
+            assert_close(got[name], t, 1e-10, f"tsp {tsp} resumed: {name} after step {STEPS}")
+    dist.barrier()
+    return dict(losses=losses, final=final)
+
+
+def test_saved_at_pp2_tsp2_resumes_interleaved_at_tsp2_tsp4_and_one_process(pool, tmp_path):
+    per_rank = pool.run(checkpoint_run, str(tmp_path))
+    final = {k: v for run in per_rank for k, v in run["final"].items()}
+    # one process: the plain model and optimizer from the same checkpoint
+    import tsp_core
+
+    model = tiny_llama(seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert tsp_core.load_checkpoint(str(tmp_path / "pp2_tsp2_step1"), model, opt) == {"step": 1}
+    losses = []
+    for batch in batches()[1:]:
+        logits = model(input_ids=batch["input_ids"]).logits
+        shifted = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        loss = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for step, (a, b) in enumerate(zip(losses, per_rank[0]["losses"], strict=True)):
+        assert abs(a - b) <= 1e-10 * abs(b), f"one process resumed loss, step {step + 1}: {a} vs {b}"
+    assert set(final) == set(dict(model.named_parameters()))
+    for name, p in model.named_parameters():
+        assert_close(p.detach(), final[name], 1e-10, f"one process resumed: {name}")

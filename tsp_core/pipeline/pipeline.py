@@ -80,15 +80,24 @@ def check_pipeline_args(model: nn.Module, mesh: TSPMesh, microbatches: int, sche
     return num_stages, layers
 
 
-class TSPPipeline:
+class TSPPipeline(nn.Module):
     """The stages of one pipeline rank and the torch schedule that runs them (build it with
     :func:`pipeline`). ``step(batch)`` returns the global mean loss, the same on every rank;
-    ``parameters()`` go to the optimizer; ``clip_grad_norm_`` clips by the norm over every
-    stage."""
+    ``clip_grad_norm_`` clips by the norm over every stage.
+
+    The object is also an ``nn.Module`` laid out like the Hugging Face model but holding only this
+    rank's stages (the embedding on the first stage's ranks, the decoder layers under their global
+    indices, the final norm and head on the last's): ``parameters()`` go to the optimizer, and
+    :func:`tsp_core.save_checkpoint` writes the whole model (every rank its stages' tensors under
+    their Hugging Face names), which loads at any TSP degree, with or without pipeline stages, or
+    into a plain model; :func:`tsp_core.load_checkpoint` into a pipeline reads this rank's stages'
+    tensors from any such checkpoint. :func:`tsp_core.full_state_dict` gives this rank's stages'
+    tensors."""
 
     def __init__(self, model: nn.Module, mesh: TSPMesh, microbatches: int, schedule: str,
                  stages_per_rank: int | None, layer_split: Sequence[int] | None,
                  **parallelize_options: Any) -> None:
+        super().__init__()
         if mesh.pp_dim is None:
             raise ValueError("the mesh has no pipeline dim: build it with "
                              "tsp_core.init_mesh(tsp_size, pp_size=P)")
@@ -101,27 +110,32 @@ class TSPPipeline:
         owners = stage_ranks(self.num_stages, mesh.pp_size)
         self.stage_indices = [s for s in range(self.num_stages) if owners[s] == mesh.pp_rank]
         self.last_rank = owners[-1]
-        self.modules: list[StageModule] = [
+        # a plain list: the stage modules are not children (the Hugging Face-shaped view is)
+        self.stage_modules: list[StageModule] = [
             build_stage_module(model, policy, self.stage_mesh, self.layer_split[s], s == 0,
                                s == self.num_stages - 1, **parallelize_options)
             for s in self.stage_indices]
+        self._hf_view(policy)
         self.dtype = next(model.parameters()).dtype
+        self._tsp_base_class = type(model)  # a checkpoint's marker names the model's class
+        self._tsp_partial = True  # loads take this rank's stages' tensors from a checkpoint
         self._schedules: dict[tuple, Any] = {}
         self._count: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------ what users call
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for module in self.modules:
-            yield from module.parameters()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under the unmodified model's names."""
-        for module in self.modules:
-            yield from module.hf_named_parameters()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for module in self.modules:
-            module.zero_grad(set_to_none)
+    def _hf_view(self, policy) -> None:
+        """Register this rank's stage parts under the unmodified model's module names."""
+        base, layers = nn.Module(), nn.ModuleDict()
+        for module in self.stage_modules:
+            stage_base = module.base
+            for index, layer in zip(module.layers, getattr(stage_base, policy.layers)):
+                layers[str(index)] = layer
+            if module.first:
+                setattr(base, policy.embed, getattr(stage_base, policy.embed))
+            if module.last:
+                setattr(base, policy.final_norm, getattr(stage_base, policy.final_norm))
+                setattr(self, policy.lm_head, getattr(module.model, policy.lm_head))
+        setattr(base, policy.layers, layers)
+        setattr(self, policy.base_model, base)
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of the global ``batch`` (``input_ids`` and ``labels`` of shape
@@ -213,7 +227,7 @@ class TSPPipeline:
         hidden = torch.empty(rows, seq, self.config.hidden_size, dtype=self.dtype, device=device,
                              requires_grad=True)
         stages = []
-        for index, module in zip(self.stage_indices, self.modules):
+        for index, module in zip(self.stage_indices, self.stage_modules):
             first, last = index == 0, index == self.num_stages - 1
             inputs = torch.empty(rows, seq, dtype=torch.long, device=device) if first else hidden
             outputs = (torch.empty((), dtype=self._loss_dtype, device=device, requires_grad=True)

@@ -68,9 +68,6 @@ class StageModule(nn.Module):
         index, rest = name[len(prefix):].split(".", 1)
         return f"{prefix}{self.layers[int(index)]}.{rest}"
 
-    def hf_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This stage's parameters under the unmodified model's names (global layer indices)."""
-        return [(self.global_name(n), p) for n, p in self.model.named_parameters()]
 
 
 class CountedStage(PipelineStage):

@@ -358,8 +358,8 @@ def load_full_state_dict(model: nn.Module,
 
 def base_class_name(model: nn.Module) -> str:
     """The name of the Hugging Face class a TSP model was made from (``parallelize`` records it on
-    the class it builds), or the model's own class name."""
-    return getattr(type(model), "_tsp_base_class", type(model)).__name__
+    the class it builds; :func:`tsp_core.pipeline` on its object), or the model's own class name."""
+    return getattr(model, "_tsp_base_class", type(model)).__name__
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
