@@ -252,3 +252,37 @@ def test_the_memory_rule_holds_under_fake_tensors():
             f"local floor {floor} (+ slack {slack})")
     assert abs(kept[8] - kept[4]) <= slack, what  # nothing of the gathered sequence is kept
     assert floor - slack <= kept[8] <= floor + slack, what
+
+
+def test_the_preset_has_the_published_sizes():
+    """`tsp simulate --model deepseek-v3`: the published config.json's sizes (671.03e9
+    parameters without the next-token-prediction layer), the latent attention's collectives
+    per layer at D = 8 by the formula (docs/benchmarks.md's row); `tsp plan`'s closed forms do
+    not model the latent attention and refuse it by name, pointing to tsp simulate."""
+    from transformers import AutoModelForCausalLM
+
+    from tsp_core.layers.attention.latent import LatentSpec, latent_collectives
+    from tsp_core.plan.simulate import model_config
+    from tsp_core.plan.traffic import ModelShape
+
+    c = model_config("deepseek-v3")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.q_lora_rank,
+            c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+            c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group,
+            c.n_shared_experts, c.moe_intermediate_size, c.intermediate_size,
+            c.first_k_dense_replace, c.vocab_size) == (7168, 61, 128, 1536, 512, 128, 64, 128,
+                                                       256, 8, 8, 4, 1, 2048, 18432, 3, 129280)
+    counts = []
+    for n in (3, 4):  # the dense layers, then one sparse layer more
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config("deepseek-v3", layers=n))
+        counts.append(sum(p.numel() for p in model.parameters()))
+    assert counts[0] + 58 * (counts[1] - counts[0]) == 671_026_404_352
+    attn = model.model.layers[0].self_attn
+    spec = LatentSpec(7168, 128, 1536, 512, 128, 64, 128, 8, attn.scaling)
+    fwd = latent_collectives(spec, 1, 131072, 2, [])["forward"]
+    assert fwd == {"broadcast": (8, 7 / 8 * 171_966_464 * 2),
+                   "all_gather": (1, 7 / 8 * 131072 * 576 * 2)}
+    with pytest.raises(ValueError, match=r"DeepseekV3Config: the deepseek_v3 attention runs its "
+                                         r"own schedule .* estimate this model with tsp simulate"):
+        ModelShape.from_config(c)

@@ -104,6 +104,26 @@ MODELS = {
                         moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1,
                         num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
                         routed_scaling_factor=1.0, norm_topk_prob=True),
+    # DeepSeek-V3, the sizes of its published config.json (deepseek-ai/DeepSeek-V3): h 7168, 61
+    # layers (the first 3 dense: first_k_dense_replace 3, intermediate 18432), multi-head latent
+    # attention with 128 heads (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v
+    # 128, interleaved rotary pairs), yarn rope (factor 40 over 4096, theta 1e4, mscale 1), 256
+    # routed experts of 2048 channels, top 8 of the 4 best of 8 groups (sigmoid router with the
+    # correction bias, scaling 2.5, renormalised) plus 1 shared expert, vocabulary 129280,
+    # untied: 671.03e9 parameters (its next-token-prediction layer is not part of Hugging Face's
+    # model and is left out)
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+                        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+                        vocab_size=129280, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        rope_interleave=True, rope_theta=10000.0, rope_scaling=dict(
+                            rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                        max_position_embeddings=163840, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False, moe_intermediate_size=2048,
+                        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                        first_k_dense_replace=3, n_group=8, topk_group=4,
+                        routed_scaling_factor=2.5, norm_topk_prob=True),
     # gpt-oss-20b, the sizes of its published config.json (openai/gpt-oss-20b): h 2880, 24
     # layers alternating sliding (window 128) and full attention with sinks, 64 query heads of
     # 64 and 8 key/value heads, q/k/v/o biases, yarn rope (factor 32 over 4096, theta 150000),
@@ -137,6 +157,19 @@ MODELS = {
                               high_freq_factor=1.0, original_max_position_embeddings=8192),
                           max_position_embeddings=10485760, rms_norm_eps=1e-5,
                           attention_bias=False, tie_word_embeddings=False),
+    # Qwen3.5-9B's text model, the defaults of transformers 5.24's Qwen3_5TextConfig (its
+    # docstring: "the Qwen3.5-9B style configuration"): h 4096, 32 layers, three Gated DeltaNet
+    # (linear attention) layers to every full-attention one (full_attention_interval 4; linear
+    # layers: 16 key heads and 32 value heads of 128, convolution kernel 4), full attention with
+    # 16 query heads of 256 and 4 key/value heads, the output gate, per-head q/k norms, partial
+    # rotary 0.25 (theta 1e4), MLP 12288, vocabulary 248320, untied
+    "qwen3.5": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288,
+                    num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+                    head_dim=256, vocab_size=248320, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                    linear_num_value_heads=32, tie_word_embeddings=False,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                         partial_rotary_factor=0.25)),
     "7b": dict(hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
     "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,

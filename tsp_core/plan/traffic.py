@@ -60,6 +60,8 @@ class ModelShape:
     weight_input: bool = False     # the weights scale the experts' input (Llama 4), not output
     # weight matrices of a dense MLP: 3 gated (gate, up, down), 2 ungated (Apertus's up, down)
     mlp_matrices: int = 3
+    # an output gate (Qwen3.5): q_proj gives a gate beside every query, q_width more rows
+    output_gate: bool = False
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -70,12 +72,19 @@ class ModelShape:
         nq = config.num_attention_heads
         _check_one_layer_shape(config)
         policy = _policy(config)
+        if policy is not None and policy.attention_module is not None:
+            raise ValueError(
+                f"{type(config).__name__}: the {policy.name} attention runs its own schedule "
+                f"(multi-head latent attention: q_lora_rank, kv_lora_rank, qk_rope_head_dim), "
+                f"which tsp plan's closed forms do not model; estimate this model with tsp "
+                f"simulate, which builds each layer as it is")
         experts = _moe_fields(config, policy)
         dense = getattr(config, policy.dense_intermediate_size if policy else "intermediate_size")
         return cls(config.hidden_size, nq, getattr(config, "num_key_value_heads", None) or nq,
                    dense, config.num_hidden_layers, config.vocab_size,
                    getattr(config, "head_dim", None), **experts,
-                   mlp_matrices=3 if experts or _gated_mlp(config) else 2)
+                   mlp_matrices=3 if experts or _gated_mlp(config) else 2,
+                   output_gate=bool(policy and policy.output_gate))
 
     @property
     def is_moe(self) -> bool:
@@ -143,8 +152,11 @@ class ModelShape:
 
     @property
     def attention_weights(self) -> float:
-        """q, k, v, o projections: 2 h (q_width + kv_width); (2 + 2/g) h^2 when q_width = h."""
-        return 2 * self.hidden_size * (self.q_width + self.kv_width)
+        """q, k, v, o projections: 2 h (q_width + kv_width); (2 + 2/g) h^2 when q_width = h; with
+        an output gate q_proj's gate rows, h q_width more (the gate's activations, q_width per
+        token like the queries', are not in the closed forms)."""
+        gate = self.hidden_size * self.q_width if self.output_gate else 0
+        return 2 * self.hidden_size * (self.q_width + self.kv_width) + gate
 
     @property
     def mlp_weights(self) -> float:
@@ -177,7 +189,17 @@ def _check_one_layer_shape(config) -> None:
     """The closed forms assume one attention shape for every layer; a config whose layers differ
     (Gemma 4: ``head_dim`` on sliding layers, ``global_head_dim`` and its own key/value heads on
     full ones; transformers then refuses the global fields) is refused with the fields, not a
-    traceback. ``tsp simulate`` builds each layer as it is and takes it."""
+    traceback. ``tsp simulate`` builds each layer as it is and takes it. So is a config with
+    linear-attention layers (Qwen3.5's Gated DeltaNet: no K/V, a recurrent state), which the
+    closed forms do not model."""
+    types = list(getattr(config, "layer_types", None) or [])
+    linear = [i for i, t in enumerate(types) if t == "linear_attention"]
+    if linear:
+        raise ValueError(
+            f"{type(config).__name__}: config.layer_types[{linear[0]}]='linear_attention' "
+            f"({len(linear)} of {len(types)} layers are linear attention, Gated DeltaNet); tsp "
+            f"plan's closed forms model softmax attention layers only: estimate this model with "
+            f"tsp simulate, which builds each layer as it is")
     for field in ("num_key_value_heads", "head_dim"):
         try:
             getattr(config, field, None)
