@@ -157,6 +157,7 @@ def _refused(fn, pattern: str) -> str:
 
 def refusals() -> list[str]:
     import tsp_core
+    from tsp_core import comm
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mesh, model = _mesh(2, 2), tiny_llama()
@@ -194,6 +195,11 @@ def refusals() -> list[str]:
     msgs.append(_refused(lambda: pipe.step({"input_ids": bad["input_ids"] + 96,
                                             "labels": bad["labels"]}),
                          r"input_ids hold values from \d+ to \d+, outside the vocabulary \[0, 96\)"))
+    with comm.track() as stats, pytest.raises(NotImplementedError, match=r"a tsp_core.pipeline "
+                                               r"holds only some stages of the model on each "
+                                               r"rank and does not generate"):
+        tsp_core.generate(pipe, bad["input_ids"][:1, :8], 2)
+    assert not stats.calls
     dist.barrier()
     return msgs
 

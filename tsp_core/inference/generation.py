@@ -167,6 +167,11 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
               temperature: float | None, top_k: int | None, top_p: float | None,
               eos_token_id: int | Sequence[int] | None, pad_token_id: int | None,
               seed: int | None, return_logits: bool):
+    if getattr(model, "_tsp_partial", False):  # tsp_core.pipeline: some stages per rank
+        raise NotImplementedError(
+            "a tsp_core.pipeline holds only some stages of the model on each rank and does not "
+            "generate; save_checkpoint it and load the checkpoint into "
+            "tsp_core.parallelize(model, tsp_core.init_mesh(tsp_size)) to generate")
     config = getattr(model, "generation_config", None)
     sampling = resolve_sampling(config, do_sample, temperature, top_k, top_p)
     if max_new_tokens < 0:
