@@ -8,6 +8,10 @@ casts, and equals the unmodified layer exactly in float32 (checked here)."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +19,9 @@ import torch.distributed as dist
 from tests.support import dist_pool
 from tests.support.delta_net_reference import hf_layer
 from tests.support.reference import assert_close
+from tsp_core import comm
 from tsp_core.layers.linear_attention import TSPGatedDeltaNet
+from tsp_core.layers.linear_attention.traffic import delta_net_collectives
 from tsp_core.sequence.layout import pad_to_multiple, shard_sequence
 
 HIDDEN = 32
@@ -37,7 +43,8 @@ def _tsp_layer(mesh, cfg, ref) -> TSPGatedDeltaNet:
 
 def run_parity(tsp: int, nk: int, nv: int, seq: int, batch: int, dk: int = 8, dv: int = 6,
                kernel: int = 4, docs: tuple[int, ...] | None = None) -> None:
-    """Output, input gradient and every weight's gradient at 1e-10 on every rank. With
+    """Output, input gradient and every weight's gradient at 1e-10 on every rank, and the
+    layer's collectives those of the formula (calls and bytes by kind). With
     ``docs`` (document lengths of every row, each a multiple of 2 * tsp), the rows are packed:
     the reference runs each document alone through Hugging Face's layer."""
     mesh = dist_pool.mesh(tsp)
@@ -59,8 +66,18 @@ def run_parity(tsp: int, nk: int, nv: int, seq: int, batch: int, dk: int = 8, dv
                                      docs=docs)
     real = shard(torch.ones(1, seq, 1, dtype=torch.bool))[0, :, 0]
     x_loc = shard(x).requires_grad_()
-    y = layer(x_loc, docs=None if docs is None else [docs] * batch)
-    y.backward(shard(dy))
+    row_docs = None if docs is None else [docs] * batch
+    with comm.track() as fwd:
+        y = layer(x_loc, docs=row_docs)
+    with comm.track() as bwd:
+        y.backward(shard(dy))
+    # the collectives of docs/design.md's formula, exactly (tsp_core.layers.linear_attention
+    # .traffic): calls and bytes by kind
+    want = delta_net_collectives(layer.spec, batch, x_loc.shape[1], x.dtype,
+                                 None if docs is None else tuple(row_docs))
+    for what, stats in (("forward", fwd), ("backward", bwd)):
+        got = {k: (stats.calls[k], stats.bytes[k]) for k in stats.calls}
+        assert got == want[what], f"D={D} {what}: counted {got}, formula {want[what]}"
     assert_close(y[:, real], shard(y_ref.detach())[:, real], 1e-10, "output")
     assert_close(x_loc.grad[:, real], shard(x_ref.grad)[:, real], 1e-10, "input grad")
     grads = layer.full_tensors(grads=True)
@@ -100,3 +117,74 @@ def test_reference_is_hugging_face_in_float32():
     theirs, _ = hf_layer(kw, torch.float32, faithful=False)
     x = torch.randn(2, 70, HIDDEN, generator=torch.Generator().manual_seed(3))
     assert torch.equal(ours(x), theirs(x))
+
+
+# ------------------------------------------------------------------------- the memory rule
+
+# Qwen3.5-9B's Gated DeltaNet (h 4096, 16 key heads repeated to 32 value heads of 128, kernel 4)
+# as rank 0 of D = 4, bf16, at 2048 tokens
+MEM_SHAPE = dict(hidden=4096, nk=16, nv=32, dk=128, dv=128, kernel=4, D=4, seq=2048)
+_KEPT: list = []  # what the broken variant keeps alive until the backward ends
+
+
+def forward_keeps(variant: str | None) -> tuple[int, int]:
+    """(bytes the layer's forward leaves alive for its backward, the output's bytes), measured
+    under FakeTensorMode with the fake process group and MemTracker (as ``tsp simulate``) in a
+    worker process that owns the default process group. ``variant="keep_maps"``: every round's
+    gathered maps (other ranks' chunks' maps) kept until the backward ends, what plain autograd
+    over the rounds would save."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import tsp_core
+    from tsp_core.layers.linear_attention import schedule
+
+    torch.set_num_threads(1)
+    s = MEM_SHAPE
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=s["D"])
+    original = schedule._round
+    if variant == "keep_maps":
+        def keeping(*args, **kwargs):
+            out = original(*args, **kwargs)
+            _KEPT.append(out[2])
+            return out
+
+        schedule._round = keeping
+    try:
+        mesh = tsp_core.init_mesh(s["D"])
+        with FakeTensorMode():
+            layer = TSPGatedDeltaNet(mesh, s["hidden"], s["nk"], s["nv"], s["dk"], s["dv"],
+                                     s["kernel"], dtype=torch.bfloat16)
+            tracker = MemTracker()
+            tracker.track_external(layer)
+            with tracker:
+                x = torch.empty(1, s["seq"] // s["D"], s["hidden"], dtype=torch.bfloat16,
+                                requires_grad=True)
+                y = layer(x)
+                y.backward(torch.empty_like(y))
+            snaps = tracker.memory_tracking[layer].snapshots
+            (before,) = snaps[_ModState.PRE_FW][0].values()
+            (after,) = snaps[_ModState.POST_FW][0].values()
+            return int(after["Total"]) - int(before["Total"]), y.numel() * y.element_size()
+    finally:
+        schedule._round = original
+        _KEPT.clear()
+        dist.destroy_process_group()
+
+
+def test_forward_keeps_only_local_tensors():
+    """The forward leaves alive its output and nothing else (it saves the local input, its own
+    weight shards and the norm weight, all alive before it ran; the halo tails and every round's
+    maps are gathered again in the backward). Keeping the gathered maps of every round breaks
+    it by D rounds of D ranks' maps."""
+    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
+        (kept, out), (broken, _) = pool.map(forward_keeps, (None, "keep_maps"))
+    s = MEM_SHAPE
+    slack = s["seq"] // s["D"] * 16  # 16 bytes per local token: index tensors, scalars
+    assert out <= kept <= out + slack, (kept, out)
+    # float32 maps [A | B] of every chunk: 2 D chunks of the round's 32 / D value heads
+    maps = s["D"] * 2 * s["D"] * (s["nv"] // s["D"]) * s["dk"] * (s["dk"] + s["dv"]) * 4
+    assert broken - kept >= maps, ("keep_maps not seen", broken, kept, maps)
