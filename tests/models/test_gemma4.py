@@ -1,9 +1,12 @@
 """Gemma 4 text beyond the family tests (tests/support/hf_models.py builds it with every feature
 TSP runs: the value norm, global layers with their own head size, attention_k_eq_v, per-layer
-inputs, KV-shared layers with double-wide MLPs): activation checkpointing of the KV-shared layers.
+inputs, KV-shared layers with double-wide MLPs, the MoE block beside every MLP; the family tests
+run its experts under the expert schedule): activation checkpointing of the KV-shared layers.
 A KV-shared layer attends with K/V another layer's schedule returned; non-reentrant checkpointing
 keeps their gradient path (exact), reentrant checkpointing recomputes the storing layer after the
-reusing one and would drop it, so it raises."""
+reusing one and would drop it, so it raises. The MoE block under both schedules with plain SGD
+(its router's norm, scale vector and per-expert scales, the extra norms), greedy generation
+under the ring schedule, and its collectives and their bytes (the MoE formula's)."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tsp_core
 from tests.support import dist_pool, hf_models
-from tests.support.reference import assert_grads_close
+from tests.support.reference import assert_close, assert_grads_close
+from tsp_core import comm
 
 
 def checkpointed_step(reentrant: bool) -> str:
@@ -42,3 +47,136 @@ def checkpointed_step(reentrant: bool) -> str:
 def test_kv_shared_layers_under_activation_checkpointing(pools, reentrant):
     want = "refused" if reentrant else "exact"
     assert pools.of(2).run(checkpointed_step, reentrant) == [want] * 2
+
+
+def moe_sgd_parity(tsp: int) -> list[float]:
+    """3 SGD steps of the MoE model (hf_models' gemma4: the experts beside every MLP) under both
+    MoE schedules against the unmodified model: loss per step 1e-10, first-step gradients 1e-10,
+    weights after 3 steps 1e-8 (plain SGD: a gradient of the wrong scale shows); then greedy
+    generation under the ring schedule (the expert schedule's: tests/inference/test_decode.py)
+    gives Hugging Face's tokens, each step's logits within 1e-8, and its full state dict is
+    Hugging Face's bit for bit (the experts' gate_up_proj fused from the ring's gate and up)."""
+    from tsp_core.layers.moe import TSPMoE, TSPRouter
+
+    mesh = dist_pool.mesh(tsp)
+    gen = torch.Generator().manual_seed(3)
+    vocab = hf_models.build("gemma4", torch.float64).config.vocab_size
+    ids = [torch.randint(0, vocab, (2, 24), generator=gen) for _ in range(3)]
+    want = hf_models.sgd_reference(hf_models.build("gemma4", torch.float64), ids, 0.1, None)
+    losses = []
+    for schedule in ("expert", "ring"):
+        model = tsp_core.parallelize(hf_models.build("gemma4", torch.float64), mesh,
+                                     moe_schedule=schedule)
+        layers = model.model.layers
+        assert all(isinstance(layer.router, TSPRouter) and isinstance(layer.experts, TSPMoE)
+                   and layer.experts.schedule == schedule for layer in layers), schedule
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = {"losses": []}
+        for step, batch in enumerate(ids):
+            loss = model(**tsp_core.shard_batch({"input_ids": batch, "labels": batch}, mesh)).loss
+            loss.backward()
+            if step == 0:
+                run["grads0"] = hf_models.full_grads(model)
+            opt.step()
+            opt.zero_grad()
+            run["losses"].append(loss.item())
+        run["weights"] = tsp_core.full_state_dict(model)
+        hf_models.assert_matches_reference(run, want, 1e-8, loss_tol=1e-10,
+                                           what=f"{schedule} tsp {tsp}: ")
+        for name, g in want["grads0"].items():
+            assert_close(run["grads0"][name], g, 1e-10, f"{schedule} tsp {tsp} grad {name}")
+        losses += run["losses"]
+    ref = hf_models.build("gemma4", torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh, moe_schedule="ring")
+    full, want_sd = tsp_core.full_state_dict(model), ref.state_dict()  # the ring's fused names
+    assert sorted(full) == sorted(want_sd) and all(torch.equal(full[n], t)
+                                                   for n, t in want_sd.items())
+    prompt = torch.randint(0, vocab, (1, 7), generator=gen)
+    tokens = ref.generate(prompt, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        ref_logits = ref(input_ids=tokens).logits[0, prompt.shape[1] - 1:-1]
+    got, steps = tsp_core.generate(model, prompt, 6, return_logits=True)
+    assert torch.equal(got, tokens), (got, tokens)
+    for t, step in enumerate(steps):
+        assert_close(step[0], ref_logits[t], 1e-8, f"ring tsp {tsp} step {t} logits")
+    dist.barrier()
+    return losses
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_moe_block_both_schedules_sgd_and_ring_generation(pools, tsp):
+    losses = pools.of(tsp).run(moe_sgd_parity, tsp)
+    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+
+
+def moe_traffic(tsp: int) -> None:
+    """Gemma 4's router apart and its experts under both schedules: the router adds one
+    gradient all-reduce per tensor (proj [E, h], scale [h], per_expert_scale [E]: the MoE
+    formula's router bytes with router_extra h + E) and no other collective; the experts move
+    what any family's do (expert: the counts, dispatch and combine all-to-alls and their
+    gradients; ring: the slices D-1 hops forward, 2D-1 backward)."""
+    from tsp_core.layers.moe import MoESpec, TSPMoE, TSPRouter, moe_bytes
+
+    mesh = dist_pool.mesh(tsp)
+    D, h, F, E, k, T = tsp, 16, 8, 8, 2, 12
+    spec = MoESpec(h, F, E, k, D, activation="gelu_tanh", router="normed_softmax",
+                   router_name="router", router_apart=True)
+    formula = moe_bytes(E, k, F, h, T, D, b=8, router_extra=h + E)
+    ring_bytes = 3 * E * F * h * 8
+    router_bytes = formula.b_backward - (2 * D - 1) / D * ring_bytes
+    for schedule in ("expert", "ring"):
+        router = TSPRouter(mesh, spec, dtype=torch.float64)
+        experts = TSPMoE(mesh, h, F, E, k, schedule=schedule, dtype=torch.float64,
+                         **spec.options())
+        x = torch.randn(T, h, dtype=torch.float64, requires_grad=True,
+                        generator=torch.Generator().manual_seed(mesh.rank))
+        with comm.track() as fwd:
+            _, weights, chosen = router(x)
+            y = experts(x, chosen, weights)
+        with comm.track() as bwd:
+            y.sum().backward()
+        if schedule == "expert":
+            assert dict(fwd.calls) == {"all_to_all": 3}, dict(fwd.calls)
+            assert dict(bwd.calls) == {"all_to_all": 2, "all_reduce": 3}, dict(bwd.calls)
+        else:
+            shard = ring_bytes / D
+            assert dict(fwd.calls) == {"ring_pass": D - 1}, dict(fwd.calls)
+            assert dict(fwd.bytes) == {"ring_pass": (D - 1) * shard}, dict(fwd.bytes)
+            assert dict(bwd.calls) == {"ring_pass": 2 * D - 1, "all_reduce": 3}, dict(bwd.calls)
+            assert bwd.bytes["ring_pass"] == (2 * D - 1) * shard, dict(bwd.bytes)
+        assert bwd.bytes["all_reduce"] == pytest.approx(router_bytes), (dict(bwd.bytes),
+                                                                        router_bytes)
+        assert all(p.grad is not None for m in (router, experts) for p in m.parameters())
+    dist.barrier()
+
+
+def test_moe_block_collectives(pools):
+    pools.of(4).run(moe_traffic, 4)
+
+
+def test_simulate_takes_the_moe_config_and_plan_refuses_it(tmp_path):
+    """``tsp simulate`` takes the MoE model's config.json (the router and norms replicated, the
+    experts 1/D: the parameters it holds are those counted here, bf16 at D = 2); ``tsp plan``'s
+    closed forms refuse it by name (its layers' attention shapes differ)."""
+    import math
+
+    from tsp_core.plan.simulate import SimulationRequest, simulate
+    from tsp_core.plan.traffic import ModelShape
+
+    ref = hf_models.build("gemma4", torch.float32)
+    ref.config.save_pretrained(tmp_path / "gemma4")
+    rec = simulate(SimulationRequest("tsp", 2, 1, 256, str(tmp_path / "gemma4" / "config.json"),
+                                     optimizer="none")).__dict__
+    replicated = ("norm", "router.", "per_layer_model_projection", "per_layer_input_gate",
+                  "per_layer_projection")
+    held = 0
+    for name, p in ref.named_parameters():
+        if "embed_tokens" in name:  # vocabulary rows, padded to a multiple of D
+            held += math.ceil(p.shape[0] / 2) * p.shape[1]
+        else:
+            held += p.numel() if any(r in name for r in replicated) else p.numel() // 2
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in ref.named_parameters())
+    assert rec["breakdown"]["parameters"] == 2 * held, (rec["breakdown"], held)
+    with pytest.raises(ValueError, match=r"config\.\w+ differs from layer to layer .* "
+                                         r"estimate this model with tsp simulate"):
+        ModelShape.from_config(ref.config)

@@ -138,16 +138,15 @@ def bad_models() -> list[str]:
     cases.append((Gemma3ForCausalLM(Gemma3TextConfig(use_bidirectional_attention=True, **small)),
                   r"Gemma3ForCausalLM: config\.use_bidirectional_attention=True \(bidirectional "
                   r"attention\) not implemented by TSP; set it to None/False"))
-    # Gemma 4's MoE block beside the MLP and bidirectional attention (docs/families.md
-    # "Gemma 4")
+    # Gemma 4's MoE block beside the MLP with experts a rank cannot own whole, and bidirectional
+    # attention (docs/families.md "Gemma 4")
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     g4 = dict(small, num_hidden_layers=3, global_head_dim=16, hidden_size_per_layer_input=0,
               layer_types=["sliding_attention", "full_attention", "full_attention"])
     cases.append((Gemma4ForCausalLM(Gemma4TextConfig(
-        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, **g4)),
-                  r"Gemma4ForCausalLM is a mixture-of-experts model \(config\.num_experts=4\) "
-                  r"and the policy 'gemma4' describes no experts"))
+        enable_moe_block=True, num_experts=6, top_k_experts=2, moe_intermediate_size=32, **g4)),
+                  r"tsp_size \(4\) must divide the number of experts \(6\)"))
     cases.append((Gemma4ForCausalLM(Gemma4TextConfig(use_bidirectional_attention="all", **g4)),
                   r"Gemma4ForCausalLM: config\.use_bidirectional_attention='all' \(bidirectional "
                   r"attention\) not implemented by TSP"))

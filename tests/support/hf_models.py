@@ -174,7 +174,8 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
         # the keys' projection (attention_k_eq_v); per-layer inputs; the final logit soft-cap;
         # a vocabulary that needs padding at tsp 2 and 4, for both embeddings
         # layers 2 and 3 reuse the K/V of layers 0 and 1 (KV-shared layers), with MLPs of
-        # twice the width (use_double_wide_mlp)
+        # twice the width (use_double_wide_mlp); the MoE block beside every MLP (enable_moe_block:
+        # 4 experts of 16 channels, top 2), its router's scale and per-expert scales off one
         model = Gemma4ForCausalLM(Gemma4TextConfig(
             **{**common, "num_key_value_heads": 2 if kv_heads is None else kv_heads,
                "num_hidden_layers": 4},
@@ -182,10 +183,13 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
             num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=9,
             layer_types=["sliding_attention", "full_attention"] * 2,
             hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
-            final_logit_softcapping=3.0, initializer_range=0.2))
+            final_logit_softcapping=3.0, initializer_range=0.2, **GEMMA4_MOE))
+        model.set_experts_implementation("eager")  # grouped_mm takes no float64
         with torch.no_grad():  # the layers' scalars off one: a layer that skips it is off
             for layer in model.model.layers:
                 layer.layer_scalar.fill_(0.8 + 0.4 * torch.rand(()).item())
+                layer.router.scale.add_(0.3 * torch.randn(layer.router.scale.shape))
+                layer.router.per_expert_scale.add_(0.3 * torch.randn(4))
     elif family == "qwen3_5":      # Qwen3.5 text, full-attention layers only: the output gate
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # ([query | gate] rows
 
@@ -223,6 +227,7 @@ def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None =
     return model.to(dtype)
 
 
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
 GEMMA2_SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
 EXACT_EAGER = "tsp_tests_exact_eager"
 

@@ -111,6 +111,7 @@ class ShardedKVCache:
 class _Layer:
     attn: TSPAttention
     mlp: TSPGatedMLP | TSPMoE
+    experts: TSPMoE | None = None  # an MoE beside the MLP (Gemma 4: policy.moe_beside_mlp)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def _parts(model: nn.Module) -> _Parts:
         raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize; "
                          f"generation needs a TSP model")
     base = getattr(model, policy.base_model)
-    layers = [_Layer(getattr(b, policy.attention), getattr(b, policy.mlp))
+    layers = [_Layer(getattr(b, policy.attention), getattr(b, policy.mlp),
+                     getattr(b, policy.moe.experts) if policy.moe_beside_mlp(b) else None)
               for b in getattr(base, policy.layers)]
     return _Parts(mesh, base, getattr(base, policy.embed), layers, getattr(model, policy.lm_head),
                   getattr(model, "_tsp_ropes", []), model.config.vocab_size)
@@ -463,6 +465,7 @@ def decode_step(model: nn.Module, cache: ShardedKVCache, tokens: torch.Tensor,
         cache.positions[:, slot] = positions
         cache.length += 1
     modules = [parts.embed] + [m for layer in parts.layers for m in (layer.attn, layer.mlp)]
+    modules += [layer.experts for layer in parts.layers if layer.experts is not None]  # beside
     # the model's own forward on one token per row; a length-dependent rope gets max(pos) + 1,
     # as in HF's generate (every rank shares the positions)
     with _mode(modules, _Decode(parts, cache, slot, positions)), \

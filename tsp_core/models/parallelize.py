@@ -30,6 +30,7 @@ from ..layers.moe import (
     SCHEDULES,
     MoESpec,
     TSPMoE,
+    TSPRouter,
     check_moe_shape,
     choose_schedule,
     load_balancing_loss,
@@ -366,7 +367,8 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
         raise ValueError(f"{type(model).__name__}: {'; '.join(refused)} not implemented by TSP")
     layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
     sparse = [policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers]
-    spec = _moe_spec(c, policy, mesh) if any(sparse) else None
+    beside = any(policy.moe_beside_mlp(layer) for layer in layers)  # Gemma 4's MoE block
+    spec = _moe_spec(c, policy, mesh) if any(sparse) or beside else None
     dense_size = getattr(c, policy.dense_intermediate_size)
     # what is cut into tsp_size slices: each dense MLP's width (Gemma 4's double-wide ones)
     widths = sorted({_mlp_width(getattr(layer, policy.mlp), c, policy)
@@ -743,7 +745,8 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
                          f"{('auto', *SCHEDULES)}")
     policy = policy or find_policy(model)
     _check_moe_policy(model, policy)
-    if policy.moe is not None and moe_schedule == "auto":
+    if policy.moe is not None and moe_schedule == "auto" and getattr(
+            model.config, policy.moe.num_experts, None):  # not a dense Gemma 4 (moe_beside_mlp)
         moe_schedule = choose_schedule(_moe_spec(model.config, policy, mesh), moe_tokens_per_rank)
     _check(model, mesh, policy, moe_schedule)
     c = model.config
@@ -857,6 +860,12 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
                 activation=ACTIVATIONS[_activation(c)],
                 bias=_linear(mlp, "gate_proj", policy.fused_in("mlp")).bias is not None,
                 init_seed=None, **opts))
+        if policy.moe_beside_mlp(layer):  # Gemma 4: the layer calls its router and experts
+            spec = _moe_spec(c, policy, mesh)
+            replace(layer, policy.moe.router, TSPRouter(mesh, spec, init_seed=None, **opts))
+            replace(layer, policy.moe.experts, TSPMoE(
+                mesh, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k,
+                **spec.options(), schedule=moe_schedule, init_seed=None, **opts))
         for norm in policy.layer_norms:
             old = getattr(layer, norm)
             replace(layer, norm, TSPRMSNorm(mesh, c.hidden_size, _eps(old), policy.norm,

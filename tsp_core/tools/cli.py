@@ -70,8 +70,10 @@ def simulate_main(args: argparse.Namespace) -> int:
     for r in requests:  # before any process starts
         check_dp_shard(r.layout, r.tp * r.cp, r.dp_shard)
         check_request(r)
+    from ..models.parallelize import _config_shape  # Gemma 4's heads differ per layer
+
     print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"heads {config.num_attention_heads}/{config.num_key_value_heads}, intermediate "
+          f"heads {config.num_attention_heads}/{_config_shape(config)[1]}, intermediate "
           f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}; batch "
           f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; "
           + (f"FSDP2 dp_shard {','.join(map(str, args.dp_shard))}; " if fsdp else "")

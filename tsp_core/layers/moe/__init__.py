@@ -11,6 +11,10 @@ float32, top-k, the top-k weights renormalised (Mixtral always, Qwen3-MoE with
 router logits (``router_logits``, local tokens only) for the load-balancing loss, which
 :func:`load_balancing_loss` computes over the global batch as one process does.
 
+Gemma 4 calls its router and experts apart, beside the layer's dense MLP: :class:`TSPRouter`
+(the "normed_softmax" router, replicated) routes, and a :class:`TSPMoE` with ``router_apart``
+runs the experts on the routing it is handed, under either schedule below.
+
 Two schedules (docs/moe.md), chosen per layer at construction (``schedule``): "expert" above
 (E/D whole experts per rank, routed copies move: about 4 T k h b (D-1)/D bytes per rank per
 step for T local tokens) and "ring": every expert's intermediate channels split 1/D (gate, up and
@@ -39,7 +43,15 @@ from .choice import SCHEDULES, MoEScheduleBytes, choose_schedule, moe_bytes
 from .dispatch import dispatch_combine
 from .experts import expert_views, glu, glu_backward
 from .module import TSPMoE
-from .routing import dense_weights, load_balancing_loss, recomputing, route, router_logits
+from .router import TSPRouter
+from .routing import (
+    dense_weights,
+    load_balancing_loss,
+    recomputing,
+    route,
+    route_tokens,
+    router_logits,
+)
 from .spec import (
     EXPERT_ACTIVATIONS,
     LAYOUTS,
@@ -50,6 +62,6 @@ from .spec import (
 )
 
 __all__ = ["EXPERT_ACTIVATIONS", "LAYOUTS", "ROUTERS", "SCHEDULES", "MoEScheduleBytes", "MoESpec",
-           "TSPMoE", "check_moe_shape", "check_router", "choose_schedule", "dense_weights",
-           "dispatch_combine", "expert_views", "glu", "glu_backward", "load_balancing_loss",
-           "moe_bytes", "recomputing", "route", "router_logits"]
+           "TSPMoE", "TSPRouter", "check_moe_shape", "check_router", "choose_schedule",
+           "dense_weights", "dispatch_combine", "expert_views", "glu", "glu_backward",
+           "load_balancing_loss", "moe_bytes", "recomputing", "route", "route_tokens", "router_logits"]

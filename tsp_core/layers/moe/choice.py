@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .spec import MoESpec
@@ -34,15 +35,18 @@ class MoEScheduleBytes:
 
 
 def moe_bytes(E: int, k: int, Fe: int, h: int, tokens_per_rank: float, d: int, b: int = 2,
-              forward_passes: int = 1, shared: int = 0) -> MoEScheduleBytes:
+              forward_passes: int = 1, shared: int = 0, router_extra: int = 0
+              ) -> MoEScheduleBytes:
     """:func:`tsp_core.plan.traffic.moe_schedule_bytes` of E experts of Fe channels, top k, hidden h
     (what :func:`choose_schedule` decides with). ``shared``: the shared experts' intermediate
     size; they run as the dense TSP MLP under both schedules (their channel slices travel, no
     token moves: 3 Fs h b (D-1)/D forward, (2D-1)/D of it backward), so they add the same bytes
-    to both and leave the crossover where it is."""
+    to both and leave the crossover where it is. ``router_extra``: the router's numbers beyond
+    its [E, h] weight (Gemma 4's scale [h] and per-expert scales [E]), whose gradients are
+    all-reduced with it under both schedules (the crossover stays too)."""
     f = (d - 1) / d
     per_token = f * 2 * k * h * b                   # one all-to-all pair per token, one pass
-    router = f * 2 * E * h * b
+    router = f * 2 * (E * h + router_extra) * b
     dense = 3 * shared * h * b                      # the shared experts' weights
     a_fw = per_token * tokens_per_rank + f * 8 * E + f * dense
     a_bw = per_token * tokens_per_rank + router + (f + 1) * dense
@@ -68,7 +72,9 @@ def choose_schedule(spec: MoESpec, tokens_per_rank: int | None, forward_passes: 
     tokens at D = 8)."""
     if tokens_per_rank is None:
         return "expert"
+    router = sum(math.prod(shape) for shape in spec.router_shapes().values())
     bytes_ = moe_bytes(spec.num_experts, spec.top_k, spec.intermediate_size, spec.hidden_size,
                        tokens_per_rank, spec.tsp_size, forward_passes=forward_passes,
-                       shared=spec.shared_intermediate_size)
+                       shared=spec.shared_intermediate_size,
+                       router_extra=router - spec.num_experts * spec.hidden_size)
     return "expert" if bytes_.choice == "a" else "ring"

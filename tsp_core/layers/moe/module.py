@@ -27,7 +27,7 @@ from .choice import SCHEDULES
 from .dispatch import dispatch_combine
 from .experts import expert_views, glu
 from .ring import _RingExpertsFn
-from .routing import dense_weights, recomputing, route, router_logits
+from .routing import dense_weights, recomputing, route_tokens
 from .spec import MoESpec, check_moe_shape, check_router
 
 
@@ -44,7 +44,9 @@ class TSPMoE(TokenTiled, ShardedModule):
     fused ``gate_up_proj`` in every full state dict and checkpoint; an "interleaved" slice of
     channels is one run of columns of ``gate_up_proj``). ``options``: the other
     :class:`MoESpec` fields. ``forward(x)`` takes this rank's tokens [B, S/D, h] (``returns_pair``:
-    see :meth:`forward`)."""
+    see :meth:`forward`). With ``router_apart`` (Gemma 4) the module is the experts alone,
+    named as Hugging Face's experts module names them (``gate_up_proj``, ``down_proj``), and
+    ``forward(x, experts, weights)`` takes the routing of a :class:`TSPRouter`."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, intermediate_size: int, num_experts: int,
                  top_k: int, *, schedule: str = "expert", dtype: torch.dtype | None = None,
@@ -77,22 +79,25 @@ class TSPMoE(TokenTiled, ShardedModule):
         self.mesh, self.schedule = mesh, schedule
         h, f, e = hidden_size, intermediate_size, num_experts
         r = s.router_name
-        self.router_names = (f"{r}.weight", *((f"{r}.bias",) if s.router_bias else ()))
-        shapes = {f"{r}.weight": (e, h), f"{r}.bias": (e,)}
+        # the router's tensors by their names here and in it (none: a TSPRouter routes)
+        self.router_parts = {} if s.router_apart else {
+            f"{r}.{n}": n for n in s.router_shapes()}
+        self.router_names = tuple(self.router_parts)
+        shapes = {f"{r}.{n}": shape for n, shape in s.router_shapes().items()}
+        ex = self.experts_prefix = "" if s.router_apart else "experts."
         rows = s.layout == "rows"
         gate_up, down = ((e, 2 * f, h), (e, h, f)) if rows else ((e, h, 2 * f), (e, f, h))
         if schedule == "expert" or s.layout == "interleaved":
-            self.expert_names = ("experts.gate_up_proj", "experts.down_proj",
-                                 *(("experts.gate_up_proj_bias",) if s.expert_bias else ()))
-            shapes.update({"experts.gate_up_proj": gate_up, "experts.down_proj": down,
-                           "experts.gate_up_proj_bias": (e, 2 * f)})
+            self.expert_names = (f"{ex}gate_up_proj", f"{ex}down_proj",
+                                 *((f"{ex}gate_up_proj_bias",) if s.expert_bias else ()))
+            shapes.update({f"{ex}gate_up_proj": gate_up, f"{ex}down_proj": down,
+                           f"{ex}gate_up_proj_bias": (e, 2 * f)})
         else:  # the ring's gate and up slices, fused by name below
-            self.expert_names = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+            self.expert_names = (f"{ex}gate_proj", f"{ex}up_proj", f"{ex}down_proj")
             part = (e, f, h) if rows else (e, h, f)
-            shapes.update({"experts.gate_proj": part, "experts.up_proj": part,
-                           "experts.down_proj": down})
-        self.down_bias = ("experts.down_proj_bias",) if s.expert_bias else ()
-        shapes["experts.down_proj_bias"] = (e, h)
+            shapes.update({f"{ex}gate_proj": part, f"{ex}up_proj": part, f"{ex}down_proj": down})
+        self.down_bias = (f"{ex}down_proj_bias",) if s.expert_bias else ()
+        shapes[f"{ex}down_proj_bias"] = (e, h)
         # the shared experts: TSPGatedMLP's parameters and schedule, on this rank's own tokens
         self.shared = tuple(f"{s.shared_name}.{p}_proj.weight" for p in ("gate", "up", "down"))
         shapes.update({self.shared[0]: (fs, h), self.shared[1]: (fs, h), self.shared[2]: (h, fs)})
@@ -101,11 +106,12 @@ class TSPMoE(TokenTiled, ShardedModule):
         self.full_shapes = {n: shapes[n] for n in self.names}
         self.router_logits: torch.Tensor | None = None
         full = init_full(self.full_shapes, init_seed, dtype, device)
-        if router_dtype is not None:  # GLM-4.5's router weight stays float32 in a bf16 model
-            full[f"{r}.weight"] = full[f"{r}.weight"].to(router_dtype)
+        if router_dtype is not None and self.router_names:  # GLM-4.5's router weight stays
+            weight = self.router_names[0]                    # float32 in a bf16 model
+            full[weight] = full[weight].to(router_dtype)
         self._create(full)
         if schedule == "ring" and s.layout != "interleaved":
-            self.fuse_tensors("experts.gate_up_proj", ("experts.gate_proj", "experts.up_proj"),
+            self.fuse_tensors(f"{ex}gate_up_proj", (f"{ex}gate_proj", f"{ex}up_proj"),
                               1 if rows else 2)
         if s.correction_bias:  # a buffer (not trained), float32 at least, as Hugging Face keeps it
             wide = torch.promote_types(dtype or torch.get_default_dtype(), torch.float32)
@@ -128,13 +134,12 @@ class TSPMoE(TokenTiled, ShardedModule):
                 with torch.no_grad():
                     self.router_module.e_score_correction_bias.copy_(source.read(name, None, 0, 0))
 
-    def _route(self, x2: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None
-               ) -> tuple[torch.Tensor, ...]:
-        """(logits, top-k weights, experts) of tokens x2 [N, h] with router weight ``router``
-        (and logits bias ``bias``)."""
-        logits = router_logits(x2, router, self.spec, bias)
+    def _route(self, x2: torch.Tensor, router: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """(logits, top-k weights, experts) of tokens x2 [N, h] with the router's tensors
+        ``router`` (in ``router_names``' order)."""
         choice = self.router_module.e_score_correction_bias if self.spec.correction_bias else None
-        return (logits, *route(logits, self.spec, choice))
+        named = dict(zip(self.router_parts.values(), router))
+        return route_tokens(x2, named, self.spec, choice)
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -153,22 +158,38 @@ class TSPMoE(TokenTiled, ShardedModule):
         if self.schedule == "expert":
             return even_spec(s.num_experts, rank, s.tsp_size, 0)
         # the ring: the intermediate channels' dim ([E, F or 2F, ...] or [E, ..., F or 2F])
-        down = name == "experts.down_proj"
+        down = name == f"{self.experts_prefix}down_proj"
         dim = (2 if down else 1) if s.layout == "rows" else (1 if down or "bias" in name else 2)
         return even_spec(self.full_shapes[name][dim], rank, s.tsp_size, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """This rank's tokens' output; with ``returns_pair`` (gpt-oss's and Llama 4's blocks
-        return a pair their layer unpacks) (output, router logits)."""
+        return a pair their layer unpacks) (output, router logits). With ``router_apart``: the
+        experts' output of tokens x [N, h] routed by the caller's TSPRouter to ``top_k_index``
+        with ``top_k_weights`` [N, k] (Hugging Face's experts' signature)."""
+        if self.spec.router_apart:
+            if top_k_index is None or top_k_weights is None:
+                raise ValueError("these experts are routed by a TSPRouter apart (router_apart): "
+                                 "call them as experts(x, top_k_index, top_k_weights)")
+            routed = (top_k_weights, top_k_index)
+            if self.tsp_decode is not None:  # generation (what tsp_decode.mlp does for a TSPMoE)
+                return self.decode_step(x, routed)
+            return self._forward(x, routed)[0]
         if self.tsp_decode is not None:  # generation: x identical on every rank
             y = self.tsp_decode.mlp(self, x)
             return (y, None) if self.returns_pair else y
         y, logits = self._forward(x)
         return (y, logits) if self.returns_pair else y
 
-    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, router logits) of this rank's tokens x; ``routed``: their (top-k weights,
+        experts) from a router apart (the logits are then None)."""
         s = self.spec
-        check_local_input(x, s.hidden_size)
+        # routed apart, the tokens come flat, [N, h], as Hugging Face's experts take them
+        check_local_input(x[None] if routed is not None and x.dim() == 2 else x, s.hidden_size)
         x, weights, context = schedule_inputs(self, list(self.names[len(self.router_names):]), x)
         experts_weights = weights[:len(self.expert_names)]
         down_bias = weights[len(self.expert_names):][:len(self.down_bias)]
@@ -179,7 +200,8 @@ class TSPMoE(TokenTiled, ShardedModule):
         with context:
             x2 = x.reshape(-1, s.hidden_size)
             router = [comm.sum_grad(w, self.mesh.group) for w in router]
-            logits, weights, experts = self._route(x2, *router, *(None,) * (2 - len(router)))
+            logits, weights, experts = ((None, *routed) if routed is not None
+                                        else self._route(x2, router))
             if not recomputing():  # the load-balancing loss reads the forward's, not a recompute's
                 self.router_logits = logits
             if self.schedule == "expert":
@@ -205,15 +227,20 @@ class TSPMoE(TokenTiled, ShardedModule):
                 y = y + _TSPGatedMLPFn.apply(x, spec, self.mesh.group, tile, *shared)
         return y, logits
 
-    def decode_step(self, x: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, x: torch.Tensor,
+                    routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Generation: ``x`` [..., h] identical on every rank; each rank adds what it holds (its
         own experts, or its channels of every expert) for each token's experts, weighted; an
         all-reduce sums them. No token or weight moves. Replicated tensors (the down-projection
-        biases) are added after the sum, once."""
+        biases) are added after the sum, once. ``routed``: (top-k weights, experts) from a
+        router apart."""
         s = self.spec
         x2 = x.reshape(-1, s.hidden_size)
-        router = [local(self.get_parameter(n)) for n in self.router_names]
-        _, weights, experts = self._route(x2, *router, *(None,) * (2 - len(router)))
+        if routed is None:
+            router = [local(self.get_parameter(n)) for n in self.router_names]
+            _, weights, experts = self._route(x2, router)
+        else:
+            weights, experts = routed
         tensors = [local(self.get_parameter(n)) for n in self.expert_names]
         expert = self.schedule == "expert"
         first, owned = ((self.mesh.rank * s.local_experts, range(s.local_experts)) if expert

@@ -3,13 +3,14 @@ load-balancing loss over the global batch."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...distributed import comm
+from ..norm import unscaled_norm
 from .spec import MoESpec
 
 
@@ -21,18 +22,33 @@ def recomputing() -> bool:
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, spec: MoESpec,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Router logits [N, E] of tokens x [N, h] (plus ``bias``, gpt-oss): in the input's dtype,
     except for the sigmoid router, float32 at least (GLM-4.5 casts the input and the weight to
-    float32; a float64 model stays float64)."""
+    float32; a float64 model stays float64). "normed_softmax" (Gemma 4): of the input's RMSNorm
+    without a weight (Gemma 4's numerics) times ``scale`` [h] and h**-0.5, in Hugging Face's
+    order."""
     if spec.router == "sigmoid":
         wide = torch.promote_types(x.dtype, torch.float32)
         return F.linear(x.to(wide), weight.to(wide))
+    if spec.router == "normed_softmax":
+        x = unscaled_norm(x, "gemma4", spec.router_eps) * scale * spec.hidden_size ** -0.5
     return F.linear(x, weight, bias)
 
 
-def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_tokens(x: torch.Tensor, router: Mapping[str, torch.Tensor], spec: MoESpec,
+                 choice_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(logits, top-k weights, experts) of tokens x [N, h] by the router's tensors ``router``,
+    named as :meth:`MoESpec.router_shapes` names them (``choice_bias``: GLM-4.5's correction
+    bias)."""
+    weight = router["proj.weight" if spec.router == "normed_softmax" else "weight"]
+    logits = router_logits(x, weight, spec, router.get("bias"), router.get("scale"))
+    return (logits, *route(logits, spec, choice_bias, router.get("per_expert_scale")))
+
+
+def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None,
+          expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, expert indices) [N, k] of router logits [N, E], Hugging Face's numerics.
     "softmax" (Mixtral, Qwen3-MoE): softmax in float32, top-k, renormalised, and cast back for
     Qwen3-MoE. "sigmoid" (GLM-4.5): scores sigmoid(logits); the choice ranks scores + ``bias``
@@ -40,12 +56,16 @@ def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
     ``topk_group`` groups whose best two sum highest, then the top-k inside them; the weights
     are the chosen experts' scores, renormalised (``norm_topk``). "topk_softmax" (gpt-oss): the
     top-k logits, softmax over them in the logits' dtype. "topk_sigmoid" (Llama 4): the top-k
-    logits, the sigmoid of each in float32 at least, cast back. All: times ``routed_scaling``."""
-    if spec.router == "softmax":
+    logits, the sigmoid of each in float32 at least, cast back. "normed_softmax" (Gemma 4):
+    "softmax"'s, then each weight times its expert's ``expert_scale`` [E] (its per_expert_scale).
+    All: times ``routed_scaling``."""
+    if spec.router in ("softmax", "normed_softmax"):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, spec.top_k, dim=-1)
         if spec.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if spec.router == "normed_softmax":
+            weights = weights * expert_scale[experts]
     elif spec.router == "sigmoid":
         scores = logits.sigmoid()
         choice = scores if bias is None else scores + bias

@@ -37,10 +37,23 @@ class MoESpec:
     expert_bias: bool = False           # gate_up_proj_bias [E, 2F], down_proj_bias [E, h]
     swiglu_limit: float = 7.0           # "swiglu_clamped": gate <= limit, |up| <= limit
     swiglu_alpha: float = 1.702         # ... gate * sigmoid(alpha * gate) * (up + 1)
+    router_eps: float = 1e-6            # "normed_softmax": the epsilon of its weightless norm
+    # the router is a module of its own (TSPRouter) that the family's layer calls apart, then
+    # hands the experts their routing: experts(x, top-k experts, top-k weights) (Gemma 4)
+    router_apart: bool = False
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.tsp_size
+
+    def router_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The router's tensors, by name in its module, and their shapes: its weight [E, h] and,
+        with ``router_bias``, its bias [E]; "normed_softmax" (Gemma 4): ``proj.weight`` [E, h],
+        the input's ``scale`` [h] and the ``per_expert_scale`` [E]."""
+        E, h = self.num_experts, self.hidden_size
+        if self.router == "normed_softmax":
+            return {"proj.weight": (E, h), "scale": (h,), "per_expert_scale": (E,)}
+        return {"weight": (E, h), **({"bias": (E,)} if self.router_bias else {})}
 
     def options(self) -> dict:
         """The keyword arguments of :class:`TSPMoE` beyond the shapes: how it routes, how its
@@ -52,8 +65,10 @@ class MoESpec:
 
 # "softmax": softmax of every logit, top-k (Mixtral, Qwen3-MoE); "sigmoid": GLM-4.5's;
 # "topk_softmax": top-k logits, softmax over them (gpt-oss); "topk_sigmoid": top-k logits,
-# sigmoid of each (Llama 4)
-ROUTERS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
+# sigmoid of each (Llama 4); "normed_softmax": "softmax" of the logits of the input RMS-normed
+# without a weight, times a learned scale [h] and h**-0.5, the top-k weights times a learned
+# per-expert scale (Gemma 4)
+ROUTERS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "normed_softmax")
 # the experts' tensors as Hugging Face stores them: "rows" gate_up_proj [E, 2F, h] (gate rows,
 # then up) and down_proj [E, h, F] (Mixtral, Qwen3-MoE, GLM-4.5); "columns" [E, h, 2F] (gate
 # columns, then up) and [E, F, h] (Llama 4); "interleaved" [E, h, 2F] with gate and up in
@@ -73,6 +88,9 @@ def check_router(spec: MoESpec) -> None:
         raise ValueError(f"experts layout {spec.layout!r} is not one of {LAYOUTS}")
     if spec.activation not in EXPERT_ACTIVATIONS:
         raise ValueError(f"activation {spec.activation!r} is not one of {EXPERT_ACTIVATIONS}")
+    if spec.router == "normed_softmax" and spec.router_bias:
+        raise ValueError("the \"normed_softmax\" router (Gemma 4's) has no bias: "
+                         "router_bias=False")
     if spec.weight_input and spec.expert_bias:
         raise ValueError("weight_input (the weights scale the experts' input) with expert biases "
                          "is not implemented: no family has both")

@@ -70,12 +70,18 @@ class ExpertsPolicy:
     # the block's forward returns (hidden states, its router's output) and its decoder layer
     # unpacks the pair (gpt-oss, Llama 4); the TSP block returns (hidden states, router logits)
     returns_pair: bool = False
+    # the router and the experts are the decoder layer's own modules, beside its dense MLP, and
+    # the layer's code calls them apart: router(x) -> (probabilities, weights, experts), then
+    # experts(x', experts, weights) (Gemma 4's enable_moe_block; TSPRouter and TSPMoE with
+    # router_apart); the norms around them are the policy's layer_replicated
+    beside_mlp: bool = False
 
     def spec(self, config: Any, size: int, activation: str = "silu"):
         """The :class:`~tsp_core.layers.moe.MoESpec` of the sparse MLPs over ``size`` ranks."""
         from ...layers.moe import MoESpec
 
         options = {"activation": activation, "router_name": self.router,
+                   "router_apart": self.beside_mlp,  # the layer calls the router itself
                    **self.options(config)}  # options may set the experts' own activation
         return MoESpec(config.hidden_size, getattr(config, self.intermediate_size),
                        getattr(config, self.num_experts), getattr(config, self.top_k), size,
@@ -193,6 +199,11 @@ class DecoderPolicy:
         """Whether a layer's MLP is the family's sparse mixture-of-experts block (a layer without
         ``experts`` is a dense one: Qwen3-MoE's ``mlp_only_layers``)."""
         return self.moe is not None and hasattr(mlp, self.moe.experts)
+
+    def moe_beside_mlp(self, layer: nn.Module) -> bool:
+        """Whether a decoder layer holds an MoE beside its dense MLP (``ExpertsPolicy.beside_mlp``:
+        Gemma 4's layers with enable_moe_block have ``router`` and ``experts`` of their own)."""
+        return self.moe is not None and self.moe.beside_mlp and hasattr(layer, self.moe.experts)
 
     def fused_in(self, role: str) -> dict[str, tuple[str, ...]]:
         """The fused projections of ``role`` ("attention" or "mlp"): fused name -> parts."""

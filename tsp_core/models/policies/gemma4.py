@@ -15,13 +15,21 @@ final logit soft-cap) with Gemma 4's numerics and features:
 - KV-shared layers (``num_kv_shared_layers``): the last layers attend with the K/V of the last
   earlier layer of their type (``kv_sharing``: that layer's schedule hands over this rank's
   tokens' K/V and takes their gradient back), with MLPs of their own width
-  (``use_double_wide_mlp``, read per layer).
+  (``use_double_wide_mlp``, read per layer);
+- the MoE block (``enable_moe_block``): every layer runs its dense MLP and a mixture of experts
+  side by side, both on the layer's input (the MLP after ``pre_feedforward_layernorm``, the
+  experts after ``pre_feedforward_layernorm_2``, routed by the un-normed input), each output
+  normed (``post_feedforward_layernorm_1``, ``_2``) before their sum is. The layer's own code
+  calls the ``router`` and the ``experts`` apart (``beside_mlp``): the router is a
+  :class:`~tsp_core.layers.moe.TSPRouter` of kind "normed_softmax" (a weightless RMSNorm, the
+  learned ``scale`` and h**-0.5, softmax top-k renormalised, times ``per_expert_scale``),
+  replicated; the experts a :class:`~tsp_core.layers.moe.TSPMoE` under either MoE schedule,
+  stored as Hugging Face stores them (``gate_up_proj`` [E, 2F, h], ``down_proj`` [E, h, F], on
+  the Hub too); the three norms are replicated. Gemma 4 has no load-balancing loss.
 
-Refused by config field (docs/families.md "Gemma 4"): ``enable_moe_block`` (a dense MLP and an
-MoE side by side in each layer, with a router of its own: TSP's MoE replaces the MLP; refused by
-its ``num_experts``), ``use_bidirectional_attention``."""
+Refused by config field (docs/families.md "Gemma 4"): ``use_bidirectional_attention``."""
 
-from .base import DecoderPolicy, register_policy
+from .base import DecoderPolicy, ExpertsPolicy, register_policy
 from .gemma import SANDWICH, _logits_softcap, _window
 
 
@@ -39,6 +47,11 @@ def _kv_sharing(config, attention):
     return None
 
 
+def _moe_options(config) -> dict:
+    """The router's kind and the epsilon of its norm (Hugging Face's ``rms_norm_eps``)."""
+    return {"router": "normed_softmax", "router_eps": config.rms_norm_eps}
+
+
 GEMMA4 = register_policy(DecoderPolicy(
     name="gemma4", model_types=("gemma4_text",), class_names=("Gemma4ForCausalLM",),
     norm="gemma4", layer_norms=SANDWICH, sliding_window=_window,
@@ -46,6 +59,10 @@ GEMMA4 = register_policy(DecoderPolicy(
     values_from_keys=_values_from_keys, extra_embeds=("embed_tokens_per_layer",),
     base_replicated=("per_layer_model_projection", "per_layer_projection_norm"),
     layer_replicated=("per_layer_input_gate", "per_layer_projection",
-                      "post_per_layer_input_norm"),
+                      "post_per_layer_input_norm", "pre_feedforward_layernorm_2",
+                      "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"),
     kv_sharing=_kv_sharing,
+    moe=ExpertsPolicy(num_experts="num_experts", intermediate_size="moe_intermediate_size",
+                      top_k="top_k_experts", router="router", hub_parts=None,
+                      options=_moe_options, aux_loss=False, beside_mlp=True),
     unsupported=(("use_bidirectional_attention", "bidirectional attention"),)))
