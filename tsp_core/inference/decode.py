@@ -48,6 +48,8 @@ from ..layers import rope
 from ..layers.attention import AttentionSpec, TSPAttention
 from ..layers.attention.latent import TSPLatentAttention
 from ..layers.attention.rounds import gated, query_scale, scale_queries, split_gate
+from ..layers.linear_attention.decode import prefill as delta_net_prefill
+from ..layers.linear_attention.decode import step as delta_net_step
 from ..layers.mlp import TSPGatedMLP, _act
 from ..layers.moe import TSPMoE
 from ..layers.norm import NORMS, unscaled_norm
@@ -135,11 +137,18 @@ def _parts(model: nn.Module) -> _Parts:
         raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize; "
                          f"generation needs a TSP model")
     base = getattr(model, policy.base_model)
-    layers = [_Layer(getattr(b, policy.attention), getattr(b, policy.mlp),
+    layers = [_Layer(_token_mixer(b, policy), getattr(b, policy.mlp),
                      getattr(b, policy.moe.experts) if policy.moe_beside_mlp(b) else None)
               for b in getattr(base, policy.layers)]
     return _Parts(mesh, base, getattr(base, policy.embed), layers, getattr(model, policy.lm_head),
                   getattr(model, "_tsp_ropes", []), model.config.vocab_size)
+
+
+def _token_mixer(layer: nn.Module, policy: Any) -> nn.Module:
+    """A decoder layer's attention, or its Gated DeltaNet (``policy.linear_attention``)."""
+    if policy.linear_attention and hasattr(layer, policy.linear_attention):
+        return getattr(layer, policy.linear_attention)
+    return getattr(layer, policy.attention)
 
 
 @contextlib.contextmanager
@@ -159,8 +168,16 @@ class _Prefill:
 
     decoding = False
 
-    def __init__(self, sink) -> None:
-        self.sink = sink
+    def __init__(self, sink, lengths: torch.Tensor | None = None) -> None:
+        self.sink, self.lengths = sink, lengths
+
+    def delta_net(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A Gated DeltaNet layer: its TSP forward, its state left on the layer
+        (tsp_core.layers.linear_attention.decode); an empty cache entry keeps the layers'
+        indices."""
+        B, L = x.shape[:2]
+        self.sink(x.new_zeros(1, 2, B, 0, L, 0))
+        return delta_net_prefill(module, x, self.lengths)
 
 
 class _Decode:
@@ -178,6 +195,10 @@ class _Decode:
 
     def embed(self, module: TSPEmbedding, ids: torch.Tensor) -> torch.Tensor:
         return _embed_rows(self.parts, ids)
+
+    def delta_net(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A Gated DeltaNet layer's step: its state, not a cache."""
+        return delta_net_step(module, x)
 
     def mlp(self, module: TSPGatedMLP | TSPMoE, x: torch.Tensor) -> torch.Tensor:
         if isinstance(module, TSPMoE):
@@ -299,7 +320,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     # the model's own forward (the TSP schedules inside); a length-dependent rope sees what HF's
     # generate gives it: positions cumsum(mask) - 1, so max + 1 = the longest prompt
-    with _mode([layer.attn for layer in parts.layers], _Prefill(sink)), \
+    with _mode([layer.attn for layer in parts.layers], _Prefill(sink, lengths)), \
             rope.global_length(parts.ropes, longest):
         x = parts.base(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
     # the final hidden state of each row's last prompt token, from whichever rank holds it

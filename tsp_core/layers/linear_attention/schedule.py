@@ -185,10 +185,12 @@ class _Prepared:
 
 
 def _prepare(x: torch.Tensor, halo: torch.Tensor, u: _Unit, w: list[torch.Tensor],
-             spec: DeltaNetSpec) -> _Prepared:
+             spec: DeltaNetSpec, valid: torch.Tensor | None = None) -> _Prepared:
     """Projections, causal convolution over halo + own tokens, SiLU, the decay and beta, the
     key heads repeated to the value heads, q and k L2-normalised and q scaled: Hugging Face's
-    ``Qwen3_5GatedDeltaNet.forward`` up to the delta rule, for one head group."""
+    ``Qwen3_5GatedDeltaNet.forward`` up to the delta rule, for one head group. ``valid``
+    [rows, T] (prefill): tokens past a row's prompt get beta 0 and decay 1, so they leave the
+    state as the prompt's last token left it."""
     wq, wk, wv, wz, wb, wa, cq, ck, cv, a_log, dt_bias, _ = w
     xu = x[list(u.rows), u.start:u.start + u.length]
     xs = torch.cat([halo.to(xu.dtype), xu], dim=1)
@@ -201,6 +203,8 @@ def _prepare(x: torch.Tensor, halo: torch.Tensor, u: _Unit, w: list[torch.Tensor
     cd = compute_dtype(x.dtype)
     beta = torch.sigmoid(F.linear(xu, wb))
     g = -a_log.to(cd).exp() * F.softplus(F.linear(xu, wa).to(cd) + dt_bias)
+    if valid is not None:
+        beta, g = beta * valid[..., None].to(beta.dtype), g * valid[..., None].to(g.dtype)
     rep = nv // nk
     q, k = (t.reshape(R, T, nk, dk).repeat_interleave(rep, dim=2) for t in (q, k))
     q, k, v, g, beta = (t.transpose(1, 2).to(cd) for t in (q, k, v.reshape(R, T, nv, dv), g, beta))
@@ -242,15 +246,56 @@ def _incoming(maps_all: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
     return out
 
 
-def _round(x, tails_all, w, norm_w, lay: _Layout, group, spec: DeltaNetSpec):
+def _final(maps_all: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """The state after the last chunk of sequence 0 (prefill: one sequence of every row)."""
+    sizes = [torch.Size(s).numel() for s in lay.map_shape]
+    per_rank = [_split_flat(maps_all[q], sizes) for q in range(maps_all.shape[0])]
+    state = None
+    for j in range(lay.n_chunks):
+        q, k = lay.source(0, j)
+        m = per_rank[q][k].view(lay.map_shape[k])
+        state = m[..., lay.spec.head_k_dim:] if state is None else apply_map(m, state)
+    return state
+
+
+def _valid(u: _Unit, lay: _Layout, lengths: torch.Tensor | None) -> torch.Tensor | None:
+    """Which of a unit's tokens lie inside their row's prompt (prefill), None: all."""
+    if lengths is None:
+        return None
+    pos = lay.chunk(u) * u.length + torch.arange(u.length, device=lengths.device)
+    return pos[None] < lengths[list(u.rows)][:, None]
+
+
+def _round(x, tails_all, w, norm_w, lay: _Layout, group, spec: DeltaNetSpec, lengths=None):
     """One round's local work up to the maps: (prepared units, own maps flat, gathered maps)."""
     h = spec.hidden_size
     halos = _halos(tails_all, lay, h)
-    preps = [_prepare(x, halo, u, w, spec) for u, halo in zip(lay.units, halos)]
+    preps = [_prepare(x, halo, u, w, spec, _valid(u, lay, lengths))
+             for u, halo in zip(lay.units, halos)]
     own = torch.cat([chunk_map(p.q, p.k, p.v, p.g, p.beta).reshape(-1) for p in preps])
     gathered = own.new_empty(spec.tsp_size, own.numel())
     comm.all_gather(gathered, own.detach().contiguous(), group)
     return preps, own, gathered
+
+
+def run_forward(x, norm_w, spec: DeltaNetSpec, group, docs, weights, lengths=None):
+    """The forward schedule: (output, None), or with ``lengths`` [B] (prefill: each row's prompt
+    length; unpacked rows) (output, the state after each row's prompt of this rank's own head
+    group [B, nv/D, d_k, d_v], composed from the gathered maps of its own round)."""
+    me = dist.get_rank(group)
+    lay = _Layout(_units(docs, x.shape[0], x.shape[1], spec)[0], spec, me)
+    pack = FlatPack(spec.round_shapes())
+    tails_all = _gather_tails(x, lay, group)
+    y, final = torch.zeros_like(x), None
+    for r, buf in _Rounds(pack.pack(weights), group):
+        w = pack.unpack(buf)
+        preps, _own, gathered = _round(x, tails_all, w, norm_w, lay, group, spec, lengths)
+        for u, p, s in zip(lay.units, preps, _incoming(gathered, lay)):
+            y[list(u.rows), u.start:u.start + u.length] += _output(p, s, w, norm_w, spec,
+                                                                   x.dtype)
+        if lengths is not None and r == me:
+            final = _final(gathered, lay)
+    return y, final
 
 
 class GatedDeltaNetFn(torch.autograd.Function):
@@ -259,16 +304,7 @@ class GatedDeltaNetFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_w, spec: DeltaNetSpec, group, docs, *weights):
-        lay = _Layout(_units(docs, x.shape[0], x.shape[1], spec)[0], spec, dist.get_rank(group))
-        pack = FlatPack(spec.round_shapes())
-        tails_all = _gather_tails(x, lay, group)
-        y = torch.zeros_like(x)
-        for _r, buf in _Rounds(pack.pack(weights), group):
-            w = pack.unpack(buf)
-            preps, _own, gathered = _round(x, tails_all, w, norm_w, lay, group, spec)
-            for u, p, s in zip(lay.units, preps, _incoming(gathered, lay)):
-                y[list(u.rows), u.start:u.start + u.length] += _output(p, s, w, norm_w, spec,
-                                                                       x.dtype)
+        y, _ = run_forward(x, norm_w, spec, group, docs, weights)
         ctx.save_for_backward(x, norm_w, *weights)
         ctx.spec, ctx.group, ctx.docs = spec, group, docs
         return y
