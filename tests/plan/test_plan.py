@@ -558,3 +558,53 @@ def test_dp_shard_bad_input_names_the_numbers(capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--model", "tiny", "--gpu", "h100", "--dp-shard", "0,4"])
     assert "dp_shard sizes must be at least 1 (1: no FSDP2), got '0,4'" in capsys.readouterr().err
+
+
+def test_qwen3_5_preset_and_its_linear_attention_layers(tmp_path):
+    """qwen3.5: transformers' Qwen3_5TextConfig defaults (the Qwen3.5-9B text model: 8.95e9
+    parameters, 24 Gated DeltaNet layers and 8 full-attention ones). tsp plan's closed forms
+    refuse its linear-attention layers by field and value and point to tsp simulate, which takes
+    a tiny config of both kinds of layer; a config of full-attention layers only is planned with
+    the output gate's q_proj rows (attention weights h (3 q_width + 2 kv_width), the Hugging Face
+    layer's count)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.support import hf_models
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.simulate import model_config
+
+    config = model_config("qwen3.5")
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers,
+            config.layer_types.count("linear_attention"),
+            config.layer_types.count("full_attention")) == ("qwen3_5_text", 4096, 32, 24, 8)
+    (total,) = preset_parameters("qwen3.5", (32,))
+    assert total == 8_953_803_264
+    with pytest.raises(ValueError, match=r"^Qwen3_5TextConfig: config\.layer_types\[0\]="
+                                         r"'linear_attention' \(24 of 32 layers are linear "
+                                         r"attention, Gated DeltaNet\); .*estimate this model "
+                                         r"with tsp simulate"):
+        model_shape("qwen3.5", None)
+    with torch.device("meta"):
+        full = AutoModelForCausalLM.from_config(model_config("qwen3.5", layers=4))
+    attn = full.model.layers[3].self_attn  # the preset's first full-attention layer
+    weights = sum(getattr(attn, n).weight.numel() for n in ("q_proj", "k_proj", "v_proj",
+                                                            "o_proj"))
+    config.layer_types = ["full_attention"] * 32
+    from tsp_core.plan.traffic import ModelShape
+
+    shape = ModelShape.from_config(config)
+    assert shape.output_gate and shape.attention_weights == weights == \
+        4096 * (3 * 16 * 256 + 2 * 4 * 256)
+    # tsp simulate takes Qwen3.5's mix of Gated DeltaNet and gated full-attention layers
+    hf_models.build("qwen3_5-mixed", torch.float32).config.save_pretrained(tmp_path)
+    out = tmp_path / "sim.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--model",
+                          str(tmp_path), "--seq", "512", "--degree", "2", "--layouts", "tsp",
+                          "--json", str(out)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())
+    assert (rec["layout"], rec["degree"], rec["seq"]) == ("tsp", 2, 512)
+    assert rec["breakdown"]["parameters"] > 0

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
                    "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, "
                    "mixtral-8x7b, qwen3-30b-a3b, glm-4.5-air, gpt-oss-20b, llama-4-scout, "
-                   "small, tiny) or the path of a config.json")
+                   "qwen3.5, small, tiny) or the path of a config.json")
     p.add_argument("--layers", type=int, default=None,
                    help="override the model's layer count (default: the model's)")
     p.add_argument("--seq", type=int, default=131072, help="tokens per sequence")

@@ -356,8 +356,11 @@ def _phases(tracker, model: torch.nn.Module, layers) -> dict[str, dict[str, int]
         for phase, start, peak in (("forward", _ModState.PRE_FW, _ModState.PEAK_FW),
                                    ("backward", _ModState.PRE_BW, _ModState.PEAK_BW)):
             best: dict[str, int] | None = None
-            for layer in layers:
-                snaps = stats[getattr(layer, getattr(policy, role))].snapshots
+            for layer in layers:  # a layer without the role's module (Qwen3.5's linear-
+                module = getattr(layer, getattr(policy, role), None)  # attention ones): skipped
+                if module is None:
+                    continue
+                snaps = stats[module].snapshots
                 a, b = (_categories(on_device(snaps[m][0])) for m in (start, peak))
                 added = {k: b[k] - a.get(k, 0) for k in b}
                 if best is None or sum(added.values()) > sum(best.values()):
