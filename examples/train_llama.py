@@ -13,6 +13,10 @@ every run), the bytes each rank sent in that step and "wait %": rank 0's host ti
 collectives during another extra step, over the median step (``tsp_core.comm``'s
 ``wait_seconds``; DTensor's collectives timed the same way).
 
+``--pp 2`` cuts the model into two pipeline stages (``tsp_core.pipeline``, 1F1B, ``--microbatches``
+per step, by default 4; docs/pipeline.md): with 4 processes, pp 2 x TSP 2; the baselines do not
+run then.
+
 ``--tsp 1 --dp-shard 2`` (or, with 4 processes, ``--tsp 2 --dp-shard 2``) adds FSDP2 over the
 data-parallel ranks (docs/fsdp.md); each data-parallel rank trains on its own rows of the batch
 (``--batch``, by default one row per data-parallel rank), and the baselines run only without data
@@ -74,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--tsp", type=int, default=None, help="TSP degree (default: every process)")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline stages (tsp_core.pipeline, 1F1B; docs/pipeline.md)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="--pp > 1: micro-batches per step (default 2 x --pp)")
     ap.add_argument("--dp-shard", type=int, default=None,
                     help="FSDP2 over this many data-parallel ranks (docs/fsdp.md)")
     ap.add_argument("--baselines", default=None,
@@ -111,6 +119,19 @@ def check_args(a: argparse.Namespace, world: int) -> argparse.Namespace:
                          f"tokens/s is the median of the steps after the warm-up, and none would "
                          f"be left; pass --steps {a.warmup + 1} or more, or --warmup "
                          f"{a.steps - 1} or less")
+    if a.pp < 1 or world % a.pp:
+        raise ValueError(f"--pp ({a.pp}) must divide the number of processes ({world})")
+    if a.pp > 1 and a.checkpoint_dir is not None:
+        raise ValueError(f"--pp ({a.pp}): elastic mode (--checkpoint-dir) trains without "
+                         f"pipeline stages here; pass --pp 1")
+    if a.pp > 1:
+        from tsp_core.pipeline import split_layers
+
+        split_layers(a.layers, a.pp)  # a layer count the stages cannot share raises here
+    a.microbatches = (2 * a.pp if a.pp > 1 else 1) if a.microbatches is None else a.microbatches
+    if a.microbatches < a.pp:
+        raise ValueError(f"--microbatches ({a.microbatches}) must be at least --pp ({a.pp})")
+    world //= a.pp  # the processes of one pipeline stage
     tsp = world if a.tsp is None else a.tsp
     if tsp < 1 or world % tsp:
         raise ValueError(f"--tsp ({tsp}) must divide the number of processes ({world}); launch a "
@@ -135,14 +156,22 @@ def check_args(a: argparse.Namespace, world: int) -> argparse.Namespace:
         raise ValueError(f"--seq ({a.seq}) must be at least 2 x --tsp = {2 * tsp}: the zigzag "
                          f"layout gives every rank two chunks of each sequence; pass --seq "
                          f"{2 * tsp} or more, or a smaller --tsp")
-    a.batch = dp if a.batch is None else a.batch
+    a.batch = dp * a.microbatches if a.batch is None else a.batch
+    if a.pp > 1 and (a.batch < 1 or a.batch % (dp * a.microbatches)):
+        raise ValueError(f"--batch ({a.batch}) must be a multiple of the data-parallel size ({dp}) "
+                         f"x --microbatches ({a.microbatches}); pass --batch "
+                         f"{dp * a.microbatches}")
     if a.batch < 1 or a.batch % dp:
         raise ValueError(f"--batch ({a.batch}) must be a multiple of the data-parallel size ({dp} "
                          f"= {world} processes / --tsp {tsp}): each data-parallel rank trains on "
                          f"its own rows; pass --batch {dp} or a multiple of it")
     if a.baselines is None:
-        a.baselines = "tp,tp-sp,cp" if dp == 1 and a.checkpoint_dir is None else ""
+        a.baselines = ("tp,tp-sp,cp" if dp == 1 and a.checkpoint_dir is None and a.pp == 1
+                       else "")
     names = [n for n in a.baselines.split(",") if n]
+    if names and a.pp > 1:
+        raise ValueError(f"--baselines ({a.baselines}) run only without pipeline stages; pass "
+                         f"--baselines '' with --pp {a.pp}")
     if names and dp > 1:
         raise ValueError(f"--baselines ({a.baselines}) run only without data parallel, and this "
                          f"run has {dp} data-parallel ranks; pass --baselines '' or --tsp {world}")
@@ -187,10 +216,12 @@ def build(a: argparse.Namespace) -> LlamaForCausalLM:
 
 
 def train(model, step_fn, data: list[torch.Tensor], a: argparse.Namespace,
-          counting=contextlib.nullcontext):
+          counting=contextlib.nullcontext, track_memory: bool = True):
     """Per-step losses, tokens/s, the peak bytes of one more (tracked) step and the bytes this
     rank sent in it, and the host time blocked in collectives in another extra step over the
-    median step. ``step_fn(ids)`` runs forward and backward and returns the loss."""
+    median step. ``step_fn(ids)`` runs forward and backward and returns the loss. Without
+    ``track_memory`` (a pipeline: MemTracker takes one forward per module and step, a stage runs
+    one per micro-batch) the peak is reported as 0, printed "n/a"."""
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
 
     def step(ids: torch.Tensor) -> float:
@@ -208,6 +239,10 @@ def train(model, step_fn, data: list[torch.Tensor], a: argparse.Namespace,
     median = statistics.median(times[a.warmup:])
     with counting(), comm.track() as waited:  # every layout's collectives timed the same way
         step(data[0])
+    if not track_memory:
+        with counting(), comm.track() as sent:
+            step(data[0])
+        return losses, a.batch * a.seq / median, 0, sent.total_bytes, waited.wait_seconds / median
     tracker = MemTracker()
     tracker.track_external(model, opt)
     with tracker, counting(), comm.track() as sent:
@@ -267,7 +302,7 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
 
-    mesh = tsp_core.init_mesh(a.tsp, dp_shard=a.dp_shard)
+    mesh = tsp_core.init_mesh(a.tsp, pp_size=a.pp, dp_shard=a.dp_shard)
     if a.checkpoint_dir is not None:
         elastic(a, mesh)
         return
@@ -277,12 +312,18 @@ def main() -> None:
     initial = copy.deepcopy(plain)  # every layout starts from these weights
     runs = [("HF model, 1 process", train(
         plain, lambda ids: backward(plain(input_ids=ids, labels=ids).loss), data, a))]
-    tsp_model = tsp_core.parallelize(copy.deepcopy(initial), mesh)
     fsdp = f" + FSDP2 x {mesh.fsdp_size}" if mesh.fsdp_size > 1 else ""
-    runs.append((f"TSP{fsdp}, {dist.get_world_size()} processes", train(
-        tsp_model, lambda ids: backward(tsp_model(**tsp_core.shard_batch(
-            {"input_ids": my_rows(ids, mesh), "labels": my_rows(ids, mesh)}, mesh)).loss),
-        data, a)))
+    if a.pp > 1:  # every rank takes the global batch; the pipeline keeps its replica's rows
+        pipe = tsp_core.pipeline(copy.deepcopy(initial), mesh, microbatches=a.microbatches)
+        runs.append((f"TSP x PP {a.pp}{fsdp}, {dist.get_world_size()} processes", train(
+            pipe, lambda ids: pipe.step({"input_ids": ids, "labels": ids}), data, a,
+            track_memory=False)))
+    else:
+        tsp_model = tsp_core.parallelize(copy.deepcopy(initial), mesh)
+        runs.append((f"TSP{fsdp}, {dist.get_world_size()} processes", train(
+            tsp_model, lambda ids: backward(tsp_model(**tsp_core.shard_batch(
+                {"input_ids": my_rows(ids, mesh), "labels": my_rows(ids, mesh)}, mesh)).loss),
+            data, a)))
     world = dist.get_world_size()
     names = [n for n in a.baselines.split(",") if n]  # none with data parallel (check_args)
     for spec in (s for n in names for s in layout_specs(n, world)):
@@ -298,7 +339,7 @@ def main() -> None:
         print(f"Llama: {a.layers} layers, hidden {a.hidden}, heads {a.heads}/{a.kv_heads}, ffn "
               f"{a.ffn}, vocab {a.vocab}, {a.dtype}; batch {a.batch} x {a.seq} tokens; "
               f"TSP degree {mesh.size}, data parallel {mesh.dp_size} (FSDP2 over "
-              f"{mesh.fsdp_size})")
+              f"{mesh.fsdp_size}), pipeline stages {mesh.pp_size}")
         base = runs[0][1][0]
         print(f"{'step':>4} {'HF 1 process':>13} " + " ".join(f"{n.split(',')[0]:>13}"
                                                              for n, _ in runs[1:]))
@@ -310,7 +351,8 @@ def main() -> None:
         print(f"{'layout':<28} {'tokens/s':>9} {'MiB sent/step':>14} {'wait %':>7}   "
               f"peak MiB per rank")
         for j, (name, r) in enumerate(runs):
-            ranks = ", ".join(f"{int(p[j]) / MIB:.1f}" for p in (peaks[:1] if j == 0 else peaks))
+            ranks = ", ".join(f"{int(p[j]) / MIB:.1f}" if p[j] else "n/a"
+                              for p in (peaks[:1] if j == 0 else peaks))
             print(f"{name:<28} {r[1]:>9.0f} {r[3] / MIB:>14.1f} {100 * r[4]:>7.1f}   {ranks}")
 
 

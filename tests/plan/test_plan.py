@@ -135,6 +135,10 @@ def test_model_presets_and_config_files(tmp_path):
     llama = model_shape("llama-3.1-70b", None)
     assert (llama.hidden_size, llama.num_layers, llama.num_kv_heads) == (8192, 80, 8)
     assert llama.attention_weights == (2 + 2 / 8) * 8192 ** 2   # the Llama formula
+    big = model_shape("llama-3.1-405b", None)  # the published sizes (docs/pipeline.md)
+    assert (big.hidden_size, big.num_layers, big.num_heads, big.num_kv_heads, big.vocab_size) == \
+        (16384, 126, 128, 8, 128256)
+    assert big.active_mlp_weights == 3 * 53248 * 16384
     from transformers import Qwen3Config
 
     Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

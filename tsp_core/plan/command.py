@@ -35,7 +35,7 @@ def _shards(text: str) -> tuple[int, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                   "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, "
+                   "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, "
                    "mixtral-8x7b, qwen3-30b-a3b, glm-4.5-air, gpt-oss-20b, llama-4-scout, "
                    "qwen3.5, small, tiny) or the path of a config.json")
     p.add_argument("--layers", type=int, default=None,

@@ -75,6 +75,15 @@ MODELS = {
                                               original_max_position_embeddings=8192)),
     "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
+    # Llama-3.1-405B, its published sizes: h 16384, 126 layers, 128 heads and 8 key/value heads of
+    # 128, intermediate 53248, vocabulary 128256, untied, Llama 3's rope scaling (theta 5e5)
+    "llama-3.1-405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                           num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
+                           tie_word_embeddings=False, max_position_embeddings=131072,
+                           rope_parameters=dict(rope_type="llama3", rope_theta=500000.0,
+                                                factor=8.0, low_freq_factor=1.0,
+                                                high_freq_factor=4.0,
+                                                original_max_position_embeddings=8192)),
     # Llama-2-70B (untied, RMSNorm, GQA with 8 key/value heads)
     "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                       num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,

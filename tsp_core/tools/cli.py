@@ -168,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
                   "gradients, optimizer states, activations and temporaries of rank 0 of each "
                   "world (no GPU needed)")
     sim.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                     "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, "
+                     "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, "
                      "mixtral-8x7b, qwen3-30b-a3b, glm-4.5-air, gpt-oss-20b, llama-4-scout, "
                      "qwen3.5, small, tiny) or the path of a "
                      "config.json (any supported family)")
