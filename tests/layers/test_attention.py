@@ -354,6 +354,35 @@ def test_output_gate_adds_no_collective(pool, tsp, nq, nkv, bias):
                 assert after[name] == pytest.approx(before[name] + grow), (name, before, after)
 
 
+def saved_for_backward(tsp: int, gate: bool) -> int:
+    """Bytes of the distinct storages one layer's forward saves for its backward (every tensor
+    autograd packs: the schedule's ``save_for_backward`` and whatever runs around it)."""
+    mesh = dist_pool.mesh(tsp)
+    layer = TSPAttention(mesh, HIDDEN, 8, 2, HEAD_DIM, qkv_bias=True, dtype=torch.float64,
+                         qk_norm_eps=1e-6, output_gate=gate)
+    x = torch.randn(2, 32 // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x, position_ids(32, mesh.rank, tsp))
+    y.sum().backward()
+    return sum(storages.values())
+
+
+def test_output_gate_keeps_nothing_more_for_backward(pool):
+    """The memory rule with the output gate: the forward keeps only this rank's own q_proj shard
+    grown by its gate rows ((nq/D) head_dim (hidden + 1) numbers); the gate itself, [B, S/D,
+    (nq/D) head_dim] of this rank's tokens per round, is recomputed in the backward, not
+    kept."""
+    for tsp in (2, 4):
+        for plain, gated in zip(*(pool.run(saved_for_backward, tsp, g) for g in (False, True))):
+            assert gated - plain == 8 // tsp * HEAD_DIM * (HIDDEN + 1) * 8, (tsp, plain, gated)
+
+
 def test_size_errors_list_exactly_the_sizes_that_work():
     # each check names the sizes that would pass it, exactly those it accepts (raised before
     # any collective: these checks need no process group)
