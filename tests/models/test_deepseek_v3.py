@@ -14,7 +14,7 @@
   the reference's router runs the same code in float64 (tests/layers/test_moe.py's
   float64_glm_router, the same router code as GLM-4.5's).
 - The collectives of one MLA layer at tsp 2 and 4: calls and bytes equal
-  ``latent_collectives`` (docs/design.md "Multi-head latent attention").
+  ``latent_collectives`` (docs/design.md "Multi-head latent attention (DeepSeek-V3)").
 - The memory rule under fake tensors: what one layer of DeepSeek-V3's attention keeps for the
   backward is the same at D = 4 and D = 8 for the same local tokens (nothing grows with the
   gathered sequence) and within the named floor of local tensors.

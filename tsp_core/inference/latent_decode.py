@@ -1,5 +1,5 @@
 """Decode of multi-head latent attention (DeepSeek-V3's MLA) over a sequence-sharded LATENT cache
-(docs/design.md "Decode of the latent attention").
+(docs/design.md "Decode").
 
 Prefill leaves each rank the latent ``[kv_lora_rank(c_kv) normalised | k_rope rotated]`` of its
 own tokens (``latent_dim`` channels a token, every head's K/V in it), in the cache's key slots of

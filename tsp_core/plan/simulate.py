@@ -413,6 +413,10 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
                 model = AutoModelForCausalLM.from_config(config)
             finally:
                 torch.set_default_dtype(default)
+            if fsdp:  # FSDP2 takes one dtype per layer: what a model builds float32 (DeepSeek-V3's
+                for p in model.parameters():  # router) is cast, as a user must cast it
+                    if p.dtype != dtype:
+                        p.data = p.data.to(dtype)
             if ckpt is not None:  # before build: activation offload needs it
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
             # TSP: parallelize applies FSDP2 on a dp_shard mesh

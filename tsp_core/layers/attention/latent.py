@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2/V3's MLA) under TSP (docs/design.md "Multi-head
-latent attention").
+latent attention (DeepSeek-V3)").
 
 MLA projects K and V of every head from one shared latent per token: ``c_kv`` (``kv_lora_rank``
 channels, RMS-normalised) and one rotary key ``k_rope`` (``qk_rope_head_dim``) shared by all
@@ -373,7 +373,7 @@ def latent_collectives(spec: LatentSpec, batch: int, seq: int, element_bytes: in
     of :mod:`tsp_core.distributed.comm`), for ``batch`` rows of ``seq`` tokens over D =
     ``spec.tsp_size`` > 1 ranks; ``replicated``: the element counts of the replicated parameters
     (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm and their biases), each summed
-    by one all-reduce in the backward. docs/design.md "Multi-head latent attention":
+    by one all-reduce in the backward (docs/design.md "Multi-head latent attention (DeepSeek-V3)"):
 
     - forward: D broadcasts of one head group's ``[q_b | kv_b | o]`` (together ``(D-1)/D W``,
       ``W = nq (dqk q_width + (nope + dv) kv_lora_rank + dv h)``) and ONE all-gather of the
