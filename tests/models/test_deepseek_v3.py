@@ -13,6 +13,8 @@
   (float64 throughout); its router computes in float32 (``hidden_states.type(torch.float32)``):
   the reference's router runs the same code in float64 (tests/layers/test_moe.py's
   float64_glm_router, the same router code as GLM-4.5's).
+- A packed row (three documents) at tsp 2: Hugging Face's loss and gradients of the documents
+  run alone.
 - The collectives of one MLA layer at tsp 2 and 4: calls and bytes equal
   ``latent_collectives`` (docs/design.md "Multi-head latent attention (DeepSeek-V3)").
 - The memory rule under fake tensors: what one layer of DeepSeek-V3's attention keeps for the
@@ -125,6 +127,41 @@ def train_parity(tsp: int, q_lora_rank: int | None, steps: int = 3, seq: int = 2
 def test_training_parity_float64(pools, world, tsp, q_lora_rank):
     losses = pools.of(world).run(train_parity, tsp, q_lora_rank)
     assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+
+
+LENGTHS = [13, 4, 19]  # one packed row of 36 tokens: documents across zigzag chunk boundaries
+
+
+def packed_rows(tsp: int) -> None:
+    """A packed row (position_ids restarting per document, shard_batch's tsp_docs): the latent
+    attention stays inside each document (its latent gathered per document layout), so the loss
+    and every gradient are Hugging Face's on the documents run alone."""
+    import torch.nn.functional as F
+
+    mesh = dist_pool.mesh(tsp)
+    ref = build()
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    gen = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, ref.config.vocab_size, (n,), generator=gen) for n in LENGTHS]
+    labels = torch.cat([torch.cat([torch.tensor([-100]), d[1:]]) for d in docs])[None]
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    total = sum(F.cross_entropy(ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum")
+                for d in docs)
+    expected = total / sum(n - 1 for n in LENGTHS)
+    expected.backward()
+    batch = tsp_core.shard_batch({"input_ids": torch.cat(docs)[None], "labels": labels,
+                                  "position_ids": positions}, mesh)
+    loss = model(**batch).loss
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss, expected)
+    loss.backward()
+    assert_grads_close(hf_models.full_grads(model),
+                       {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
+                       f"packed row, tsp {tsp}")
+    dist.barrier()
+
+
+def test_packed_rows(pools):
+    pools.of(2).run(packed_rows, 2)
 
 
 def count_collectives(tsp: int) -> None:
