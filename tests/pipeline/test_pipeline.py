@@ -1,10 +1,11 @@
 """TSP x pipeline parallelism (tsp_core.pipeline) against the unmodified Hugging Face Llama on one
-process, float64: pp 2 x tsp 2 under 1F1B and under Interleaved1F1B (2 stages per rank), and
-pp 2 x dp_shard 2 x tsp 1 (FSDP2), 4 micro-batches whose labelled-token counts differ (so a mean
+process, float64: pp 2 x tsp 2 under 1F1B, Interleaved1F1B and InterleavedZeroBubble (2 stages
+per rank), and pp 2 x dp 2 x tsp 1 (FSDP2 over dp_shard 2, and plain replicas), 4 micro-batches whose labelled-token counts differ (so a mean
 of micro-batch means would be wrong). Each step's loss to 1e-10, the first step's gradients
 (before clipping) to 1e-10, the gradient norm the clipping sees and the weights after 3 AdamW
 steps with clipping active to 1e-8; the point-to-point counts of a step are those of
-docs/pipeline.md; bad configurations are refused on every rank before any collective."""
+docs/pipeline.md; a checkpoint saved at pp 2 x tsp 2 resumes elsewhere exactly; bad
+configurations are refused on every rank before any collective."""
 
 from __future__ import annotations
 
@@ -141,8 +142,10 @@ def test_pp2_tsp2_matches_one_process(pool, ref, schedule):
     assert total == 2 * (stages - 1) * M * 2  # 2 x (stages - 1) x M per TSP position, 2 of them
 
 
-def test_pp2_fsdp2_matches_one_process(pool, ref):
-    _check(pool.run(pipeline_run, "1F1B", 1, 2), ref, "pp2 x dp_shard2 x tsp1")
+@pytest.mark.parametrize("dp_shard", [2, None])
+def test_pp2_dp2_matches_one_process(pool, ref, dp_shard):
+    # dp_shard 2: FSDP2 over each stage; None: two replicas whose gradients are summed
+    _check(pool.run(pipeline_run, "1F1B", 1, dp_shard), ref, f"pp2 x dp2 (dp_shard {dp_shard})")
 
 
 def _refused(fn, pattern: str) -> str:
