@@ -13,6 +13,9 @@
   (float64 throughout); its router computes in float32 (``hidden_states.type(torch.float32)``):
   the reference's router runs the same code in float64 (tests/layers/test_moe.py's
   float64_glm_router, the same router code as GLM-4.5's).
+- Checkpoints: Hugging Face's save_pretrained loads bit for bit, TSP's save_pretrained writes
+  Hugging Face's tensors bit for bit (tsp 2, the ring MoE schedule, which then trains one step
+  exactly).
 - A packed row (three documents) at tsp 2: Hugging Face's loss and gradients of the documents
   run alone.
 - The collectives of one MLA layer at tsp 2 and 4: calls and bytes equal
@@ -162,6 +165,53 @@ def packed_rows(tsp: int) -> None:
 
 def test_packed_rows(pools):
     pools.of(2).run(packed_rows, 2)
+
+
+def checkpoints_and_ring(root: str) -> None:
+    """Hugging Face's own save_pretrained (the Hub's per-expert layout) loads into a TSP model on
+    the ring MoE schedule bit for bit; that model's save_pretrained writes Hugging Face's tensors
+    bit for bit; one training step on the ring schedule is Hugging Face's (loss and every
+    gradient to 1e-10)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from tsp_core.layers.moe import TSPMoE
+
+    mesh = dist_pool.mesh(2)
+    ref = build()
+    want = ref.state_dict()
+    path = os.path.join(root, "hf")
+    if dist.get_rank() == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    model = tsp_core.parallelize(build(seed=5), mesh, moe_schedule="ring")
+    assert {m.schedule for m in model.modules() if isinstance(m, TSPMoE)} == {"ring"}
+    tsp_core.load_full_state_dict(model, path)
+    got = tsp_core.full_state_dict(model)
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    for name, t in want.items():
+        assert torch.equal(got[name], t), f"load_full_state_dict of HF's save_pretrained: {name}"
+    model.save_pretrained(os.path.join(root, "tsp"))
+    dist.barrier()
+    mine, theirs = (load_file(os.path.join(root, d, "model.safetensors")) for d in ("tsp", "hf"))
+    assert sorted(mine) == sorted(theirs), sorted(set(mine) ^ set(theirs))
+    for name, t in theirs.items():
+        assert torch.equal(mine[name], t), f"save_pretrained: {name}"
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=gen)
+    expected = hf_models.reference_loss(ref, ids, ids)
+    loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
+    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss, expected)
+    expected.backward()
+    loss.backward()
+    assert_grads_close(hf_models.full_grads(model),
+                       {n: p.grad for n, p in ref.named_parameters()}, 1e-10, "ring schedule")
+    dist.barrier()
+
+
+def test_checkpoints_and_the_ring_schedule(pools, tmp_path):
+    pools.of(2).run(checkpoints_and_ring, str(tmp_path))
 
 
 def count_collectives(tsp: int) -> None:
