@@ -182,3 +182,13 @@ def test_delta_net_greedy_generation_matches_hf(pools, tsp):
     generation (its float32 islands in float64, the recurrent rule's too)."""
     outs = pools.of(tsp).run(greedy_parity, "qwen3_5-mixed", tsp, [7, 33, 100], 24)
     assert all(o == outs[0] for o in outs), "ranks generated different tokens"
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_delta_net_packed_rows_match_documents_run_alone(pools, tsp):
+    """Packed rows (documents of 1 to 200 tokens, tests/sequence/test_packing.py): the Gated
+    DeltaNet layer's state and convolution restart at every document, so loss, every gradient
+    and every token's logits equal each document run alone through Hugging Face's model."""
+    from tests.sequence.test_packing import packed_parity
+
+    pools.of(4).run(packed_parity, "qwen3_5-mixed", tsp)
