@@ -108,7 +108,8 @@ def bad_models() -> list[str]:
     cases = [
         (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)),
          r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported: "
-         r"\['apertus', 'ernie4_5', 'exaone4', 'gemma', 'gemma2', 'gemma3', 'gemma4', 'glm4', "
+         r"\['apertus', 'deepseek_v3', 'ernie4_5', 'exaone4', 'gemma', 'gemma2', 'gemma3', "
+         r"'gemma4', 'glm4', "
          r"'glm4_moe', 'gpt_oss', 'granite', 'hunyuan_v1_dense', 'llama', 'llama4_text', "
          r"'mistral', 'mixtral', 'olmo2', 'olmo3', 'phi3', "
          r"'qwen2', 'qwen3', 'qwen3_5', "

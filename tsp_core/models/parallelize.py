@@ -362,9 +362,6 @@ def _check(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, moe_schedule:
         raise ValueError("this model is already parallelized with TSP")
     c = model.config
     nq, nkv, head_dim = _config_shape(c)
-    refused = policy.refused(c) if policy.refused is not None else []
-    if refused:  # first: such a layer may lack the modules the checks below read
-        raise ValueError(f"{type(model).__name__}: {'; '.join(refused)} not implemented by TSP")
     layers = getattr(getattr(model, policy.base_model, None), policy.layers, [])
     sparse = [policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers]
     beside = any(policy.moe_beside_mlp(layer) for layer in layers)  # Gemma 4's MoE block

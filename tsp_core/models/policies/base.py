@@ -154,9 +154,6 @@ class DecoderPolicy:
     fused: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
     # generation: Hugging Face's generate drops the KV cache and runs the whole sequence again
     # when it first reaches this many tokens + 1 (Phi-3: original_max_position_embeddings, where
-    # further refusals of a config, each "config.<field>=<value> (what it is)", where a truthy
-    # field is not the test (Qwen3.5's layer_types naming a kind of layer TSP does not run)
-    refused: Callable[[Any], list[str]] | None = None
     # the query projection gives per head [query | gate] and the attention output is multiplied
     # by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next: TSPAttention's output_gate)
     output_gate: bool = False
