@@ -218,10 +218,10 @@ class LatentAttentionFn(torch.autograd.Function):
                     _pad(do[g.rows], d), _pad(q_all[r][g.rows], d), kv,
                     _pad(out_all[r][g.rows], d), lse_all[r][g.rows], g.pieces, spec.scale)
                 del kv
-                dkv = dkv.to(q_in.dtype)
                 b, S = lat.shape[0], lat.shape[1]
-                # [dk_nope | dv] of each head, as kv_b_proj's output [b*S, heads*(nope + dv)]
-                dproj = torch.cat((dkv[0, ..., :nope], dkv[1, ..., :dv]), dim=-1)
+                # [dk_nope | dv] of each head (the float32 sums cast once, without the padding),
+                # as kv_b_proj's output [b*S, heads*(nope + dv)]
+                dproj = torch.cat((dkv[0, ..., :nope], dkv[1, ..., :dv]), dim=-1).to(q_in.dtype)
                 dproj = dproj.transpose(1, 2).reshape(b * S, -1)
                 gwkv += dproj.t() @ lat[..., :R].reshape(b * S, R)
                 dlat[i][..., :R] += (dproj @ wkv_r).view(b, S, R)
