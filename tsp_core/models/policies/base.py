@@ -148,15 +148,15 @@ class DecoderPolicy:
     logits_softcap: Callable[[Any], float | None] | None = None  # logits soft-capped (Gemma 2)
     # config fields TSP does not implement: (name, what it is); a truthy value is refused
     unsupported: tuple[tuple[str, str], ...] = ()
+    # the query projection gives per head [query | gate] and the attention output is multiplied
+    # by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next: TSPAttention's output_gate)
+    output_gate: bool = False
     # projections the Hugging Face model fuses into one Linear (Phi-3): (role, fused module,
     # parts in row order), role "attention" or "mlp"; the TSP module keeps the parts and names
     # them by the fused tensor in every full state dict and checkpoint (ShardedModule.fuse)
     fused: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
     # generation: Hugging Face's generate drops the KV cache and runs the whole sequence again
     # when it first reaches this many tokens + 1 (Phi-3: original_max_position_embeddings, where
-    # the query projection gives per head [query | gate] and the attention output is multiplied
-    # by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next: TSPAttention's output_gate)
-    output_gate: bool = False
     # longrope switches factors); tsp_core.generate does the same
     recompute_cache_at: Callable[[Any], int | None] | None = None
     # sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE): None for dense families
@@ -164,15 +164,15 @@ class DecoderPolicy:
     # the attention's RMSNorm without a weight over each value head (Gemma 4's v_norm): it holds
     # no tensor, so only the policy can say it is there; its eps is read from the module
     value_norm: str | None = None
+    # the decoder layer's Gated DeltaNet module (Qwen3.5's linear attention): a layer that has it
+    # has no softmax attention and runs TSPGatedDeltaNet (tsp_core.layers.linear_attention)
+    linear_attention: str | None = None
     # a layer whose attention has no value projection: the values are the key projection's
     # output before the key norm and RoPE (Gemma 4's attention_k_eq_v on its global layers)
     values_from_keys: Callable[[Any, nn.Module], bool] = field(default=_never)
     # further embeddings over a vocabulary on the base model, vocabulary-sharded like the main
     # one (Gemma 4's per-layer inputs, embed_tokens_per_layer), where the model has them
     extra_embeds: tuple[str, ...] = ()
-    # the decoder layer's Gated DeltaNet module (Qwen3.5's linear attention): a layer that has it
-    # has no softmax attention and runs TSPGatedDeltaNet (tsp_core.layers.linear_attention)
-    linear_attention: str | None = None
     # small per-token Linears and RMSNorms on the base model and in each layer, replicated over
     # the TSP group (their gradients summed over it), where the model has them (Gemma 4's
     # per-layer input projections and norms); any parameter left unconverted is refused
