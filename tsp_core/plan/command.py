@@ -9,6 +9,7 @@ import sys
 from .cost import GLOBAL_BATCH_TOKENS, plan
 from .detect import detect
 from .max_seq import HOST_GB, max_seq_main
+from .stages import bubble, stage_view, with_pipeline
 from .traffic import ModelShape
 
 PAPER = {"tsp_vs_matched_tp_sp": "2.0-2.6x (173M vs 66.3M-86M tokens/s, forward, 1,024 MI300X)"}
@@ -60,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-shard", type=_shards, default=(1,),
                    help="FSDP2 shard sizes to rank too (comma-separated; 1: no FSDP2): each "
                         "rank's model state is sharded over N data-parallel ranks (tsp, tp, tp-sp)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (tsp_core.pipeline, 1F1B): each layout ranked for the "
+                        "busiest stage on gpus / pp GPUs, with the micro-batches in flight and "
+                        "the bubble (docs/pipeline.md)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="--pp: micro-batches per step (default 4 x --pp)")
     p.add_argument("--max-seq", action="store_true",
                    help="instead of ranking at --seq: per layout on every GPU, the longest sequence "
                         "whose step fits the GPU (with --headroom) and --host-gb, found with tsp "
@@ -103,17 +110,31 @@ def main(args: argparse.Namespace) -> int:
     shape = model_shape(args.model, args.layers)
     found = detect_cluster(args)
     cl = found.cluster
+    pp, micro = args.pp, args.microbatches or 4 * args.pp
+    if pp != 1 and args.max_seq:
+        raise ValueError(f"--max-seq ranks whole models; it does not take --pp ({pp})")
     if args.max_seq:
         return max_seq_main(args, shape, found)
-    ranked, refused = plan(shape, args.seq, cl, args.batch, headroom=args.headroom,
+    if micro < pp:
+        raise ValueError(f"--microbatches ({micro}) must be at least --pp ({pp})")
+    stage, stage_cl, stage_layers = stage_view(shape, cl, pp) if pp > 1 else (shape, cl, 0)
+    ranked, refused = plan(stage, args.seq, stage_cl, args.batch, headroom=args.headroom,
                            global_batch_tokens=args.global_batch_tokens, dp_shards=args.dp_shard)
+    if pp > 1:
+        usable = cl.device.memory_bytes * (1 - args.headroom)
+        ranked = [with_pipeline(c, stage, args.seq, args.batch, pp, micro, usable,
+                                args.global_batch_tokens) for c in ranked]
+        ranked.sort(key=lambda c: (not c.fits, -c.tokens_per_s))
     fsdp = any(s > 1 for s in args.dp_shard)
     print(f"cluster: {cl.nodes} x {cl.gpus_per_node} {cl.device.name} ({cl.device.memory_gb:.0f} GB, "
           f"intra {cl.intra_gbps or cl.device.intra_gbps:.0f} GB/s, inter {cl.inter_node_gbps:.0f} Gb/s "
           f"per GPU); sources: {found.sources}")
     print(f"model {args.model}: {shape.num_layers} layers, h {shape.hidden_size}; {args.seq} tokens x "
           f"{args.batch}; full recompute, bf16 AdamW; global batch {args.global_batch_tokens} tokens"
-          + (f"; FSDP2 dp_shard {','.join(map(str, args.dp_shard))}" if fsdp else ""))
+          + (f"; FSDP2 dp_shard {','.join(map(str, args.dp_shard))}" if fsdp else "")
+          + (f"; pipeline {pp} stages on {stage_cl.gpus} GPUs each, the busiest of "
+             f"{stage_layers} layers, {micro} micro-batches (1F1B bubble "
+             f"{bubble(pp, micro):.1%})" if pp > 1 else ""))
     dp_col = f" {'dp':>3}" if fsdp else ""
     print(f"{'#':>3} {'layout':<15} {'D':>3}{dp_col} {'GiB/GPU':>8} {'fits':>4} {'replicas':>8} "
           f"{'tokens/s':>10} {'step s':>7} {'comm s':>7}  links")
