@@ -46,3 +46,32 @@ def test_plan_command_takes_pp(capsys):
                           "--gpu", "h100", "--pp", "8", "--microbatches", "4"])
     with pytest.raises(ValueError, match=r"--microbatches \(4\) must be at least --pp \(8\)"):
         main(args)
+
+
+def test_simulate_adds_the_micro_batches_in_flight(capsys):
+    import types
+
+    from tsp_core.tools.cli import in_flight_bytes, main as tsp
+
+    stage = types.SimpleNamespace(name="tsp", tp=8, cp=1, seq=131072, batch=1, layers=8,
+                                  dtype="bfloat16")
+    assert in_flight_bytes(stage, 16384, 16, 64) == 15 * 8 * (131072 // 8) * 16384 * 2  # 60 GiB
+    assert in_flight_bytes(dataclasses_replace(stage, name="tp-sp"), 16384, 16, 64) == \
+        15 * 8 * (131072 // 8) * 16384 * 2  # sequence parallel: the same S/D x h per layer
+    assert in_flight_bytes(stage, 16384, 16, 4) == 3 * 8 * (131072 // 8) * 16384 * 2
+    assert tsp(["simulate", "--model", "tiny", "--seq", "256", "--degree", "2", "--layouts",
+                "tsp", "--pp", "2", "--jobs", "1"]) == 0
+    out = capsys.readouterr()
+    assert "model tiny: 1 layers" in out.err, out.err  # (2 + 2) / 2 units: 1 decoder layer
+    head, row = out.out.splitlines()[-2:]
+    assert head.split()[-4:] == ["in", "flight", "pp", "peak"], head
+    peak, flight, pp_peak = (float(row.split()[i]) for i in (3, -2, -1))
+    assert abs(pp_peak - peak - flight) <= 0.01, row
+    with pytest.raises(SystemExit, match=r"--pp \(2\) simulates the busiest stage"):
+        tsp(["simulate", "--model", "tiny", "--layers", "2", "--pp", "2"])
+
+
+def dataclasses_replace(ns, **kw):
+    import types
+
+    return types.SimpleNamespace(**{**vars(ns), **kw})

@@ -47,12 +47,44 @@ def _write_json(path: str, data) -> None:
         json.dump(data, f, indent=1)
 
 
+def in_flight_bytes(record, hidden: int, pp: int, microbatches: int) -> int:
+    """What 1F1B's first stage holds beyond one simulated micro-batch: the checkpointed layer
+    inputs of ``min(M, P) - 1`` more micro-batches, one residual-stream tensor per layer each
+    (this layout's tokens per rank x h, in the record's dtype)."""
+    from ..baselines.layouts import LayoutSpec
+    from ..plan.memory import tokens
+
+    n_r, _ = tokens(LayoutSpec(record.name, record.tp, record.cp), record.seq, record.batch)
+    size = torch_dtype_size(record.dtype)
+    return int((min(microbatches, pp) - 1) * record.layers * n_r * hidden * size)
+
+
+def torch_dtype_size(name: str) -> int:
+    import torch
+
+    return getattr(torch, name).itemsize
+
+
 def simulate_main(args: argparse.Namespace) -> int:
     from ..baselines import parse_layouts
     from ..plan.fsdp_sim import FSDP_LAYOUTS, FSDP_WORKING_SET, check_dp_shard
     from ..plan.simulate import (SimulationRequest, check_request, model_config, record_dict,
                                  simulate_many)
 
+    pp, micro = args.pp, args.microbatches or 4 * args.pp
+    if pp > 1:  # before any process starts
+        from ..pipeline.split import split_layers, suggest_split
+
+        if args.layers is not None or args.activation_offload or micro < pp:
+            raise SystemExit(f"--pp ({pp}) simulates the busiest stage of the whole model: pass "
+                             f"no --layers ({args.layers}) and no --activation-offload, and "
+                             f"--microbatches ({micro}) at least --pp")
+        try:
+            total = model_config(args.model, None).num_hidden_layers
+            split_layers(total, pp, suggest_split(total, pp))
+        except (ValueError, OSError) as e:
+            raise SystemExit(str(e))
+        args.layers = max(suggest_split(total, pp))
     try:
         config = model_config(args.model, args.layers)
     except (ValueError, OSError) as e:
@@ -89,16 +121,20 @@ def simulate_main(args: argparse.Namespace) -> int:
     extra = " ".join(f"{k:>{w}}" for k, w in (("dp", 3), ("GPUs", 5))) + " " if fsdp else ""
     host = f"{'host GiB':>9} " if offload else ""  # per rank, apart from the GPU's peak
     head = (f"{'layout':<15} {'seq':>7} {'D':>3} {extra}{'peak GiB':>9} {host}"
-            + " ".join(f"{k[:11]:>11}" for k in kinds) + (f" {'fsdp':>11}" if fsdp else ""))
+            + " ".join(f"{k[:11]:>11}" for k in kinds) + (f" {'fsdp':>11}" if fsdp else "")
+            + (f" {'in flight':>9} {'pp peak':>9}" if pp > 1 else ""))
     start = time.perf_counter()
 
     def row(r) -> str:
         more = f"{r.dp_shard:>3} {r.gpus:>5} " if fsdp else ""
         fsdp_bytes = sum(r.breakdown.get(k, 0) for k in FSDP_WORKING_SET)
         on_host = f"{r.host_gib:>9.2f} " if offload else ""
+        flight = in_flight_bytes(r, config.hidden_size, pp, micro) if pp > 1 else 0
         return (f"{r.layout:<15} {r.seq:>7} {r.degree:>3} {more}{r.peak_gib:>9.2f} {on_host}"
                 + " ".join(f"{r.breakdown.get(k, 0) / GIB:>11.2f}" for k in kinds)
-                + (f" {fsdp_bytes / GIB:>11.2f}" if fsdp else ""))
+                + (f" {fsdp_bytes / GIB:>11.2f}" if fsdp else "")
+                + (f" {flight / GIB:>9.2f} {(r.peak_bytes + flight) / GIB:>9.2f}" if pp > 1
+                   else ""))
 
     done = [0]
 
@@ -191,6 +227,12 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--tile-tokens", type=int, default=None,
                      help="tokens per tile of TSP's MLP, experts and loss (default: chosen from "
                           "the model's sizes; the baselines' are not tiled)")
+    sim.add_argument("--pp", type=int, default=1,
+                     help="pipeline stages (tsp_core.pipeline, 1F1B): simulate the busiest stage "
+                          "(its decoder layers, with the embedding and the head) and add the "
+                          "layer inputs of the micro-batches in flight on the first stage")
+    sim.add_argument("--microbatches", type=int, default=None,
+                     help="--pp: micro-batches per step (default 4 x --pp)")
     sim.add_argument("--batch", type=int, default=1, help="sequences per replica")
     sim.add_argument("--recompute", default="full", choices=["none", "selective", "full"],
                      help="activation recomputation")
