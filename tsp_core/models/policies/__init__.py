@@ -23,8 +23,8 @@ from . import (  # noqa: F401  (each registers its family)
     phi3,
     qwen2,
     qwen3,
-    qwen3_moe,
     qwen3_5,
+    qwen3_moe,
     seed_oss,
     smollm3,
 )
