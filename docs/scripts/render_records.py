@@ -272,6 +272,20 @@ def simulate_70b_fsdp(load: Loader) -> str:
             + "\nPer-rank peaks side by side (GiB = 2^30 bytes):\n\n" + "\n".join(out) + "\n")
 
 
+def simulate_deepseek_v3_128k(load: Loader) -> str:
+    """benchmarks.md: DeepSeek-V3's whole model at 128K tokens under TSP and FSDP2, per rank."""
+    rows = sim_rows(load, "simulate-deepseek-v3-128k")
+    r = rows[0]
+    state = gib(r, "parameters") + gib(r, "optimizer_states")
+    return (code(f"$ {command(load, 'simulate-deepseek-v3-128k')}\n" + fsdp_table(rows))
+            + "\n" + para(
+                f"{gib(r):.2f} GiB per rank on {r['gpus']} GPUs ({r['degree']} x dp_shard "
+                f"{r['dp_shard']}), {r['layers']} layers, {r['seq']:,} tokens: model state "
+                f"(weights and AdamW's states) {state:.2f} GiB, the step's temporaries "
+                f"{gib(r, 'temporaries'):.2f} GiB and the checkpointed activations "
+                f"{gib(r, 'activations'):.2f} GiB. {r['seconds']:.0f} s of simulation.") + "\n")
+
+
 # ------------------------------------------------------------------ tsp plan records
 
 def plan_rows(load: Loader, name: str) -> list[dict]:
@@ -477,6 +491,7 @@ RENDERERS: dict[str, Callable[[Loader], str]] = {
     "simulate-mixtral-128k": simulate_mixtral_128k,
     "simulate-qwen3-moe-128k": simulate_qwen3_moe_128k,
     "long-context-llama8b": long_context_llama8b,
+    "simulate-deepseek-v3-128k": simulate_deepseek_v3_128k,
 }
 
 
