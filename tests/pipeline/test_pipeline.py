@@ -77,7 +77,8 @@ def _mesh(tsp: int, pp: int, dp_shard: int | None = None):
 
 
 def _full(pipe, grads: bool) -> dict[str, torch.Tensor]:
-    """This rank's stages' full tensors by the unmodified model's names."""
+    """Full tensors by the unmodified model's names: this rank's stages' gradients, or the whole
+    model's weights (full_state_dict gathers the other stages over the pipeline group)."""
     from tests.support.hf_models import full_grads
     from tsp_core import full_state_dict
 
@@ -122,8 +123,10 @@ def _check(per_rank: list[dict], ref: dict, what: str) -> None:
         for key, tol in (("grads0", 1e-10), ("weights", 1e-8)):
             for name, t in run[key].items():
                 assert_close(t, ref[key][name], tol, f"{what} rank {rank} {key} {name}")
-        seen |= set(run["weights"])
-    assert seen == set(ref["weights"]), f"{what}: names {sorted(set(ref['weights']) ^ seen)}"
+        seen |= set(run["grads0"])
+        missing = sorted(set(ref["weights"]) ^ set(run["weights"]))
+        assert not missing, f"{what} rank {rank} full_state_dict names {missing}"
+    assert seen == set(ref["grads0"]), f"{what}: grads {sorted(set(ref['grads0']) ^ seen)}"
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
@@ -248,7 +251,8 @@ def checkpoint_run(root: str) -> dict:
     tsp_core.save_checkpoint(path, pipe, opt, step=1)
     assert tsp_core.state.resharding.read_marker(path)["model_class"] == "LlamaForCausalLM"
     losses = train(pipe, opt, range(1, STEPS))
-    final = tsp_core.full_state_dict(pipe)
+    final = tsp_core.full_state_dict(pipe)  # the whole model on every rank
+    only = tsp_core.full_state_dict(pipe, rank0_only=True)  # checked by the test (every rank)
     # into a pipeline again, Interleaved1F1B: other stages on each rank
     again = tsp_core.pipeline(tiny_llama(seed=7), _mesh(2, 2), microbatches=M,
                               schedule="Interleaved1F1B")
@@ -269,12 +273,11 @@ def checkpoint_run(root: str) -> dict:
         for name, t in final.items():
             assert_close(got[name], t, 1e-10, f"tsp {tsp} resumed: {name} after step {STEPS}")
     dist.barrier()
-    return dict(losses=losses, final=final)
+    return dict(losses=losses, final=final, only=only)
 
 
 def test_saved_at_pp2_tsp2_resumes_interleaved_at_tsp2_tsp4_and_one_process(pool, tmp_path):
     per_rank = pool.run(checkpoint_run, str(tmp_path))
-    final = {k: v for run in per_rank for k, v in run["final"].items()}
     # one process: the plain model and optimizer from the same checkpoint
     import tsp_core
 
@@ -293,6 +296,14 @@ def test_saved_at_pp2_tsp2_resumes_interleaved_at_tsp2_tsp4_and_one_process(pool
         losses.append(loss.item())
     for step, (a, b) in enumerate(zip(losses, per_rank[0]["losses"], strict=True)):
         assert abs(a - b) <= 1e-10 * abs(b), f"one process resumed loss, step {step + 1}: {a} vs {b}"
-    assert set(final) == set(dict(model.named_parameters()))
-    for name, p in model.named_parameters():
-        assert_close(p.detach(), final[name], 1e-10, f"one process resumed: {name}")
+    want = model.state_dict()
+    only, final0 = per_rank[0]["only"], per_rank[0]["final"]  # rank0_only: rank 0 all, others {}
+    assert only.keys() == final0.keys(), sorted(only.keys() ^ final0.keys())
+    assert all(torch.equal(t, final0[k]) for k, t in only.items())
+    assert [run["only"] for run in per_rank[1:]] == [{}, {}, {}], \
+        [sorted(run["only"]) for run in per_rank]
+    for rank, run in enumerate(per_rank):  # every rank's full_state_dict(pipe): the whole model
+        assert run["final"].keys() == want.keys(), \
+            f"rank {rank} full_state_dict names {sorted(run['final'].keys() ^ want.keys())}"
+        for name, t in want.items():
+            assert_close(run["final"][name], t, 1e-10, f"rank {rank} full_state_dict: {name}")

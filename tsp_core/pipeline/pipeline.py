@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import schedules
 
@@ -91,8 +92,10 @@ class TSPPipeline(nn.Module):
     :func:`tsp_core.save_checkpoint` writes the whole model (every rank its stages' tensors under
     their Hugging Face names), which loads at any TSP degree, with or without pipeline stages, or
     into a plain model; :func:`tsp_core.load_checkpoint` into a pipeline reads this rank's stages'
-    tensors from any such checkpoint. :func:`tsp_core.full_state_dict` gives this rank's stages'
-    tensors."""
+    tensors from any such checkpoint. :func:`tsp_core.full_state_dict` gives the whole model's
+    state dict, Hugging Face names and full shapes, on every rank (each stage's tensors broadcast
+    over the pipeline group from the rank that holds them; ``rank0_only`` only to global rank 0,
+    the other ranks get ``{}``)."""
 
     def __init__(self, model: nn.Module, mesh: TSPMesh, microbatches: int, schedule: str,
                  stages_per_rank: int | None, layer_split: Sequence[int] | None,
@@ -110,6 +113,10 @@ class TSPPipeline(nn.Module):
         owners = stage_ranks(self.num_stages, mesh.pp_size)
         self.stage_indices = [s for s in range(self.num_stages) if owners[s] == mesh.pp_rank]
         self.last_rank = owners[-1]
+        # every pipeline rank's Hugging Face names, shapes and dtypes, from the whole model (so
+        # full_state_dict gathers the other ranks' stages without exchanging metadata)
+        self._stage_tensors = stage_tensors(model, policy, self.layer_split, owners,
+                                            mesh.pp_size)
         # a plain list: the stage modules are not children (the Hugging Face-shaped view is)
         self.stage_modules: list[StageModule] = [
             build_stage_module(model, policy, self.stage_mesh, self.layer_split[s], s == 0,
@@ -180,6 +187,32 @@ class TSPPipeline(nn.Module):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
+    def _tsp_gather_stages(self, own: dict[str, torch.Tensor], rank0_only: bool
+                           ) -> dict[str, torch.Tensor]:
+        """:func:`tsp_core.full_state_dict`'s hook (state sits below the pipeline): ``own``, this
+        rank's stages' full tensors, completed with every other pipeline rank's, each tensor
+        broadcast over the pipeline group from its owner, in stage order. With ``rank0_only``
+        only global rank 0's pipeline group gathers and every other rank gets ``{}``."""
+        mine = self._stage_tensors[self.mesh.pp_rank]
+        if set(own) != {name for name, _, _ in mine}:
+            raise RuntimeError(f"pipeline rank {self.mesh.pp_rank}'s stages hold "
+                               f"{sorted(set(own) ^ {n for n, _, _ in mine})} unlike the "
+                               f"model's state dict they were cut from")
+        group = self.mesh.pp_group
+        if rank0_only and 0 not in dist.get_process_group_ranks(group):
+            return {}
+        device = local(next(iter(self.parameters()))).device
+        out: dict[str, torch.Tensor] = {}
+        for owner, tensors in enumerate(self._stage_tensors):
+            for name, shape, dtype in tensors:
+                t = (own[name].detach().contiguous() if owner == self.mesh.pp_rank
+                     else torch.empty(shape, dtype=dtype, device=device))
+                comm.broadcast(t, owner, group)
+                out[name] = t
+        if rank0_only and dist.get_rank() != 0:
+            return {}
+        return out
+
     # ------------------------------------------------------------------ internals
     @property
     def _loss_dtype(self) -> torch.dtype:
@@ -244,6 +277,33 @@ class TSPPipeline(nn.Module):
         """A micro-batch's share of the global mean: its cross-entropy summed over the stage mesh
         over the labelled tokens of the whole global batch."""
         return comm.sum_over(output, self.stage_mesh.all_groups) / self._count
+
+
+def stage_tensors(model: nn.Module, policy, layer_split: Sequence[range], owners: list[int],
+                  pp_size: int) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+    """(name, shape, dtype) of each entry of ``model``'s state dict, by the pipeline rank whose
+    stage holds it: the embedding with stage 0, decoder layer i with its stage, the final norm and
+    the head with the last stage. Raises naming any entry that belongs to no stage."""
+    base, layers = policy.base_model, policy.layers
+    stage_of = {i: s for s, r in enumerate(layer_split) for i in r}
+    out: list[list[tuple[str, torch.Size, torch.dtype]]] = [[] for _ in range(pp_size)]
+    unplaced = []
+    for name, t in model.state_dict().items():
+        if name.startswith(f"{base}.{layers}."):
+            stage = stage_of[int(name.split(".")[2])]
+        elif name.startswith(f"{base}.{policy.embed}."):
+            stage = 0
+        elif name.startswith((f"{base}.{policy.final_norm}.", f"{policy.lm_head}.")):
+            stage = len(layer_split) - 1
+        else:
+            unplaced.append(name)
+            continue
+        out[owners[stage]].append((name, t.shape, t.dtype))
+    if unplaced:
+        raise ValueError(f"the model's state dict holds {unplaced}, which belong to no pipeline "
+                         f"stage (only the embedding, the decoder layers, the final norm and the "
+                         f"head are cut into stages)")
+    return out
 
 
 def pipeline(model: nn.Module, mesh: TSPMesh, *, microbatches: int, schedule: str = "1F1B",

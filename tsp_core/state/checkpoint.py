@@ -208,7 +208,8 @@ def _sharded_modules(model: nn.Module):
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Hugging Face names and full shapes. Every rank must call it (it gathers); with
-    ``rank0_only`` the other ranks get an empty dict."""
+    ``rank0_only`` the other ranks get an empty dict. A pipeline (``tsp_core.pipeline``) completes
+    this rank's stages with the other pipeline ranks' through its ``_tsp_gather_stages`` hook."""
     sharded = _sharded_modules(model)
     owners = {prefix + name for prefix, m in sharded for name, _ in m.named_parameters()}
     out: dict[str, torch.Tensor] = {}
@@ -218,6 +219,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     for name, t in model.state_dict().items():
         if name not in owners:
             out[name] = t.detach()
+    gather_stages = getattr(model, "_tsp_gather_stages", None)
+    if gather_stages is not None:  # a pipeline: the whole model, not this rank's stages
+        return gather_stages(out, rank0_only)
     mesh = getattr(model, "_tsp_mesh", None)
     if rank0_only and mesh is not None and mesh.device_mesh.get_rank() != 0:
         return {}
