@@ -344,8 +344,8 @@ def test_the_memory_rule_holds_under_fake_tensors():
 def test_the_preset_has_the_published_sizes():
     """`tsp simulate --model deepseek-v3`: the published config.json's sizes (671.03e9
     parameters without the next-token-prediction layer), the latent attention's collectives
-    per layer at D = 8 by the formula (docs/benchmarks.md's row); `tsp plan`'s closed forms do
-    not model the latent attention and refuse it by name, pointing to tsp simulate."""
+    per layer at D = 8 by the formula (docs/benchmarks.md's row); `tsp plan`'s closed forms
+    count the same bytes (tests/plan/test_plan.py holds its memory to `tsp simulate`)."""
     from transformers import AutoModelForCausalLM
 
     from tsp_core.layers.attention.latent import LatentSpec, latent_collectives
@@ -370,6 +370,6 @@ def test_the_preset_has_the_published_sizes():
     fwd = latent_collectives(spec, 1, 131072, 2, [])["forward"]
     assert fwd == {"broadcast": (8, 7 / 8 * 171_966_464 * 2),
                    "all_gather": (1, 7 / 8 * 131072 * 576 * 2)}
-    with pytest.raises(ValueError, match=r"DeepseekV3Config: the deepseek_v3 attention runs its "
-                                         r"own schedule .* estimate this model with tsp simulate"):
-        ModelShape.from_config(c)
+    shape = ModelShape.from_config(c)
+    assert shape.sharded_attention_weights == 171_966_464
+    assert shape.sequence_bytes(8, 1, 131072) == fwd["all_gather"][1]

@@ -14,7 +14,7 @@ from tsp_core.baselines.layouts import LayoutSpec
 from tsp_core.plan.cost import auto_tsp_size, plan
 from tsp_core.plan.detect import detect, nodes_from_env, parse_nvidia_topo, parse_rocm_topo
 from tsp_core.plan.hardware import Cluster, device
-from tsp_core.plan.memory import estimate
+from tsp_core.plan.memory import _param_counts, estimate
 from tsp_core.plan.traffic import ModelShape
 
 FIX = Path(__file__).parents[1] / "fixtures" / "topology"
@@ -612,3 +612,83 @@ def test_qwen3_5_preset_and_its_linear_attention_layers(tmp_path):
     (rec,) = json.loads(out.read_text())
     assert (rec["layout"], rec["degree"], rec["seq"]) == ("tsp", 2, 512)
     assert rec["breakdown"]["parameters"] > 0
+
+
+# ------------------------------------------- latent attention and Gated DeltaNet (docs/planning.md)
+
+def test_latent_attention_memory_within_ten_percent_of_simulate(tmp_path):
+    """The planner's per-rank peak for multi-head latent attention (with GLM-4.5's MoE) against
+    `tsp simulate` of the real TSPLatentAttention at D = 4, 4K and 32K tokens: the deepseek-v3
+    preset cut to 3 layers (1 dense, 2 sparse: 16 experts of 256, top 4 of 2 of 4 groups, a
+    shared expert) and narrowed to h 512, 8 heads, q_lora_rank 128, kv_lora_rank 64, qk 32 + 16,
+    v 32 and a 2048 vocabulary, so that the activations, not the embeddings, decide the peak.
+    Parameters within 0.5%: the simulation counts the float32 router weights at 4 bytes."""
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.simulate import SimulationRequest, model_config, simulate_many
+
+    config = model_config("deepseek-v3", layers=3)
+    for k, v in dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
+                     q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                     v_head_dim=32, intermediate_size=1024, moe_intermediate_size=256,
+                     n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                     first_k_dense_replace=1, vocab_size=2048,
+                     head_dim=16, qk_head_dim=48).items():  # (the sizes the config derives)
+        setattr(config, k, v)
+    config.save_pretrained(tmp_path)
+    reqs = [SimulationRequest("tsp", 4, 1, seq, str(tmp_path), None, recompute="full")
+            for seq in (4096, 32768)]
+    for r in simulate_many(reqs, jobs=2, fresh=False):
+        planned = estimate(model_shape(str(tmp_path), None), LayoutSpec("tsp", 4), r.seq)
+        print(f"{r.seq}: simulate {r.peak_gib:.4f} GiB, planned {planned.peak / 2**30:.4f} GiB "
+              f"({planned.moment})")
+        assert planned.parts["parameters"] == pytest.approx(r.breakdown["parameters"], rel=5e-3)
+        assert abs(planned.peak - r.peak_bytes) / r.peak_bytes < 0.10, \
+            (r.seq, planned.peak, r.peak_bytes)
+
+
+def test_latent_attention_preset_plans_tsp_alone():
+    """`tsp plan --model deepseek-v3` (128 GPUs, FSDP2) ranks TSP alone: every
+    tensor/context-parallel layout is refused by name (the baselines shard q/k/v/o projections
+    MLA does not have); the bytes per layer are the layer's own formula (latent_collectives:
+    what its test counts), the parameters the model's (671.03e9). Gated DeltaNet's bytes per
+    layer (DeltaNetShape) equal delta_net_collectives' and docs/design.md's 168.8 MiB, but a
+    config with linear-attention layers is refused (its backward's memory is not counted)."""
+    import torch
+
+    from tsp_core.layers.attention.latent import LatentSpec, latent_collectives
+    from tsp_core.layers.linear_attention.schedule import DeltaNetSpec
+    from tsp_core.layers.linear_attention.traffic import delta_net_collectives
+    from tsp_core.plan.command import model_shape
+    from tsp_core.plan.traffic import DeltaNetShape, layer_forward_elements
+
+    ds = model_shape("deepseek-v3", None)
+    c = _param_counts(ds, LayoutSpec("tsp", 1))
+    assert c["layers"] + c["embed"] + c["head"] == 671_026_404_352
+    spec = LatentSpec(7168, 128, 1536, 512, 128, 64, 128, 8, 1.0)
+    fwd = latent_collectives(spec, 1, 131072, 2, [])["forward"]
+    mla = ds.sharded_attention_weights * 7 / 8 * 2 + ds.sequence_bytes(8, 1, 131072)
+    assert mla == sum(b for _, b in fwd.values())
+    with pytest.raises(ValueError, match="tp: the baselines have no schedule for multi-head"):
+        layer_forward_elements("tp", 8, 1, ds, 1, 131072)
+    dn = DeltaNetShape(16, 32, 128, 128, 4, 24)  # Qwen3.5-9B's linear layers
+    spec = DeltaNetSpec(4096, 16, 32, 128, 128, 4, 8)
+    fwd = delta_net_collectives(spec, 1, 131072 // 8, torch.bfloat16)["forward"]
+    linear = 7 / 8 * dn.sharded(4096) * 2 + 7 / 8 * (dn.tail_elements(8, 1, 131072, 4096) * 2
+                                                    + dn.map_elements(8, 1) * 4)
+    assert linear == pytest.approx(sum(b for _, b in fwd.values()), rel=1e-12)
+    assert linear / 2**20 == pytest.approx(168.8, abs=0.05)  # docs/design.md's figure
+    # 671e9 parameters at 131072 tokens: on 80 GB H100s the best (D = 8, dp_shard 16) plans
+    # 69.2 GiB, above the 67.1 usable, so tsp plan says no layout fits; H200s fit it
+    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "plan", "--model",
+                          "deepseek-v3", "--gpu", "h200", "--gpus", "128", "--dp-shard", "1,16",
+                          "--seq", "131072", "--gpus-per-node", "8"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line[:4].strip().isdigit()]
+    refused = [line for line in run.stdout.splitlines()  # the baselines' layouts
+               if line.startswith("cannot run: tp") or line.startswith("cannot run: cp")]
+    assert rows and {row[1] for row in rows} == {"tsp"}, run.stdout
+    assert rows[0][1:6] == ["tsp", "8", "16", "69.2", "yes"], run.stdout
+    assert len(refused) == 24 and all("the baselines have no schedule for multi-head latent "
+                                      "attention" in line for line in refused), refused

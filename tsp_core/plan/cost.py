@@ -24,7 +24,7 @@ from ..layers.sizes import valid_tsp_sizes
 from .fsdp_sim import FSDP_LAYOUTS  # FSDP2 over context parallel is neither simulated nor planned
 from .hardware import Cluster
 from .memory import _param_counts, estimate
-from .traffic import ModelShape, layer_forward_elements, moe_schedule_bytes
+from .traffic import ModelShape, baseline_refusal, layer_forward_elements, moe_schedule_bytes
 
 LAYOUT_NAMES = ("tsp", "tp", "tp-sp", "cp", "tp+cp", "tp-sp+cp")
 GLOBAL_BATCH_TOKENS = 1 << 24  # 16M tokens per optimizer step (Llama 3's pre-training batch)
@@ -79,16 +79,25 @@ def check_layout(shape: ModelShape, lay: LayoutSpec) -> str | None:
         d = lay.tp
         divided = [shape.intermediate_size] if shape.num_dense_layers else []
         divided += [shape.num_experts] if shape.is_moe else []  # E/D whole experts per rank
-        if d in valid_tsp_sizes(shape.num_heads, shape.num_kv_heads, *divided):
+        if shape.delta_net is not None:  # whole key heads per rank (check_delta_net_shape)
+            divided.append(shape.delta_net.num_key_heads)
+        heads = [shape.num_heads] + ([] if shape.latent else [shape.num_kv_heads])
+        if d in valid_tsp_sizes(*heads, *divided):
             return None
+        if shape.delta_net is not None and shape.delta_net.num_key_heads % d:
+            return (f"D ({d}) must divide linear_num_key_heads "
+                    f"({shape.delta_net.num_key_heads}) of the Gated DeltaNet layers")
         if shape.num_heads % d:
             return f"D ({d}) must divide num_attention_heads ({shape.num_heads})"
-        if shape.num_kv_heads % d and d % shape.num_kv_heads:
+        if shape.latent is None and shape.num_kv_heads % d and d % shape.num_kv_heads:
             return (f"D ({d}) and num_key_value_heads ({shape.num_kv_heads}): one must divide "
                     f"the other")
         if shape.is_moe and shape.num_experts % d:
             return f"D ({d}) must divide the number of experts ({shape.num_experts})"
         return f"D ({d}) must divide intermediate_size ({shape.intermediate_size})"
+    refusal = baseline_refusal(shape)
+    if refusal:
+        return refusal
     sizes = [("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads)]
     if shape.num_dense_layers:
         sizes.append(("intermediate_size", shape.intermediate_size))
@@ -109,9 +118,11 @@ def tsp_layer_bytes(shape: ModelShape, d: int, tokens_per_rank: float, passes: i
     reduce-scatter) and, for MoE schedule (a), its all-to-alls (they wait for the routing) and
     the router's gradient all-reduce, counted exactly by :func:`moe_schedule_bytes`."""
     f = (d - 1) / d
-    h, g = shape.hidden_size, shape.group
-    hidden = passes * f * shape.attention_weights * b
-    exposed = passes * f * 2 * tokens_per_rank * d * h / g * b
+    hidden = passes * f * shape.sharded_attention_weights * b
+    # the replicated tensors' (MLA's down-projections, norms) gradient all-reduce, once
+    hidden += 2 * f * (shape.attention_weights - shape.sharded_attention_weights) * b
+    batch_seq = tokens_per_rank * d
+    exposed = passes * shape.sequence_bytes(d, 1, batch_seq, b) if d > 1 else 0.0
     dense = passes * f * shape.mlp_weights * b
     if not shape.is_moe:
         return hidden + dense, exposed
@@ -120,6 +131,36 @@ def tsp_layer_bytes(shape: ModelShape, d: int, tokens_per_rank: float, passes: i
     L, n = shape.num_layers, shape.num_moe_layers
     return (hidden + (n * moe_hidden + (L - n) * dense) / L,
             exposed + n * moe_exposed / L)
+
+
+def latent_redundant_weights(shape: ModelShape) -> float:
+    """Per layer, the weights every TSP rank applies to the whole gathered sequence rather than
+    its own tokens: MLA's ``kv_b_proj`` forms each round's K/V from the gathered latent on every
+    rank, so it costs D times its per-token count over the group (0 without MLA)."""
+    if shape.latent is None:
+        return 0.0
+    return shape.num_layers * shape.latent.kv_b(shape.num_heads)
+
+
+def attention_flops(shape: ModelShape, batch: int, seq: int, d: int) -> float:
+    """Forward flops of the sequence mixing over all layers, the whole group together:
+    softmax attention 2 B S^2 h (causal QK^T and PV); MLA's nq heads at the padded head size P
+    (192 in V3) on both sides, 2 B S^2 nq P; Gated DeltaNet's chunked rule, per token and value
+    head 4 d_k d_v (d_k + d_v) / d_v for the state and its maps (docs/design.md: the maps cost
+    (d_k + d_v) / d_v times the state updates) plus 2 C (d_k + d_v) inside each chunk of C = 64
+    tokens, and the scan: every rank composes 2 D maps per round, 4 D nv d_k^2 d_v per layer
+    (D times that over the group)."""
+    softmax = shape.num_full_layers * 2 * batch * seq * seq * shape.hidden_size
+    if shape.latent is not None:
+        return shape.num_layers * 2 * batch * seq * seq * shape.num_heads * \
+            shape.latent.padded_dim
+    n = shape.delta_net
+    if n is None:
+        return softmax
+    dk, dv, nv = n.key_head_dim, n.value_head_dim, n.num_value_heads
+    rule = batch * seq * nv * (4 * dk * (dk + dv) + 2 * 64 * (dk + dv))
+    scan = d * 4 * d * nv * dk * dk * dv * batch
+    return softmax + n.layers * (rule + scan)
 
 
 def check_dp_shard(lay: LayoutSpec, dp_shard: int, gpus: int) -> str | None:
@@ -167,7 +208,8 @@ def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, bat
     h, L, V = shape.hidden_size, shape.num_layers, shape.vocab_size
     tok = batch * seq
     mm = 2 * tok * (L * (shape.attention_weights + shape.active_mlp_weights) + h * V)
-    att = L * 2 * batch * seq * seq * h            # causal QK^T and PV
+    mm += 2 * tok * (d - 1) * latent_redundant_weights(shape)
+    att = attention_flops(shape, batch, seq, d)     # causal QK^T and PV, DeltaNet's rule
     # forward + recompute + backward (2x) = 4 forward passes (the LM head is not recomputed: 3)
     compute = (4 * (mm - 2 * tok * h * V) + 3 * 2 * tok * h * V) / d / (dev.peak_tflops * 1e12 *
                                                                        dev.matmul_efficiency)

@@ -60,13 +60,40 @@ def _param_counts(shape: ModelShape, lay: LayoutSpec) -> dict[str, float]:
     h, v = shape.hidden_size, shape.vocab_size
     shard = lay.tp  # cp: tp = 1, every matrix whole
     vocab = -(-v // shard) * h  # padded to a multiple of the shard count
-    attn = shape.attention_weights / shard + h
-    dense = attn + shape.mlp_weights / shard + h
-    sparse = attn + (shape.expert_weights + shape.shared_weights) / shard + \
-        shape.router_weights + h
-    edge = sparse if shape.is_moe else dense
+    # every layer kind's attention (latent, softmax, Gated DeltaNet: replicated parts whole),
+    # each layer's input norm; "attention" is the average layer's
+    attn_all = sum(n * w for n, w in shape.attention_layer_weights(shard)) + shape.num_layers * h
+    attn = attn_all / shape.num_layers
+    mlp = shape.mlp_weights / shard + h
+    moe = (shape.expert_weights + shape.shared_weights) / shard + shape.router_weights + h
+    edge = attn + (moe if shape.is_moe else mlp)
     return {"layer": edge, "attention": attn, "embed": vocab, "head": vocab + h,
-            "layers": shape.num_moe_layers * sparse + shape.num_dense_layers * dense}
+            "layers": attn_all + shape.num_moe_layers * moe + shape.num_dense_layers * mlp}
+
+
+def latent_saved_bytes(shape: ModelShape, tokens: float, b: int = 2) -> float:
+    """What one multi-head latent attention layer keeps for backward on ``tokens`` own tokens
+    (docs/design.md "Multi-head latent attention (DeepSeek-V3)"): the query input and latent, the queries and
+    output of every head, the float32 LSE per head, and the down-projections' RMSNorms (float32
+    input, normalised output, two rsqrt): 98,952 bytes per token for DeepSeek-V3, the figure
+    tests/models/test_deepseek_v3.py measures under fake tensors."""
+    m, nq = shape.latent, shape.num_heads
+    qw = shape.hidden_size if m.q_lora_rank is None else m.q_lora_rank
+    dqk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    norms = (0 if m.q_lora_rank is None else qw) + m.kv_lora_rank
+    return tokens * ((qw + m.latent_dim + nq * (dqk + m.v_head_dim)) * b + 4 * nq
+                     + norms * (4 + b) + 4 * (2 if m.q_lora_rank is not None else 1))
+
+
+def latent_backward_bytes(shape: ModelShape, seq_tokens: float, d: int, b: int = 2) -> float:
+    """What one latent attention layer's backward adds at its peak on one rank, besides what it
+    kept (:func:`latent_saved_bytes`) and its weight buffers: the gathered latent of the whole
+    sequence (B S) and its float32 gradient sum, one round's head group K/V padded to the
+    kernels' head size and its float32 dK/dV, and ``[dk_nope | dv]`` as kv_b_proj's output."""
+    m, nl = shape.latent, shape.num_heads // d
+    P = m.padded_dim
+    return seq_tokens * (m.latent_dim * (b + 4) + 2 * nl * P * (b + 4)
+                         + nl * (m.qk_nope_head_dim + m.v_head_dim) * b)
 
 
 def moe_working_set(shape: ModelShape, rows: float, channels: float, experts: float,
@@ -133,6 +160,41 @@ def mlp_tile(shape: ModelShape, local_channels: int, b: int = 2) -> tuple[int, i
             PLAIN_TILE_TENSORS["xielu"])
 
 
+def _tsp_attention_kinds(shape: ModelShape, d: int, n_r: float, r: float, batch: int, seq: int,
+                        b: int) -> list[tuple[float, float, float]]:
+    """Per attention kind of the model under TSP: (bytes it keeps for backward as the MLP's
+    working set counts them, bytes alive at its backward's peak, its kept tensors as the MoE
+    working set counts them). ``r``: one residual tensor of the rank's ``n_r`` tokens."""
+    h, g = shape.hidden_size, shape.group
+    out = []
+    if shape.latent is not None:  # the layer input, x, kept tensors, dy, dq_in, round buffers
+        m = shape.latent
+        kept = latent_saved_bytes(shape, n_r, b)
+        qw = h if m.q_lora_rank is None else m.q_lora_rank
+        w = m.sharded(h, shape.num_heads) / d * b
+        attn = 3 * r + kept + latent_backward_bytes(shape, batch * seq, d, b) + \
+            n_r * qw * b + 6 * w
+        return [(kept, attn, kept)]
+    if shape.num_full_layers:
+        # attention's backward: the norm's input (r), the attention's input x, local Q and
+        # output (2r), K/V of all heads (2r/g), the incoming gradient (r), the backward's floor
+        # (one head group's whole-sequence K/V, one more K/V-sized buffer and its float32
+        # dK/dV; dX, dQ, dO and a kernel call's pieces:
+        # tsp_core.layers.attention.backward_floor_bytes), four broadcast shards and two
+        # gradient buffers
+        head_dim = shape.q_width // shape.num_heads
+        floor = backward_floor_bytes(batch * seq, d, head_dim, max(1, shape.num_kv_heads // d),
+                                     shape.num_heads // d, h, dtype_bytes=b)
+        w = shape.softmax_attention_weights / d * b
+        out.append((4 * r + 2 * r / g, 5 * r + 2 * r / g + floor + 6 * w,
+                    2 * n_r * shape.q_width * b + 2 * r / g))
+    if shape.delta_net is not None:
+        raise ValueError(f"tsp plan's memory model does not count the Gated DeltaNet backward "
+                         f"({shape.num_linear_layers} of {shape.num_layers} layers): estimate "
+                         f"this model with tsp simulate")
+    return out
+
+
 def tokens(lay: LayoutSpec, seq: int, batch: int) -> tuple[float, float]:
     """(residual-stream tokens, tokens entering the projections) per rank."""
     s = batch * seq
@@ -150,35 +212,30 @@ def working_sets(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int,
     r = n_r * h * b                   # one residual-stream tensor
     if lay.name == "tsp":
         d = lay.tp
-        w_att, w_mlp = shape.attention_weights / d * b, shape.mlp_weights / d * b
+        w_mlp = shape.mlp_weights / d * b
         per = -(-V // d)
         chunk = min(n_r, loss_tile_tokens(per, shape_dtype(b)))
         tile, tile_tensors = mlp_tile(shape, F // d, b)
         tile = min(n_r, tile)
-        # attention's backward: the norm's input (r), the attention's input x, local Q and output
-        # (2r), K/V of all heads (2r/g), the incoming gradient (r), the backward's floor (one head
-        # group's whole-sequence K/V, one more K/V-sized buffer and its float32 dK/dV; dX, dQ, dO
-        # and a kernel call's pieces: tsp_core.layers.attention.backward_floor_bytes), four
-        # broadcast shards and two gradient buffers
-        head_dim = shape.q_width // shape.num_heads
-        floor = backward_floor_bytes(batch * seq, d, head_dim, max(1, shape.num_kv_heads // d),
-                                     shape.num_heads // d, h, dtype_bytes=b)
-        attn = r + r + 2 * r + 2 * r / g + r + floor + 6 * w_att
-        # MLP: both norms' inputs (2r: a norm keeps only its input), attention's saved tensors
-        # (4r + 2r/g), the MLP input, per tile of the ring's shard its [tile, F/D] tensors
-        # (mlp_tile), dx, dy; the ring's current and next shard, their gradient accumulators
-        # and the owner's gradient (5)
-        mlp = (2 * r + 4 * r + 2 * r / g + r + tile_tensors * tile * F / d * b + 2 * r
-               + 5 * w_mlp)
+        # per attention kind present: (what it keeps for backward, its backward's working set);
+        # the planner takes the larger of each (the edge layers may be of either kind)
+        kinds = _tsp_attention_kinds(shape, d, n_r, r, batch, seq, b)
+        saved = max(k[0] for k in kinds)
+        attn = max(k[1] for k in kinds)
+        # MLP: both norms' inputs (2r: a norm keeps only its input), attention's saved tensors,
+        # the MLP input, per tile of the ring's shard its [tile, F/D] tensors (mlp_tile), dx,
+        # dy; the ring's current and next shard, their gradient accumulators and the owner's
+        # gradient (5)
+        mlp = (2 * r + saved + r + tile_tensors * tile * F / d * b + 2 * r + 5 * w_mlp)
         if shape.is_moe:  # schedule (a): k T routed rows through this rank's E/D whole experts
             moe = moe_working_set(shape, shape.top_k * n_r, shape.expert_intermediate_size,
                                   shape.num_experts / d, b, tokens=n_r)
             moe["forward"] += r  # the recompute's residual (x + attention), freed at its stop
             # both norms (fp32 input, normalised bf16, output: 4r each, the MLP input among
-            # them), attention's saved q_all and out_all (every query head of this rank's
-            # tokens: n q_width each) and kv_all (2r/g), the layer's output gradient (r: the
-            # residual's and the MoE's, one tensor)
-            common = 8 * r + 2 * n_r * shape.q_width * b + 2 * r / g + r
+            # them), attention's saved tensors (softmax: q_all and out_all, every query head of
+            # this rank's tokens, n q_width each, and kv_all, 2r/g), the layer's output
+            # gradient (r: the residual's and the MoE's, one tensor)
+            common = 8 * r + max(k[2] for k in kinds) + r
             mlp = max(common + max(moe.values()), mlp if shape.num_dense_layers else 0)
         # loss: final norm (its input and output: 2r), two float32 [tile, V/D] (the backward's
         # probabilities and their scaled copy), two vocabulary shards in the ring and the

@@ -36,6 +36,75 @@ from ..layers.moe import MoEScheduleBytes, moe_bytes
 
 
 @dataclass(frozen=True)
+class LatentShape:
+    """Multi-head latent attention's sizes (docs/design.md "Multi-head latent attention
+    (DeepSeek-V3)"): the down-projections are replicated, ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``
+    and ``o_proj`` sharded by heads."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    bias: bool = False
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements each token's latent ``[c_kv | k_rope]`` has: what is all-gathered."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def padded_dim(self) -> int:
+        """The one head size the flash kernels see (q, k, v zero-padded to it: 192 in V3)."""
+        return max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+
+    def kv_b(self, heads: int) -> int:
+        """``kv_b_proj``'s elements: applied by every rank to the gathered latent, every round."""
+        return heads * (self.qk_nope_head_dim + self.v_head_dim) * self.kv_lora_rank
+
+    def sharded(self, h: int, heads: int) -> int:
+        """W_mla = nq (dqk q_width + (nope + dv) kv_lora_rank + dv h): the broadcast shards."""
+        q_width = h if self.q_lora_rank is None else self.q_lora_rank
+        dqk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        return heads * (dqk * q_width + self.v_head_dim * h) + self.kv_b(heads)
+
+    def replicated(self, h: int) -> int:
+        """W_rep: q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm (and biases)."""
+        q = 0 if self.q_lora_rank is None else self.q_lora_rank * (h + 1 + self.bias)
+        return q + self.latent_dim * (h + self.bias) + self.kv_lora_rank + self.bias * h
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """Gated DeltaNet's sizes (Qwen3.5's linear-attention layers; docs/design.md "Gated
+    DeltaNet") and how many of the layers are linear attention."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: int
+
+    def sharded(self, h: int) -> int:
+        """W_dn: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, the convolution, A_log, dt_bias
+        and out_proj, all split by heads (the gated norm's d_v weight is replicated)."""
+        nk, nv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_head_dim, \
+            self.value_head_dim
+        return ((2 * nk * dk + 2 * nv * dv + 2 * nv) * h + (2 * nk * dk + nv * dv)
+                * self.conv_kernel + 2 * nv + nv * dv * h)
+
+    def map_elements(self, d: int, batch: int) -> int:
+        """M = 2 D B nv d_k (d_k + d_v): every chunk's map, gathered round by round (float32)."""
+        return 2 * d * batch * self.num_value_heads * self.key_head_dim * \
+            (self.key_head_dim + self.value_head_dim)
+
+    def tail_elements(self, d: int, batch: int, seq: int, h: int) -> float:
+        """T = 2 D B min(S / 2D, K - 1) h: every chunk's convolution halo."""
+        return 2 * d * batch * min(seq / (2 * d), self.conv_kernel - 1) * h
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The numbers of a decoder layer that decide its traffic and memory."""
 
@@ -62,6 +131,13 @@ class ModelShape:
     mlp_matrices: int = 3
     # an output gate (Qwen3.5): q_proj gives a gate beside every query, q_width more rows
     output_gate: bool = False
+    # multi-head latent attention in every layer (DeepSeek-V3), None: softmax attention of
+    # q/k/v/o projections
+    latent: LatentShape | None = None
+    # Gated DeltaNet in ``delta_net.layers`` of the layers (Qwen3.5), the others full attention
+    delta_net: DeltaNetShape | None = None
+    # per-head RMSNorms on q and k (head_dim each, replicated: Qwen3.5's full attention)
+    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -72,19 +148,15 @@ class ModelShape:
         nq = config.num_attention_heads
         _check_one_layer_shape(config)
         policy = _policy(config)
-        if policy is not None and policy.attention_module is not None:
-            raise ValueError(
-                f"{type(config).__name__}: the {policy.name} attention runs its own schedule "
-                f"(multi-head latent attention: q_lora_rank, kv_lora_rank, qk_rope_head_dim), "
-                f"which tsp plan's closed forms do not model; estimate this model with tsp "
-                f"simulate, which builds each layer as it is")
         experts = _moe_fields(config, policy)
         dense = getattr(config, policy.dense_intermediate_size if policy else "intermediate_size")
         return cls(config.hidden_size, nq, getattr(config, "num_key_value_heads", None) or nq,
                    dense, config.num_hidden_layers, config.vocab_size,
                    getattr(config, "head_dim", None), **experts,
                    mlp_matrices=3 if experts or _gated_mlp(config) else 2,
-                   output_gate=bool(policy and policy.output_gate))
+                   output_gate=bool(policy and policy.output_gate),
+                   latent=_latent_fields(config, policy), delta_net=_delta_net_fields(config),
+                   qk_norm=bool(policy and policy.qk_norms(config)))
 
     @property
     def is_moe(self) -> bool:
@@ -151,12 +223,71 @@ class ModelShape:
         return self.hidden_size / self.kv_width
 
     @property
-    def attention_weights(self) -> float:
+    def softmax_attention_weights(self) -> int:
         """q, k, v, o projections: 2 h (q_width + kv_width); (2 + 2/g) h^2 when q_width = h; with
         an output gate q_proj's gate rows, h q_width more (the gate's activations, q_width per
         token like the queries', are not in the closed forms)."""
         gate = self.hidden_size * self.q_width if self.output_gate else 0
         return 2 * self.hidden_size * (self.q_width + self.kv_width) + gate
+
+    @property
+    def num_linear_layers(self) -> int:
+        """Layers of Gated DeltaNet (the others are softmax or latent attention)."""
+        return self.delta_net.layers if self.delta_net else 0
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_linear_layers
+
+    def attention_layer_weights(self, shard: int = 1) -> tuple[int | float, ...]:
+        """Per layer kind present, (layers of the kind, sharded weights / ``shard`` + replicated
+        tensors): latent attention (W_mla, and its down-projections replicated), softmax
+        attention (its q/k norms replicated), Gated DeltaNet (W_dn, its norm's d_v replicated)."""
+        h = self.hidden_size
+        if self.latent is not None:
+            return ((self.num_layers, self.latent.sharded(h, self.num_heads) / shard
+                     + self.latent.replicated(h)),)
+        norms = 2 * (self.q_width // self.num_heads) if self.qk_norm else 0
+        kinds = [(self.num_full_layers, self.softmax_attention_weights / shard + norms)]
+        if self.delta_net is not None:
+            kinds.append((self.num_linear_layers, self.delta_net.sharded(h) / shard
+                          + self.delta_net.value_head_dim))
+        return tuple(k for k in kinds if k[0])
+
+    @property
+    def attention_weights(self) -> float:
+        """Attention weights of an average layer, whole (every kind's, the replicated
+        down-projections and norms with them); softmax attention's is
+        :attr:`softmax_attention_weights` (norms apart)."""
+        if self.latent is None and self.delta_net is None:
+            return self.softmax_attention_weights
+        return sum(n * w for n, w in self.attention_layer_weights()) / self.num_layers
+
+    @property
+    def sharded_attention_weights(self) -> float:
+        """What TSP broadcasts of an average layer's attention: the head-sharded tensors (W_mla,
+        W_dn, q/k/v/o), not the replicated ones (whose gradients are all-reduced)."""
+        h = self.hidden_size
+        if self.latent is not None:
+            return self.latent.sharded(h, self.num_heads)
+        dn = self.delta_net.sharded(h) * self.num_linear_layers if self.delta_net else 0
+        return (dn + self.softmax_attention_weights * self.num_full_layers) / self.num_layers
+
+    def sequence_bytes(self, d: int, batch: int, seq: int, b: int = 2) -> float:
+        """Bytes one rank sends per forward of an average layer's attention for the sequence
+        (not the weights) under TSP at degree ``d``: the K/V of every head (2 B S h / g
+        elements), MLA's ONE latent gather (B S (kv_lora_rank + qk_rope)), Gated DeltaNet's
+        halo tails (T, the model's dtype) and chunk maps (M, float32 at least), each (D-1)/D."""
+        f, h = (d - 1) / d, self.hidden_size
+        if self.latent is not None:
+            return f * batch * seq * self.latent.latent_dim * b
+        kv = f * 2 * batch * seq * self.kv_width * b * self.num_full_layers
+        dn = 0.0
+        if self.delta_net is not None:
+            n = self.delta_net
+            dn = f * (n.tail_elements(d, batch, seq, h) * b + n.map_elements(d, batch)
+                      * max(4, b)) * n.layers
+        return (kv + dn) / self.num_layers
 
     @property
     def mlp_weights(self) -> float:
@@ -185,21 +316,45 @@ def _gated_mlp(config) -> bool:
     return not mlps or any(hasattr(m, a) for m in mlps[:1] for a in ("gate_proj", "gate_up_proj"))
 
 
+def _latent_fields(config, policy) -> LatentShape | None:
+    """The latent attention's sizes where the family runs its own attention schedule
+    (``DecoderPolicy.attention_module``: DeepSeek-V3's MLA), else None."""
+    if policy is None or policy.attention_module is None:
+        return None
+    return LatentShape(config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim,
+                       config.qk_rope_head_dim, config.v_head_dim,
+                       bool(getattr(config, "attention_bias", False)))
+
+
+def _delta_net_fields(config) -> DeltaNetShape | None:
+    """Gated DeltaNet's sizes and its layer count (``layer_types`` "linear_attention":
+    Qwen3.5), None when no layer is linear attention."""
+    types = list(getattr(config, "layer_types", None) or [])
+    linear = types.count("linear_attention")
+    if not linear:
+        return None
+    return DeltaNetShape(config.linear_num_key_heads, config.linear_num_value_heads,
+                         config.linear_key_head_dim, config.linear_value_head_dim,
+                         config.linear_conv_kernel_dim, linear)
+
+
 def _check_one_layer_shape(config) -> None:
     """The closed forms assume one attention shape for every layer; a config whose layers differ
     (Gemma 4: ``head_dim`` on sliding layers, ``global_head_dim`` and its own key/value heads on
     full ones; transformers then refuses the global fields) is refused with the fields, not a
     traceback. ``tsp simulate`` builds each layer as it is and takes it. So is a config with
-    linear-attention layers (Qwen3.5's Gated DeltaNet: no K/V, a recurrent state), which the
-    closed forms do not model."""
+    linear-attention layers (Qwen3.5's Gated DeltaNet): :class:`DeltaNetShape` gives their
+    weights and bytes, but the planner's memory undercounts their backward (the round's forward
+    rerun under autograd), so it refuses them rather than rank a layout that may not fit."""
     types = list(getattr(config, "layer_types", None) or [])
     linear = [i for i, t in enumerate(types) if t == "linear_attention"]
     if linear:
         raise ValueError(
             f"{type(config).__name__}: config.layer_types[{linear[0]}]='linear_attention' "
             f"({len(linear)} of {len(types)} layers are linear attention, Gated DeltaNet); tsp "
-            f"plan's closed forms model softmax attention layers only: estimate this model with "
-            f"tsp simulate, which builds each layer as it is")
+            f"plan's memory model undercounts the Gated DeltaNet backward (the planner's "
+            f"working set is about half of what tsp simulate measures): estimate this model "
+            f"with tsp simulate, which builds each layer as it is")
     for field in ("num_key_value_heads", "head_dim"):
         try:
             getattr(config, field, None)
@@ -302,11 +457,28 @@ def layer_forward_elements(name: str, tp: int, cp: int, shape: ModelShape, batch
     h, g = shape.hidden_size, shape.group
     if name == "tsp":
         d = tp
-        return ((d - 1) / d * (shape.attention_weights + 2 * batch * seq * h / g)
+        return ((d - 1) / d * shape.sharded_attention_weights
+                + shape.sequence_bytes(d, batch, seq) / 2
                 + _mlp_forward_elements(shape, d, batch * seq / d))
+    if shape.latent is not None or shape.delta_net is not None:
+        raise ValueError(f"{name}: {baseline_refusal(shape)}")
     tensor = 4 * (tp - 1) / tp * batch * (seq / cp) * h
     context = 2 * (cp - 1) / cp * batch * seq * (h / tp) / g
     return tensor + context
+
+
+def baseline_refusal(shape: ModelShape) -> str | None:
+    """Why the tensor- and context-parallel baselines cannot run this model, or None: they
+    shard Hugging Face's q/k/v/o projections, which multi-head latent attention and Gated
+    DeltaNet layers do not have (not built for these layers)."""
+    if shape.latent is not None:
+        return (f"the baselines have no schedule for multi-head latent attention "
+                f"(kv_lora_rank={shape.latent.kv_lora_rank}, q_lora_rank="
+                f"{shape.latent.q_lora_rank}): only tsp runs it")
+    if shape.delta_net is not None:
+        return (f"the baselines have no schedule for Gated DeltaNet ({shape.num_linear_layers} "
+                f"of {shape.num_layers} layers are linear_attention): only tsp runs it")
+    return None
 
 
 def crossover_tokens(shape: ModelShape) -> float:
@@ -316,5 +488,7 @@ def crossover_tokens(shape: ModelShape) -> float:
     if shape.is_moe:
         raise ValueError("crossover_tokens is for dense models; for MoE layers compare "
                          "layer_forward_elements per layout or use moe_crossover_tokens")
+    if shape.latent is not None or shape.delta_net is not None:
+        raise ValueError(f"crossover_tokens: {baseline_refusal(shape)}")
     h, g = shape.hidden_size, shape.group
     return (shape.attention_weights + shape.mlp_weights) / ((4 - 2 / g) * h)
