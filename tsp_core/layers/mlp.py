@@ -33,6 +33,7 @@ from ..distributed.params import (
     local_replicated,
     schedule_inputs,
 )
+from .inputs import check_local_input
 from .sizes import valid_sizes_hint, valid_tsp_sizes
 from .tiles import (
     MLP_TILE_TENSORS,
@@ -70,13 +71,6 @@ def _act_grad(g: torch.Tensor, kind: str) -> torch.Tensor:
     q = (g * 0.5).mul_(q).mul_(c)           # 0.5 g (1 - t^2) c
     q.mul_((g * (3 * k)).mul_(g).add_(1))   # ... (1 + 3 k g^2)
     return t.add_(1).mul_(0.5).add_(q)      # 0.5 (1 + t) + ...
-
-
-def check_local_input(x: torch.Tensor, hidden_size: int) -> None:
-    """An MLP's input must be this rank's tokens [batch, local_seq, hidden_size]."""
-    if x.dim() != 3 or x.shape[-1] != hidden_size:
-        raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
-                         f"[batch, local_seq, hidden_size={hidden_size}]")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from ...distributed.params import (
     schedule_inputs,
 )
 from .. import flash, rope
+from ..inputs import check_local_input, checked_docs
 from ..norm import rms_norm
 from ..sizes import valid_sizes_hint, valid_tsp_sizes
 from .rounds import AttentionSpec, _by_rows, _flat, _heads, _OwnerReduces, _Rounds, _row_groups
@@ -345,15 +346,12 @@ class TSPLatentAttention(ShardedModule):
         """``docs``: packed rows' document lengths (as TSPAttention takes them); ``kv_sink``
         (prefill) is called with this rank's tokens' latent [B, S/D, latent_dim]."""
         s = self.spec
-        if x.dim() != 3 or x.shape[-1] != s.hidden_size:
-            raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
-                             f"[batch, local_seq, hidden_size={s.hidden_size}]")
+        check_local_input(x, s.hidden_size)
         if position_embeddings is None or position_embeddings[0].shape[-1] != s.qk_rope_head_dim:
             width = None if position_embeddings is None else position_embeddings[0].shape[-1]
             raise ValueError(f"position_embeddings: cos/sin of qk_rope_head_dim "
                              f"({s.qk_rope_head_dim}) channels are needed, got {width}")
-        if docs is not None:
-            docs = tuple(tuple(int(n) for n in row) for row in docs)
+        docs = checked_docs(docs, x, s.tsp_size)
         cos, sin = rope.rotation_inputs(position_embeddings, x.dtype)
         q_in, latent = self.local_latent(x, cos, sin)
         names = ["q_proj.weight" if s.q_lora_rank is None else "q_b_proj.weight",

@@ -21,6 +21,7 @@ from ...distributed.params import (
     schedule_inputs,
 )
 from .. import rope
+from ..inputs import check_local_input, checked_docs
 from ..norm import NORMS as NORM_KINDS
 from ..norm import WEIGHTLESS
 from ..sizes import valid_sizes_hint, valid_tsp_sizes
@@ -250,17 +251,12 @@ class TSPAttention(ShardedModule):
         if s.kv_shared != (shared_kv is not None):
             raise ValueError(f"a layer {'with' if s.kv_shared else 'without'} kv_shared takes "
                              f"{'the' if s.kv_shared else 'no'} shared_kv of the layer it reuses")
-        if x.dim() != 3 or x.shape[-1] != s.hidden_size:
-            raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
-                             f"[batch, local_seq, hidden_size={s.hidden_size}]")
+        check_local_input(x, s.hidden_size)
         if x.shape[1] % (2 if s.layout == "zigzag" else 1):
             raise ValueError(f"local sequence length ({x.shape[1]}) must be even under the zigzag "
                              f"layout (2 chunks per rank); shard with tsp_core.shard_batch")
+        docs = checked_docs(docs, x, s.tsp_size)
         if docs is not None:
-            docs = tuple(tuple(int(n) for n in row) for row in docs)
-            if len(docs) != x.shape[0] or any(sum(row) != x.shape[1] * s.tsp_size for row in docs):
-                raise ValueError(f"docs {docs} do not describe {x.shape[0]} rows of "
-                                 f"{x.shape[1] * s.tsp_size} tokens; pass shard_batch's tsp_docs")
             packed = [b for b, row in enumerate(docs) if len(row) > 1]
             if s.query_scale is not None and packed:  # same docs on every rank: all raise here
                 raise ValueError(

@@ -17,6 +17,7 @@ from ...distributed.params import (
     init_full,
     schedule_inputs,
 )
+from ..inputs import check_local_input, checked_docs
 from .schedule import DeltaNetSpec, GatedDeltaNetFn
 
 # this rank's shards, in the schedule's round order (DeltaNetSpec.round_shapes)
@@ -92,14 +93,8 @@ class TSPGatedDeltaNet(ShardedModule):
     def forward(self, x: torch.Tensor, docs: Sequence[Sequence[int]] | None = None
                 ) -> torch.Tensor:
         s = self.spec
-        if x.dim() != 3 or x.shape[-1] != s.hidden_size:
-            raise ValueError(f"input of shape {tuple(x.shape)} does not match the layer: expected "
-                             f"[batch, local_seq, hidden_size={s.hidden_size}]")
-        if docs is not None:
-            docs = tuple(tuple(int(n) for n in row) for row in docs)
-            if len(docs) != x.shape[0] or any(sum(row) != x.shape[1] * s.tsp_size for row in docs):
-                raise ValueError(f"docs {docs} do not describe {x.shape[0]} rows of "
-                                 f"{x.shape[1] * s.tsp_size} tokens; pass shard_batch's tsp_docs")
+        check_local_input(x, s.hidden_size)
+        docs = checked_docs(docs, x, s.tsp_size)
         x, weights, context = schedule_inputs(self, ROUND_WEIGHTS + ["norm.weight"], x)
         norm_w = comm.sum_grad(weights.pop(), self.mesh.group)
         with context:
