@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..baselines.layouts import LayoutSpec
 from ..layers.attention import backward_floor_bytes
+from ..layers.linear_attention.delta_rule import SUB_CHUNK
 from ..layers.mlp import PLAIN_TILE_TENSORS, plain_tile_tokens
 from ..layers.tiles import MLP_TILE_TENSORS, loss_tile_tokens, mlp_tile_tokens
 from .traffic import ModelShape
@@ -188,11 +189,36 @@ def _tsp_attention_kinds(shape: ModelShape, d: int, n_r: float, r: float, batch:
         w = shape.softmax_attention_weights / d * b
         out.append((4 * r + 2 * r / g, 5 * r + 2 * r / g + floor + 6 * w,
                     2 * n_r * shape.q_width * b + 2 * r / g))
-    if shape.delta_net is not None:
-        raise ValueError(f"tsp plan's memory model does not count the Gated DeltaNet backward "
-                         f"({shape.num_linear_layers} of {shape.num_layers} layers): estimate "
-                         f"this model with tsp simulate")
+    if shape.delta_net is not None:  # the layer input, x, the round rerun's graph, dy, dx
+        w = shape.delta_net.sharded(h) / d * b
+        out.append((r, 4 * r + delta_net_round_bytes(shape, n_r, d, b) + 6 * w, r))
     return out
+
+
+def delta_net_round_bytes(shape: ModelShape, tokens: float, d: int, b: int = 2) -> float:
+    """What one Gated DeltaNet round's backward holds on ``tokens`` own tokens (the round's
+    forward rerun under autograd, tsp_core.layers.linear_attention.schedule): the projections'
+    inputs and outputs, the convolution's input and output, q/k/v/z per local value head in
+    the compute dtype, both chunked rules' (the map's, values d_k + d_v wide, and the
+    outputs') sub-chunk matrices, solves and states, the gated norm's tensors and the output
+    projection's output times dy; and, while autograd runs the map's rule backward, one
+    gradient per per-token tensor of it (its three [C] sub-chunk matrices, the widened values'
+    solve and three d_k-wide key tensors). The last term is the least certain one
+    (docs/planning.md, "Where the model is uncertain")."""
+    n = shape.delta_net
+    H, Kh, dk, dv = n.num_value_heads / d, n.num_key_heads / d, n.key_head_dim, n.value_head_dim
+    h, cd, C = shape.hidden_size, max(4, b), SUB_CHUNK
+    cw = 2 * Kh * dk + H * dv
+    prep = 2 * h * b + 2 * cw * b + H * (4 * dk * cd + dv * cd + dv * b)
+
+    def rule(wv: float, outputs: bool) -> float:
+        per = dk + 3 * C + 2 * wv + 2 * dk + 2 * dk * wv / C
+        return H * cd * (per + (2 * C + dk + wv if outputs else 0))
+
+    maps = rule(dk + dv, False) + H * (dk + dv) * cd
+    norm = H * dv * (3 * cd + 2 * b) + 2 * h * b
+    grads = H * cd * (3 * C + (dk + dv) + 3 * dk)
+    return tokens * (prep + maps + rule(dv, True) + norm + grads)
 
 
 def tokens(lay: LayoutSpec, seq: int, batch: int) -> tuple[float, float]:

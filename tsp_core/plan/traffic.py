@@ -342,19 +342,9 @@ def _check_one_layer_shape(config) -> None:
     """The closed forms assume one attention shape for every layer; a config whose layers differ
     (Gemma 4: ``head_dim`` on sliding layers, ``global_head_dim`` and its own key/value heads on
     full ones; transformers then refuses the global fields) is refused with the fields, not a
-    traceback. ``tsp simulate`` builds each layer as it is and takes it. So is a config with
-    linear-attention layers (Qwen3.5's Gated DeltaNet): :class:`DeltaNetShape` gives their
-    weights and bytes, but the planner's memory undercounts their backward (the round's forward
-    rerun under autograd), so it refuses them rather than rank a layout that may not fit."""
-    types = list(getattr(config, "layer_types", None) or [])
-    linear = [i for i, t in enumerate(types) if t == "linear_attention"]
-    if linear:
-        raise ValueError(
-            f"{type(config).__name__}: config.layer_types[{linear[0]}]='linear_attention' "
-            f"({len(linear)} of {len(types)} layers are linear attention, Gated DeltaNet); tsp "
-            f"plan's memory model undercounts the Gated DeltaNet backward (the planner's "
-            f"working set is about half of what tsp simulate measures): estimate this model "
-            f"with tsp simulate, which builds each layer as it is")
+    traceback. ``tsp simulate`` builds each layer as it is and takes it. Linear-attention layers
+    (Qwen3.5's Gated DeltaNet) are planned: :class:`DeltaNetShape` gives their weights and bytes,
+    ``memory.delta_net_round_bytes`` their backward."""
     for field in ("num_key_value_heads", "head_dim"):
         try:
             getattr(config, field, None)
