@@ -177,6 +177,21 @@ def test_a_config_whose_layers_differ_is_refused_by_name():
         ModelShape.from_config(config)
 
 
+def simulate_config_dir(config_dir) -> None:
+    """`tsp simulate` takes the config.json in ``config_dir`` (TSP, D = 2, 512 tokens) and
+    writes one record with the model's parameters in it."""
+    out = config_dir / "sim.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--model",
+                          str(config_dir), "--seq", "512", "--degree", "2", "--layouts", "tsp",
+                          "--json", str(out)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())
+    assert (rec["layout"], rec["degree"], rec["seq"]) == ("tsp", 2, 512)
+    assert rec["breakdown"]["parameters"] > 0
+
+
 @pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
                                     "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text",
                                     *NEWER_MOE_FAMILIES])
@@ -214,16 +229,7 @@ def test_newer_families_config_files(tmp_path, family):
         sparse = sum(policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers)
         assert shape.num_moe_layers == sparse > 0   # GLM-4.5's first and Llama 4's layer 1 dense
     assert shape.is_moe == moe
-    out = tmp_path / "sim.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--model",
-                          str(tmp_path), "--seq", "512", "--degree", "2", "--layouts", "tsp",
-                          "--json", str(out)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    (rec,) = json.loads(out.read_text())
-    assert (rec["layout"], rec["degree"], rec["seq"]) == ("tsp", 2, 512)
-    assert rec["breakdown"]["parameters"] > 0
+    simulate_config_dir(tmp_path)
 
 
 def test_ungated_mlp_memory_within_ten_percent_of_simulate(tmp_path):
@@ -609,16 +615,7 @@ def test_qwen3_5_preset_and_its_linear_attention_layers(tmp_path):
         4096 * (3 * 16 * 256 + 2 * 4 * 256)
     # tsp simulate takes Qwen3.5's mix of Gated DeltaNet and gated full-attention layers
     hf_models.build("qwen3_5-mixed", torch.float32).config.save_pretrained(tmp_path)
-    out = tmp_path / "sim.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--model",
-                          str(tmp_path), "--seq", "512", "--degree", "2", "--layouts", "tsp",
-                          "--json", str(out)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    (rec,) = json.loads(out.read_text())
-    assert (rec["layout"], rec["degree"], rec["seq"]) == ("tsp", 2, 512)
-    assert rec["breakdown"]["parameters"] > 0
+    simulate_config_dir(tmp_path)
 
 
 # ------------------------------------------- latent attention and Gated DeltaNet (docs/planning.md)
