@@ -58,6 +58,7 @@ from tsp_core.plan.auto import TSPChoice, is_auto, log_choice
 from tsp_core.state.checkpoint import check_full_state_dict
 from tsp_core.state.resharding import MARKER as RESHARDABLE_MARKER
 from tsp_core.state.resharding import check_checkpoint
+from tsp_transformers.forward_guard import bypass_message, refuse_bypassed_forward
 
 OPTIMIZER_DIR = "optimizer_dcp"
 # The oldest transformers whose Trainer sizes batches by the data-parallel replicas (it divides
@@ -232,31 +233,6 @@ def with_tsp_fields(args: TrainingArguments, cls: type) -> TSPTrainingArguments:
                         f"TSP's fields: @dataclass class MyArgs({type(args).__name__}, "
                         f"TSPTrainingArguments)")
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
-
-
-def bypass_message(trainer: Any, what: str) -> str:
-    """The guard's refusal: the Trainer class, what it does, and the trainers that work."""
-    return (f"{type(trainer).__name__}: {what}. Under TSP each rank holds a slice of the "
-            f"vocabulary and of every sequence, so that would train wrongly (a loss over this "
-            f"rank's tokens only, the head gathered whole on every rank). Use TSPTrainer's own "
-            f"loss, or for TRL the supported trainers tsp_trl.TSPSFTTrainer / "
-            f"tsp_trl.TSPDPOTrainer (docs/trl.md)")
-
-
-def refuse_bypassed_forward(trainer: Any, model: nn.Module) -> None:
-    """Raise when something replaced the TSP model's forward on the instance (TRL's
-    ``add_fused_lm_head``, Liger's fused cross-entropy): that forward runs the backbone and
-    its own loss from ``get_output_embeddings().weight``, skipping the vocabulary-parallel loss,
-    the input checks, the global rotary length and the MoE auxiliary loss. The same on every
-    rank (no collective), so every rank raises together."""
-    patched = vars(model).get("forward")
-    if patched is not None:
-        code = getattr(getattr(patched, "__func__", patched), "__code__", None)
-        # functools.wraps copies the original's names: the code object says what really runs
-        name = (f"{code.co_name} of {os.sep.join(code.co_filename.split(os.sep)[-3:])}"
-                if code is not None else type(patched).__name__)
-        raise ValueError(bypass_message(trainer, f"the model's forward was replaced by {name} "
-                                                 f"(e.g. TRL's add_fused_lm_head)"))
 
 
 class _OpenMetricsWindow(TrainerCallback):
