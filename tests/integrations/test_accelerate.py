@@ -5,7 +5,8 @@ clipping with ``accelerator.clip_grad_norm_`` (tests/jobs/accelerate_job.py) mat
 float64 with clipping active and plain SGD (norms, first gradients, losses, weights) at
 dp 2 x tsp 2 (TSP_SIZE from the launch environment), tsp 4 with 1 and 2 key/value heads, and
 FSDP2 dp_shard 2 x tsp 2 from an accelerate config file and from code (each rank holding 1/4 of
-the model)."""
+the model); with ``mixed_precision="bf16"`` at dp 2 x tsp 2 it matches the plain Accelerator in
+bf16 on one process within bf16's bounds."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
                   f"--clip 0.2",
                   "--case", f"fsdp_yaml {sgd} --kv-heads 1 --launch-fsdp --round-trip",
                   "--case", f"fsdp_code {sgd} --kv-heads 1 --tsp-size 2 --fsdp-code 2 "
-                  f"--activation-offload"],
+                  f"--activation-offload",
+                  "--case", f"bf16 {BF16}"],
                  TSP_SIZE="2")
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 2" in stdout, stdout
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 4" in stdout, stdout
@@ -166,11 +168,40 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
             want = ([{"offloaded": 4 * layers, "brought_back": 4 * layers,
                       "prefetched": 4 * (layers - 1)}] if name == "fsdp_code" else [None])
             assert offload == want, (name, r, offload)
+    assert_bf16_as_one_process(tmp_path)
     with open(tmp_path / "fsdp_yaml" / "rank0.json") as f:  # the degree too (no TSP_SIZE there)
         assert json.load(f)["tsp_reason"] == "tp_size=2 of the ParallelismConfig"
     for r, fn in enumerate(sorted((tmp_path / "dp2").glob("rank*.json"))):  # and dp2 is not
         with open(fn) as f:
             assert json.load(f)["fsdp"] == {}, r
+
+
+# TSPAccelerator(mixed_precision="bf16"): float32 weights, bf16 autocast around the forward;
+# clipped SGD as the float64 cases
+BF16 = "--optimizer sgd --lr 0.5 --clip 0.5 --kv-heads 1 --mixed-precision bf16"
+
+
+def assert_bf16_as_one_process(tmp_path) -> None:
+    """The bf16 case (dp 2 x tsp 2) against the plain Accelerator(mixed_precision="bf16") on one
+    process, 4 rows a step (the two replicas' batches), within bf16's bounds
+    (tests/support/precision.py) on every rank; both really ran bf16 (first gradients >= 0.1 u
+    from float32's)."""
+    from tests.support import hf_models, precision
+
+    one = tmp_path / "bf16_one_process"
+    run([sys.executable, launch.EXIT_CLEANLY, JOB, "--plain", *BF16.split(), "--batch", "4",
+         "--out", str(one)])
+    (plain,) = job_run(str(one), 1)
+    float32 = reference(1, rows_per_step=4, dtype=torch.float32)
+    init = hf_models.build("llama", torch.float32, kv_heads=1).state_dict()
+    precision.assert_within_bf16(plain, float32, init, "bf16, one process", exact=float32)
+    runs = job_run(str(tmp_path / "bf16"), 1)
+    assert len(runs) == 4
+    for r, rank_run in enumerate(runs):
+        rank_run.update({k: runs[0][k] for k in ("grads0", "weights")})  # gathered on rank 0
+        precision.assert_within_bf16(rank_run, plain, init, f"bf16, dp 2 x tsp 2, rank {r}",
+                                     exact=float32)
+    print("bf16: " + precision.summary(runs[0], plain, init, float32))
 
 
 def assert_logged_metrics(out: str) -> None:

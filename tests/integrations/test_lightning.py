@@ -19,6 +19,7 @@ import torch
 
 from tests.jobs.lightning_job import SEQ, VOCAB, Sequences, global_batches
 from tests.support import hf_models, launch, metrics_check
+from tests.support.precision import G, U, relative_error
 from tests.support.reference import assert_close
 
 JOB = os.path.join(launch.JOBS, "lightning_job.py")
@@ -234,8 +235,7 @@ def assert_fsdp_bf16(tmp_path) -> None:
     test_bf16_precisions_train (G = 9 u; bf16-true's weights also rounded into bf16 at the start
     and after each step: sqrt(5) u < 3 u of |w|). Measured: gradients 1.8 u (bf16-true), 1.5 u
     (bf16-mixed), 1.7 u (policy); weights 1.3e-3, 2.1e-4 and 2.3e-4 of |w|."""
-    u = 2.0 ** -8
-    G = 9 * u
+    u = U
     ref = reference(1, rows=8, dp=2, shuffle=True, dtype=torch.float32)
     init = hf_models.build("llama", torch.float32, kv_heads=1).state_dict()
     names = sorted(ref["grads0"])
@@ -277,13 +277,6 @@ def assert_logged_metrics(out: str, dp: int) -> None:
     assert written == runs[0]["metric_rows"], (written, runs[0]["metric_rows"])
 
 
-def relative_error(a: dict, b: dict, names) -> float:
-    """||a - b|| / ||b|| over the named tensors together (float64)."""
-    num = sum(((a[n].double() - b[n].double()) ** 2).sum() for n in names)
-    den = sum((b[n].double() ** 2).sum() for n in names)
-    return float((num / den).sqrt())
-
-
 def test_bf16_precisions_train(tmp_path):
     # bf16-mixed and bf16-true at tsp 2 (one torchrun launch), against float32 on one process:
     # 8 SGD steps clipped at 0.5 (lr 0.5: each step moves the weights by 0.25; unclipped SGD on
@@ -297,16 +290,10 @@ def test_bf16_precisions_train(tmp_path):
                     pattern=True)
     init = hf_models.build("llama", torch.float32).state_dict()
     names = sorted(ref["grads0"])
-    # Tolerances from bf16's unit roundoff u = 2^-8 (8 significant bits: round-to-nearest is
-    # off by at most u relative). bf16-mixed rounds each matmul's inputs and output (accumulating
-    # in float32); a gradient passes about k = 20 such roundings through 2 layers forward and
-    # back (embedding; per layer norm, q/k/v, attention, o, norm, gate/up, down; norm, head; the
-    # same backward). Independent rounding errors add in quadrature: sqrt(k) u = 4.5 u relative
-    # (norm-wise, all gradients together), twice that for margin: G = 9 u = 3.5%. A gradient of
-    # the wrong scale or from the wrong data is off by 10% to 100%. Measured: 1.0 u (mixed), 1.3 u
-    # (true: weights and gradients also stored in bf16).
-    u = 2.0 ** -8
-    G = 9 * u
+    # Tolerances from bf16's unit roundoff u = 2^-8: G = 9 u = 3.5% for the first gradients
+    # (derived in tests/support/precision.py). Measured: 1.0 u (mixed), 1.3 u (true: weights and
+    # gradients also stored in bf16).
+    u = U
     # The training is real: the loss falls from ln V (4.56) by more than a third.
     assert ref["losses"][-1] < ref["losses"][0] * 2 / 3, ref["losses"]
     moved = relative_error(ref["weights"], init, names)  # float32's movement, relative to |w|

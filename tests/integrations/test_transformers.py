@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support import dist_pool, hf_models, launch, metrics_check
+from tests.support import dist_pool, hf_models, launch, metrics_check, precision
 from tests.support.reference import assert_close
 
 JOB = os.path.join(launch.JOBS, "trainer_job.py")
@@ -132,6 +132,9 @@ DP2 = ("--rows 16 --eval_strategy steps --eval_steps 2 --save_strategy steps --s
 
 
 REBALANCE = "--train_sampling_strategy batch_rebalance"  # the Trainer's sampler splits by rank
+# mixed precision as a GPU user runs it: float32 weights, bf16 autocast (Accelerate's wrappers
+# around the model's forward), SGD's steps otherwise as above
+BF16 = "--dtype float32 --bf16 true"
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +143,8 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
     must report); both again with batch_rebalance; tsp_size="auto" under run_clm.py's logging
     (planned for 24 tokens x 2 rows in 0.6 MB: 0.94 MB at D=1 does not fit 0.9 x 0.6 MB, 0.46 MB
     at D=2 does), one step; TSPTrainer given a plain TrainingArguments (the one switch);
-    tsp_activation_offload with gradient checkpointing."""
+    tsp_activation_offload with gradient checkpointing; bf16 (mixed precision), with and without
+    gradient checkpointing."""
     out = tmp_path_factory.mktemp("two_processes")
     proc = launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"),
                                       *SGD, "--out", str(out), "--case",
@@ -152,7 +156,10 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
                                       "0.0006 --max_steps 1 --clm_logging true",
                                       "switch --plain_args true --ddp_timeout 123",
                                       "offload --tsp_size 2 --tsp_activation_offload true "
-                                      "--gradient_checkpointing true"),
+                                      "--gradient_checkpointing true",
+                                      f"bf16 --tsp_size 2 {BF16}",
+                                      f"bf16_gc --tsp_size 2 {BF16} --gradient_checkpointing "
+                                      "true"),
                       2, timeout=400)
     with open(out / "output.txt", "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -161,11 +168,13 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, saved_mqa) -> str:
-    """transformers' own Trainer on one process, with tsp2's and rebalance's arguments."""
+    """transformers' own Trainer on one process, with tsp2's, rebalance's and the bf16 cases'
+    arguments."""
     out = tmp_path_factory.mktemp("one_process")
     launch.run([sys.executable, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"), *SGD,
                 "--plain", "true", "--out", str(out), "--case", " ".join(["plain", *REPORTING]),
-                f"rebalance {REBALANCE}"], 1, timeout=400)
+                f"rebalance {REBALANCE}", f"bf16 {BF16}",
+                f"bf16_gc {BF16} --gradient_checkpointing true"], 1, timeout=400)
     return str(out)
 
 
@@ -232,6 +241,30 @@ def test_tsp_trainer_matches_one_process(two_processes, one_process):
     offload = full_run(os.path.join(two_processes, "offload"))
     assert_offload_exact(offload, ref, "tsp_activation_offload")
     assert_every_rank(offload, ref, "tsp_activation_offload")
+
+
+def test_bf16_matches_one_process_in_bf16(two_processes, one_process):
+    # TrainingArguments(bf16=True), the way every GPU user trains (Accelerate sets autocast and
+    # convert_outputs_to_fp32 around the model's forward, which the bypass guard must see
+    # through), with and without gradient checkpointing, at tsp 2 against the plain Trainer
+    # with the same arguments on one process: every rank's logged losses and grad_norm, the
+    # first gradients, the weights after 4 clipped SGD steps and eval_loss within bf16's bounds
+    # (tests/support/precision.py); and bf16 really ran (first gradients >= 0.1 u from float64's)
+    exact = reference(kv_heads=1, dp=1)
+    init = hf_models.build("llama", torch.float32, kv_heads=1).state_dict()
+    for name in ("bf16", "bf16_gc"):
+        (plain,) = full_run(os.path.join(one_process, name))
+        precision.assert_within_bf16(plain, exact, init, f"{name}, one process")
+        runs = full_run(os.path.join(two_processes, name))
+        assert len(runs) == 2, name
+        for r, run in enumerate(runs):
+            run.update({k: runs[0][k] for k in ("grads0", "weights")})  # gathered on rank 0
+            precision.assert_within_bf16(run, plain, init, f"{name}, tsp 2, rank {r}",
+                                         exact=exact)
+            assert abs(run["eval_loss"] - plain["eval_loss"]) <= 2 * precision.G * \
+                plain["eval_loss"], (name, r, run["eval_loss"], plain["eval_loss"])
+        assert {w.dtype for w in runs[0]["weights"].values()} == {torch.float32}, name
+        print(f"{name}: " + precision.summary(runs[0], plain, init, exact))
 
 
 def test_auto_choice_is_said_under_run_clm_logging(two_processes):

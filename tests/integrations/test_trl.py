@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.support import hf_models, launch  # noqa: E402
+from tests.support import hf_models, launch, precision  # noqa: E402
 from tests.support.reference import assert_close  # noqa: E402
 
 JOB = os.path.join(launch.JOBS, "trl_job.py")
@@ -57,6 +57,8 @@ ACCUM = "--gradient_accumulation_steps 2 --per_device_train_batch_size 2"
 EVAL = "--eval_rows 5 --per_device_eval_batch_size 2"
 # each replica's loss the mean over its own tokens (DDP then averages the replicas' gradients)
 NO_AVG = "--average_tokens_across_devices false"
+# the precision TRL's configs declare (bf16=True, gradient_checkpointing=True), not COMMON's
+DEFAULTS = "--trl_defaults true"
 
 
 def test_config_keeps_sft_defaults_in_either_order():
@@ -117,7 +119,8 @@ def one_process(tmp_path_factory, saved) -> str:
                 "--output_dir", str(out / "o"), "--out", str(out), "--case", f"plain {EVAL}",
                 "completion --data completion", "prompt_completion --data prompt_completion",
                 f"packed {PACKED}", f"packed_dp {PACKED_DP}", f"accum {ACCUM}",
-                f"dpo --mode dpo_plain {EVAL}"], 1,
+                f"dpo --mode dpo_plain {EVAL}", f"defaults {DEFAULTS}",
+                f"dpo_defaults --mode dpo_plain {DEFAULTS}"], 1,
                timeout=400)
     return str(out)
 
@@ -125,7 +128,8 @@ def one_process(tmp_path_factory, saved) -> str:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, saved) -> str:
     """One 2-process launch: TSPSFTTrainer at tsp 2 on every dataset (the plain one then
-    evaluated), with gradient accumulation, DPO (then evaluated), with
+    evaluated), with gradient accumulation, DPO (then evaluated), both with TRL's precision
+    defaults, with
     ``average_tokens_across_devices=False``, float64, TRL's own SFTTrainer under DDP on 2
     replicas of 2 rows with that setting (the reference of dp 2 x tsp 2), then the natural
     composition and a Trainer whose loss is built from the logits."""
@@ -143,6 +147,8 @@ def two_processes(tmp_path_factory, saved) -> str:
                                f"no_avg_accum --mode tsp --tsp_size 2 {ACCUM} {NO_AVG}",
                                f"ddp_no_avg --mode plain --per_device_train_batch_size 2 {NO_AVG}",
                                "float64 --mode tsp --tsp_size 2 --dtype float64",
+                               f"defaults --mode tsp --tsp_size 2 {DEFAULTS}",
+                               f"dpo_defaults --mode dpo_tsp --tsp_size 2 {DEFAULTS}",
                                "natural --mode natural --tsp_size 2",
                                "logits_loss --mode logits_loss --tsp_size 2"), 2, timeout=400)
     return str(out)
@@ -359,6 +365,74 @@ def test_dpo_evaluate_tsp2_matches_one_process(two_processes, one_process):
                    else 1e-5 * abs(want[key]))
             assert abs(got[key] - want[key]) <= tol, \
                 f"DPO evaluate at tsp 2, rank {r}: {key} {got[key]} vs {want[key]}"
+
+
+def as_run(out: str, rank: int = 0) -> dict:
+    """A rank's log rows as losses and norms per step, with the first gradients and final
+    weights rank 0 gathered (tests/support/precision.py's form)."""
+    (found,) = [run for r, run in enumerate(runs(out, rank + 1)) if r == rank]
+    return {"losses": [row["loss"] for row in found["rows"]],
+            "norms": [row["grad_norm"] for row in found["rows"]], "rows": found["rows"],
+            "precision": found["precision"],
+            "grads0": torch.load(os.path.join(out, "grads0.pt")),
+            "weights": torch.load(os.path.join(out, "weights.pt"))}
+
+
+# bf16 runs' figures beyond losses and norms: those of one sign, relative (2 G); DPO's rewards
+# (beta x a difference of sums of ~50 log-probs) and mean logits (logits of both signs) cancel,
+# so their value can be near 0 while their rounding stays that of their size: 2 G of the largest
+# value over the run; counts exactly, except that an argmax may flip between two logits within
+# bf16's rounding of each other: the token accuracy by at most one token of the step
+BF16_RELATIVE = ("entropy", "logps/chosen", "logps/rejected")
+BF16_SCALED = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logits/chosen",
+               "logits/rejected")
+BF16_EXACT = ("num_tokens", "rewards/accuracies")
+
+
+def assert_rows_within_bf16(got: list[dict], want: list[dict], what: str) -> None:
+    """Every logged figure but the loss and grad_norm (:func:`precision.assert_within_bf16`)."""
+    scale = {key: max(abs(row[key]) for row in want) for key in BF16_SCALED if key in want[0]}
+    tokens = 0.0
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert set(a) == set(b), (what, step, sorted(a), sorted(b))
+        for key in set(b) & set(BF16_RELATIVE):
+            assert abs(a[key] - b[key]) <= 2 * precision.G * abs(b[key]), \
+                f"{what} step {step}: {key} {a[key]} vs {b[key]}"
+        for key, size in scale.items():
+            assert abs(a[key] - b[key]) <= 2 * precision.G * size, \
+                f"{what} step {step}: {key} {a[key]} vs {b[key]} (largest {size})"
+        for key in set(b) & set(BF16_EXACT):
+            assert a[key] == b[key], f"{what} step {step}: {key} {a[key]} vs {b[key]}"
+        step_tokens, tokens = b["num_tokens"] - tokens, b["num_tokens"]
+        flipped = abs(a["mean_token_accuracy"] - b["mean_token_accuracy"]) * step_tokens
+        assert flipped <= 1 + 1e-6, \
+            f"{what} step {step}: mean_token_accuracy {a['mean_token_accuracy']} vs " \
+            f"{b['mean_token_accuracy']}: {flipped:.1f} of {step_tokens:.0f} tokens"
+
+
+@pytest.mark.parametrize("case, float32_case", [("defaults", "plain"), ("dpo_defaults", "dpo")])
+def test_trl_precision_defaults_tsp2_match_one_process(two_processes, one_process, case,
+                                                       float32_case):
+    # SFTConfig's and DPOConfig's own defaults, bf16=True and gradient_checkpointing=True (on a
+    # GPU the first thing a TRL user runs): TSPSFTTrainer / TSPDPOTrainer at tsp 2 against
+    # SFTTrainer / DPOTrainer with the same defaults on one process, within bf16's bounds
+    # (tests/support/precision.py): every rank's logged loss, grad_norm, entropy, token accuracy
+    # and DPO's rewards and log-probs, the first gradients and the weights after 3 clipped SGD
+    # steps; both really ran bf16 (first gradients >= 0.1 u from the float32 run's)
+    init = hf_models.build("llama", torch.float32).state_dict()
+    float32 = as_run(os.path.join(one_process, float32_case))
+    plain = as_run(os.path.join(one_process, case))
+    assert plain["precision"] == {"bf16": True, "gradient_checkpointing": True}, plain
+    assert min(plain["norms"]) > 0.5, ("clipping must act", plain["norms"])
+    precision.assert_within_bf16(plain, float32, init, f"{case}, one process", exact=float32)
+    for r in range(2):
+        run = as_run(os.path.join(two_processes, case), r)
+        what = f"{case}, tsp 2, rank {r}"
+        assert run["precision"] == plain["precision"], (what, run["precision"])
+        precision.assert_within_bf16(run, plain, init, what, exact=float32)
+        assert_rows_within_bf16(run["rows"], plain["rows"], what)
+        if r == 0:
+            print(f"{case}: " + precision.summary(run, plain, init, float32))
 
 
 def test_padding_free_keys_must_match_the_position_ids():

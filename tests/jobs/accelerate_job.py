@@ -56,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--tsp-size", type=int, default=None, help="else TSP_SIZE or every process")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
+                    help="the Accelerator's mixed_precision (autocast around the forward)")
     ap.add_argument("--kv-heads", default="2", help="comma-separated: one model each")
     ap.add_argument("--family", default="llama", help="a tests/hf_models family")
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="sgd")
@@ -103,7 +105,7 @@ def group_timeouts(mesh) -> dict[str, float]:
 
 def train(a) -> Accelerator:
     if a.plain:
-        accelerator = Accelerator(cpu=True)
+        accelerator = Accelerator(cpu=True, mixed_precision=a.mixed_precision)
     else:
         trackers = [JSONLinesTracker(os.path.join(a.out, "tracker.jsonl"))] if a.metrics else None
         fsdp = {}
@@ -124,7 +126,8 @@ def train(a) -> Accelerator:
             fsdp["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=a.timeout))]
         if a.activation_offload:
             fsdp["activation_offload"] = True
-        accelerator = TSPAccelerator(tsp_size=a.tsp_size, log_with=trackers, **fsdp)
+        accelerator = TSPAccelerator(tsp_size=a.tsp_size, log_with=trackers,
+                                     mixed_precision=a.mixed_precision, **fsdp)
         if a.metrics:
             accelerator.init_trackers("job")
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED

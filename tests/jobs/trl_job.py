@@ -19,7 +19,13 @@ as a prompt/completion text dataset, which TRL tokenizes and masks itself).
 results in --out/NAME.
 
 ``--eval_rows N``: after training, ``trainer.evaluate()`` on N more rows (or preference pairs) of
-the same kind (another seed); its metrics go to ``rank<R>.json`` under "eval"."""
+the same kind (another seed); its metrics go to ``rank<R>.json`` under "eval".
+
+``--trl_defaults true`` (in a case): the case's config keeps the precision TRL's config declares
+(``bf16``, ``gradient_checkpointing``), whatever the command line before ``--case`` set them to;
+every rank records what the trainer ran with (``precision``).
+
+Rank 0 also writes the full gradients of the first step before clipping (``grads0.pt``)."""
 
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from trl import DPOTrainer, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import tsp_core
+from tests.jobs.trainer_job import record_first_gradients
 from tsp_core.models.parallelize import TSPCausalLM
 from tsp_transformers import TSPTrainer
 from tsp_trl import TSPDPOConfig, TSPDPOTrainer, TSPSFTConfig, TSPSFTTrainer
@@ -61,6 +68,7 @@ class JobArgs:
     rows: int = field(default=12)
     dtype: str = field(default="float32")
     eval_rows: int = field(default=0)
+    trl_defaults: bool = field(default=False)
     case: list[str] = field(default_factory=list)
 
 
@@ -150,6 +158,7 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
                      if job.mode.startswith("dpo") else sft_dataset(job, vocab, job.eval_rows, 7))
     log = Rows()
     rank = int(os.environ.get("RANK", "0"))
+    precision = {"bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing}
     os.makedirs(job.out, exist_ok=True)
     extra = {}
     try:
@@ -164,6 +173,7 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
             trainer = trainer_class(model=model, args=args, train_dataset=data,
                                     eval_dataset=eval_data, processing_class=tokenizer,
                                     callbacks=[log])
+        first = record_first_gradients(trainer)
         trainer.train()
         if eval_data is not None:
             extra["eval"] = {k: v for k, v in trainer.evaluate().items()
@@ -180,9 +190,10 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
     if getattr(trainer, "ref_model", None) is not None:
         extra["ref_is_tsp"] = isinstance(trainer.ref_model, TSPCausalLM)
     with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rows": log.rows, **extra}, f)
+        json.dump({"rows": log.rows, "precision": precision, **extra}, f)
     if rank == 0:
         torch.save(weights, os.path.join(job.out, "weights.pt"))
+        torch.save(first["grads"], os.path.join(job.out, "grads0.pt"))
 
 
 def parse(argv: list[str]):
@@ -192,6 +203,22 @@ def parse(argv: list[str]):
     dpo = bool(modes) and modes[-1].startswith("dpo")
     parser = HfArgumentParser((JobArgs, TSPDPOConfig if dpo else TSPSFTConfig))
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+PRECISION_FLAGS = ("--bf16", "--gradient_checkpointing")
+
+
+def without_precision(argv: list[str]) -> list[str]:
+    """``argv`` without the precision flags and their values (:data:`PRECISION_FLAGS`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in PRECISION_FLAGS:
+            skip = True
+        else:
+            out.append(arg)
+    return out
 
 
 def main() -> None:
@@ -205,6 +232,8 @@ def main() -> None:
 
         name, *extra = shlex.split(spec)
         case, case_args = parse([*base, *extra])
+        if case.trl_defaults:
+            case, case_args = parse([*without_precision(base), *extra])
         case.out = os.path.join(job.out, name)
         case_args.output_dir = os.path.join(args.output_dir, name)
         AcceleratorState._reset_state(False)  # a new TSP size needs a new parallelism config
