@@ -151,6 +151,17 @@ def _requested_parallelism_config(kwargs: dict) -> ParallelismConfig | None:
     return given
 
 
+def check_fp16_device(mixed_precision: str | None, cpu: bool, who: str) -> None:
+    """Refuse fp16 mixed precision on the CPU. Accelerate accepts it there and then runs no fp16
+    autocast and no GradScaler (``native_amp`` stays False), so the plain Accelerator and Trainer
+    train in float32 while set to fp16, silently. Called before any collective."""
+    if mixed_precision == "fp16" and cpu:
+        raise ValueError(f"{who}: fp16 mixed precision on the CPU would train in float32: "
+                         f"Accelerate runs no fp16 autocast and no GradScaler on a CPU. Use bf16 "
+                         f"(mixed_precision='bf16', or bf16=True in TrainingArguments), which "
+                         f"autocasts on the CPU, or fp16 on a GPU")
+
+
 def check_fsdp_version(version: int) -> None:
     if version != 2:
         raise ValueError(f"TSP composes with FSDP2 only, not fsdp_version={version} (FSDP1's "
@@ -304,6 +315,10 @@ class TSPAccelerator(Accelerator):
             # data parallel goes on Accelerate's dp_shard axis: it refuses tp with dp_replicate
             # alone, and without an FSDP plugin nothing shards; it only splits batches over it
             kwargs["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, tp_size=size)
+        if not deepspeed:  # DeepSpeed's config sets its own precision
+            check_fp16_device(kwargs.get("mixed_precision") or os.environ.get(
+                "ACCELERATE_MIXED_PRECISION"), bool(kwargs.get("cpu")) or
+                not torch.cuda.is_available(), "TSPAccelerator")
         if not torch.cuda.is_available():
             if deepspeed:  # cpu=True would switch DeepSpeed off: a gloo process group instead
                 handlers = list(kwargs.get("kwargs_handlers") or [])

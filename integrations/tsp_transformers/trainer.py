@@ -46,7 +46,12 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler
 import tsp_core
 from tsp_accelerate import TSPAccelerator
 from tsp_accelerate.accelerator import _tsp_size as accelerate_tsp_size
-from tsp_accelerate.accelerator import check_fsdp_plugin, check_fsdp_version, fsdp_sizes
+from tsp_accelerate.accelerator import (
+    check_fp16_device,
+    check_fsdp_plugin,
+    check_fsdp_version,
+    fsdp_sizes,
+)
 from tsp_core.distributed.mesh import get_mesh
 from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.distributed.params import ShardedModule
@@ -274,6 +279,8 @@ class TSPTrainer(Trainer):
         if self._tsp:
             require_transformers()
             self._refuse_per_replica_token_counts(args)
+            check_fp16_device("fp16" if args.fp16 and not args.deepspeed else None,
+                              args.use_cpu or not torch.cuda.is_available(), type(self).__name__)
         self._pending_weights: tuple[str, Any] | None = None  # see _load_from_checkpoint
         self._flops_parameters: int | None = None
         self._choice_to_log = self.tsp_choice if self._tsp and self.tsp_choice.auto else None

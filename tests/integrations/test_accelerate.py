@@ -268,6 +268,10 @@ FSDP_REFUSALS = [
      r"dp_shard_size \(4\) x tsp_size \(2\) = 8 does not match the world size \(4\)"),
     ({}, dict(tsp_size=2, parallelism_config=("tp_size", 4)),
      r"tp_size \(4\) is the TSP degree, and tsp_size is 2"),
+    # fp16 on the CPU, where Accelerate would train in float32 (no autocast, no GradScaler)
+    (None, dict(mixed_precision="fp16"), r"TSPAccelerator: fp16 mixed precision on the CPU "
+                                         r"would train in float32"),
+    (None, dict(env=("ACCELERATE_MIXED_PRECISION", "fp16")), r"fp16 mixed precision on the CPU"),
     # dp_shard without an FSDP plugin: Accelerate would shard nothing
     (None, dict(tsp_size=None, parallelism_config=("dp_shard_size", 2, "tp_size", 2)),
      r"dp_shard_size \(2\) shards data parallel with FSDP2, and no FSDP plugin is given"),
@@ -290,6 +294,8 @@ def test_fsdp_options_tsp_cannot_honour_are_refused(monkeypatch, options, kwargs
     for key in ("TSP_SIZE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG"):
         monkeypatch.delenv(key, raising=False)
     kwargs = {"tsp_size": 2, **kwargs}
+    if "env" in kwargs:  # as accelerate launch --mixed_precision sets it
+        monkeypatch.setenv(*kwargs.pop("env"))
     if "parallelism_config" in kwargs:
         pairs = kwargs["parallelism_config"]
         kwargs["parallelism_config"] = ParallelismConfig(**dict(zip(pairs[::2], pairs[1::2])))

@@ -514,6 +514,24 @@ def test_per_replica_token_averaging_is_refused(monkeypatch, tmp_path):
     assert not dist.is_initialized(), "refused after starting a process group"
 
 
+def test_fp16_on_cpu_is_refused(monkeypatch, tmp_path):
+    """TrainingArguments(fp16=True) on the CPU: the plain Trainer accepts it and trains in float32
+    (Accelerate runs no fp16 autocast and no GradScaler there; measured: the losses of
+    fp16=True equal float32's to the last bit); TSPTrainer refuses before any process group,
+    saying so and naming bf16."""
+    from tsp_transformers import TSPTrainer, TSPTrainingArguments
+
+    args = TSPTrainingArguments(output_dir=str(tmp_path), tsp_size=2, use_cpu=True,
+                                report_to="none", fp16=True)
+    for key, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"),
+                       ("LOCAL_RANK", "0")):  # as torchrun's first rank sees it
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"TSPTrainer: fp16 mixed precision on the CPU would "
+                                         r"train in float32.* Use bf16"):
+        TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
+    assert not dist.is_initialized(), "refused after starting a process group"
+
+
 def test_unset_tsp_size_is_every_process_of_a_node(monkeypatch, tmp_path):
     """TSPTrainer's degree follows the other adapters' rule: tsp_size, else TSP_SIZE, else every
     process of a node; a plain TrainingArguments (or TRL's SFTConfig) becomes TSP's class with
