@@ -23,8 +23,9 @@ from tsp_core.tools.gpu_check import flash_part, long_context_part, runner
 
 FLASH_CASES = ["mask.causal", "mask.full", "mask.anticausal", "zigzag.D2", "zigzag.D4",
                "zigzag.D8", "window", "packed", "packed.window", "gqa", "mqa"]
-MODEL_CHECKS = [f"b.{what}.{dt}" for dt in ("float32", "bfloat16")
-                for what in ("generate", "train.loss", "train.weights")]
+MODEL_CHECKS = ([f"b.{what}.{dt}" for dt in ("float32", "bfloat16")
+                 for what in ("generate", "train.loss", "train.weights")] +
+                [f"b.train.{what}.fp16-mixed" for what in ("loss", "weights")])
 LAYER_CHECKS = ["c.time", "c.tflops", "c.memory.attention_forward", "c.memory.attention_backward",
                 "c.memory.mlp_forward", "c.memory.mlp_backward", "c.memory.step_peak", "d.time",
                 "d.tflops", "summary.c_vs_d"]

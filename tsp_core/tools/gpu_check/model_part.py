@@ -23,14 +23,22 @@ from .common import Check, failure, measurement, rel_err, within
 
 DTYPES = ("float32", "bfloat16")
 STEPS, LR = 4, 0.2
+# fp16 mixed precision as Trainer(fp16=True) and Accelerator(mixed_precision="fp16") run it on a
+# GPU: float32 weights, the forward under torch.autocast(float16), the loss scaled by a
+# GradScaler. They do not run it on a CPU (Accelerate trains in float32 there; TSP's adapters
+# refuse it), so this check is where TSP meets fp16. Its tolerances, from fp16's unit roundoff
+# u = 2^-11 (4.9e-4) as tests/support/precision.py derives bf16's: first gradients within
+# G = 9 u = 4.4e-3 of HF's, so the weights within 2 G of the movement (~0.13, below): 1.1e-3;
+# losses within 4 u: 2e-3. Measured on CPU: 2.4e-5 and 4.2e-4.
+MIXED_FP16 = "fp16-mixed"
 
 # Relative loss error |tsp - hf| / |hf| (worst step) and max|w_tsp - w_hf| / max|w_hf| (worst
 # weight after the steps). Measured on CPU (docs/gpu.md): float32 ~1e-7 and ~3e-7; bfloat16
 # ~4e-4 and ~1.1e-2, the latter one-ulp flips in rounding the updated norm weights (values near
 # 1, where a bf16 ulp is 2^-7 = 0.8%). Tolerances are 2.6-120x those. The steps move the weights by
 # ~0.13 (the same measure, "update" in the note), so a gradient off by a factor shows in both.
-LOSS_TOL = {"float32": 1e-5, "bfloat16": 5e-3}
-WEIGHT_TOL = {"float32": 1e-5, "bfloat16": 3e-2}
+LOSS_TOL = {"float32": 1e-5, "bfloat16": 5e-3, MIXED_FP16: 2e-3}
+WEIGHT_TOL = {"float32": 1e-5, "bfloat16": 3e-2, MIXED_FP16: 2e-3}
 # Greedy generation: float32 must give HF's tokens exactly. bfloat16 cannot promise that: a
 # rounding flips a near-tie of the argmax, and from then on the two continue from different
 # prefixes (seen on CPU: a row diverged at its 5th token, where the float32 logits of the two
@@ -142,21 +150,32 @@ def divergence_gaps(ref, prompt: torch.Tensor, got: torch.Tensor, want: torch.Te
 
 def check_training(ref, model, mesh, dtype_name: str, device: str) -> list[Check]:
     """SGD (no momentum: the update is lr times the gradient) on both; HF's own loss (logits cast
-    to float32 inside transformers) against TSP's vocabulary-parallel loss (float32)."""
+    to float32 inside transformers) against TSP's vocabulary-parallel loss (float32). For
+    :data:`MIXED_FP16` both forwards run under fp16 autocast and each model's loss is scaled by
+    its own GradScaler (which unscales before the step, and skips a step whose gradients
+    overflowed: each check's note says how many were skipped)."""
     import tsp_core
 
+    mixed = dtype_name == MIXED_FP16
+    autocast = (torch.autocast(device, dtype=torch.float16) if mixed
+                else contextlib.nullcontext())
     initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    errs, losses = [], []
+    scalers = [torch.amp.GradScaler(device, enabled=mixed) for _ in range(2)]
+    errs, losses, skipped = [], [], [0, 0]
     for ids, labels in batches(ref.config.vocab_size, device):
-        expected = ref(input_ids=ids, labels=labels).loss
-        loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)).loss
+        with autocast:
+            expected = ref(input_ids=ids, labels=labels).loss
+            loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)).loss
         errs.append(abs(loss.item() - expected.item()) / abs(expected.item()))
         losses.append((loss.item(), expected.item()))
-        for lo, o in ((expected, opt_ref), (loss, opt)):
-            lo.backward()
-            o.step()
+        for i, (lo, o, scaler) in enumerate(zip((expected, loss), (opt_ref, opt), scalers)):
+            scaler.scale(lo).backward()
+            scale = scaler.get_scale()
+            scaler.step(o)
+            scaler.update()
+            skipped[i] += int(mixed and scaler.get_scale() < scale)
             o.zero_grad()
     full, want = tsp_core.full_state_dict(model), ref.state_dict()
     if sorted(full) != sorted(want):
@@ -165,11 +184,12 @@ def check_training(ref, model, mesh, dtype_name: str, device: str) -> list[Check
     w_errs = {n: rel_err(full[n], t) for n, t in want.items()}
     worst = max(w_errs, key=w_errs.get)
     update = max(rel_err(t, initial[n]) for n, t in want.items())
+    scaled = f"; steps skipped on overflow (tsp, hf): {skipped[1]}, {skipped[0]}" if mixed else ""
     return [within(f"b.train.loss.{dtype_name}", max(errs), LOSS_TOL[dtype_name],
                    unit="max rel. loss error",
-                   note=f"{STEPS} SGD steps (lr {LR}); per step " +
+                   note=f"{STEPS} SGD steps (lr {LR}){scaled}; per step " +
                    ", ".join(f"{e:.2g}" for e in errs),
-                   detail={"losses_tsp_hf": losses}),
+                   detail={"losses_tsp_hf": losses, "skipped_tsp_hf": skipped[::-1]}),
             within(f"b.train.weights.{dtype_name}", w_errs[worst], WEIGHT_TOL[dtype_name],
                    unit="max|err|/max|ref|",
                    note=f"worst {worst}; the steps moved the weights by up to {update:.2g} "
@@ -181,7 +201,8 @@ def run(device: str, log=print) -> list[Check]:
     that raises (reported as a failed check) does not stop the others."""
     import tsp_core
 
-    log(f"(b) tiny Llama at tsp 1 vs Hugging Face on {device}: {', '.join(DTYPES)}")
+    log(f"(b) tiny Llama at tsp 1 vs Hugging Face on {device}: {', '.join(DTYPES)}, "
+        f"{MIXED_FP16} (training)")
     checks: list[Check] = []
     with one_process_world(device) as mesh:
         for dtype_name in DTYPES:
@@ -195,6 +216,12 @@ def run(device: str, log=print) -> list[Check]:
                         checks += check_training(ref, model, mesh, dtype_name, device)
                 except Exception as e:  # noqa: BLE001 - reported as a failed check
                     checks.append(failure(f"b.{what}.{dtype_name}", e))
+        try:  # float32 weights, fp16 autocast and a GradScaler
+            ref = llama(torch.float32, device)
+            model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+            checks += check_training(ref, model, mesh, MIXED_FP16, device)
+        except Exception as e:  # noqa: BLE001 - reported as a failed check
+            checks.append(failure(f"b.train.{MIXED_FP16}", e))
     checks.append(measurement("b.world", 1, "process", f"backend "
                               f"{'nccl' if device == 'cuda' else 'gloo'}"))
     return checks

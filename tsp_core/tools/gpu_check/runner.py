@@ -132,7 +132,9 @@ def run_parts(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]]:
     if "b" in args.parts:
         config["b"] = ("Llama h=128, 4/2 heads, F=256, 2 layers, vocab 128; "
                        f"{model_part.STEPS} SGD steps lr {model_part.LR} on 2 x 64 tokens; "
-                       f"{model_part.NEW_TOKENS} greedy tokens; dtypes {model_part.DTYPES}")
+                       f"{model_part.NEW_TOKENS} greedy tokens; dtypes {model_part.DTYPES}; "
+                       f"training also {model_part.MIXED_FP16} (float32 weights, fp16 autocast, "
+                       f"GradScaler)")
         checks += guarded("b", model_part.run, args.device)
         if args.device == "cuda":
             torch.cuda.empty_cache()
