@@ -7,7 +7,10 @@ and TRL's padding-free packed rows, with gradient accumulation, at dp 2 x tsp 2 
 prompt/completion and packed rows, and in float64 against the math itself (grad_norm, entropy and
 weights to 1e-10); ``trainer.evaluate()`` at tsp 2 and dp 2 x tsp 2 matches one process's. With
 ``average_tokens_across_devices=False`` it matches one process at tsp 2 and, at dp 2 x tsp 2, TRL's
-own SFTTrainer under DDP on 2 replicas (each replica's loss its own tokens' mean).
+own SFTTrainer under DDP on 2 replicas (each replica's loss its own tokens' mean). With TRL's
+own precision defaults (bf16=True, gradient_checkpointing=True) TSPSFTTrainer and TSPDPOTrainer
+at tsp 2 match SFTTrainer and DPOTrainer with those defaults on one process within bf16's
+bounds.
 ``TSPDPOTrainer`` (its reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches
 ``DPOTrainer`` on one process: the loss, rewards (chosen, rejected, margins, accuracies),
 log-probs, mean logits, entropy, token accuracy and count per step, grad_norm and the final
