@@ -384,18 +384,18 @@ def as_run(out: str, rank: int = 0) -> dict:
 # bf16 runs' figures beyond losses and norms: those of one sign, relative (2 G); DPO's rewards
 # (beta x a difference of sums of ~50 log-probs) and mean logits (logits of both signs) cancel,
 # so their value can be near 0 while their rounding stays that of their size: 2 G of the largest
-# value over the run; counts exactly, except that an argmax may flip between two logits within
-# bf16's rounding of each other: the token accuracy by at most one token of the step
+# value over the run; counts and the accuracies exactly (measured equal at every step: an argmax
+# could flip between two logits within bf16's rounding of each other, which would show here as
+# one scored token of the step, a count the log rows do not carry)
 BF16_RELATIVE = ("entropy", "logps/chosen", "logps/rejected")
 BF16_SCALED = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logits/chosen",
                "logits/rejected")
-BF16_EXACT = ("num_tokens", "rewards/accuracies")
+BF16_EXACT = ("num_tokens", "rewards/accuracies", "mean_token_accuracy")
 
 
 def assert_rows_within_bf16(got: list[dict], want: list[dict], what: str) -> None:
     """Every logged figure but the loss and grad_norm (:func:`precision.assert_within_bf16`)."""
     scale = {key: max(abs(row[key]) for row in want) for key in BF16_SCALED if key in want[0]}
-    tokens = 0.0
     for step, (a, b) in enumerate(zip(got, want)):
         assert set(a) == set(b), (what, step, sorted(a), sorted(b))
         for key in set(b) & set(BF16_RELATIVE):
@@ -406,11 +406,6 @@ def assert_rows_within_bf16(got: list[dict], want: list[dict], what: str) -> Non
                 f"{what} step {step}: {key} {a[key]} vs {b[key]} (largest {size})"
         for key in set(b) & set(BF16_EXACT):
             assert a[key] == b[key], f"{what} step {step}: {key} {a[key]} vs {b[key]}"
-        step_tokens, tokens = b["num_tokens"] - tokens, b["num_tokens"]
-        flipped = abs(a["mean_token_accuracy"] - b["mean_token_accuracy"]) * step_tokens
-        assert flipped <= 1 + 1e-6, \
-            f"{what} step {step}: mean_token_accuracy {a['mean_token_accuracy']} vs " \
-            f"{b['mean_token_accuracy']}: {flipped:.1f} of {step_tokens:.0f} tokens"
 
 
 @pytest.mark.parametrize("case, float32_case", [("defaults", "plain"), ("dpo_defaults", "dpo")])
