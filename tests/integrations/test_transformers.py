@@ -497,39 +497,31 @@ def test_older_transformers_is_refused(monkeypatch, tmp_path):
     assert not dist.is_initialized(), "refused after starting a process group"
 
 
-def test_per_replica_token_averaging_is_refused(monkeypatch, tmp_path):
-    """average_tokens_across_devices=False made TSPTrainer's loss, grad_norm and eval_loss
-    tsp_size x dp_size too large (measured at tsp 2 in float64: training loss 9.1085 against
-    4.5543, grad_norm 4.353 against 2.176, eval_loss 8.533 against 4.267): refused before any
-    process group, naming the option (tsp_trl.TSPSFTTrainer supports it: tests/integrations/
-    test_trl.py)."""
+# Arguments TSPTrainer refuses before any process group, on the first rank of a 2-process launch:
+# - average_tokens_across_devices=False made the loss, grad_norm and eval_loss tsp_size x dp_size
+#   too large (measured at tsp 2 in float64: training loss 9.1085 against 4.5543, grad_norm 4.353
+#   against 2.176, eval_loss 8.533 against 4.267; tsp_trl.TSPSFTTrainer supports it:
+#   tests/integrations/test_trl.py);
+# - fp16=True on the CPU: the plain Trainer accepts it and trains in float32 (Accelerate runs no
+#   fp16 autocast and no GradScaler there; measured: the losses equal float32's to the last bit)
+REFUSED_ARGUMENTS = [
+    ({"average_tokens_across_devices": False},
+     r"average_tokens_across_devices=False is not supported with tsp_size 2"),
+    ({"fp16": True}, r"TSPTrainer: fp16 mixed precision on the CPU would train in float32.* Use "
+                     r"bf16"),
+]
+
+
+@pytest.mark.parametrize("arguments, words", REFUSED_ARGUMENTS)
+def test_arguments_tsp_cannot_honour_are_refused(monkeypatch, tmp_path, arguments, words):
     from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
     args = TSPTrainingArguments(output_dir=str(tmp_path), tsp_size=2, use_cpu=True,
-                                report_to="none", average_tokens_across_devices=False)
+                                report_to="none", **arguments)
     for key, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"),
                        ("LOCAL_RANK", "0")):  # as torchrun's first rank sees it
         monkeypatch.setenv(key, value)
-    with pytest.raises(ValueError, match=r"average_tokens_across_devices=False is not supported "
-                                         r"with tsp_size 2"):
-        TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
-    assert not dist.is_initialized(), "refused after starting a process group"
-
-
-def test_fp16_on_cpu_is_refused(monkeypatch, tmp_path):
-    """TrainingArguments(fp16=True) on the CPU: the plain Trainer accepts it and trains in float32
-    (Accelerate runs no fp16 autocast and no GradScaler there; measured: the losses of
-    fp16=True equal float32's to the last bit); TSPTrainer refuses before any process group,
-    saying so and naming bf16."""
-    from tsp_transformers import TSPTrainer, TSPTrainingArguments
-
-    args = TSPTrainingArguments(output_dir=str(tmp_path), tsp_size=2, use_cpu=True,
-                                report_to="none", fp16=True)
-    for key, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"),
-                       ("LOCAL_RANK", "0")):  # as torchrun's first rank sees it
-        monkeypatch.setenv(key, value)
-    with pytest.raises(ValueError, match=r"TSPTrainer: fp16 mixed precision on the CPU would "
-                                         r"train in float32.* Use bf16"):
+    with pytest.raises(ValueError, match=words):
         TSPTrainer(model=hf_models.build("llama", torch.float32), args=args)
     assert not dist.is_initialized(), "refused after starting a process group"
 
