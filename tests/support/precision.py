@@ -15,8 +15,6 @@ logged losses and norms within 2 G at every step."""
 
 from __future__ import annotations
 
-import torch
-
 U = 2.0 ** -8  # bf16's unit roundoff
 G = 9 * U  # the first gradients' relative error bound (see above)
 
