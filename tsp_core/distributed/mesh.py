@@ -314,7 +314,7 @@ def init_mesh(tsp_size: int, dp_size: int | None = None, *, pp_size: int = 1,
 
 def get_mesh(model: torch.nn.Module) -> TSPMesh:
     """The mesh ``model`` was parallelized with (shard batches with it)."""
-    mesh = getattr(model, "_tsp_mesh", None)
+    mesh = getattr(getattr(model, "_tsp_state", None), "mesh", None)  # model_state.py
     if mesh is None:
         raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize")
     return mesh

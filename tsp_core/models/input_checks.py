@@ -21,6 +21,7 @@ import torch
 
 from ..distributed import comm
 from ..distributed.chunks import rank_chunks, row_segments
+from ..distributed.model_state import model_state
 from ..layers.rope import length_dependent_types
 from ..sequence.layout import IGNORE_INDEX, batch_fingerprint
 
@@ -124,7 +125,7 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
 
     if is_fake(position_ids):  # a memory simulation (tsp simulate): there are no values to check
         return
-    mesh = model._tsp_mesh
+    mesh = model_state(model).mesh
     size, rank, layout = mesh.size, mesh.rank, mesh.layout
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     problems, details = 0, []
@@ -195,7 +196,7 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
         problems |= PACKED_QUERY_SCALE
         details.append(f"row {packed[0]} holds {len(docs[packed[0]])} documents "
                        f"{list(docs[packed[0]])} and layers scale queries by position")
-    ropes = [t for m in getattr(model, "_tsp_ropes", []) for t in length_dependent_types(m)]
+    ropes = [t for m in model_state(model).ropes for t in length_dependent_types(m)]
     if ropes and rope_len is None:
         problems |= ROPE_LEN
         details.append("no tsp_rope_len in the batch")
@@ -218,7 +219,7 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
     agreed = {(r[2], r[5], r[6]) for r in table}
     step = getattr(model, "tsp_step", None)
     where = f"step {step}" if step is not None else \
-        f"forward call {getattr(model, '_tsp_forward_calls', 0)} (set model.tsp_step for steps)"
+        f"forward call {model_state(model).forward_calls} (set model.tsp_step for steps)"
     lines = []
     for bit, text in _FIX.items():
         culprits = [r for r, row in enumerate(table) if row[3] & bit]

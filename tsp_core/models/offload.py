@@ -152,7 +152,7 @@ class _Ref:
 
 
 class ActivationOffload:
-    """The hooks of one model (``model._tsp_offload``). ``stats`` counts, since install, the
+    """The hooks of one model (:func:`installed_offload`). ``stats`` counts, since install, the
     layer inputs moved to the host (``offloaded``), brought back (``brought_back``) and those of
     them whose copy back started one layer ahead (``prefetched``)."""
 
@@ -218,6 +218,15 @@ def _checkpointed(layer: nn.Module) -> bool:
     return bool(getattr(layer, "gradient_checkpointing", False))
 
 
+# the offload installed on each model (weakly: a model's hooks go with it)
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def installed_offload(model: nn.Module) -> ActivationOffload | None:
+    """The activation offload installed on ``model`` (its hooks and ``stats``), None if none."""
+    return _INSTALLED.get(model)
+
+
 def install_activation_offload(model: nn.Module, layers: list[nn.Module]) -> ActivationOffload:
     """Keep each decoder layer's saved input in host memory between its forward and its
     backward, when activation checkpointing (``model.gradient_checkpointing_enable()``) is on;
@@ -227,10 +236,10 @@ def install_activation_offload(model: nn.Module, layers: list[nn.Module]) -> Act
     enabled and no checkpointed layer raises a ``ValueError`` before any collective. Works on any
     Hugging Face decoder (its layers must be ``GradientCheckpointingLayer``s, which checkpoint
     their ``forward`` inside their hooks) whatever the parallel layout. Returns the hooks' owner,
-    also ``model._tsp_offload``."""
+    also :func:`installed_offload`'s."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    if getattr(model, "_tsp_offload", None) is not None:
+    if installed_offload(model) is not None:
         raise ValueError("activation offload is already installed on this model")
     if not layers:
         raise ValueError("activation_offload needs the model's decoder layers; got none")
@@ -245,7 +254,7 @@ def install_activation_offload(model: nn.Module, layers: list[nn.Module]) -> Act
     for layer in layers:
         layer.register_forward_pre_hook(offload.enter)
         layer.register_forward_hook(offload.leave, always_call=True)
-    model._tsp_offload = offload
+    _INSTALLED[model] = offload
     return offload
 
 
@@ -255,7 +264,7 @@ def check_converted(model: nn.Module, *, tile_tokens: int | None = None,
     a framework hook): raise when it was converted without the long-context options the adapter
     was given, which the adapter cannot apply to it any more. The same on every rank (flags
     only, no collective)."""
-    if activation_offload and getattr(model, "_tsp_offload", None) is None:
+    if activation_offload and installed_offload(model) is None:
         raise ValueError("activation_offload=True was given, but the model was already "
                          "converted without it: pass activation_offload=True to the call that "
                          "converted it (tsp_core.parallelize, tsp_transformers.load_pretrained), "

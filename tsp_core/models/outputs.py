@@ -18,7 +18,7 @@ from transformers.utils import ModelOutput
 @dataclass
 class FusedLMOutput(ModelOutput):
     """Per-token fields are zero where the label is -100; ``loss`` is the global mean (see
-    ``TSPCausalLM._tsp_fused_output``)."""
+    ``tsp_core.models.runtime.fused_output``)."""
 
     loss: torch.Tensor | None = None
     log_probs: torch.Tensor | None = None

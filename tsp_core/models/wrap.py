@@ -1,0 +1,69 @@
+"""Stage 4 of :func:`tsp_core.parallelize`: change the model, once every replacement is built
+and checked. :func:`apply_plan` checks that the data-parallel replicas agree and swaps the
+modules in; :func:`wrap_model` makes it a TSP causal LM (:class:`.runtime.TSPCausalLM` and
+its :class:`~tsp_core.distributed.model_state.TSPModelState`), with the long-context options,
+and hands data-parallel gradients to FSDP2 or to the gradient sync."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..distributed.data_parallel import install_gradient_sync
+from ..distributed.fsdp import apply_fsdp
+from ..distributed.model_state import TSPModelState, attach_model_state
+from ..layers import rope
+from .build import ModulePlan
+from .checks import refuse_unconverted
+from .offload import install_activation_offload
+from .reading import softcap
+from .replicas import check_replicas_agree
+from .runtime import ATTN_IMPLEMENTATION, register_attention_implementation, tsp_class
+
+
+def apply_plan(model: nn.Module, plan: ModulePlan) -> None:
+    """Refuse parameters no replacement takes and replicas that differ (one small all-gather,
+    on every rank alike), then load each TSP module's state and swap it in."""
+    refuse_unconverted(model, plan.policy, plan.replacements)
+    if not plan.empty:  # before any change: every rank raises together
+        where = {id(m): n for n, m in model.named_modules()}
+        check_replicas_agree(plan.mesh, [(f"{where[id(r.parent)]}.{r.name}.{k}".lstrip("."), t)
+                                         for r in plan.replacements
+                                         for k, t in sorted((r.state or {}).items())])
+    for r in plan.replacements:  # every replacement checked: the model changes now
+        if r.state is not None:
+            r.new.load_full(r.state)
+        setattr(r.parent, r.name, r.new)
+    policy, c = plan.policy, plan.spec.config
+    head = getattr(model, policy.lm_head)
+    if policy.logits_divisor is not None:
+        head.logits_divisor = float(policy.logits_divisor(c))
+    head.logits_softcap = softcap(policy.logits_softcap, c)
+
+
+def wrap_model(model: nn.Module, plan: ModulePlan, tile_tokens: int | None,
+               activation_offload: bool, mp_policy: Any, reshard_after_forward: bool) -> None:
+    """The converted model's class, state and attention implementation; tiles and activation
+    offload (docs/long-context.md); FSDP2 or the data-parallel gradient sync."""
+    mesh, policy = plan.mesh, plan.policy
+    state = attach_model_state(model, TSPModelState(
+        mesh, policy, type(model), tile_tokens=tile_tokens,
+        activation_offload=activation_offload, fsdp=mesh.fsdp_size > 1))
+    model.__class__ = tsp_class(type(model))
+    # rotaries whose frequencies depend on the length take the global one (tsp_rope_len)
+    state.ropes = rope.length_dependent_rotaries(model)
+    rope.use_global_length(state.ropes)
+    register_attention_implementation()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for module in model.modules():  # the MLPs, the experts and the loss
+        if hasattr(module, "tile_tokens"):
+            module.tile_tokens = tile_tokens
+    layers = list(getattr(getattr(model, policy.base_model), policy.layers))
+    if activation_offload:
+        state.offload = install_activation_offload(model, layers)
+    if mesh.fsdp_size > 1:  # FSDP2 sums data-parallel gradients itself
+        apply_fsdp(model, mesh, layers, mp_policy=mp_policy,
+                   reshard_after_forward=reshard_after_forward)
+    else:
+        install_gradient_sync(model, mesh)
