@@ -111,6 +111,17 @@ def _expected_positions(docs: tuple[int, ...], rank: int, size: int, layout: str
                       for a, b, start in row_segments(docs, rank, size, layout)])
 
 
+class Findings:
+    """What this rank found wrong with its input: the problem bits and their details."""
+
+    def __init__(self) -> None:
+        self.problems, self.details = 0, []
+
+    def add(self, bit: int, detail: str) -> None:
+        self.problems |= bit
+        self.details.append(detail)
+
+
 def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
                        inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor,
                        shift_labels: torch.Tensor | None,
@@ -126,84 +137,18 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
     if is_fake(position_ids):  # a memory simulation (tsp simulate): there are no values to check
         return
     mesh = model_state(model).mesh
-    size, rank, layout = mesh.size, mesh.rank, mesh.layout
-    vocab, hidden = model.config.vocab_size, model.config.hidden_size
-    problems, details = 0, []
-    x = input_ids if input_ids is not None else inputs_embeds
-    want_dims = 2 if input_ids is not None else 3
-    if x is None or x.dim() != want_dims or (inputs_embeds is not None and x.shape[-1] != hidden):
-        problems |= SHAPE
-        details.append(f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape "
-                       f"{None if x is None else tuple(x.shape)}: expected [batch, local_seq]"
-                       f"{'' if input_ids is not None else f', hidden_size={hidden}'}")
-        rows, seq = -1, -1
-    else:
-        rows, seq = x.shape[0], x.shape[1]
-    nonfinite = 0
-    if inputs_embeds is not None and inputs_embeds.is_floating_point():
-        nonfinite = int((~torch.isfinite(inputs_embeds)).sum())
-        if nonfinite:
-            problems |= NONFINITE
-            details.append(f"{nonfinite} NaN/inf values in inputs_embeds")
+    found = Findings()
+    rows, seq = check_shape(model, input_ids, inputs_embeds, found)
+    nonfinite = check_embeds(inputs_embeds, found)
     if shift_labels is not None and rows >= 0:
-        if tuple(shift_labels.shape) != (rows, seq):
-            problems |= LABELS_SHAPE
-            details.append(f"shift_labels of shape {tuple(shift_labels.shape)}, input "
-                           f"{(rows, seq)}")
-        else:
-            bad = ((shift_labels < 0) & (shift_labels != IGNORE_INDEX)) | (shift_labels >= vocab)
-            if bad.any():
-                problems |= LABELS_RANGE
-                vals = shift_labels[bad]
-                details.append(f"{int(bad.sum())} shift_labels outside [0, {vocab}) (from "
-                               f"{int(vals.min())} to {int(vals.max())})")
+        check_labels(shift_labels, rows, seq, model.config.vocab_size, found)
     if rows >= 0:
-        pos = position_ids if position_ids.dim() == 2 else position_ids.reshape(1, -1)
-        if pos.shape[-1] != seq or pos.shape[0] not in (1, rows):
-            problems |= POSITIONS_LAYOUT
-            details.append(f"position_ids of shape {tuple(position_ids.shape)} for input "
-                           f"{(rows, seq)}")
-        elif bool((pos < 0).any()):
-            problems |= POSITIONS_NEGATIVE
-            details.append(f"position_ids from {int(pos.min())}")
-        elif seq % len(rank_chunks(rank, size, layout)) == 0:
-            row_docs = docs or ((seq * size,),) * pos.shape[0]
-            cache: dict[tuple[int, ...], torch.Tensor | None] = {}
-            for r in range(pos.shape[0]):
-                d = row_docs[r] if r < len(row_docs) else row_docs[-1]
-                if d not in cache:
-                    try:
-                        cache[d] = _expected_positions(d, rank, size, layout, pos.device)
-                    except ValueError:  # document lengths that do not split: reported below
-                        cache[d] = None
-                want = cache[d]
-                if want is None:
-                    problems |= SHAPE
-                    details.append(f"tsp_docs row {r} {list(d)} does not split over {size} ranks")
-                    break
-                if want.shape != pos[r].shape or not torch.equal(pos[r], want):
-                    problems |= POSITIONS_LAYOUT
-                    details.append(f"position_ids of row {r} start {pos[r, :6].tolist()}, expected "
-                                   f"{want[:6].tolist()} ({layout} layout, tsp_size={size})")
-                    break
-        else:
-            problems |= SHAPE
-            details.append(f"local sequence length {seq} does not split into this layout's "
-                           f"chunks ({layout}, tsp_size={size})")
-    packed = [r for r, d in enumerate(docs or ()) if len(d) > 1]
-    if packed and any(getattr(getattr(m, "spec", None), "query_scale", None) is not None
-                      for m in model.modules()):
-        problems |= PACKED_QUERY_SCALE
-        details.append(f"row {packed[0]} holds {len(docs[packed[0]])} documents "
-                       f"{list(docs[packed[0]])} and layers scale queries by position")
-    ropes = [t for m in model_state(model).ropes for t in length_dependent_types(m)]
-    if ropes and rope_len is None:
-        problems |= ROPE_LEN
-        details.append("no tsp_rope_len in the batch")
+        check_positions(position_ids, rows, seq, docs, mesh, found)
+    ropes = check_model_features(model, docs, rope_len, found)
     # Python's hash of a tuple of ints is the same in every process (only str/bytes are salted)
     checksum = hash(docs) & 0x7FFFFFFF if docs is not None else 0
-    mine = torch.tensor([rows, seq, checksum, problems, nonfinite, -1, -1], dtype=torch.int64,
-                        device=position_ids.device)
+    mine = torch.tensor([rows, seq, checksum, found.problems, nonfinite, -1, -1],
+                        dtype=torch.int64, device=position_ids.device)
     if rope_len is not None:
         mine[5] = torch.as_tensor(rope_len).max()
     if fingerprint is not None:
@@ -213,8 +158,105 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
         raise ValueError(f"bad input in another TSP group (global ranks {others}), which raises "
                          f"with the details; this rank stops too so that no rank is left waiting "
                          f"in a collective")
-    if _agrees(table):
+    if not _agrees(table):
+        raise_bad_input(model, table, found, ropes, mesh)
+
+
+def check_shape(model: Any, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                found: Findings) -> tuple[int, int]:
+    """The input's (rows, local length), (-1, -1) when its shape is wrong."""
+    hidden = model.config.hidden_size
+    x = input_ids if input_ids is not None else inputs_embeds
+    want_dims = 2 if input_ids is not None else 3
+    if x is None or x.dim() != want_dims or (inputs_embeds is not None and x.shape[-1] != hidden):
+        found.add(SHAPE, f"{'input_ids' if input_ids is not None else 'inputs_embeds'} of shape "
+                         f"{None if x is None else tuple(x.shape)}: expected [batch, local_seq]"
+                         f"{'' if input_ids is not None else f', hidden_size={hidden}'}")
+        return -1, -1
+    return x.shape[0], x.shape[1]
+
+
+def check_embeds(inputs_embeds: torch.Tensor | None, found: Findings) -> int:
+    """The number of non-finite values in ``inputs_embeds``."""
+    nonfinite = 0
+    if inputs_embeds is not None and inputs_embeds.is_floating_point():
+        nonfinite = int((~torch.isfinite(inputs_embeds)).sum())
+        if nonfinite:
+            found.add(NONFINITE, f"{nonfinite} NaN/inf values in inputs_embeds")
+    return nonfinite
+
+
+def check_labels(shift_labels: torch.Tensor, rows: int, seq: int, vocab: int,
+                 found: Findings) -> None:
+    """Labels of the input's shape, each a token id of the vocabulary or ignored."""
+    if tuple(shift_labels.shape) != (rows, seq):
+        found.add(LABELS_SHAPE, f"shift_labels of shape {tuple(shift_labels.shape)}, input "
+                                f"{(rows, seq)}")
         return
+    bad = ((shift_labels < 0) & (shift_labels != IGNORE_INDEX)) | (shift_labels >= vocab)
+    if bad.any():
+        vals = shift_labels[bad]
+        found.add(LABELS_RANGE, f"{int(bad.sum())} shift_labels outside [0, {vocab}) (from "
+                                f"{int(vals.min())} to {int(vals.max())})")
+
+
+def check_positions(position_ids: torch.Tensor, rows: int, seq: int,
+                    docs: tuple[tuple[int, ...], ...] | None, mesh: Any,
+                    found: Findings) -> None:
+    """Position ids of the input's shape: the global positions of this rank's tokens in the
+    mesh's layout (per document for packed rows)."""
+    size, rank, layout = mesh.size, mesh.rank, mesh.layout
+    pos = position_ids if position_ids.dim() == 2 else position_ids.reshape(1, -1)
+    if pos.shape[-1] != seq or pos.shape[0] not in (1, rows):
+        found.add(POSITIONS_LAYOUT, f"position_ids of shape {tuple(position_ids.shape)} for "
+                                    f"input {(rows, seq)}")
+    elif bool((pos < 0).any()):
+        found.add(POSITIONS_NEGATIVE, f"position_ids from {int(pos.min())}")
+    elif seq % len(rank_chunks(rank, size, layout)) == 0:
+        row_docs = docs or ((seq * size,),) * pos.shape[0]
+        cache: dict[tuple[int, ...], torch.Tensor | None] = {}
+        for r in range(pos.shape[0]):
+            d = row_docs[r] if r < len(row_docs) else row_docs[-1]
+            if d not in cache:
+                try:
+                    cache[d] = _expected_positions(d, rank, size, layout, pos.device)
+                except ValueError:  # document lengths that do not split: reported below
+                    cache[d] = None
+            want = cache[d]
+            if want is None:
+                found.add(SHAPE, f"tsp_docs row {r} {list(d)} does not split over {size} ranks")
+                break
+            if want.shape != pos[r].shape or not torch.equal(pos[r], want):
+                found.add(POSITIONS_LAYOUT, f"position_ids of row {r} start "
+                                            f"{pos[r, :6].tolist()}, expected "
+                                            f"{want[:6].tolist()} ({layout} layout, "
+                                            f"tsp_size={size})")
+                break
+    else:
+        found.add(SHAPE, f"local sequence length {seq} does not split into this layout's "
+                         f"chunks ({layout}, tsp_size={size})")
+
+
+def check_model_features(model: Any, docs: tuple[tuple[int, ...], ...] | None,
+                         rope_len: torch.Tensor | int | None, found: Findings) -> list[str]:
+    """What the model's own features need of the batch: one document per row when queries are
+    scaled by position, the global length for a length-dependent rope (whose kinds it returns)."""
+    packed = [r for r, d in enumerate(docs or ()) if len(d) > 1]
+    if packed and any(getattr(getattr(m, "spec", None), "query_scale", None) is not None
+                      for m in model.modules()):
+        found.add(PACKED_QUERY_SCALE, f"row {packed[0]} holds {len(docs[packed[0]])} documents "
+                                      f"{list(docs[packed[0]])} and layers scale queries by "
+                                      f"position")
+    ropes = [t for m in model_state(model).ropes for t in length_dependent_types(m)]
+    if ropes and rope_len is None:
+        found.add(ROPE_LEN, "no tsp_rope_len in the batch")
+    return ropes
+
+
+def raise_bad_input(model: Any, table: list[list[int]], found: Findings, ropes: list[str],
+                    mesh: Any) -> None:
+    """The error every rank of the group raises alike: which ranks found what, and the fix."""
+    vocab = model.config.vocab_size
     shapes = {(r[0], r[1]) for r in table if r[0] >= 0}
     agreed = {(r[2], r[5], r[6]) for r in table}
     step = getattr(model, "tsp_step", None)
@@ -244,5 +286,7 @@ def check_model_inputs(model: Any, input_ids: torch.Tensor | None,
                      f"lengths {_groups(table, 2, mesh)}; sequence lengths "
                      f"{_groups(table, 5, mesh)}): build every rank's batch with "
                      f"tsp_core.shard_batch from the same full batch")
+    details = found.details
     raise ValueError(f"bad input at {where}: " + "; ".join(lines)
-                     + (f". This rank (TSP rank {rank}): " + "; ".join(details) if details else ""))
+                     + (f". This rank (TSP rank {mesh.rank}): " + "; ".join(details)
+                        if details else ""))
