@@ -50,8 +50,9 @@ on CPU with gloo.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator, ParallelismConfig
@@ -71,8 +72,8 @@ from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
 from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.inference.logits import gather_data_parallel
 from tsp_core.layers.tiles import check_tile_tokens
+from tsp_core.models import TSPCausalLM, shard_full_batches
 from tsp_core.models.offload import check_converted
-from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.models.policies import find_policy
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
 from tsp_core.state.resharding import check_checkpoint
@@ -82,7 +83,7 @@ def _local_processes() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
-def _tsp_size(tsp_size: int | str | None, config: ParallelismConfig | None,
+def choose_accelerate_tsp_size(tsp_size: int | str | None, config: ParallelismConfig | None,
               model_config: Any = None, seq_len: int | None = None,
               memory_gb: float | None = None, batch: int = 1) -> TSPChoice:
     """Explicit argument > ``TSP_SIZE`` in the environment (``accelerate launch`` passes the
@@ -114,7 +115,8 @@ class _DataParallelScheduler(AcceleratedScheduler):
     dp: int = 1
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.split_batches or not self.step_with_optimizer or not self.gradient_state.sync_gradients:
+        if (self.split_batches or not self.step_with_optimizer
+                or not self.gradient_state.sync_gradients):
             return super().step(*args, **kwargs)  # one step, or none: as Accelerate does
         if any(opt.step_was_skipped for opt in self.optimizers):
             return
@@ -225,8 +227,8 @@ def _check_wrap_classes(names: list[str] | None, model: nn.Module) -> None:
     if not names:
         return
     policy = find_policy(model)
-    layers = {type(layer).__name__
-              for layer in getattr(getattr(model, policy.base_model), policy.layers)}
+    base = getattr(model, policy.modules.base_model)
+    layers = {type(layer).__name__ for layer in getattr(base, policy.modules.layers)}
     other = sorted(set(names) - layers)
     if other:
         raise ValueError(f"transformer_cls_names_to_wrap names {other}: TSP's FSDP2 units are "
@@ -277,8 +279,8 @@ class TSPAccelerator(Accelerator):
         if not isinstance(activation_offload, bool):
             raise TypeError(f"activation_offload must be True or False, got "
                             f"{activation_offload!r}")
-        self._tsp_long_context = {"tile_tokens": tile_tokens,
-                                  "activation_offload": activation_offload}
+        self._long_context = {"tile_tokens": tile_tokens,
+                              "activation_offload": activation_offload}
         deepspeed = _uses_deepspeed(kwargs)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         fsdp = None if deepspeed or world == 1 else _requested_fsdp_plugin(kwargs)
@@ -294,8 +296,8 @@ class TSPAccelerator(Accelerator):
                              f"data parallel")
         if fsdp is not None:
             check_fsdp_plugin(fsdp)  # before any collective
-        self.tsp_choice = _tsp_size(tsp_size, given, tsp_model_config, tsp_seq_len, tsp_memory_gb,
-                                    tsp_batch)
+        self.tsp_choice = choose_accelerate_tsp_size(tsp_size, given, tsp_model_config,
+                                                     tsp_seq_len, tsp_memory_gb, tsp_batch)
         log_choice(self.tsp_choice)
         size = self.tsp_choice.size
         if given is not None and given.tp_size > 1 and given.tp_size != size:
@@ -359,8 +361,8 @@ class TSPAccelerator(Accelerator):
                         if isinstance(h, InitProcessGroupKwargs) and h.timeout is not None), None)
         if timeout is not None:  # Accelerate gives it to the default process group only
             set_timeout(self.tsp_mesh, timeout)
-        self._tsp_meter = StepMetrics(self.tsp_mesh)
-        self._tsp_steps: dict[int, int] = {}  # optimizer steps taken, per prepared optimizer
+        self._step_metrics = StepMetrics(self.tsp_mesh)
+        self._optimizer_steps: dict[int, int] = {}  # optimizer steps taken, per prepared optimizer
 
     @property
     def multi_device(self) -> bool:
@@ -397,9 +399,9 @@ class TSPAccelerator(Accelerator):
                                  f"this accelerator shards with FSDP2 (Accelerate's own "
                                  f"fully_shard would then wrap it a second way): pass the "
                                  f"unconverted model to prepare()")
-            check_converted(model, **self._tsp_long_context)
+            check_converted(model, **self._long_context)
             return model
-        options: dict[str, Any] = dict(self._tsp_long_context)
+        options: dict[str, Any] = dict(self._long_context)
         if self.is_fsdp2:
             plugin = self.state.fsdp_plugin
             _check_wrap_classes(self._fsdp_wrap_names, model)
@@ -431,11 +433,11 @@ class TSPAccelerator(Accelerator):
                 for group in obj.param_groups:
                     group["params"] = [swaps.get(id(p), p) for p in group["params"]]
         for obj in args:
-            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._tsp_steps:
-                self._tsp_steps[id(obj)] = 0
+            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._optimizer_steps:
+                self._optimizer_steps[id(obj)] = 0
                 obj.register_step_post_hook(self._count_step)
-        if not self._tsp_meter.started:
-            self._tsp_meter.start(0)
+        if not self._step_metrics.started:
+            self._step_metrics.start(0)
         if self.distributed_type == DistributedType.DEEPSPEED:
             import tsp_deepspeed
 
@@ -491,8 +493,8 @@ class TSPAccelerator(Accelerator):
     def _count_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         # not while paused: torch.distributed.checkpoint's optimizer state dicts (save_state,
         # load_state) take a zero-gradient step to create missing state
-        if not self._tsp_meter.paused:
-            self._tsp_steps[id(optimizer)] += 1
+        if not self._step_metrics.paused:
+            self._optimizer_steps[id(optimizer)] += 1
 
     def tsp_metrics(self, group_max: bool = False, steps: int | None = None) -> dict[str, float]:
         """TSP's figures per optimizer step since the previous call (the first: since
@@ -502,8 +504,8 @@ class TSPAccelerator(Accelerator):
         the most any prepared optimizer took (or ``steps``, your own count so far: under
         DeepSpeed the engine steps). ``group_max``: also the largest over all ranks (one small
         all-reduce). Empty when no step was taken."""
-        taken = steps if steps is not None else max(self._tsp_steps.values(), default=0)
-        return self._tsp_meter.read(taken, group_max)
+        taken = steps if steps is not None else max(self._optimizer_steps.values(), default=0)
+        return self._step_metrics.read(taken, group_max)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """One copy per data-parallel replica: the ranks of a TSP group hold the same losses,
@@ -522,7 +524,8 @@ class TSPAccelerator(Accelerator):
         return data
 
     def prepare_scheduler(self, scheduler):
-        """Accelerate's, stepping once per data-parallel replica (:class:`_DataParallelScheduler`)."""
+        """Accelerate's, stepping once per data-parallel replica
+        (:class:`_DataParallelScheduler`)."""
         prepared = super().prepare_scheduler(scheduler)
         if type(prepared) is AcceleratedScheduler:
             prepared.__class__ = _DataParallelScheduler
@@ -538,8 +541,8 @@ class TSPAccelerator(Accelerator):
         if len(models) == 1:
             return [(models[0], optims)]
         if optims and len(optims) != len(models):
-            raise ValueError(f"TSPAccelerator.save_state/load_state pairs optimizers with models by "
-                             f"position: {len(models)} models and {len(optims)} optimizers were "
+            raise ValueError(f"TSPAccelerator.save_state/load_state pairs optimizers with models "
+                             f"by position: {len(models)} models and {len(optims)} optimizers were "
                              f"prepared; prepare one optimizer per model (or a single model)")
         return [(m, optims[i:i + 1]) for i, m in enumerate(models)]
 

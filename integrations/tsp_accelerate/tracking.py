@@ -1,6 +1,7 @@
 """``JSONLinesTracker``: an Accelerate tracker that needs no service or package, one JSON object
 per ``accelerator.log`` call (``{"step": ..., **values}``; the file starts empty at
-``init_trackers``, or keeps its rows with ``append=True`` for a resumed run), for runs without TensorBoard or W&B and for reading logged values back."""
+``init_trackers``, or keeps its rows with ``append=True`` for a resumed run), for runs without
+TensorBoard or W&B and for reading logged values back."""
 
 from __future__ import annotations
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,10 +34,11 @@ from torch.distributed.tensor import DTensor
 import tsp_core
 from tsp_core.distributed.data_parallel import remove_gradient_sync
 from tsp_core.distributed.mesh import TSPMesh, get_mesh
+from tsp_core.distributed.model_state import model_state
 from tsp_core.distributed.params import ShardedModule
 from tsp_core.layers.tiles import check_tile_tokens
+from tsp_core.models import TSPCausalLM
 from tsp_core.models.offload import check_converted
-from tsp_core.models.parallelize import TSPCausalLM
 from tsp_core.plan.auto import TSPChoice, is_auto, log_choice, resolve_degree
 
 
@@ -102,11 +104,13 @@ def _plain_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def resolve_tsp_size(model: nn.Module, size: Any, section: dict, config: dict) -> TSPChoice:
-    """The degree to convert with: ``size`` (argument or ``"tsp": {"size": ...}``); None = ``TSP_SIZE``
-    from the environment, else every process of the node; ``"auto"`` = the planner's smallest degree inside a node that fits in
-    memory, for the model's config, ``"tsp": {"seq_len": S, "memory_gb": M}`` (or ``TSP_SEQ_LEN`` /
-    the config's max_position_embeddings, ``TSP_MEMORY_GB`` / detected) and
-    ``train_micro_batch_size_per_gpu`` sequences. The same on every rank, before any collective."""
+    """The degree to convert with: ``size`` (argument or ``"tsp": {"size": ...}``); None =
+    ``TSP_SIZE`` from the environment, else every process of the node; ``"auto"`` = the
+    planner's smallest degree inside a node that fits in memory, for the model's config,
+    ``"tsp": {"seq_len": S, "memory_gb": M}`` (or ``TSP_SEQ_LEN`` / the config's
+    max_position_embeddings, ``TSP_MEMORY_GB`` / detected) and
+    ``train_micro_batch_size_per_gpu`` sequences. The same on every rank, before any
+    collective."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     micro = config.get("train_micro_batch_size_per_gpu")
     return resolve_degree(size, local_processes=local, model_config=getattr(model, "config", None),
@@ -123,8 +127,9 @@ def _convert(model: nn.Module, size: Any, section: dict, config: dict,
     if converted:
         mesh = get_mesh(converted[0])
         if size is not None and not is_auto(size) and int(size) != mesh.size:
-            raise ValueError(f"tsp_size ({size}) differs from the TSP degree ({mesh.size}) the model "
-                             f"was converted with; leave tsp_size unset or convert with {size}")
+            raise ValueError(f"tsp_size ({size}) differs from the TSP degree ({mesh.size}) the "
+                             f"model was converted with; leave tsp_size unset or convert with "
+                             f"{size}")
         check_converted(converted[0], **long_context)
         return converted[0], mesh
     choice = resolve_tsp_size(model, size, section, config)
@@ -137,7 +142,8 @@ def _count_data_parallel_ranks(config: dict, mesh: TSPMesh) -> None:
     """DeepSpeed requires train_batch_size = micro batch x accumulation x data-parallel size.
     Accelerate fills it in counting every process, which under TSP is never right: that exact
     value is replaced (any other is left for DeepSpeed to judge)."""
-    micro, steps = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+    micro = config.get("train_micro_batch_size_per_gpu")
+    steps = config.get("gradient_accumulation_steps", 1)
     if mesh.size > 1 and isinstance(micro, int) and isinstance(steps, int) \
             and config.get("train_batch_size") == micro * steps * mesh.device_mesh.size():
         config["train_batch_size"] = micro * steps * mesh.dp_size
@@ -175,7 +181,7 @@ def initialize(model: nn.Module, config: dict | str | None = None, tsp_size: int
     check_mesh(mesh)  # before the model changes
     _count_data_parallel_ranks(config, mesh)
     remove_gradient_sync(tsp_model)
-    tsp_model._tsp_grad_scale = mesh.dp_size
+    model_state(tsp_model).grad_scale = mesh.dp_size
     params = _plain_parameters(model)
     import deepspeed
 

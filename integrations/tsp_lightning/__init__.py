@@ -24,5 +24,5 @@ def register() -> None:
 
 register()
 
-__all__ = ["SUPPORTED_PRECISIONS", "TSPDeepSpeedStrategy", "TSPFabricStrategy", "TSPMonitor", "TSPStrategy",
-           "register"]
+__all__ = ["SUPPORTED_PRECISIONS", "TSPDeepSpeedStrategy", "TSPFabricStrategy", "TSPMonitor",
+           "TSPStrategy", "register"]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
 import tsp_core
 from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
 from tsp_core.layers.tiles import check_tile_tokens
+from tsp_core.models import TSPCausalLM
 from tsp_core.models.offload import check_converted
-from tsp_core.models.parallelize import TSPCausalLM
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
@@ -20,8 +21,9 @@ def resolve_sizes(tsp_size: Any, data_parallel_size: Any, num_nodes: int, num_pr
                   model_config: Any = None, seq_len: int | None = None,
                   memory_gb: float | None = None) -> tuple[int, TSPChoice]:
     """(dp, the TSP choice), checked against the number of processes before any process group
-    exists. ``tsp_size``: None = ``TSP_SIZE`` from the environment, else every process of a node; "auto" = the planner's smallest degree
-    inside a node that fits in memory (``tsp_core.plan.auto``); an int as given. dp: the rest."""
+    exists. ``tsp_size``: None = ``TSP_SIZE`` from the environment, else every process of a
+    node; "auto" = the planner's smallest degree inside a node that fits in memory
+    (``tsp_core.plan.auto``); an int as given. dp: the rest."""
     world = num_nodes * num_processes
     choice = resolve_degree(tsp_size, local_processes=num_processes, model_config=model_config,
                             seq_len=seq_len, memory_gb=memory_gb)
@@ -51,8 +53,8 @@ def parallelize_target(module: nn.Module, mesh: TSPMesh, **options: Any) -> nn.M
         if candidate is None or not hasattr(candidate, "config"):
             continue
         return tsp_core.parallelize(candidate, mesh, **options)
-    raise ValueError(f"the TSP strategy converts a Hugging Face causal LM: either the module itself "
-                     f"or its `model` attribute (set in __init__ or configure_model); "
+    raise ValueError(f"the TSP strategy converts a Hugging Face causal LM: either the module "
+                     f"itself or its `model` attribute (set in __init__ or configure_model); "
                      f"{type(module).__name__} has neither. Or convert it yourself in "
                      f"configure_model with tsp_core.parallelize(model, strategy.tsp_mesh)")
 
@@ -71,8 +73,8 @@ class TSPMeshMixin:
     tensor-parallel dim holds the TSP group."""
 
     _layout: str = "zigzag"
-    _tsp_mesh: TSPMesh | None = None
-    _tsp_auto: dict[str, Any] = {}
+    _built_mesh: TSPMesh | None = None
+    _auto_inputs: dict[str, Any] = {}
     tsp_choice: TSPChoice | None = None
     _fsdp: bool = False
     _fsdp_options: dict[str, Any] = {}
@@ -121,8 +123,10 @@ class TSPMeshMixin:
                        f"processes / tsp_size {self.tsp_choice.size}); each rank keeps its whole "
                        f"1/{self.tsp_choice.size} TSP shard")
 
-    def _set_auto_inputs(self, seq_len: int | None, memory_gb: float | None, model_config: Any) -> None:
-        self._tsp_auto = {"seq_len": seq_len, "memory_gb": memory_gb, "model_config": model_config}
+    def _set_auto_inputs(self, seq_len: int | None, memory_gb: float | None,
+                         model_config: Any) -> None:
+        self._auto_inputs = {"seq_len": seq_len, "memory_gb": memory_gb,
+                             "model_config": model_config}
 
     @property
     def tsp_mesh(self) -> TSPMesh:
@@ -130,7 +134,7 @@ class TSPMeshMixin:
         ``validate``, ``test``, ``predict``) starts, before the LightningModule's
         ``prepare_data``, ``setup`` and ``configure_model`` hooks; with Fabric in
         ``fabric.launch()``."""
-        if self._tsp_mesh is None:
+        if self._built_mesh is None:
             raise RuntimeError(
                 f"{type(self).__name__}.tsp_mesh was read before the strategy built it. The "
                 f"strategy builds the TSP mesh in setup_environment, once the processes are "
@@ -142,13 +146,13 @@ class TSPMeshMixin:
                 f"tsp_core.parallelize(self.model, self.trainer.strategy.tsp_mesh)) or later, or "
                 f"let the strategy convert the model: it does so itself when configure_model "
                 f"leaves it unconverted")
-        return self._tsp_mesh
+        return self._built_mesh
 
     def _model_config(self) -> Any:
         """The config ``tsp_size="auto"`` plans with: given, else the LightningModule's model's
         (the Trainer strategies; Fabric sees no model before its mesh exists)."""
-        if self._tsp_auto.get("model_config") is not None:
-            return self._tsp_auto["model_config"]
+        if self._auto_inputs.get("model_config") is not None:
+            return self._auto_inputs["model_config"]
         module = getattr(self, "_lightning_module", None)
         for candidate in (module, getattr(module, "model", None)):
             if candidate is not None and hasattr(getattr(candidate, "config", None), "hidden_size"):
@@ -160,16 +164,16 @@ class TSPMeshMixin:
         check_precision(precision)
         self._data_parallel_size, self.tsp_choice = resolve_sizes(
             self._tensor_parallel_size, self._data_parallel_size, self.num_nodes,
-            self.num_processes, self._model_config(), self._tsp_auto.get("seq_len"),
-            self._tsp_auto.get("memory_gb"))
+            self.num_processes, self._model_config(), self._auto_inputs.get("seq_len"),
+            self._auto_inputs.get("memory_gb"))
         self._tensor_parallel_size = self.tsp_choice.size
         self._check_fsdp(self.num_nodes * self.num_processes)
         log_choice(self.tsp_choice)
         setup_environment()
         # fsdp: FSDP2 shards each rank's TSP shard over the whole data-parallel dim
-        self._tsp_mesh = TSPMesh.from_device_mesh(
+        self._built_mesh = TSPMesh.from_device_mesh(
             self.device_mesh, "tensor_parallel", self._layout,
             shard_dim="data_parallel" if self._fsdp else None)
         timeout = getattr(self, "_timeout", None)
         if timeout is not None:  # Lightning gives it to the default process group only
-            set_timeout(self._tsp_mesh, timeout)
+            set_timeout(self._built_mesh, timeout)

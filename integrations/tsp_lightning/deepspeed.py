@@ -90,7 +90,8 @@ class TSPDeepSpeedStrategy(TSPMeshMixin, DeepSpeedStrategy):
         parallelize_target(self.lightning_module, self.tsp_mesh, **self._long_context)
         super().setup(trainer)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath,
+                        storage_options: Any = None) -> None:
         with tsp_core.metrics.paused():  # not a training step's work
             super().save_checkpoint(checkpoint, filepath, storage_options)
 

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 import tsp_core
 from tsp_core.distributed.params import ShardedModule
-from tsp_core.models.parallelize import shard_full_batches
+from tsp_core.models import shard_full_batches
 
 from . import checkpoint as ckpt
 from .common import TSPMeshMixin, parallelize_target
@@ -59,7 +59,8 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @staticmethod
-    def _split(state: dict[str, Any]) -> tuple[str, nn.Module, dict[str, Optimizer], dict[str, Any]]:
+    def _split(state: dict[str, Any]
+               ) -> tuple[str, nn.Module, dict[str, Optimizer], dict[str, Any]]:
         """(key of the TSP model, the model, the optimizers by key, the other values)."""
         modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
         tsp = [k for k, m in modules.items()

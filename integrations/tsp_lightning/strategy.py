@@ -136,7 +136,8 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
             ckpt.save_reshardable(path, self.lightning_module, optimizers, meta)
         else:
             ckpt.save_one_file(path, self.lightning_module, optimizers, lambda sd, osds: {
-                **meta, "state_dict": sd, **({"optimizer_states": osds} if with_optimizers else {})})
+                **meta, "state_dict": sd,
+                **({"optimizer_states": osds} if with_optimizers else {})})
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Either format at any degree (into the optimizers when fitting); an older local-layout

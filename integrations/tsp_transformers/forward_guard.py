@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from types import FunctionType, MethodType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

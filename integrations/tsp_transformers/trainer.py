@@ -45,20 +45,21 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler
 
 import tsp_core
 from tsp_accelerate import TSPAccelerator
-from tsp_accelerate.accelerator import _tsp_size as accelerate_tsp_size
 from tsp_accelerate.accelerator import (
     check_fp16_device,
     check_fsdp_plugin,
     check_fsdp_version,
     fsdp_sizes,
 )
+from tsp_accelerate.accelerator import choose_accelerate_tsp_size as accelerate_tsp_size
 from tsp_core.distributed.mesh import get_mesh
 from tsp_core.distributed.metrics import StepMetrics
+from tsp_core.distributed.model_state import model_state
 from tsp_core.distributed.params import ShardedModule
 from tsp_core.layers.tiles import check_tile_tokens
 from tsp_core.layers.vocab import TSPEmbedding
+from tsp_core.models import TSPCausalLM, shard_full_batches
 from tsp_core.models.offload import check_converted
-from tsp_core.models.parallelize import TSPCausalLM, shard_full_batches
 from tsp_core.plan.auto import TSPChoice, is_auto, log_choice
 from tsp_core.state.checkpoint import check_full_state_dict
 from tsp_core.state.resharding import MARKER as RESHARDABLE_MARKER
@@ -138,7 +139,12 @@ class TSPTrainingArguments(TrainingArguments):
         if self.tsp_size is not None and not is_auto(self.tsp_size):
             self.tsp_size = int(self.tsp_size)  # "2" from the command line, 2 from code
         check_tile_tokens(self.tsp_tile_tokens)  # before any collective
-        self._tsp_replicas: int | None = None
+        self._replicas: int | None = None
+
+    def count_replicas(self, replicas: int | None) -> None:
+        """Make :attr:`world_size` ``replicas`` (the number of model replicas), or the number of
+        processes again (None): ``TSPTrainer`` does while it computes a figure it reports."""
+        self._replicas = replicas
 
     @property
     def world_size(self) -> int:
@@ -146,7 +152,7 @@ class TSPTrainingArguments(TrainingArguments):
         (``TSPTrainer._count_replicas``), the number of model replicas. Only there: the
         Trainer's own arithmetic (gathering token counts, checkpoint file names, barriers) needs
         the processes."""
-        replicas = getattr(self, "_tsp_replicas", None)
+        replicas = getattr(self, "_replicas", None)
         return super().world_size if replicas is None else replicas
 
 
@@ -284,17 +290,17 @@ class TSPTrainer(Trainer):
         self._pending_weights: tuple[str, Any] | None = None  # see _load_from_checkpoint
         self._flops_parameters: int | None = None
         self._choice_to_log = self.tsp_choice if self._tsp and self.tsp_choice.auto else None
-        self._tsp_fsdp = self._tsp and getattr(args, "fsdp_plugin_args", None) is not None
-        if self._tsp_fsdp:
+        self._fsdp2 = self._tsp and getattr(args, "fsdp_plugin_args", None) is not None
+        if self._fsdp2:
             self._check_fsdp(args, model)  # before any collective, every rank
-        self._tsp_long_context = long_context_options(args)
+        self._long_context = long_context_options(args)
         if self._tsp and isinstance(model, TSPCausalLM):  # converted already, e.g. loaded
-            check_converted(model, **self._tsp_long_context)
-        if self._tsp and not self._tsp_fsdp:
+            check_converted(model, **self._long_context)
+        if self._tsp and not self._fsdp2:
             _ = args.world_size  # initialises the process group from the launcher's environment
             if not isinstance(model, TSPCausalLM):  # else its own mesh: no second set of groups
                 mesh = tsp_core.init_mesh(self.tsp_choice.size, timeout=args.ddp_timeout)
-                tsp_core.parallelize(model, mesh, **self._tsp_long_context)
+                tsp_core.parallelize(model, mesh, **self._long_context)
             shard_full_batches(model)
         # with FSDP2 the model is converted on the accelerator's mesh as soon as the Trainer has
         # created it (create_accelerator_and_postprocess), before it looks at the model. args by
@@ -306,10 +312,10 @@ class TSPTrainer(Trainer):
             super().__init__(model, args=args, **kwargs)
         if self._tsp:
             refuse_bypassed_forward(self, self.model)  # every rank, before the first step
-        self._tsp_meter = None
+        self._step_metrics = None
         if self._tsp and getattr(self.args, "tsp_metrics", False):
-            self._tsp_meter = StepMetrics(get_mesh(self.model))
-            self.add_callback(_OpenMetricsWindow(self._tsp_meter))
+            self._step_metrics = StepMetrics(get_mesh(self.model))
+            self.add_callback(_OpenMetricsWindow(self._step_metrics))
         if self._tsp and self.args.label_names is None:
             # the TSP forward also names shift_labels; batches carry "labels" (shifted on the
             # full sequence when the model shards them)
@@ -334,7 +340,7 @@ class TSPTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         if not self._tsp:
             return super().create_accelerator_and_postprocess()
-        tsp_size, long_context = self.tsp_choice.size, self._tsp_long_context
+        tsp_size, long_context = self.tsp_choice.size, self._long_context
 
         class _Accelerator(TSPAccelerator):
             def __init__(self, *a: Any, **kw: Any) -> None:
@@ -348,7 +354,7 @@ class TSPTrainer(Trainer):
             out = super().create_accelerator_and_postprocess()
         finally:
             hf_trainer.Accelerator = original
-        if self._tsp_fsdp:
+        if self._fsdp2:
             # TSP, then FSDP2 over "dp_shard" per decoder layer and the root, with the fsdp
             # config's reshard_after_forward and the mixed precision (bf16=/fp16=) the Trainer
             # gave the plugin; Accelerate's own FSDP2 preparation then leaves the model alone
@@ -365,9 +371,9 @@ class TSPTrainer(Trainer):
             raise RuntimeError(f"the weights of {self._pending_weights[0]} were checked but never "
                                f"loaded: the Trainer did not load that checkpoint's optimizer "
                                f"state (_load_optimizer_and_scheduler)")
-        losses_before = getattr(self.model, "_tsp_loss_calls", 0)
+        losses_before = model_state(self.model).loss_calls
         out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.model.training and getattr(self.model, "_tsp_loss_calls", 0) == losses_before:
+        if self.model.training and model_state(self.model).loss_calls == losses_before:
             raise ValueError(bypass_message(self, "its loss did not come from the TSP model's "
                                                   "forward with labels (the vocabulary-parallel "
                                                   "loss): it was built some other way, e.g. from "
@@ -382,14 +388,14 @@ class TSPTrainer(Trainer):
 
     # a subclass whose loss handles the Trainer's per-replica token counts sets this
     # (tsp_trl.TSPSFTTrainer)
-    _tsp_per_replica_token_counts = False
+    _per_replica_token_counts = False
 
     def _refuse_per_replica_token_counts(self, args: TSPTrainingArguments) -> None:
         """``average_tokens_across_devices=False`` (each replica's loss over its own tokens, as
         under DDP) is refused before any collective: the TSP loss divides the whole mesh's sum
         by the count the Trainer passes, which is then this replica's over the TSP degree, so
         the loss and gradients would be tsp_size x dp_size too large."""
-        if not args.average_tokens_across_devices and not self._tsp_per_replica_token_counts:
+        if not args.average_tokens_across_devices and not self._per_replica_token_counts:
             raise ValueError(f"{type(self).__name__}: average_tokens_across_devices=False is not "
                              f"supported with tsp_size {self.tsp_choice.size} (the loss would be "
                              f"{self.tsp_choice.size} x the data-parallel size too large); leave "
@@ -432,7 +438,7 @@ class TSPTrainer(Trainer):
     def _count_replicas(self, on: bool) -> None:
         """Make ``args.world_size`` the number of replicas (``on``) or of processes again."""
         if self._tsp:
-            self.args._tsp_replicas = self.data_parallel_size if on else None
+            self.args.count_replicas(self.data_parallel_size if on else None)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
         """The Trainer's loop; once it is done, and until the next log row, ``args.world_size``
@@ -456,8 +462,8 @@ class TSPTrainer(Trainer):
         """The Trainer's log; a training row (it has ``loss``) also gets TSP's figures, and
         the first row the degree ``tsp_size="auto"`` chose (``tsp_size``)."""
         self._count_replicas(False)  # evaluation_loop's figures are computed
-        if self._tsp_meter is not None and "loss" in logs:
-            logs = {**logs, **self._tsp_meter.read(self.state.global_step)}
+        if self._step_metrics is not None and "loss" in logs:
+            logs = {**logs, **self._step_metrics.read(self.state.global_step)}
         if self._choice_to_log is not None:
             logs = {"tsp_size": self._choice_to_log.size, **logs}
             self._choice_to_log = None

@@ -2,10 +2,10 @@
 
 DPO's loss is not a sum over tokens: each sequence's summed log-probability goes through a
 sigmoid. So the TSP model returns TRL's fused fields for the full sequence, gathered over the
-group in the original order (``TSPCausalLM._tsp_fused_output``, ``[batch, seq - 1]`` floats per
-field, never the head or the logits); every rank of the group then computes the same loss,
-rewards and metrics as one process on the replica's rows, and each backpropagates through its
-own tokens. The reference model is a TSP model on the same mesh (TRL builds it from the
+group in the original order (``tsp_core.models.runtime.fused_output``, ``[batch, seq - 1]``
+floats per field, never the head or the logits); every rank of the group then computes the same
+loss, rewards and metrics as one process on the replica's rows, and each backpropagates through
+its own tokens. The reference model is a TSP model on the same mesh (TRL builds it from the
 policy's path, or pass ``ref_model=``), or its log-probabilities are precomputed
 (``precompute_ref_log_probs``) by the TSP policy."""
 
@@ -20,7 +20,7 @@ from trl import DPOConfig, DPOTrainer
 
 import tsp_core
 from tsp_core.distributed.mesh import get_mesh
-from tsp_core.models.parallelize import shard_full_batches
+from tsp_core.models import shard_full_batches
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
 from .fused_head import native_fused_head, refuse_aux_loss

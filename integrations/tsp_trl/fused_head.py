@@ -3,9 +3,10 @@
 TRL's trainers call ``add_fused_lm_head(model)``, which replaces ``model.forward`` with one that
 runs the backbone and scores the labels from ``get_output_embeddings().weight`` on one rank. A TSP
 model answers ``model(..., labels=..., fused_lm_head=True)`` natively from its
-vocabulary-parallel head (``TSPCausalLM._tsp_fused_output``), so for it the trainers' call must
-leave the forward alone; what it asked for is checked instead. The per-token fields are this
-rank's tokens: what TRL sums (the loss, SFT's metrics) is then summed over the TSP group here.
+vocabulary-parallel head (``tsp_core.models.runtime.fused_output``), so for it the trainers'
+call must leave the forward alone; what it asked for is checked instead. The per-token fields are
+this rank's tokens: what TRL sums (the loss, SFT's metrics) is then summed over the TSP group
+here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from accelerate.utils import recursively_apply
 
 from tsp_core.distributed import comm
-from tsp_core.models.parallelize import TSPCausalLM
+from tsp_core.distributed.model_state import model_state
+from tsp_core.models import TSPCausalLM
 
 # the per-token fields the TSP head computes (TRL's "log_sum_sq_probs": not yet)
 NATIVE_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits")
@@ -44,15 +46,16 @@ def native_fused_head(module: ModuleType, convert: Callable[[Any], None] | None 
                       full: bool = False) -> Iterator[None]:
     """While a TRL trainer's ``__init__`` runs: its module's ``add_fused_lm_head`` leaves a TSP
     model's forward alone (the model answers ``fused_lm_head=True`` itself; ``full``: with
-    full-sequence fields, ``TSPCausalLM._tsp_fused_output``). Any other model (the reference
-    model TRL builds) is first converted by ``convert`` when given, else patched as TRL does."""
+    full-sequence fields: the state's ``fused_full``, read by
+    ``tsp_core.models.runtime.fused_output``). Any other model (the reference model TRL builds)
+    is first converted by ``convert`` when given, else patched as TRL does."""
     original = module.add_fused_lm_head
 
     def add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> None:
         if not isinstance(model, TSPCausalLM) and convert is not None:
             convert(model)
         if isinstance(model, TSPCausalLM):
-            model._tsp_fused_full = full
+            model_state(model).fused_full = full
             return check_fused_request(model, *args, **kwargs)
         return original(model, *args, **kwargs)
 

@@ -51,7 +51,7 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
     from this rank's tokens is summed over the TSP group, and so are the sums behind its
     metrics before TRL gathers them over data parallel."""
 
-    _tsp_per_replica_token_counts = True  # compute_loss: average_tokens_across_devices=False
+    _per_replica_token_counts = True  # compute_loss: average_tokens_across_devices=False
     tsp_args_class = TSPSFTConfig  # what a plain SFTConfig / TrainingArguments becomes
 
     def __init__(self, model: Any = None, args: TSPSFTConfig | None = None, *rest: Any,

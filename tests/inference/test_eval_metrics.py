@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import tsp_core
 from tests.support import dist_pool, hf_models, launch
 from tests.support.reference import assert_close
+from tsp_core.sequence.gather import gather_tokens
 from tsp_core.sequence.layout import shard_batch, shift_labels
 
 
@@ -150,8 +151,8 @@ def logits_memory(tsp: int, batch: int, seq: int, hidden_size: int, vocab: int) 
         (snap,) = tracker.get_tracker_snapshot("peak").values()
         return int(snap["Total"])
 
-    return {"logits": peak(lambda: L._logits(head, L._gather_tokens(hidden, index, mesh.group))),
-            "ids": peak(lambda: L._gather_tokens(L._argmax(head, hidden), index, mesh.group))}
+    return {"logits": peak(lambda: L._logits(head, gather_tokens(hidden, index, mesh.group))),
+            "ids": peak(lambda: gather_tokens(L._argmax(head, hidden), index, mesh.group))}
 
 
 @pytest.mark.parametrize("tsp", [2, 4])

@@ -45,6 +45,14 @@ import tsp_core
 from tests.support.hf_models import build, full_grads, storage_bytes
 from tests.support.metrics_check import StepCounters
 from tsp_accelerate import JSONLinesTracker, TSPAccelerator
+from tsp_core.distributed.model_state import find_model_state
+
+
+def offload_stats(model) -> dict | None:
+    """The host offload's counts (``tsp_core.models.offload``), None without offload."""
+    state = find_model_state(model)
+    offload = None if state is None else state.offload
+    return None if offload is None else dict(offload.stats)
 
 
 def rows(n: int) -> torch.Tensor:
@@ -68,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--round-trip", action="store_true")
     ap.add_argument("--metrics", action="store_true",
-                    help="log tsp_metrics() every 2 steps to a JSONLinesTracker (out/tracker.jsonl)")
+                    help="log tsp_metrics() every 2 steps to a JSONLinesTracker "
+                         "(out/tracker.jsonl)")
     ap.add_argument("--fsdp-code", type=int, default=0, metavar="DP_SHARD",
                     help="FSDP2 over DP_SHARD data-parallel ranks, configured in code")
     ap.add_argument("--launch-fsdp", action="store_true",
@@ -199,9 +208,8 @@ def train(a) -> Accelerator:
                    "step_counts": counters.steps, "fsdp": fsdp_info,
                    "tsp_reason": getattr(getattr(accelerator, "tsp_choice", None), "reason", ""),
                    "group_timeouts": None if a.plain else group_timeouts(accelerator.tsp_mesh),
-                   "offload": [dict(o.stats) if o else None for o in (
-                       getattr(accelerator.unwrap_model(m), "_tsp_offload", None)
-                       for m in models)]}, f)
+                   "offload": [offload_stats(accelerator.unwrap_model(m)) for m in models]},
+                  f)
     for k, model in zip(kv_heads, models):
         unwrapped = accelerator.unwrap_model(model)
         if a.plain:

@@ -27,9 +27,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 import tsp_core
 from tests.support import hf_models
 from tsp_core.distributed.params import ShardedModule
-from tsp_core.models.parallelize import TSPCausalLM
+from tsp_core.models import TSPCausalLM
 
-FAMILY = "llama-tied"  # vocabulary 101, padded to 102 at tsp 2: the local layout is not the full one
+# vocabulary 101, padded to 102 at tsp 2: the local layout is not the full one
+FAMILY = "llama-tied"
 # float64 models; Lightning's "32-true" leaves the module's dtype as it is (its
 # ModelParallelStrategy refuses "64-true")
 STEPS, SAVE_AT, BEST = 4, 2, 2

@@ -26,7 +26,8 @@ import tsp_core
 import tsp_lightning  # registers strategy="tsp"
 from tests.support.hf_models import build, full_grads
 from tests.support.metrics_check import StepCounters
-from tsp_core.models.parallelize import TSPCausalLM
+from tsp_core.distributed.model_state import find_model_state
+from tsp_core.models import TSPCausalLM
 
 VOCAB, SEQ = 96, 24
 
@@ -157,7 +158,8 @@ class LitLlama(L.LightningModule):
         if a.bad_model:  # a transformers model no TSP policy describes
             from transformers import GPT2Config, GPT2LMHeadModel
 
-            self.model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+            self.model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2,
+                                                    vocab_size=VOCAB))
         else:
             self.model = build_llama(a.kv_heads, a.family)
             if a.activation_offload:  # what offload needs: checkpointed decoder layers
@@ -242,7 +244,8 @@ def storage(model) -> dict:
 
 def offload_stats(model) -> dict | None:
     """The host offload's counts (``tsp_core.models.offload``), None without offload."""
-    offload = getattr(model, "_tsp_offload", None)
+    state = find_model_state(model)
+    offload = None if state is None else state.offload
     return None if offload is None else dict(offload.stats)
 
 

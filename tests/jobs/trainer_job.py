@@ -51,7 +51,8 @@ from tests.jobs.accelerate_job import fsdp_units
 from tests.support.hf_models import full_grads, storage_bytes
 from tests.support.metrics_check import StepCounters
 from tsp_core.distributed.mesh import get_mesh
-from tsp_core.models.parallelize import TSPCausalLM
+from tsp_core.distributed.model_state import find_model_state
+from tsp_core.models import TSPCausalLM
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 
 
@@ -152,7 +153,8 @@ def record_training_losses(trainer) -> list[float]:
 
 def offload_stats(model) -> dict | None:
     """The host offload's counts (``tsp_core.models.offload``), None without offload."""
-    offload = getattr(model, "_tsp_offload", None)
+    state = find_model_state(model)
+    offload = None if state is None else state.offload
     return None if offload is None else dict(offload.stats)
 
 

@@ -49,7 +49,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import tsp_core
 from tests.jobs.trainer_job import record_first_gradients
-from tsp_core.models.parallelize import TSPCausalLM
+from tsp_core.models import TSPCausalLM
 from tsp_transformers import TSPTrainer
 from tsp_trl import TSPDPOConfig, TSPDPOTrainer, TSPSFTConfig, TSPSFTTrainer
 

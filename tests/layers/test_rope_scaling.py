@@ -17,6 +17,7 @@ import tsp_core
 from tests.support import dist_pool, hf_models
 from tests.support.reference import assert_close
 from tsp_core import comm
+from tsp_core.distributed.model_state import find_model_state
 from tsp_core.layers import rope
 
 ORIGINAL = 20  # the original context: dynamic's max_position_embeddings, longrope's original_...
@@ -47,7 +48,8 @@ def build(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     if kind == "phi3-longrope":
         params.pop("original_max_position_embeddings")
-        config = Phi3Config(**shape, rope_parameters=params, original_max_position_embeddings=ORIGINAL,
+        config = Phi3Config(**shape, rope_parameters=params,
+                            original_max_position_embeddings=ORIGINAL,
                             pad_token_id=0, eos_token_id=2)
         return Phi3ForCausalLM(config).to(torch.float64)
     return LlamaForCausalLM(LlamaConfig(**shape, rope_parameters=params)).to(torch.float64)
@@ -237,7 +239,7 @@ def missing_length() -> list[str]:
                                             {"forward": plain})
     with pytest.raises(NotImplementedError, match="not transformers' dynamic_rope_update"):
         tsp_core.parallelize(other, mesh)
-    assert not hasattr(other, "_tsp_mesh")
+    assert find_model_state(other) is None
     model.zero_grad()
     model(**batch).loss.backward()  # the group is still in step
     return msgs

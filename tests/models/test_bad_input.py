@@ -16,7 +16,7 @@ import torch
 import tsp_core
 from tests.support import dist_pool, hf_models, launch
 from tsp_core import comm
-from tsp_core.models.parallelize import shard_full_batches
+from tsp_core.models import shard_full_batches
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def matrix() -> list[str]:
     expect(differ, lambda: step({"input_ids": own, "labels": own}), agreed)
     expect(differ, lambda: hooked(input_ids=own, labels=own), agreed)
     strategy = TSPStrategy(tsp_size=2)
-    strategy._tsp_mesh = mesh
+    strategy._built_mesh = mesh
     expect(differ, lambda: model(**strategy.batch_to_device({"input_ids": own, "labels": own},
                                                             torch.device("cpu"))), agreed)
     masked = ids.clone()
@@ -105,7 +105,8 @@ def matrix() -> list[str]:
     emb = torch.zeros(2, 8, 64)
     if rank == 1:
         emb[1, 2, 3], emb[0, 0, 0] = float("nan"), float("inf")
-    expect(r"bad input at step 7: TSP rank\(s\) \[1\]: NaN or inf in inputs_embeds: .* \(2 values\)",
+    expect(r"bad input at step 7: TSP rank\(s\) \[1\]: NaN or inf in inputs_embeds: "
+           r".* \(2 values\)",
            lambda: model(inputs_embeds=emb, position_ids=local["position_ids"],
                          shift_labels=local["shift_labels"]), agreed)
     # the group is still in step: a good batch trains and gives the one-process loss
@@ -124,7 +125,8 @@ def test_bad_input_fails_on_every_rank(pool):
     assert per_rank[0][:5] == per_rank[1][:5]
     for a, b in zip(per_rank[0][5:], per_rank[1][5:]):
         assert a.split(". This rank")[0] == b.split(". This rank")[0], (a, b)
-    assert "This rank (TSP rank 0): 1 shift_labels outside [0, 96) (from 500 to 500)" in per_rank[0][5]
+    assert ("This rank (TSP rank 0): 1 shift_labels outside [0, 96) (from 500 to 500)"
+            in per_rank[0][5])
     assert "This rank (TSP rank 1): 2 NaN/inf values in inputs_embeds" in per_rank[1][14]
     # the same rows through shard_batch, the hook and Lightning's strategy: the same fingerprints
     assert per_rank[0][7] == per_rank[0][8] == per_rank[0][9] != per_rank[0][10]

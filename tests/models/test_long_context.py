@@ -18,6 +18,7 @@ import tsp_core
 from tests.layers import test_moe
 from tests.support import dist_pool, hf_models
 from tests.support.reference import assert_grads_close
+from tsp_core.distributed.model_state import model_state
 
 SEQ = 64    # 16 tokens per row at tsp 4, 64 at tsp 1
 TILE = 3    # divides none of 16, 32, 64 or 128 (a row's or a rank's tokens): every last tile short
@@ -83,8 +84,8 @@ def long_context_parity(case: str, tsp: int) -> float:
     # (the first the backward needs) started one layer ahead
     count = len(layers)
     want_stats = {"offloaded": count, "brought_back": count, "prefetched": count - 1}
-    assert model._tsp_offload.stats == want_stats, \
-        f"{what}: offload {model._tsp_offload.stats}, not {want_stats}"
+    stats = model_state(model).offload.stats
+    assert stats == want_stats, f"{what}: offload {stats}, not {want_stats}"
     assert forwards == [2] * count, f"{what}: attention forwards per layer {forwards}, not 2 " \
                                     f"each (forward and recompute)"
     want = {name: p.grad for name, p in ref.named_parameters()}

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import tsp_core
 from tests.support import dist_pool, hf_models
 from tests.support.reference import assert_grads_close
+from tsp_core.distributed.model_state import model_state
 
 LAYERS = hf_models.COMMON["num_hidden_layers"]
 
@@ -51,7 +52,7 @@ def exact_with_offload(reentrant: bool) -> dict[str, int]:
     want_loss, want = step(plain, batch)
     loss, got = step(offloaded, batch)
     # the backward used every input: nothing keeps them (on the GPU: pinned host buffers)
-    last = offloaded._tsp_offload._last
+    last = model_state(offloaded).offload._last
     assert last is not None and last() is None, "the layer inputs outlive their backward"
     assert torch.equal(loss, want_loss), (loss.item(), want_loss.item())
     assert_grads_close(got, want, 1e-12, f"offload vs checkpointing only, rank {dist.get_rank()}")
@@ -62,7 +63,7 @@ def exact_with_offload(reentrant: bool) -> dict[str, int]:
     assert_grads_close(got, {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
                        f"offload vs Hugging Face, rank {dist.get_rank()}")
     dist.barrier()
-    return offloaded._tsp_offload.stats
+    return model_state(offloaded).offload.stats
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -118,7 +119,7 @@ def deepspeed_switch() -> dict[str, bool]:
                             ("off", {})):
             model = hf_models.build("llama", torch.float64)
             tsp_deepspeed.initialize(model, tsp_size=2, **kwargs)
-            seen[how] = getattr(model, "_tsp_offload", None) is not None
+            seen[how] = model_state(model).offload is not None
         converted = tsp_core.parallelize(hf_models.build("llama", torch.float64),
                                          dist_pool.mesh(2))
         with pytest.raises(ValueError, match="already converted without it"):

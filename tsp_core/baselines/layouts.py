@@ -9,8 +9,9 @@ tensor parallel on T inside context parallel on S), labelled e.g. ``tp+cp(4x2)``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..distributed import comm
-from ..distributed.data_parallel import install_gradient_sync
+from ..distributed.data_parallel import install_gradient_sync, remove_gradient_sync
 from ..distributed.mesh import TSPMesh, init_mesh, init_process_group_from_env
 from ..layers.moe import load_balancing_loss
 from ..layers.rope import length_dependent_types
@@ -70,7 +71,8 @@ def layout_specs(name: str, degree: int) -> list[LayoutSpec]:
         return [LayoutSpec(name, 1, degree)]
     splits = [LayoutSpec(name, t, degree // t) for t in range(2, degree) if degree % t == 0]
     if not splits:
-        raise ValueError(f"{name} needs a degree with a split T x S, T and S > 1; {degree} has none")
+        raise ValueError(f"{name} needs a degree with a split T x S, T and S > 1; {degree} has "
+                         f"none")
     return splits
 
 
@@ -92,13 +94,23 @@ class ParallelModel:
     (:func:`tsp_core.baselines.moe.load_balancing_loss`).
     """
 
-    def __init__(self, model: nn.Module, spec: LayoutSpec, mesh: TSPMesh) -> None:
+    def __init__(self, model: nn.Module, spec: LayoutSpec, mesh: TSPMesh,
+                 gradient_sync: Any = None) -> None:
         self.model, self.spec, self.mesh = model, spec, mesh
+        # a baseline's data-parallel gradient hook (a TSP model's state keeps its own)
+        self.gradient_sync = gradient_sync
+
+    def remove_gradient_sync(self) -> None:
+        """Leave the data-parallel gradients to an engine that sums them itself (FSDP2)."""
+        if self.gradient_sync is not None:
+            self.gradient_sync.remove()
+            self.gradient_sync = None
+        remove_gradient_sync(self.model)
 
     @property
     def layers(self) -> nn.ModuleList:
         policy = find_policy(self.model)
-        return getattr(getattr(self.model, policy.base_model), policy.layers)
+        return getattr(getattr(self.model, policy.modules.base_model), policy.modules.layers)
 
     @contextlib.contextmanager
     def layer_traffic(self, index: int = 0) -> Iterator[comm.CommStats]:
@@ -169,7 +181,7 @@ class ParallelModel:
         if aux is None:
             return loss
         c = self.model.config
-        experts = find_policy(self.model).moe
+        experts = find_policy(self.model).ffn.moe
         balance = load_balancing_loss(
             router_logits, getattr(c, experts.num_experts), getattr(c, experts.top_k),
             [self.mesh.group])
@@ -178,7 +190,7 @@ class ParallelModel:
     def _aux_loss_layers(self) -> list[TensorParallelMoE] | None:
         """None: no load-balancing loss (a dense model, or ``output_router_logits`` off); else
         the tensor-parallel MoE blocks (empty under context parallel alone)."""
-        if find_policy(self.model).moe is None or not self.model.config.output_router_logits:
+        if find_policy(self.model).ffn.moe is None or not self.model.config.output_router_logits:
             return None
         return [m for m in self.model.modules() if isinstance(m, TensorParallelMoE)]
 
@@ -217,9 +229,9 @@ class ParallelModel:
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         if self.spec.name == "tsp":
-            from ..state.checkpoint import _sharded_modules
+            from ..state.checkpoint import sharded_modules
 
-            return {prefix + n: g for prefix, m in _sharded_modules(self.model)
+            return {prefix + n: g for prefix, m in sharded_modules(self.model)
                     for n, g in m.full_tensors(grads=True).items()}
         return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
                 for n, p in self.model.named_parameters() if p.grad is not None}
@@ -280,14 +292,15 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None, *,
                                          activation_offload=activation_offload), spec, mesh)
     policy = find_policy(model)
     dm = mesh.device_mesh
-    base = getattr(model, policy.base_model)
-    layers = list(getattr(base, policy.layers))
-    windows = [policy.sliding_window(model.config, getattr(layer, policy.attention))
+    names = policy.modules
+    base = getattr(model, names.base_model)
+    layers = list(getattr(base, names.layers))
+    windows = [policy.attn.sliding_window(model.config, getattr(layer, names.attention))
                for layer in layers]
     if spec.tp > 1:
         apply_tensor_parallel(model, dm["tp"], policy, spec.sequence_parallel)
-    context_parallel.install(model, layers, policy.attention, mesh.group, mesh.layout, windows)
-    install_gradient_sync(model, TSPMesh(dm, "tp"))  # sums every gradient over the cp dim
+    context_parallel.install(model, layers, names.attention, mesh.group, mesh.layout, windows)
+    sync = install_gradient_sync(model, TSPMesh(dm, "tp"))  # sums every gradient over the cp dim
     if activation_offload:
         install_activation_offload(model, layers)
-    return ParallelModel(model, spec, mesh)
+    return ParallelModel(model, spec, mesh, sync)

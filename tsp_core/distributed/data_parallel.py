@@ -9,12 +9,15 @@ micro-batches stays exact. ``module.to()`` creates new parameter objects without
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import comm
 from .mesh import TSPMesh
+from .model_state import find_model_state
 
 
 def _sum_over_dp(groups):
@@ -33,12 +36,14 @@ def _sum_over_dp(groups):
     return hook
 
 
-def install_gradient_sync(model: nn.Module, mesh: TSPMesh) -> None:
-    """Sum gradients over every non-TSP mesh dim of size > 1 (nothing to do without one)."""
+def install_gradient_sync(model: nn.Module, mesh: TSPMesh) -> Any:
+    """Sum gradients over every non-TSP mesh dim of size > 1 (nothing to do without one).
+    Returns the hook's handle (None without one), which a converted model's state also keeps
+    (``gradient_sync``) for :func:`remove_gradient_sync`."""
     dm = mesh.device_mesh
     groups = [dm.get_group(n) for n in mesh.other_dims if dm.size(dm.mesh_dim_names.index(n)) > 1]
     if not groups:
-        return
+        return None
     hook = _sum_over_dp(groups)
 
     def ensure_hooks(_module: nn.Module, _args) -> None:
@@ -47,13 +52,17 @@ def install_gradient_sync(model: nn.Module, mesh: TSPMesh) -> None:
                 p.register_hook(hook)
                 p._tsp_dp_hooked = True
 
-    model._tsp_gradient_sync = model.register_forward_pre_hook(ensure_hooks)
+    handle = model.register_forward_pre_hook(ensure_hooks)
+    state = find_model_state(model)
+    if state is not None:
+        state.gradient_sync = handle
+    return handle
 
 
 def remove_gradient_sync(model: nn.Module) -> None:
     """Leave data-parallel gradients to an engine that syncs them itself (DeepSpeed), before the
     first forward installs any hook."""
-    handle = getattr(model, "_tsp_gradient_sync", None)
-    if handle is not None:
-        handle.remove()
-        model._tsp_gradient_sync = None
+    state = find_model_state(model)
+    if state is not None and state.gradient_sync is not None:
+        state.gradient_sync.remove()
+        state.gradient_sync = None

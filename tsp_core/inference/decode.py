@@ -43,6 +43,7 @@ from torch import nn
 
 from ..distributed import comm
 from ..distributed.mesh import TSPMesh
+from ..distributed.model_state import find_model_state
 from ..distributed.params import local
 from ..layers import rope
 from ..layers.attention import AttentionSpec, TSPAttention
@@ -50,7 +51,7 @@ from ..layers.attention.latent import TSPLatentAttention
 from ..layers.attention.rounds import gated, query_scale, scale_queries, split_gate
 from ..layers.linear_attention.decode import prefill as delta_net_prefill
 from ..layers.linear_attention.decode import step as delta_net_step
-from ..layers.mlp import TSPGatedMLP, _act
+from ..layers.mlp import TSPGatedMLP, activate
 from ..layers.moe import TSPMoE
 from ..layers.norm import NORMS, unscaled_norm
 from ..layers.vocab import TSPEmbedding, TSPLMHead
@@ -113,7 +114,7 @@ class ShardedKVCache:
 class _Layer:
     attn: TSPAttention
     mlp: TSPGatedMLP | TSPMoE
-    experts: TSPMoE | None = None  # an MoE beside the MLP (Gemma 4: policy.moe_beside_mlp)
+    experts: TSPMoE | None = None  # an MoE beside the MLP (Gemma 4: policy.ffn.moe_beside_mlp)
 
 
 @dataclass(frozen=True)
@@ -131,24 +132,27 @@ class _Parts:
     vocab_size: int
 
 
-def _parts(model: nn.Module) -> _Parts:
-    policy, mesh = getattr(model, "_tsp_policy", None), getattr(model, "_tsp_mesh", None)
-    if policy is None or mesh is None:
+def decode_parts(model: nn.Module) -> _Parts:
+    state = find_model_state(model)
+    if state is None:
         raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize; "
                          f"generation needs a TSP model")
-    base = getattr(model, policy.base_model)
-    layers = [_Layer(_token_mixer(b, policy), getattr(b, policy.mlp),
-                     getattr(b, policy.moe.experts) if policy.moe_beside_mlp(b) else None)
-              for b in getattr(base, policy.layers)]
-    return _Parts(mesh, base, getattr(base, policy.embed), layers, getattr(model, policy.lm_head),
-                  getattr(model, "_tsp_ropes", []), model.config.vocab_size)
+    policy, mesh = state.policy, state.mesh
+    names, ffn = policy.modules, policy.ffn
+    base = getattr(model, names.base_model)
+    layers = [_Layer(_token_mixer(b, policy), getattr(b, names.mlp),
+                     getattr(b, ffn.moe.experts) if ffn.moe_beside_mlp(b) else None)
+              for b in getattr(base, names.layers)]
+    return _Parts(mesh, base, getattr(base, names.embed), layers, getattr(model, names.lm_head),
+                  state.ropes, model.config.vocab_size)
 
 
 def _token_mixer(layer: nn.Module, policy: Any) -> nn.Module:
-    """A decoder layer's attention, or its Gated DeltaNet (``policy.linear_attention``)."""
-    if policy.linear_attention and hasattr(layer, policy.linear_attention):
-        return getattr(layer, policy.linear_attention)
-    return getattr(layer, policy.attention)
+    """A decoder layer's attention, or its Gated DeltaNet (``policy.modules.linear_attention``)."""
+    names = policy.modules
+    if names.linear_attention and hasattr(layer, names.linear_attention):
+        return getattr(layer, names.linear_attention)
+    return getattr(layer, names.attention)
 
 
 @contextlib.contextmanager
@@ -228,7 +232,8 @@ def _embed_rows(parts: _Parts, ids: torch.Tensor) -> torch.Tensor:
     table = local(parts.embed.weight)
     per, start = table.shape[0], parts.mesh.rank * table.shape[0]
     inside = (ids >= start) & (ids < start + per)
-    rows = F.embedding((ids - start).clamp(0, per - 1), table) * inside.unsqueeze(-1).to(table.dtype)
+    rows = F.embedding((ids - start).clamp(0, per - 1), table)
+    rows = rows * inside.unsqueeze(-1).to(table.dtype)
     comm.all_reduce(rows, parts.mesh.group)
     return rows
 
@@ -291,7 +296,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
             ) -> tuple[torch.Tensor, ShardedKVCache]:
     """Run the TSP forward on left-padded prompts [B, S] (identical on every rank of the group);
     return the next-token logits [B, V] (identical on every rank) and this rank's KV cache."""
-    parts = _parts(model)
+    parts = decode_parts(model)
     mesh = parts.mesh
     D, me = mesh.size, mesh.rank
     lengths = check_prompts(input_ids, attention_mask, parts.vocab_size)
@@ -340,11 +345,11 @@ def visible_slots(spec: AttentionSpec, valid: torch.Tensor, used: torch.Tensor,
     """Which of this rank's cache slots (``used`` [B, L]: their positions, ``valid``: holding a
     token) the new token at ``positions`` [B] sees: all of them, or with a sliding window the
     last ``window`` positions, with chunked attention (Llama 4) those of its own chunk."""
-    visible = valid
-    if spec.sliding_window is not None:
-        visible = visible & (used > positions[:, None] - spec.sliding_window)
-    if spec.chunk_size is not None:
-        visible = visible & (used >= (positions - positions % spec.chunk_size)[:, None])
+    visible, mask = valid, spec.parts.mask
+    if mask.sliding_window is not None:
+        visible = visible & (used > positions[:, None] - mask.sliding_window)
+    if mask.chunk_size is not None:
+        visible = visible & (used >= (positions - positions % mask.chunk_size)[:, None])
     return visible
 
 
@@ -384,9 +389,9 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
                     visible: torch.Tensor, positions: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """One decode step of attention ``i``; ``positions`` [B] (the new tokens' global positions)
-    feed a query scale (``spec.query_scale``: Llama 4's attention temperature)."""
+    feed a query scale (``AttentionParts.query_scale``: Llama 4's attention temperature)."""
     group, D = parts.mesh.group, parts.mesh.size
-    spec = attn.spec
+    spec, p = attn.spec, attn.parts
     nq, d = spec.local_heads, spec.head_dim
     B = x.shape[0]
     w = {n: local(p) for n, p in attn.named_parameters()}
@@ -395,9 +400,10 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
         return F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
 
     # values_from_keys (Gemma 4's attention_k_eq_v): the key projection's output is the values;
-    # a KV-shared layer (spec.kv_shared) projects queries only and reads its source layer's cache
-    shared = spec.kv_shared
-    names = ["q"] if shared else ["q", "k", "k" if attn.values_from_keys else "v"]
+    # a KV-shared layer (KVSharing role "reuse") projects queries only and reads its source
+    # layer's cache
+    shared = p.kv_shared
+    names = ["q"] if shared else ["q", "k", "k" if p.values_from_keys else "v"]
     projected = {n: proj(n) for n in names}
     # an output gate (Qwen3.5) stays here: rank r applies its own heads' gate after the merge
     projected["q"], gate = split_gate(projected["q"], spec, nq)
@@ -413,30 +419,32 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
 
     q_all = heads(q_all, D * nq)
     k_all = heads(k_all, 0 if shared else spec.num_kv_heads)          # shared: [B, 0, 1, d]
-    if spec.qk_norm_after_rope:              # Hunyuan dense: the per-head norms after RoPE
-        q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)
-        k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)
-    if spec.qk_norm_eps is not None:         # per head (Qwen3, Gemma 3) or over all (OLMo 2)
-        norm = NORMS[spec.qk_norm_kind]
+    qk, pairs = p.qk_norm, p.rotary.interleaved
+    after_rope = qk is not None and qk.after_rope
+    if after_rope:                           # Hunyuan dense: the per-head norms after RoPE
+        q_all = rope.apply(q_all, cos, sin, pairs)
+        k_all = rope.apply(k_all, cos, sin, pairs)
+    if qk is not None:                       # per head (Qwen3, Gemma 3) or over all (OLMo 2)
+        norm = NORMS[qk.kind]
 
         def normed(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            if not spec.qk_norm_all_heads:
-                return norm(t, weight, spec.qk_norm_eps)
-            return norm(t.reshape(B, -1), weight, spec.qk_norm_eps).view(t.shape)
+            if not qk.over_token:
+                return norm(t, weight, qk.eps)
+            return norm(t.reshape(B, -1), weight, qk.eps).view(t.shape)
 
         # a weightless norm (Llama 4's L2) has no parameters
         q_all = normed(q_all, w.get(attn.NORMS[0]))
         k_all = k_all if shared else normed(k_all, w.get(attn.NORMS[1]))
-    if not spec.qk_norm_after_rope:
-        q_all = rope.apply(q_all, cos, sin, spec.rope_interleaved)
-        k_all = rope.apply(k_all, cos, sin, spec.rope_interleaved)
+    if not after_rope:
+        q_all = rope.apply(q_all, cos, sin, pairs)
+        k_all = rope.apply(k_all, cos, sin, pairs)
     q_all, k_all = q_all[:, :, 0], k_all[:, :, 0]                     # [B, nq_total, d]
-    if spec.query_scale is not None:                  # Llama 4's temperature, per row
+    if p.query_scale is not None:                     # Llama 4's temperature, per row
         q_all = scale_queries(q_all.transpose(0, 1), query_scale(spec, positions, q_all)
                               ).transpose(0, 1)
     v_all = heads(v_all, 0 if shared else spec.num_kv_heads)[:, :, 0]
-    if spec.v_norm_eps is not None:          # Gemma 4: each value head normed without a weight
-        v_all = unscaled_norm(v_all, spec.qk_norm_kind, spec.v_norm_eps)
+    if p.value_norm is not None:             # Gemma 4: each value head normed without a weight
+        v_all = unscaled_norm(v_all, p.value_norm.kind, p.value_norm.eps)
     if shared:                               # the K/V the source layer wrote this step
         i = attn.kv_source
     elif slot is not None:                                            # this rank's turn
@@ -444,7 +452,7 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
         cache.values[i][:, :, slot] = v_all
     L = cache.length
     out, lse = _attend_local(q_all, cache.keys[i][:, :, :L], cache.values[i][:, :, :L],
-                             visible, spec.softmax_scale, spec.softcap)
+                             visible, spec.softmax_scale, p.mask.softcap)
     # head group r's partial results go to rank r, which merges them by log-sum-exp
     send = torch.cat([out, lse.unsqueeze(-1)], dim=-1).view(B, D, nq, d + 1).transpose(0, 1)
     send = send.contiguous()
@@ -463,7 +471,7 @@ def _mlp_step(parts: _Parts, mlp: TSPGatedMLP, x: torch.Tensor) -> torch.Tensor:
     w = {n: local(p) for n, p in mlp.named_parameters()}
     g = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
     u = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
-    y = (_act(g, mlp.spec.activation) * u) @ w["down_proj.weight"].t()
+    y = (activate(g, mlp.spec.activation) * u) @ w["down_proj.weight"].t()
     comm.all_reduce(y, parts.mesh.group)
     if "down_proj.bias" in w:
         y = y + w["down_proj.bias"]
@@ -475,7 +483,7 @@ def decode_step(model: nn.Module, cache: ShardedKVCache, tokens: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
     """Feed one token per row (``tokens`` [B] at global ``positions`` [B], identical on every
     rank); return the next-token logits [B, V] (identical on every rank). No weight moves."""
-    parts = _parts(model)
+    parts = decode_parts(model)
     owner = cache.next_owner()
     cache.counts[owner] += 1
     slot = None

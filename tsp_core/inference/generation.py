@@ -12,15 +12,17 @@ as Hugging Face's sampling uses it.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..distributed import comm
 from ..distributed.fsdp import root_unsharded
-from .decode import _parts, check_prompts, decode_step, prefill
+from ..distributed.model_state import find_model_state, model_state
+from .decode import check_prompts, decode_parts, decode_step, prefill
 
 # Hugging Face's defaults when neither the call nor the model's generation_config sets a value
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "max_length": 20}
@@ -101,7 +103,7 @@ def _agree(model: nn.Module, values: dict[str, int], error: ValueError | None = 
     """Raise on every rank if any rank's input was bad (``error``: this rank's) or the ranks of
     the group were called with different inputs, which would make them run different numbers of
     collectives and hang. One all-gather of a few integers."""
-    mesh = _parts(model).mesh
+    mesh = decode_parts(model).mesh
     mine = torch.tensor([int(error is not None)] + list(values.values()), dtype=torch.int64,
                         device=next(model.parameters()).device)
     every = mine.new_empty(mesh.size, mine.numel())
@@ -127,7 +129,7 @@ def _checksum(t: torch.Tensor) -> int:
 def _sync_global_rng(model: nn.Module, device: torch.device) -> None:
     """Give every rank rank 0's global random state (one broadcast), so that sampling with the
     global generator draws the same tokens on every rank."""
-    mesh = _parts(model).mesh
+    mesh = decode_parts(model).mesh
     states = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
@@ -167,7 +169,8 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
               temperature: float | None, top_k: int | None, top_p: float | None,
               eos_token_id: int | Sequence[int] | None, pad_token_id: int | None,
               seed: int | None, return_logits: bool):
-    if getattr(model, "_tsp_partial", False):  # tsp_core.pipeline: some stages per rank
+    state = find_model_state(model)
+    if state is not None and state.partial:  # tsp_core.pipeline: some stages per rank
         raise NotImplementedError(
             "a tsp_core.pipeline holds only some stages of the model on each rank and does not "
             "generate; save_checkpoint it and load the checkpoint into "
@@ -199,7 +202,7 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
         else:
             _sync_global_rng(model, logits.device)
     cache.reserve(max(0, max_new_tokens - 1))
-    policy = getattr(model, "_tsp_policy", None)  # Phi-3: HF's generate recomputes its cache once
+    policy = model_state(model).policy  # Phi-3: HF's generate recomputes its cache once
     recompute = getattr(policy, "recompute_cache_at", None)
     recompute_at = None if recompute is None else recompute(model.config)
     decoded = 0  # tokens decoded since the cache was filled

@@ -30,7 +30,7 @@ import torch
 from ..distributed import comm
 from ..distributed.mesh import TSPMesh
 from ..distributed.params import local
-from ..layers.attention.latent import TSPLatentAttention, _queries
+from ..layers.attention.latent import TSPLatentAttention, latent_queries
 
 
 def latent_step(mesh: TSPMesh, attn: TSPLatentAttention, x: torch.Tensor, cos: torch.Tensor,
@@ -50,7 +50,7 @@ def latent_step(mesh: TSPMesh, attn: TSPLatentAttention, x: torch.Tensor, cos: t
     if slot is not None:                                              # this rank's turn
         cached[:, 0, slot] = latent[:, 0]
     wq = w["q_proj.weight" if s.q_lora_rank is None else "q_b_proj.weight"]
-    q = _queries(q_in, wq, cos, sin, s)[:, :, 0]                      # [B, n, qk_head_dim]
+    q = latent_queries(q_in, wq, cos, sin, s)[:, :, 0]                      # [B, n, qk_head_dim]
     wkv = w["kv_b_proj.weight"].view(n, s.qk_nope_head_dim + s.v_head_dim, R)
     absorbed = torch.einsum("bhk,hkr->bhr", q[..., :s.qk_nope_head_dim],
                             wkv[:, :s.qk_nope_head_dim])

@@ -24,8 +24,9 @@ gathers), never one per TSP rank.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,9 +37,11 @@ from ..distributed import comm
 from ..distributed.chunks import row_segments
 from ..distributed.fsdp import root_unsharded
 from ..distributed.mesh import TSPMesh, get_mesh
+from ..distributed.model_state import find_model_state, model_state
 from ..distributed.params import schedule_inputs
 from ..layers.vocab import LOSS_CHUNK_ELEMENTS, TSPLMHead, vocab_spec
-from ..sequence.layout import _BATCH_KEYS, document_lengths, shard_batch
+from ..sequence.gather import gather_tokens
+from ..sequence.layout import BATCH_KEYS, document_lengths, shard_batch
 
 
 @dataclass
@@ -66,7 +69,7 @@ class _HeadSkipped(Exception):
 @contextlib.contextmanager
 def _final_hidden(model: nn.Module, skip_head: bool) -> Iterator[list[torch.Tensor]]:
     """Keep the base model's last hidden state of the forward run inside the block."""
-    policy = model._tsp_policy
+    policy = model_state(model).policy
     kept: list[torch.Tensor] = []
 
     def keep(_module: nn.Module, _args: Any, out: Any) -> None:
@@ -75,9 +78,9 @@ def _final_hidden(model: nn.Module, skip_head: bool) -> Iterator[list[torch.Tens
     def skip(_module: nn.Module, _args: Any) -> None:
         raise _HeadSkipped
 
-    handles = [getattr(model, policy.base_model).register_forward_hook(keep)]
+    handles = [getattr(model, policy.modules.base_model).register_forward_hook(keep)]
     if skip_head:
-        handles.append(getattr(model, policy.lm_head).register_forward_pre_hook(skip))
+        handles.append(getattr(model, policy.modules.lm_head).register_forward_pre_hook(skip))
     try:
         yield kept
     finally:
@@ -107,14 +110,6 @@ def token_index(tsp_docs: torch.Tensor, size: int, layout: str,
         starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
         rows.append(torch.cat([slot_of[s:s + n] for s, n in zip(starts, original_docs[r])]))
     return torch.stack(rows).to(tsp_docs.device)
-
-
-def _gather_tokens(x: torch.Tensor, index: torch.Tensor, group) -> torch.Tensor:
-    """``[B, S, ...]`` in ``index``'s order from every rank's local ``x`` ``[B, L, ...]``."""
-    d, (b, n) = dist.get_world_size(group), x.shape[:2]
-    buf = x.new_empty((d, *x.shape))
-    comm.all_gather(buf, x.contiguous(), group)
-    return buf[index // n, torch.arange(b, device=x.device)[:, None], index % n]
 
 
 def _logits(head: TSPLMHead, hidden: torch.Tensor) -> torch.Tensor:
@@ -181,14 +176,15 @@ def full_logits(model: nn.Module, batch: Mapping[str, Any], *, argmax: bool = Fa
     autograd (they are for metrics). Memory and traffic: see the module docstring and
     docs/api.md ("Evaluation")."""
     inner = model
-    while not hasattr(inner, "_tsp_mesh") and isinstance(getattr(inner, "module", None), nn.Module):
+    while find_model_state(inner) is None and isinstance(getattr(inner, "module", None),
+                                                         nn.Module):
         inner = inner.module  # a wrapper (Fabric, Accelerate): its forward runs, hooks go inside
     mesh = get_mesh(inner)
     batch = dict(batch)
     if "tsp_docs" in batch:
         sharded, original = batch, None
     else:
-        full = {k: batch.pop(k) for k in _BATCH_KEYS if k in batch}
+        full = {k: batch.pop(k) for k in BATCH_KEYS if k in batch}
         sharded = {**batch, **shard_batch(full, mesh)}
         ids = full["input_ids"]
         original = document_lengths(full, ids.shape[1], ids.shape[0])
@@ -198,7 +194,7 @@ def full_logits(model: nn.Module, batch: Mapping[str, Any], *, argmax: bool = Fa
             loss = model(**sharded, **forward_kwargs).loss
         except _HeadSkipped:
             loss = None
-    head: TSPLMHead = getattr(inner, inner._tsp_policy.lm_head)
+    head: TSPLMHead = getattr(inner, model_state(inner).policy.modules.lm_head)
     index = token_index(sharded["tsp_docs"], mesh.size, mesh.layout, original)
     with torch.no_grad(), root_unsharded(inner):  # FSDP2: the head's whole TSP shard
         # autocast, if on, casts both again
@@ -208,12 +204,12 @@ def full_logits(model: nn.Module, batch: Mapping[str, Any], *, argmax: bool = Fa
             local = _argmax(head, hidden)
             if labelled:  # ids and targets in one gather
                 local = torch.stack([local, sharded["shift_labels"]], -1)
-            gathered = _gather_tokens(local, index, mesh.group)
+            gathered = gather_tokens(local, index, mesh.group)
             ids, targets = (gathered[..., 0], gathered[..., 1]) if labelled else (gathered, None)
         else:
-            logits = _logits(head, _gather_tokens(hidden, index, mesh.group))
+            logits = _logits(head, gather_tokens(hidden, index, mesh.group))
             if labelled:
-                targets = _gather_tokens(sharded["shift_labels"], index, mesh.group)
+                targets = gather_tokens(sharded["shift_labels"], index, mesh.group)
     return FullLogits(loss, logits, ids, targets)
 
 

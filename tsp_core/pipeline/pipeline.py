@@ -11,7 +11,8 @@ to the global mean of one process and every gradient is that of the global mean,
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from torch.distributed.pipelining import schedules
 
 from ..distributed import comm
 from ..distributed.mesh import TSPMesh
+from ..distributed.model_state import TSPModelState, attach_model_state
 from ..distributed.params import local
 from ..models.policies import find_policy
 from ..sequence.layout import IGNORE_INDEX, shard_batch
@@ -71,13 +73,13 @@ def check_pipeline_args(model: nn.Module, mesh: TSPMesh, microbatches: int, sche
                          f"is not tested under pipeline parallelism (train it with "
                          f"tsp_core.parallelize, pp_size 1)")
     config = model.config
-    base = getattr(model, policy.base_model)
-    head = getattr(model, policy.lm_head)
-    if num_stages > 1 and head.weight is getattr(base, policy.embed).weight:
+    base = getattr(model, policy.modules.base_model)
+    head = getattr(model, policy.modules.lm_head)
+    if num_stages > 1 and head.weight is getattr(base, policy.modules.embed).weight:
         raise ValueError(f"the model ties its embedding and LM head (tie_word_embeddings="
                          f"{getattr(config, 'tie_word_embeddings', None)}), which would sit on the "
                          f"first and last of {num_stages} stages; untie them or use one stage")
-    layers = split_layers(len(getattr(base, policy.layers)), num_stages, layer_split)
+    layers = split_layers(len(getattr(base, policy.modules.layers)), num_stages, layer_split)
     return num_stages, layers
 
 
@@ -124,25 +126,28 @@ class TSPPipeline(nn.Module):
             for s in self.stage_indices]
         self._hf_view(policy)
         self.dtype = next(model.parameters()).dtype
-        self._tsp_base_class = type(model)  # a checkpoint's marker names the model's class
-        self._tsp_partial = True  # loads take this rank's stages' tensors from a checkpoint
+        # checkpoints and generation read it: the marker names the model's class, loads take
+        # this rank's stages' tensors (partial), full_state_dict gathers every rank's stages
+        attach_model_state(self, TSPModelState(mesh, policy, type(model), partial=True,
+                                               gather_stages=self.gather_stages))
         self._schedules: dict[tuple, Any] = {}
         self._count: torch.Tensor | None = None
 
     def _hf_view(self, policy) -> None:
         """Register this rank's stage parts under the unmodified model's module names."""
         base, layers = nn.Module(), nn.ModuleDict()
+        names = policy.modules
         for module in self.stage_modules:
             stage_base = module.base
-            for index, layer in zip(module.layers, getattr(stage_base, policy.layers)):
+            for index, layer in zip(module.layers, getattr(stage_base, names.layers)):
                 layers[str(index)] = layer
             if module.first:
-                setattr(base, policy.embed, getattr(stage_base, policy.embed))
+                setattr(base, names.embed, getattr(stage_base, names.embed))
             if module.last:
-                setattr(base, policy.final_norm, getattr(stage_base, policy.final_norm))
-                setattr(self, policy.lm_head, getattr(module.model, policy.lm_head))
-        setattr(base, policy.layers, layers)
-        setattr(self, policy.base_model, base)
+                setattr(base, names.final_norm, getattr(stage_base, names.final_norm))
+                setattr(self, names.lm_head, getattr(module.model, names.lm_head))
+        setattr(base, names.layers, layers)
+        setattr(self, names.base_model, base)
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of the global ``batch`` (``input_ids`` and ``labels`` of shape
@@ -187,12 +192,13 @@ class TSPPipeline(nn.Module):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
-    def _tsp_gather_stages(self, own: dict[str, torch.Tensor], rank0_only: bool
-                           ) -> dict[str, torch.Tensor]:
-        """:func:`tsp_core.full_state_dict`'s hook (state sits below the pipeline): ``own``, this
-        rank's stages' full tensors, completed with every other pipeline rank's, each tensor
-        broadcast over the pipeline group from its owner, in stage order. With ``rank0_only``
-        only global rank 0's pipeline group gathers and every other rank gets ``{}``."""
+    def gather_stages(self, own: dict[str, torch.Tensor], rank0_only: bool
+                      ) -> dict[str, torch.Tensor]:
+        """:func:`tsp_core.full_state_dict`'s hook (its state's ``gather_stages``: the state
+        package sits below the pipeline): ``own``, this rank's stages' full tensors, completed
+        with every other pipeline rank's, each tensor broadcast over the pipeline group from its
+        owner, in stage order. With ``rank0_only`` only global rank 0's pipeline group gathers and
+        every other rank gets ``{}``."""
         mine = self._stage_tensors[self.mesh.pp_rank]
         if set(own) != {name for name, _, _ in mine}:
             raise RuntimeError(f"pipeline rank {self.mesh.pp_rank}'s stages hold "
@@ -284,16 +290,17 @@ def stage_tensors(model: nn.Module, policy, layer_split: Sequence[range], owners
     """(name, shape, dtype) of each entry of ``model``'s state dict, by the pipeline rank whose
     stage holds it: the embedding with stage 0, decoder layer i with its stage, the final norm and
     the head with the last stage. Raises naming any entry that belongs to no stage."""
-    base, layers = policy.base_model, policy.layers
+    names = policy.modules
+    base, layers = names.base_model, names.layers
     stage_of = {i: s for s, r in enumerate(layer_split) for i in r}
     out: list[list[tuple[str, torch.Size, torch.dtype]]] = [[] for _ in range(pp_size)]
     unplaced = []
     for name, t in model.state_dict().items():
         if name.startswith(f"{base}.{layers}."):
             stage = stage_of[int(name.split(".")[2])]
-        elif name.startswith(f"{base}.{policy.embed}."):
+        elif name.startswith(f"{base}.{names.embed}."):
             stage = 0
-        elif name.startswith((f"{base}.{policy.final_norm}.", f"{policy.lm_head}.")):
+        elif name.startswith((f"{base}.{names.final_norm}.", f"{names.lm_head}.")):
             stage = len(layer_split) - 1
         else:
             unplaced.append(name)

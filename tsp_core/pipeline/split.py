@@ -9,7 +9,7 @@ layers make 128 units: 16 stages of 8). A count that does not divide is refused,
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def split_layers(num_layers: int, num_stages: int,

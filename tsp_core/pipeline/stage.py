@@ -22,6 +22,7 @@ from ..distributed import comm
 from ..distributed.data_parallel import install_gradient_sync
 from ..distributed.fsdp import apply_fsdp
 from ..distributed.mesh import TSPMesh
+from ..distributed.model_state import model_state
 from ..layers import rope
 from ..models.parallelize import parallelize
 from ..models.policies import DecoderPolicy
@@ -41,7 +42,7 @@ class StageModule(nn.Module):
 
     @property
     def base(self) -> nn.Module:
-        return getattr(self.model, self._policy.base_model)
+        return getattr(self.model, self._policy.modules.base_model)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 shift_labels: torch.Tensor | None = None, tsp_docs: torch.Tensor | None = None,
@@ -49,7 +50,7 @@ class StageModule(nn.Module):
         kwargs: dict[str, Any] = {}
         if tsp_docs is not None:  # one host transfer per micro-batch, as TSPCausalLM's forward
             kwargs["tsp_docs"] = tuple(tuple(n for n in row if n) for row in tsp_docs.tolist())
-        ropes = getattr(self.model, "_tsp_ropes", [])
+        ropes = model_state(self.model).ropes
         rope_len = (int(tsp_rope_len.max()) if ropes and tsp_rope_len is not None else None)
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         with rope.global_length(ropes, rope_len):
@@ -57,12 +58,12 @@ class StageModule(nn.Module):
         hidden = out.last_hidden_state
         if not self.last:
             return hidden
-        head = getattr(self.model, self._policy.lm_head)
+        head = getattr(self.model, self._policy.modules.lm_head)
         return head.loss_sum(head.scale_input(hidden), shift_labels)
 
     def global_name(self, name: str) -> str:
         """The unmodified model's name of this stage model's ``name`` (global layer index)."""
-        prefix = f"{self._policy.base_model}.{self._policy.layers}."
+        prefix = f"{self._policy.modules.base_model}.{self._policy.modules.layers}."
         if not name.startswith(prefix):
             return name
         index, rest = name[len(prefix):].split(".", 1)
@@ -90,13 +91,13 @@ class CountedStage(PipelineStage):
 def copy_stage(model: nn.Module, policy: DecoderPolicy, layers: range) -> nn.Module:
     """A deep copy of ``model`` holding only the decoder layers ``layers`` (the rest of the model
     whole); ``model`` is left as it was."""
-    base = getattr(model, policy.base_model)
-    every = getattr(base, policy.layers)
-    setattr(base, policy.layers, nn.ModuleList([every[i] for i in layers]))
+    base = getattr(model, policy.modules.base_model)
+    every = getattr(base, policy.modules.layers)
+    setattr(base, policy.modules.layers, nn.ModuleList([every[i] for i in layers]))
     try:
         return copy.deepcopy(model)
     finally:
-        setattr(base, policy.layers, every)
+        setattr(base, policy.modules.layers, every)
 
 
 def build_stage_module(model: nn.Module, policy: DecoderPolicy, mesh: TSPMesh, layers: range,
@@ -110,15 +111,15 @@ def build_stage_module(model: nn.Module, policy: DecoderPolicy, mesh: TSPMesh, l
     # model's own forward, which the stage never calls
     plain = TSPMesh(mesh.device_mesh, mesh.dim, mesh.layout)
     parallelize(stage_model, plain, **parallelize_options)
-    base = getattr(stage_model, policy.base_model)
+    base = getattr(stage_model, policy.modules.base_model)
     if not first:
-        setattr(base, policy.embed, None)
+        setattr(base, policy.modules.embed, None)
     if not last:
-        setattr(base, policy.final_norm, nn.Identity())
-        setattr(stage_model, policy.lm_head, None)
+        setattr(base, policy.modules.final_norm, nn.Identity())
+        setattr(stage_model, policy.modules.lm_head, None)
     module = StageModule(stage_model, policy, layers, first, last)
     if mesh.fsdp_size > 1:
-        apply_fsdp(module, mesh, list(getattr(base, policy.layers)))
+        apply_fsdp(module, mesh, list(getattr(base, policy.modules.layers)))
     else:
         install_gradient_sync(module, mesh)
     return module

@@ -50,7 +50,7 @@ def check_dp_shard(layout: str, degree: int, dp_shard: int) -> None:
                          f"over the flattened (dp_shard, cp) dims, which is not built here")
 
 
-def build_mesh(spec: "LayoutSpec", dp_shard: int) -> "TSPMesh":
+def build_mesh(spec: LayoutSpec, dp_shard: int) -> TSPMesh:
     """The mesh of ``spec`` with a "dp_shard" dim of ``dp_shard`` ranks, over the (fake) world of
     ``spec.degree * dp_shard`` ranks. TSP's is ``tsp_core.init_mesh``'s own."""
     import torch.distributed as dist
@@ -69,7 +69,7 @@ def build_mesh(spec: "LayoutSpec", dp_shard: int) -> "TSPMesh":
     return TSPMesh(dm, "cp")
 
 
-def shard_baseline(pm: "ParallelModel") -> None:
+def shard_baseline(pm: ParallelModel) -> None:
     """``fully_shard`` a tensor-parallel baseline (built on :func:`build_mesh`'s mesh) the way
     :func:`tsp_core.distributed.fsdp.apply_fsdp` wraps TSP: each decoder layer, then the root. FSDP2
     sums the data-parallel gradients itself, so the baseline's own data-parallel hooks go. Call it
@@ -77,16 +77,14 @@ def shard_baseline(pm: "ParallelModel") -> None:
     mode that raises), and the fake parameters carry their mode with them."""
     from torch.distributed.fsdp import fully_shard
 
-    from ..distributed.data_parallel import remove_gradient_sync
-
     dm = pm.mesh.device_mesh
-    remove_gradient_sync(pm.model)
+    pm.remove_gradient_sync()
     for layer in pm.layers:
         fully_shard(layer, mesh=dm["dp_shard"], reshard_after_forward=True)
     fully_shard(pm.model, mesh=dm["dp_shard"], reshard_after_forward=True)
 
 
-def tracker(model: "nn.Module", optimizer):
+def tracker(model: nn.Module, optimizer):
     """``FSDPMemTracker`` of ``model`` (the FSDP2 root) and ``optimizer``."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import Mapping
 
 import torch
 from torch import nn
 
+from ..distributed.model_state import find_model_state, model_state
 from ..distributed.params import FullSource, ShardedModule, TensorSource
 from ..layers.vocab import TSPLMHead
 
@@ -103,8 +104,8 @@ class _HubExperts:
 
     def __init__(self, source: FullSource, policy, num_experts: int) -> None:
         self.source, self.experts = source, num_experts
-        self.mlp, self.hub = policy.mlp, policy.moe.hub_module or policy.mlp
-        self.gate, self.up, self.down = policy.moe.hub_parts
+        self.mlp, self.hub = policy.modules.mlp, policy.ffn.moe.hub_module or policy.modules.mlp
+        self.gate, self.up, self.down = policy.ffn.moe.hub_parts
 
     def _split(self, name: str) -> tuple[str, str] | None:
         """(the block's prefix in the checkpoint, kind) of an in-memory MoE name, else None."""
@@ -177,17 +178,18 @@ def _hub_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     """A mixture-of-experts model's full state dict in the Hub's checkpoint layout (one tensor
     per expert and projection, the block under its checkpoint name), as transformers' own
     ``save_pretrained`` writes it; other models' unchanged."""
-    policy = getattr(model, "_tsp_policy", None)
-    if policy is None or policy.moe is None or policy.moe.hub_parts is None:
+    policy = _policy(model)
+    if policy is None or policy.ffn.moe is None or policy.ffn.moe.hub_parts is None:
         return state
-    gate, up, down = policy.moe.hub_parts
+    experts, mlp = policy.ffn.moe, policy.modules.mlp
+    gate, up, down = experts.hub_parts
     out = {}
     for name, t in state.items():
-        kind = next((k for k in _HubExperts.KINDS if name.endswith(f"{policy.mlp}.{k}")), None)
+        kind = next((k for k in _HubExperts.KINDS if name.endswith(f"{mlp}.{k}")), None)
         if kind is None:
             out[name] = t
             continue
-        base = name[: -len(f"{policy.mlp}.{kind}")] + (policy.moe.hub_module or policy.mlp) + "."
+        base = name[: -len(f"{mlp}.{kind}")] + (experts.hub_module or mlp) + "."
         if kind == "gate.weight":
             out[base + kind] = t
         elif kind == "experts.down_proj":
@@ -200,7 +202,13 @@ def _hub_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def _sharded_modules(model: nn.Module):
+def _policy(model: nn.Module):
+    """The policy a converted model (or a pipeline) was described by; None for any other."""
+    state = find_model_state(model)
+    return None if state is None else state.policy
+
+
+def sharded_modules(model: nn.Module):
     """(prefix, module) for every TSP module, the tied LM head included, in a fixed order."""
     return [(f"{n}." if n else "", m) for n, m in model.named_modules(remove_duplicate=False)
             if isinstance(m, ShardedModule)]
@@ -209,8 +217,8 @@ def _sharded_modules(model: nn.Module):
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Hugging Face names and full shapes. Every rank must call it (it gathers); with
     ``rank0_only`` the other ranks get an empty dict. A pipeline (``tsp_core.pipeline``) completes
-    this rank's stages with the other pipeline ranks' through its ``_tsp_gather_stages`` hook."""
-    sharded = _sharded_modules(model)
+    this rank's stages with the other pipeline ranks' through its state's ``gather_stages``."""
+    sharded = sharded_modules(model)
     owners = {prefix + name for prefix, m in sharded for name, _ in m.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for prefix, m in sharded:
@@ -219,10 +227,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     for name, t in model.state_dict().items():
         if name not in owners:
             out[name] = t.detach()
-    gather_stages = getattr(model, "_tsp_gather_stages", None)
-    if gather_stages is not None:  # a pipeline: the whole model, not this rank's stages
-        return gather_stages(out, rank0_only)
-    mesh = getattr(model, "_tsp_mesh", None)
+    state = find_model_state(model)
+    if state is not None and state.gather_stages is not None:  # a pipeline: the whole model
+        return state.gather_stages(out, rank0_only)
+    mesh = None if state is None else state.mesh
     if rank0_only and mesh is not None and mesh.device_mesh.get_rank() != 0:
         return {}
     return out
@@ -247,10 +255,10 @@ def _open(state_dict_or_path: Mapping[str, torch.Tensor] | str | os.PathLike,
 
 def _hub_experts(model: nn.Module, source: FullSource) -> _HubExperts | None:
     """A mixture-of-experts model reads the Hub's per-expert layout too."""
-    policy = getattr(model, "_tsp_policy", None)
-    if policy is None or policy.moe is None or policy.moe.hub_parts is None:
+    policy = _policy(model)
+    if policy is None or policy.ffn.moe is None or policy.ffn.moe.hub_parts is None:
         return None
-    return _HubExperts(source, policy, getattr(model.config, policy.moe.num_experts))
+    return _HubExperts(source, policy, getattr(model.config, policy.ffn.moe.num_experts))
 
 
 def _ignored_extra(model: nn.Module, name: str) -> bool:
@@ -301,7 +309,7 @@ def _check_source(model: nn.Module, source: TensorSource | SafetensorsSource, wh
                              f"{dtype}")
 
     owners = set()
-    for prefix, m in _sharded_modules(model):
+    for prefix, m in sharded_modules(model):
         owners |= {prefix + n for n, _ in m.named_parameters()}
         tied = isinstance(m, TSPLMHead) and m.tied  # loaded through the embedding: optional
         for name, shape in m.hf_shapes().items():
@@ -348,7 +356,7 @@ def load_full_state_dict(model: nn.Module,
                       else f"checkpoint {os.fspath(state_dict_or_path)}")
         source: FullSource = _hub_experts(model, raw) or raw
         owners = set()
-        for prefix, m in _sharded_modules(model):
+        for prefix, m in sharded_modules(model):
             owners |= {prefix + n for n, _ in m.named_parameters()}
             if isinstance(m, TSPLMHead) and m.tied:
                 continue  # the embedding's load fills the shared weight
@@ -361,9 +369,10 @@ def load_full_state_dict(model: nn.Module,
 
 
 def base_class_name(model: nn.Module) -> str:
-    """The name of the Hugging Face class a TSP model was made from (``parallelize`` records it on
-    the class it builds; :func:`tsp_core.pipeline` on its object), or the model's own class name."""
-    return getattr(model, "_tsp_base_class", type(model)).__name__
+    """The name of the Hugging Face class a TSP model was made from (its state's ``base_class``:
+    ``parallelize`` and :func:`tsp_core.pipeline` record it), or the model's own class name."""
+    state = find_model_state(model)
+    return (type(model) if state is None else state.base_class).__name__
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
@@ -385,7 +394,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(path)
     if getattr(model.config, "tie_word_embeddings", False):
-        state.pop(f"{model._tsp_policy.lm_head}.weight", None)  # tied: loaded from the embedding
+        # tied: loaded from the embedding
+        state.pop(f"{model_state(model).policy.modules.lm_head}.weight", None)
     state = _hub_layout(model, state)
     save_file({k: v.contiguous() for k, v in state.items()},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

@@ -25,7 +25,8 @@ import json
 import os
 import pickle
 import shutil
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..distributed import comm
+from ..distributed.model_state import find_model_state
 from ..distributed.params import (
     ShardSpec,
     TensorSource,
@@ -50,7 +52,7 @@ from ..distributed.params import (
     read_local,
     tsp_part,
 )
-from .checkpoint import _sharded_modules, base_class_name, dtype_kind
+from .checkpoint import base_class_name, dtype_kind, sharded_modules
 
 MARKER = "tsp_checkpoint.json"
 EXTRA = "extra.pt"
@@ -76,7 +78,8 @@ class _Layout:
             # a new layout must be described here before it can be checkpointed
             raise NotImplementedError(f"{type(module).__name__}.{name}: shard layout "
                                       f"{[(s.start, s.length) for s in specs]} is not one DCP can "
-                                      f"describe (DTensor's chunks of dim {self.dim}, in rank order)")
+                                      f"describe (DTensor's chunks of dim {self.dim}, in rank "
+                                      f"order)")
         self.tsp_mesh, self.mesh = mesh, mesh.device_mesh
         self.placements = [Shard(self.dim) if n == mesh.dim else Replicate()
                            for n in self.mesh.mesh_dim_names]
@@ -146,7 +149,7 @@ class _Fused:
 
 def _fusions(model: nn.Module) -> list[_Fused]:
     """Every fused Hugging Face tensor of the TSP modules in ``model`` (none for most families)."""
-    return [_Fused(m, prefix, fused, parts) for prefix, m in _sharded_modules(model)
+    return [_Fused(m, prefix, fused, parts) for prefix, m in sharded_modules(model)
             for fused, parts in m.fused_names().items()]
 
 
@@ -212,14 +215,14 @@ def _equal(a: Any, b: Any) -> bool:
 def _tsp_mesh(model: nn.Module):
     """The TSP mesh of the first TSP module inside ``model`` (a TSP model, or a container such as a
     LightningModule holding one); None for a plain model."""
-    sharded = _sharded_modules(model)
+    sharded = sharded_modules(model)
     return sharded[0][1].mesh if sharded else None
 
 
 def _layouts(model: nn.Module) -> dict[str, _Layout]:
     """Sharded parameters by state-dict name (tied names included)."""
     out = {}
-    for prefix, m in _sharded_modules(model):
+    for prefix, m in sharded_modules(model):
         for name, p in m.named_parameters():
             spec = m.shard_spec(name, m.mesh.rank)
             if spec.dim is not None:
@@ -362,9 +365,9 @@ def read_marker(path: str | os.PathLike) -> dict:
     marker = os.path.join(path, MARKER)
     if not os.path.isfile(marker):
         partial = path.endswith(".partial") or not os.path.isdir(path)
+        unfinished = partial or os.path.exists(os.path.join(path, ".metadata"))
         why = "does not exist" if not os.path.exists(path) else (
-            "is a save that did not finish" if partial or os.path.exists(os.path.join(path, ".metadata"))
-            else "is not a tsp_core checkpoint")
+            "is a save that did not finish" if unfinished else "is not a tsp_core checkpoint")
         raise FileNotFoundError(f"{path} {why} (no {MARKER}); load a complete checkpoint, e.g. "
                                 f"tsp_core.latest_checkpoint(<checkpoint dir>)")
     with open(marker) as f:
@@ -404,7 +407,8 @@ def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Mo
         elif dtype_kind(saved[key].properties.dtype) != dtype_kind(t.dtype):
             problems.append(f"{key} is {saved[key].properties.dtype} in the checkpoint, {t.dtype} "
                             f"here")
-    partial = getattr(model, "_tsp_partial", False)  # a pipeline rank holds some stages only
+    state = find_model_state(model)
+    partial = state is not None and state.partial  # a pipeline rank holds some stages only
     unexpected = sorted(k[len("model."):] for k in saved if model_state and k.startswith("model.")
                         and k not in target and not partial)
     if problems or missing or unexpected:
@@ -556,7 +560,7 @@ def _load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers, mode
 def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     """id(parameter) -> (its TSP module, its name there), for every sharded or replicated TSP
     parameter."""
-    return {id(p): (m, name) for _, m in _sharded_modules(model) for name, p in m.named_parameters()}
+    return {id(p): (m, name) for _, m in sharded_modules(model) for name, p in m.named_parameters()}
 
 
 def _refuse_fused(model: nn.Module, what: str) -> None:

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from ...distributed.model_state import model_state
 from ...distributed.params import local
 from .common import Check, failure, measurement, rel_err, within
 from .layer_part import GIB, time_steps
@@ -113,12 +115,12 @@ def sync(device: str) -> None:
 # ------------------------------------------------------------------------------ exactness
 
 def offload_stats(model) -> dict[str, int]:
-    """The model's offload counters (``model._tsp_offload.stats``: layer inputs moved to the
-    host, brought back, prefetched); an error if ``parallelize`` installed no offload."""
-    offload = getattr(model, "_tsp_offload", None)
+    """The model's offload counters (``model_state(model).offload.stats``: layer inputs moved
+    to the host, brought back, prefetched); an error if ``parallelize`` installed no offload."""
+    offload = model_state(model).offload
     if offload is None:
         raise RuntimeError("parallelize(..., activation_offload=True) installed no offload "
-                           "(the model has no _tsp_offload)")
+                           "(model_state(model).offload is None)")
     return dict(offload.stats)
 
 
@@ -429,7 +431,7 @@ def run(device: str, log=print) -> list[Check]:
                 continue
             if not offload:
                 checks += guarded("e.tiles.figures",
-                                  lambda: tile_figures(model, shape, dtype, device))
+                                  lambda model=model: tile_figures(model, shape, dtype, device))
             try:
                 figures[offload] = offload_figures(model, batch, shape, device)
             except Exception as e:  # noqa: BLE001 - reported as a failed check
