@@ -49,7 +49,7 @@ def chunk_owner(size: int) -> list[int]:
 
 
 def round_source(round_: int) -> int:
-    """The rank whose attention shard round ``round_`` broadcasts (rounds.py ``_Rounds``)."""
+    """The rank whose attention shard round ``round_`` broadcasts (rounds.py ``Rounds``)."""
     return round_
 
 

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tests.support import dist_pool
 from tsp_core import TSPAttention, TSPGatedMLP, TSPMesh, comm, guard, init_mesh
 from tsp_core.distributed.mesh import check_mesh_shape
+from tsp_core.layers.attention import AttentionShape
 
 
 def _expect(fn, pattern: str) -> str:
@@ -29,16 +30,16 @@ def bad_inputs() -> list[str]:
     m = dist_pool.mesh(4)
     f64 = torch.float64
     msgs = [
-        _expect(lambda: TSPAttention(m, 48, 6, 6, 8),
+        _expect(lambda: TSPAttention(m, AttentionShape(48, 6, 6, 8)),
                 r"tsp_size \(4\) must divide num_attention_heads \(6\)"),
-        _expect(lambda: TSPAttention(m, 64, 8, 3, 8),
+        _expect(lambda: TSPAttention(m, AttentionShape(64, 8, 3, 8)),
                 r"num_key_value_heads \(3\) must divide num_attention_heads \(8\)"),
-        _expect(lambda: TSPAttention(m, 96, 12, 6, 8),
+        _expect(lambda: TSPAttention(m, AttentionShape(96, 12, 6, 8)),
                 r"num_key_value_heads \(6\) and tsp_size \(4\): one must divide the other"),
         _expect(lambda: TSPGatedMLP(m, 16, 30),
                 r"tsp_size \(4\) must divide intermediate_size \(30\)"),
     ]
-    attn = TSPAttention(m, 32, 4, 2, 8, dtype=f64)
+    attn = TSPAttention(m, AttentionShape(32, 4, 2, 8), dtype=f64)
     mlp = TSPGatedMLP(m, 32, 64, dtype=f64)
     pos = torch.arange(4)
     wrong = {k: torch.zeros(shape[0], 33) for k, shape in attn.full_shapes.items()}
@@ -54,7 +55,8 @@ def bad_inputs() -> list[str]:
     msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=f64), torch.arange(5)),
                         r"position_ids of shape \(1, 5\) do not match"))
     msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=torch.float32), pos),
-                        r"input dtype \(torch.float32\) differs from q_proj.weight \(torch.float64\)"))
+                        r"input dtype \(torch.float32\) differs from q_proj.weight "
+                        r"\(torch.float64\)"))
     with torch.no_grad():  # one shard of another dtype
         attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.to(torch.float32))  # noqa
     msgs.append(_expect(lambda: attn(torch.zeros(1, 4, 32, dtype=f64), pos),

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tests.support import dist_pool
 from tsp_core import TSPAttention, TSPGatedMLP, comm, guard
+from tsp_core.layers.attention import AttentionShape
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def different_schedules(debug: bool) -> dict:
     # rank 0 runs attention, rank 1 the MLP; in debug mode both fail at the first collective. The
     # same schedule on both ranks runs unchanged in debug mode (same output, same counted calls).
     mesh = dist_pool.mesh(2)
-    attn = TSPAttention(mesh, 32, 4, 2, 8, dtype=torch.float64)
+    attn = TSPAttention(mesh, AttentionShape(32, 4, 2, 8), dtype=torch.float64)
     mlp = TSPGatedMLP(mesh, 32, 64, dtype=torch.float64)
     x = torch.randn(1, 8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     pos = torch.arange(8)
@@ -77,7 +78,8 @@ def test_different_schedules_fail_in_debug_mode_and_debug_mode_changes_nothing(p
     plain, debug = pool.run(different_schedules, False), pool.run(different_schedules, True)
     for p, d in zip(plain, debug):
         assert torch.equal(p["same"], d["same"])
-        assert p["calls"] == d["calls"] == {"broadcast": 2, "all_gather": 2}, (p["calls"], d["calls"])
+        assert p["calls"] == d["calls"] == {"broadcast": 2, "all_gather": 2}, \
+            (p["calls"], d["calls"])
     err = debug[0]["error"]
     assert debug[1]["error"] == err
     assert "[0] issued broadcast (call #5" in err and "[1] issued ring_pass (call #5" in err, err

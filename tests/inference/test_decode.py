@@ -43,15 +43,27 @@ def reference_logits(ref, seqs: torch.Tensor, mask: torch.Tensor, prompt: int) -
     return logits[:, prompt - 1:-1].transpose(0, 1)
 
 
+def hf_greedy(ref, ids: torch.Tensor, mask: torch.Tensor,
+              new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's greedy tokens and their float64 step logits (:func:`reference_logits`), computed on
+    rank 0 alone and sent to every rank: one process's numbers, the same on each, without the
+    other ranks repeating the work on the same cores."""
+    out = [None]
+    if dist.get_rank() == 0:
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        out = [(want, reference_logits(ref, want, mask, ids.shape[1]).detach())]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 def greedy_parity(family: str, tsp: int, lengths: list[int], new: int) -> list[list[int]]:
     mesh = dist_pool.mesh(tsp)
     ref = hf_models.build(family, torch.float64)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     ids, mask = left_padded(ref.config.vocab_size, lengths)
-    want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    want, ref_logits = hf_greedy(ref, ids, mask, new)
     got, steps = tsp_core.generate(model, ids, new, attention_mask=mask, return_logits=True)
     assert torch.equal(got, want), f"{family} D={tsp}: tokens differ\n{got}\n{want}"
-    ref_logits = reference_logits(ref, want, mask, ids.shape[1])
     assert len(steps) == want.shape[1] - ids.shape[1]
     for t, step in enumerate(steps):
         assert_close(step, ref_logits[t], 1e-8, f"{family} D={tsp} step {t} logits")
@@ -279,6 +291,7 @@ def attention_decode_steps(tsp: int, cases: list[tuple[bool, int | None, int | N
     from tsp_core import TSPAttention
     from tsp_core.inference.decode import ShardedKVCache, _attention_step, visible_slots
     from tsp_core.layers import rope
+    from tsp_core.layers.attention import AttentionParts, AttentionShape, Mask
     from tsp_core.sequence import layout
 
     mesh = dist_pool.mesh(tsp)
@@ -286,13 +299,16 @@ def attention_decode_steps(tsp: int, cases: list[tuple[bool, int | None, int | N
     h, nq, nkv, d, S, new = 16, 4, 2, 8, 16, 6
     for sinks, chunk, window in cases:
         gen = torch.Generator().manual_seed(4)
-        r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3  # noqa: E731
+
+        def r(*s: int, gen: torch.Generator = gen) -> torch.Tensor:
+            return torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3
+
         w = {"q_proj.weight": r(nq * d, h), "k_proj.weight": r(nkv * d, h),
              "v_proj.weight": r(nkv * d, h), "o_proj.weight": r(h, nq * d)}
         if sinks:  # logits of a few units: the sink takes a large share of each row
             w["sinks"] = 2 * torch.randn(nq, generator=gen, dtype=torch.float64)
-        layer = TSPAttention(mesh, h, nq, nkv, d, dtype=torch.float64, sliding_window=window,
-                             attention_chunk_size=chunk, sinks=sinks)
+        parts = AttentionParts(mask=Mask(sliding_window=window, chunk_size=chunk, sinks=sinks))
+        layer = TSPAttention(mesh, AttentionShape(h, nq, nkv, d), parts, dtype=torch.float64)
         layer.load_full(w)
         x = torch.randn(1, S + new, h, generator=gen, dtype=torch.float64)
         want = reference.attention(x, w, nq, nkv, d, window=window, chunk=chunk)

@@ -3,7 +3,7 @@ proven"), on a 4-process pool: tsp 1, 2 and 4 run as meshes (4 x 1), (2 x 2) and
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,6 +13,14 @@ from tests.support import dist_pool, reference
 from tests.support.reference import assert_close
 from tsp_core import TSPAttention, comm
 from tsp_core.distributed.params import local
+from tsp_core.layers.attention import (
+    AttentionParts,
+    AttentionShape,
+    KVSharing,
+    Mask,
+    QKNorm,
+    ValueNorm,
+)
 from tsp_core.sequence.layout import pad_to_multiple, position_ids, shard_sequence
 
 HIDDEN, HEAD_DIM = 24, 8
@@ -50,12 +58,13 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
     if sinks:  # logits of a few units: the sink takes a large share of each row
         w["sinks"] = 2 * torch.randn(nq, generator=torch.Generator().manual_seed(3),
                                      dtype=torch.float64)
-    layer = TSPAttention(mesh, HIDDEN, nq, nkv, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
-                         sliding_window=window, causal=causal, dtype=torch.float64,
-                         qk_norm_eps=None if qk_norm is None else 1e-6, qk_norm_kind="gemma",
-                         qk_norm_all_heads=qk_norm == "all", attention_chunk_size=chunk,
-                         sinks=sinks, v_norm_eps=1e-6 if v_norm else None,
-                         values_from_keys=k_eq_v, output_gate=gate)
+    norm = (None if qk_norm is None else
+            QKNorm("gemma", 1e-6, scope="token" if qk_norm == "all" else "head"))
+    parts = AttentionParts(qk_norm=norm, value_norm=ValueNorm(1e-6, "gemma") if v_norm else None,
+                           mask=Mask(causal, window, chunk, sinks), values_from_keys=k_eq_v,
+                           output_gate=gate)
+    layer = TSPAttention(mesh, AttentionShape(HIDDEN, nq, nkv, head_dim, qkv_bias, o_bias), parts,
+                         dtype=torch.float64)
     layer.load_full(w)
     if sinks:  # sharded with the query heads
         assert tuple(local(layer.sinks).shape) == (nq // D,), tuple(local(layer.sinks).shape)
@@ -133,9 +142,10 @@ def test_parity_contiguous_layout(pool, tsp):
 def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool,
                       all_heads: bool = False, sinks: bool = False, gate: bool = False):
     mesh = dist_pool.mesh(tsp)
-    norms = dict(qk_norm_eps=1e-6, qk_norm_all_heads=True) if all_heads else {}
-    layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, qkv_bias=qkv_bias, dtype=torch.float64,
-                         sinks=sinks, output_gate=gate, **norms)
+    norm = QKNorm(eps=1e-6, scope="token") if all_heads else None
+    parts = AttentionParts(qk_norm=norm, mask=Mask(sinks=sinks), output_gate=gate)
+    layer = TSPAttention(mesh, AttentionShape(HIDDEN, nq, nkv, HEAD_DIM, qkv_bias), parts,
+                         dtype=torch.float64)
     x = torch.randn(batch, seq // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
     pos = position_ids(seq, mesh.rank, tsp)
     with comm.track() as fwd:
@@ -171,7 +181,7 @@ def overlap_events(tsp: int, nq: int, nkv: int) -> list[str]:
     from tsp_core.layers import flash
 
     mesh = dist_pool.mesh(tsp)
-    layer = TSPAttention(mesh, HIDDEN, nq, nkv, HEAD_DIM, dtype=torch.float64)
+    layer = TSPAttention(mesh, AttentionShape(HIDDEN, nq, nkv, HEAD_DIM), dtype=torch.float64)
     x = torch.randn(1, 16 // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
     events: list[str] = []
     issuing: list[str | None] = []  # the schedule collective being started: names its transfers
@@ -358,8 +368,9 @@ def saved_for_backward(tsp: int, gate: bool) -> int:
     """Bytes of the distinct storages one layer's forward saves for its backward (every tensor
     autograd packs: the schedule's ``save_for_backward`` and whatever runs around it)."""
     mesh = dist_pool.mesh(tsp)
-    layer = TSPAttention(mesh, HIDDEN, 8, 2, HEAD_DIM, qkv_bias=True, dtype=torch.float64,
-                         qk_norm_eps=1e-6, output_gate=gate)
+    layer = TSPAttention(mesh, AttentionShape(HIDDEN, 8, 2, HEAD_DIM, qkv_bias=True),
+                         AttentionParts(qk_norm=QKNorm(eps=1e-6), output_gate=gate),
+                         dtype=torch.float64)
     x = torch.randn(2, 32 // tsp, HIDDEN, dtype=torch.float64, requires_grad=True)
     storages: dict[int, int] = {}
 
@@ -432,6 +443,49 @@ def test_chunk_errors_before_any_collective():
 
     with pytest.raises(ValueError, match=r"^attention_chunk_size \(4\) needs causal attention "
                                          r"\(causal=False\) and a chunk of at least 1 token$"):
-        TSPAttention(SimpleNamespace(size=2), 16, 4, 2, 8, causal=False, attention_chunk_size=4)
+        TSPAttention(SimpleNamespace(size=2), AttentionShape(16, 4, 2, 8),
+                     AttentionParts(mask=Mask(causal=False, chunk_size=4)))
     with pytest.raises(ValueError, match=r"^attention_chunk_size \(0\) needs causal"):
-        TSPAttention(SimpleNamespace(size=2), 16, 4, 2, 8, attention_chunk_size=0)
+        TSPAttention(SimpleNamespace(size=2), AttentionShape(16, 4, 2, 8),
+                     AttentionParts(mask=Mask(chunk_size=0)))
+
+
+def test_parts_refuse_unsupported_combinations_in_one_place():
+    # AttentionParts.check, the one refusal point, names what no schedule runs (the phased
+    # schedule of q/k norms over a token's heads has no output gate, value norm, KV sharing,
+    # weightless norm or norm after RoPE), before any collective; TSPAttention raises the same,
+    # and the messages live in parts.py only
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import tsp_core
+
+    shape, token = AttentionShape(16, 4, 2, 8), QKNorm(eps=1e-6, scope="token")
+    cases = [
+        (AttentionParts(qk_norm=token, output_gate=True),
+         r"^output_gate \(a per-head output gate\) is implemented on the default schedule only, "
+         r"not with qk_norm_all_heads$"),
+        (AttentionParts(qk_norm=token, value_norm=ValueNorm()),
+         r"^v_norm_eps \(a per-head value norm\) is implemented on the default schedule only"),
+        (AttentionParts(qk_norm=token, kv_sharing=KVSharing("store", 0)),
+         r"^KV-shared layers \(kv_shared, kv_out\) are implemented on the default schedule"),
+        (AttentionParts(qk_norm=QKNorm("l2", scope="token")),
+         r"^the 'l2' q/k norm \(no weight\) is per head; qk_norm_all_heads is not implemented"),
+        (AttentionParts(qk_norm=QKNorm(scope="token", after_rope=True)),
+         r"^qk_norm_after_rope is implemented for per-head q/k norms only"),
+        (AttentionParts(qk_norm=QKNorm("rms")), r"^unknown q/k norm kind 'rms'; one of \["),
+        (AttentionParts(mask=Mask(causal=False, chunk_size=4)),
+         r"^attention_chunk_size \(4\) needs causal attention \(causal=False\)"),
+    ]
+    for parts, message in cases:
+        with pytest.raises(ValueError, match=message):
+            parts.check(shape, 2)
+        with pytest.raises(ValueError, match=message):
+            TSPAttention(SimpleNamespace(size=2), shape, parts)
+    assert AttentionParts(qk_norm=token, mask=Mask(sinks=True)).check(shape, 2) == shape
+    root = Path(tsp_core.__file__).parent
+    for phrase in ("schedule only, not with qk_norm_all_heads", "and a chunk of at least 1 token",
+                   "implemented for per-head q/k norms only", "is not implemented for it"):
+        holders = sorted(f.relative_to(root).as_posix() for f in root.rglob("*.py")
+                         if phrase in f.read_text())
+        assert holders == ["layers/attention/parts.py"], (phrase, holders)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from typing import Iterator
 
 # (hidden, query heads, key/value heads, head_dim, D): the Llama-3.1-8B attention at D = 4 (two
 # key/value heads per rank), and with 2 key/value heads (kv_replicas 2: two rounds share a head,
@@ -47,14 +47,14 @@ def broken(variant: str | None) -> Iterator[None]:
     from tsp_core.layers import flash
     from tsp_core.layers.attention import rounds
 
-    saved = [(rounds._KVGathers, "drop", rounds._KVGathers.drop),
-             (rounds._KVGathers, "halfway", rounds._KVGathers.halfway),
+    saved = [(rounds.KVGathers, "drop", rounds.KVGathers.drop),
+             (rounds.KVGathers, "halfway", rounds.KVGathers.halfway),
              (flash, "attention_backward", flash.attention_backward),
              (flash, "_piece_bwd", flash._piece_bwd)]
     if variant == "keep_kv":
-        rounds._KVGathers.drop = lambda self, j: _KEPT.append(self._ready.get(j))
+        rounds.KVGathers.drop = lambda self, j: _KEPT.append(self._ready.get(j))
     elif variant == "gather_beside_scatter":
-        rounds._KVGathers.halfway = lambda self, j: self.start(j + 1)
+        rounds.KVGathers.halfway = lambda self, j: self.start(j + 1)
     elif variant == "fp32_per_block":
         backward, piece_bwd, current = flash.attention_backward, flash._piece_bwd, []
 
@@ -94,7 +94,7 @@ def backward_adds(shape: tuple[int, ...], seq: int, variant: str | None) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import tsp_core
-    from tsp_core.layers.attention import TSPAttention
+    from tsp_core.layers.attention import AttentionShape, TSPAttention
 
     torch.set_num_threads(1)
     hidden, nq, nkv, head_dim, D = shape
@@ -102,7 +102,8 @@ def backward_adds(shape: tuple[int, ...], seq: int, variant: str | None) -> int:
     try:
         mesh = tsp_core.init_mesh(D)
         with FakeTensorMode(), broken(variant):
-            layer = TSPAttention(mesh, hidden, nq, nkv, head_dim, dtype=torch.bfloat16)
+            layer = TSPAttention(mesh, AttentionShape(hidden, nq, nkv, head_dim),
+                                 dtype=torch.bfloat16)
             tracker = MemTracker()
             tracker.track_external(layer)
             with tracker:

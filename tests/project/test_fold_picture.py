@@ -112,7 +112,7 @@ def test_the_rounds_drawn_are_the_broadcasts_the_attention_runs(draw_fold, monke
     def body(rank: int) -> list[int]:
         me.rank = rank
         # each rank's own shard holds its rank: what arrives in round r says whose it is
-        return [int(buf.item()) for _, buf in rounds._Rounds(torch.tensor([float(rank)]), None)]
+        return [int(buf.item()) for _, buf in rounds.Rounds(torch.tensor([float(rank)]), None)]
 
     arrived = run_ranks(body)
     assert arrived == [[draw_fold.round_source(r) for r in range(D)]] * D, arrived

@@ -26,8 +26,8 @@ off), as Hugging Face's flash-attention path pads V.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,16 @@ from .. import flash, rope
 from ..inputs import check_local_input, checked_docs
 from ..norm import rms_norm
 from ..sizes import valid_sizes_hint, valid_tsp_sizes
-from .rounds import AttentionSpec, _by_rows, _flat, _heads, _OwnerReduces, _Rounds, _row_groups
+from .parts import AttentionParts
+from .rounds import (
+    AttentionSpec,
+    OwnerReduces,
+    Rounds,
+    by_rows,
+    join_heads,
+    row_groups,
+    split_heads,
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,7 @@ class LatentSpec:
     def attention(self) -> AttentionSpec:
         """The causal pattern's spec, for the row groups' flash pieces (tsp_core.layers.flash)."""
         return AttentionSpec(self.hidden_size, self.num_heads, self.num_heads, self.padded_dim,
-                             self.tsp_size, self.layout, True, scale=self.scale)
+                             self.tsp_size, self.layout, AttentionParts(scale=self.scale))
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
@@ -121,11 +130,11 @@ def _pad(t: torch.Tensor, d: int) -> torch.Tensor:
     return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
 
 
-def _queries(q_in: torch.Tensor, wq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def latent_queries(q_in: torch.Tensor, wq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              spec: LatentSpec) -> torch.Tensor:
     """One head group's queries [B, heads, L, qk_head_dim] of this rank's tokens, the rotary
     part rotated."""
-    q = _heads(F.linear(q_in, wq), spec.local_heads)
+    q = split_heads(F.linear(q_in, wq), spec.local_heads)
     nope, rot = q.split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
     return torch.cat((nope, rotate(rot, cos, sin, spec.rope_interleaved)), dim=-1)
 
@@ -162,7 +171,7 @@ class LatentAttentionFn(torch.autograd.Function):
     def forward(ctx, q_in, latent, cos, sin, spec: LatentSpec, group, docs, kv_sink, wq, wkv, wo):
         B, L, _ = q_in.shape
         D, n, d = spec.tsp_size, spec.local_heads, spec.padded_dim
-        groups = _row_groups(docs, L * D, dist.get_rank(group), spec.attention)
+        groups = row_groups(docs, L * D, dist.get_rank(group), spec.attention)
         pending = _gather(latent, groups, spec, group)
         pack = FlatPack([wq.shape, wkv.shape, wo.shape])
         q_all = q_in.new_empty(D, B, n, L, spec.qk_head_dim)
@@ -171,9 +180,9 @@ class LatentAttentionFn(torch.autograd.Function):
                                  else torch.float32)
         y = q_in.new_zeros(B, L, spec.hidden_size)
         full = None
-        for r, buf in _Rounds(pack.pack([wq, wkv, wo]), group):
+        for r, buf in Rounds(pack.pack([wq, wkv, wo]), group):
             wq_r, wkv_r, wo_r = pack.unpack(buf)
-            q_all[r] = _queries(q_in, wq_r, cos, sin, spec)
+            q_all[r] = latent_queries(q_in, wq_r, cos, sin, spec)
             if full is None:  # the latent of the whole sequence, once for every round
                 full = [p.wait() for p in pending]
             for g, lat in zip(groups, full):
@@ -182,7 +191,7 @@ class LatentAttentionFn(torch.autograd.Function):
                                                  g.pieces, spec.scale)
                 out_all[r][g.rows], lse_all[r][g.rows] = o[..., :spec.v_head_dim], lse
                 del kv
-            y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo_r.t())
+            y.view(B * L, -1).addmm_(join_heads(out_all[r]).reshape(B * L, -1), wo_r.t())
         del full  # never kept for backward: gathered again there
         if kv_sink is not None:  # prefill: this rank's tokens' latent (tsp_core.inference)
             kv_sink(latent)
@@ -203,11 +212,11 @@ class LatentAttentionFn(torch.autograd.Function):
         dy = dy.contiguous()
         dy2, q2 = dy.reshape(B * L, -1), q_in.reshape(B * L, -1)
         dq_in = torch.zeros_like(q_in)
-        reduces = _OwnerReduces(group)
+        reduces = OwnerReduces(group)
         full, dlat = None, None
-        for r, buf in _Rounds(pack.pack([wq, wkv, wo]), group):
+        for r, buf in Rounds(pack.pack([wq, wkv, wo]), group):
             wq_r, wkv_r, wo_r = pack.unpack(buf)
-            do = _heads(F.linear(dy, wo_r.t()), n)
+            do = split_heads(F.linear(dy, wo_r.t()), n)
             if full is None:
                 full = [p.wait() for p in pending]
                 dlat = [lat.new_zeros(lat.shape, dtype=acc) for lat in full]
@@ -229,18 +238,18 @@ class LatentAttentionFn(torch.autograd.Function):
                 dlat[i][..., R:] += dkv[0, ..., nope:dqk].sum(1)  # the shared rotary key
                 del dkv, dproj
                 dq_parts.append((g.rows, dq_g[..., :dqk]))
-            dq = _by_rows(dq_parts, q_all[r])
+            dq = by_rows(dq_parts, q_all[r])
             rot = rotate_backward(dq[..., nope:], cos, sin, spec.rope_interleaved)
-            dq = _flat(torch.cat((dq[..., :nope], rot), dim=-1)).reshape(B * L, -1)
+            dq = join_heads(torch.cat((dq[..., :nope], rot), dim=-1)).reshape(B * L, -1)
             dq_in.view(B * L, -1).addmm_(dq, wq_r)
-            grads = [dq.t() @ q2, gwkv, dy2.t() @ _flat(out_all[r]).reshape(B * L, -1)]
+            grads = [dq.t() @ q2, gwkv, dy2.t() @ join_heads(out_all[r]).reshape(B * L, -1)]
             reduces.send(r, pack.pack(grads))
         del full
         parts = [(g.rows, comm.reduce_scatter_sequence(t.to(latent.dtype), group, 1, spec.layout,
                                                        g.docs))
                  for g, t in zip(groups, dlat)]
         del dlat
-        dlatent = _by_rows(parts, latent)
+        dlatent = by_rows(parts, latent)
         gwq, gwkv, gwo = pack.unpack(reduces.finish())
         return dq_in, dlatent, None, None, None, None, None, None, gwq, gwkv, gwo
 

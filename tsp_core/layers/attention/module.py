@@ -4,7 +4,7 @@ head of a token)."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,40 +22,10 @@ from ...distributed.params import (
 )
 from .. import rope
 from ..inputs import check_local_input, checked_docs
-from ..norm import NORMS as NORM_KINDS
-from ..norm import WEIGHTLESS
-from ..sizes import valid_sizes_hint, valid_tsp_sizes
+from .parts import AttentionParts, AttentionShape, QKNorm, Rotary
 from .per_group import PerGroupAttentionFn
 from .phased import PhasedAttentionFn
 from .rounds import AttentionSpec
-
-
-def check_attention_shape(tsp_size: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-                          head_dim: int, valid: Sequence[int] | None = None) -> None:
-    """Raise, naming the numbers and the sizes that would work, when the heads cannot be split
-    over ``tsp_size`` ranks. ``valid``: the whole model's valid sizes (``parallelize`` passes
-    them), else those of these heads."""
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        if num_heads % tsp_size:
-            raise ValueError(f"tsp_size ({tsp_size}) must divide num_attention_heads "
-                             f"({num_heads})")
-        raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide "
-                         f"num_attention_heads ({num_heads})")
-    if valid is None:
-        valid = valid_tsp_sizes(num_heads, num_kv_heads)
-        what = f"{num_heads} query and {num_kv_heads} key/value heads"
-    else:
-        what = "this model"
-    hint = valid_sizes_hint(valid, what)
-    if num_heads % tsp_size:
-        raise ValueError(f"tsp_size ({tsp_size}) must divide num_attention_heads ({num_heads}); "
-                         f"{hint}")
-    if num_kv_heads % tsp_size and tsp_size % num_kv_heads:
-        raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tsp_size ({tsp_size}): one "
-                         f"must divide the other, so that each rank's query heads share whole "
-                         f"key/value heads; {hint}")
-    if hidden_size < 1 or head_dim < 1:
-        raise ValueError(f"hidden_size ({hidden_size}) and head_dim ({head_dim}) must be positive")
 
 
 def real_rotary(position_embeddings):
@@ -73,142 +43,90 @@ def real_rotary(position_embeddings):
     return torch.cat((re, re), dim=-1), torch.cat((im, im), dim=-1)
 
 
+def rotary_inputs(position_embeddings, rotary: Rotary):
+    """A Hugging Face rotary embedding's output as the ``(cos, sin)`` [B, L, r] a layer with
+    ``rotary`` rotates with (None stays None): real (:func:`real_rotary`), widened to the usual
+    ``cat(freqs, freqs)`` for "half_width" (gpt-oss rotates halves with one copy: the same
+    rotation once widened), and for "none" emptied (:func:`unrotated`)."""
+    position_embeddings = real_rotary(position_embeddings)
+    if position_embeddings is None:
+        return None
+    if rotary.kind == "half_width":
+        position_embeddings = tuple(torch.cat((t, t), dim=-1) for t in position_embeddings)
+    return unrotated(position_embeddings, rotary)
+
+
+def unrotated(position_embeddings: tuple[torch.Tensor, torch.Tensor], rotary: Rotary
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` as is, or for a NoPE layer (``rotary.kind`` "none") emptied: rope.apply
+    rotates the first cos.shape[-1] channels, none, exactly the identity."""
+    if rotary.kind != "none":
+        return position_embeddings
+    return tuple(t[..., :0] for t in position_embeddings)
+
+
 class TSPAttention(ShardedModule):
     """Multi-head / grouped-query attention with TSP: rank p owns query heads
     [p*nq/D, (p+1)*nq/D), the key/value heads they use (with fewer key/value heads than ranks, an
     even 1/D slice of the key/value rows instead, so no weight is stored twice), and the matching
-    columns of o_proj. Parameters carry Hugging Face names and shapes: ``q_proj.weight``
-    [nq*d, h], ``k_proj.weight``, ``v_proj.weight`` [nkv*d, h], ``o_proj.weight`` [h, nq*d],
-    optional biases, and with ``qk_norm_eps`` the per-head RMSNorm weights ``q_norm.weight``,
-    ``k_norm.weight`` [d] (replicated; applied to every query/key head before RoPE, Qwen3), or
-    with ``qk_norm_all_heads`` norms over all heads of a token, [nq*d] and [nkv*d] (OLMo 2; the
-    phased schedule of :mod:`tsp_core.layers.attention.phased`). With ``sinks``, the per-head
-    sink logits ``sinks`` [nq] (gpt-oss: one more softmax column without a value), sharded with
-    the query heads (each round's shard carries its owner's sinks; their gradient goes back with
-    the round's weight gradients).
-    ``attention_chunk_size``: a query sees only the keys of its own chunk of that many tokens
-    (Llama 4's chunked local attention; a policy passes it on the layers with RoPE).
-    ``v_norm_eps``: each value head RMS-normalised without a learned scale, in
-    ``qk_norm_kind``'s numerics (Gemma 4's v_norm). ``values_from_keys``: no ``v_proj``; the
-    values are the key projection's output before the key norm and RoPE (Gemma 4's
-    ``attention_k_eq_v``); each round then carries the key rows twice. ``kv_out``: ``forward``
-    returns ``(output, kv_all)``, this rank's tokens' K/V, for later layers to reuse;
-    ``kv_shared``: no key/value projection or key norm, ``forward(..., shared_kv=kv_all)``
-    attends with another layer's (Gemma 4's KV-shared layers), whose gradient goes back to it.
-    ``qk_norm_kind`` "l2" (Llama 4's ``qk_norm``): the per-head q/k norm has no weight, so
-    there are no ``q_norm``/``k_norm`` parameters. ``query_scale(positions, dtype)``: every query
-    is multiplied by a factor of its global position in the row (Llama 4's attention temperature
-    tuning on its NoPE layers), after RoPE and the q/k norm, in training, prefill and decode;
-    packed rows are refused on such a layer (Hugging Face counts the position across documents).
-    ``output_gate`` (Qwen3.5, Qwen3-Next): ``q_proj`` has 2 * head_dim rows per head, [query |
-    gate], and each head's attention output is multiplied by sigmoid(gate) before ``o_proj``;
-    each round computes the gate of this rank's tokens from the broadcast query shard (and
-    recomputes it in the backward), so its gradient joins the query shard's, reduced to the
-    owner with the round's other gradients.
+    columns of o_proj. ``shape`` (:class:`~.parts.AttentionShape`) gives the sizes and biases,
+    ``parts`` (:class:`~.parts.AttentionParts`) everything else, each feature a part; the
+    parameters carry Hugging Face names and shapes: ``q_proj.weight`` [nq*d, h] ([nq*2d, h] with
+    the output gate: each head's [query | gate] rows), ``k_proj.weight``, ``v_proj.weight``
+    [nkv*d, h] (no ``v_proj`` with ``values_from_keys``; no key/value projection on a layer that
+    reuses another's K/V), ``o_proj.weight`` [h, nq*d], optional biases, with a q/k norm
+    (:class:`~.parts.QKNorm`) its weights under the norm's names, [d] each per head (replicated;
+    Qwen3) or [nq*d] and [nkv*d] over all heads of a token (OLMo 2; the phased schedule of
+    :mod:`tsp_core.layers.attention.phased`), none for the weightless "l2" kind (Llama 4), and
+    with ``Mask.sinks`` the per-head sink logits ``sinks`` [nq] (gpt-oss: one more softmax column
+    without a value), sharded with the query heads (each round's shard carries its owner's
+    sinks; their gradient goes back with the round's weight gradients). The output gate's gate
+    is computed in each round from the broadcast query shard for this rank's tokens (and
+    recomputed in the backward), so its gradient joins the query shard's. Packed rows are
+    refused on a layer with a query scale (Hugging Face counts the position across documents).
+    A layer that stores its K/V (``KVSharing`` role "store") returns ``(output, kv_all)`` from
+    ``forward``; one that reuses them takes ``forward(..., shared_kv=kv_all)``.
 
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
     cos/sin passes ``position_embeddings=(cos, sin)`` instead.
     """
 
-    def __init__(self, mesh: TSPMesh, hidden_size: int, num_heads: int,
-                 num_kv_heads: int | None = None, head_dim: int | None = None, *,
-                 qkv_bias: bool = False, o_bias: bool = False, rope_theta: float = 10000.0,
-                 causal: bool = True, sliding_window: int | None = None,
-                 scale: float | None = None, qk_norm_eps: float | None = None,
-                 qk_norm_kind: str = "llama", softcap: float | None = None,
-                 qk_norm_all_heads: bool = False, rope_interleaved: bool = False,
-                 qk_norm_after_rope: bool = False,
-                 qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"),
-                 attention_chunk_size: int | None = None, sinks: bool = False,
-                 v_norm_eps: float | None = None, values_from_keys: bool = False,
-                 kv_shared: bool = False, kv_out: bool = False,
-                 query_scale: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
-                 output_gate: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, init_seed: int | None = 0) -> None:
+    def __init__(self, mesh: TSPMesh, shape: AttentionShape, parts: AttentionParts | None = None,
+                 *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 init_seed: int | None = 0) -> None:
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(f"num_attention_heads ({num_heads}) must divide hidden_size "
-                                 f"({hidden_size}) unless head_dim is given")
-            head_dim = hidden_size // num_heads
-        check_attention_shape(mesh.size, hidden_size, num_heads, num_kv_heads, head_dim)
-        if attention_chunk_size is not None and (not causal or attention_chunk_size < 1):
-            raise ValueError(f"attention_chunk_size ({attention_chunk_size}) needs causal "
-                             f"attention (causal={causal}) and a chunk of at least 1 token")
-        if qk_norm_after_rope and qk_norm_all_heads:
-            raise ValueError("qk_norm_after_rope is implemented for per-head q/k norms only, not "
-                             "with qk_norm_all_heads")
-        if qk_norm_kind not in NORM_KINDS:
-            raise ValueError(f"unknown q/k norm kind {qk_norm_kind!r}; one of "
-                             f"{sorted(NORM_KINDS)}")
-        if qk_norm_kind in WEIGHTLESS and qk_norm_all_heads:
-            raise ValueError(f"the {qk_norm_kind!r} q/k norm (no weight) is per head; "
-                             f"qk_norm_all_heads is not implemented for it")
-        if v_norm_eps is not None and qk_norm_all_heads:
-            raise ValueError("v_norm_eps (a per-head value norm) is implemented on the default "
-                             "schedule only, not with qk_norm_all_heads")
-        if output_gate and qk_norm_all_heads:
-            raise ValueError("output_gate (a per-head output gate) is implemented on the default "
-                             "schedule only, not with qk_norm_all_heads")
-        if (kv_shared or kv_out) and qk_norm_all_heads:
-            raise ValueError("KV-shared layers (kv_shared, kv_out) are implemented on the default "
-                             "schedule only, not with qk_norm_all_heads")
-        self.values_from_keys = values_from_keys
-        self.NORMS = tuple(f"{n}.weight" for n in qk_norm_names)  # the q/k norms' HF names
-        self.mesh = mesh
-        self.spec = AttentionSpec(hidden_size, num_heads, num_kv_heads, head_dim, mesh.size,
-                                  mesh.layout, causal, sliding_window, scale, qk_norm_eps,
-                                  qk_norm_kind, softcap=softcap,
-                                  qk_norm_all_heads=qk_norm_all_heads,
-                                  qk_norm_after_rope=qk_norm_after_rope,
-                                  rope_interleaved=rope_interleaved,
-                                  chunk_size=attention_chunk_size, sinks=sinks,
-                                  v_norm_eps=v_norm_eps, query_scale=query_scale,
-                                  kv_shared=kv_shared, kv_out=kv_out, output_gate=output_gate)
-        self.register_buffer("inv_freq", rope.default_inv_freq(head_dim, rope_theta),
+        parts = AttentionParts() if parts is None else parts
+        shape = parts.check(shape, mesh.size)
+        self.shape, self.parts, self.mesh = shape, parts, mesh
+        self.NORMS = (parts.qk_norm or QKNorm()).weights  # the q/k norms' HF names
+        self.spec = AttentionSpec(shape.hidden_size, shape.num_heads, shape.num_kv_heads,
+                                  shape.head_dim, mesh.size, mesh.layout, parts)
+        self.register_buffer("inv_freq", rope.default_inv_freq(shape.head_dim, parts.rotary.theta),
                              persistent=False)
-        q, kv = num_heads * head_dim, num_kv_heads * head_dim
-        q_rows = 2 * q if output_gate else q  # each head's [query | gate] rows
-        self.full_shapes = {"q_proj.weight": (q_rows, hidden_size), "k_proj.weight": (kv, hidden_size),
-                            "v_proj.weight": (kv, hidden_size), "o_proj.weight": (hidden_size, q)}
-        if qkv_bias:
-            self.full_shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,),
-                                     "v_proj.bias": (kv,)})
-        if values_from_keys:  # no value projection of its own: the key projection's output
-            self.full_shapes = {n: s for n, s in self.full_shapes.items()
-                                if not n.startswith("v_proj.")}
-        if o_bias:
-            self.full_shapes["o_proj.bias"] = (hidden_size,)
-        if sinks:
-            self.full_shapes["sinks"] = (num_heads,)
-        if qk_norm_eps is not None and qk_norm_kind not in WEIGHTLESS:
-            widths = (q, kv) if qk_norm_all_heads else (head_dim, head_dim)
-            self.full_shapes.update({n: (w,) for n, w in zip(self.NORMS, widths)})
-        if kv_shared:  # another layer's K/V: no key/value projection, no key norm of its own
-            self.full_shapes = {n: s for n, s in self.full_shapes.items()
-                                if not n.startswith(("k_proj.", "v_proj.")) and n != self.NORMS[1]}
-        ones = self.NORMS if qk_norm_kind != "gemma" else ()  # gemma's: an offset from one
+        self.full_shapes = full_shapes(shape, parts)
+        norm = parts.qk_norm
+        ones = self.NORMS if norm is None or norm.kind != "gemma" else ()  # gemma's: offset from 1
         full = init_full(self.full_shapes, init_seed, dtype, device, ones=ones)
-        for n in self.NORMS if qk_norm_kind == "gemma" and qk_norm_eps is not None else ():
-            full[n].zero_()
+        for n in self.NORMS if norm is not None and norm.kind == "gemma" else ():
+            if n in full:  # a layer reusing K/V has no key norm
+                full[n].zero_()
         self._create(full)
 
     def _apply(self, fn, recurse=True):
         return rope.keep_frequencies(self, lambda: super(TSPAttention, self)._apply(fn, recurse))
 
     def extra_repr(self) -> str:
-        s = self.spec
+        s, p, m = self.spec, self.parts, self.parts.mask
         return (f"hidden_size={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
-                f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={s.sliding_window}"
-                + (f", attention_chunk_size={s.chunk_size}" if s.chunk_size is not None else "")
-                + (", sinks=True" if s.sinks else "")
-                + (f", qk_norm={s.qk_norm_kind}" if s.qk_norm_eps is not None else "")
-                + (f", query_scale={s.query_scale}" if s.query_scale is not None else "")
-                + (f", v_norm_eps={s.v_norm_eps}" if s.v_norm_eps is not None else "")
-                + (", values_from_keys=True" if self.values_from_keys else "")
-                + (", output_gate=True" if s.output_gate else ""))
+                f"head_dim={s.head_dim}, tsp_size={s.tsp_size}, sliding_window={m.sliding_window}"
+                + (f", chunk_size={m.chunk_size}" if m.chunk_size is not None else "")
+                + (", sinks=True" if m.sinks else "")
+                + (f", qk_norm={p.qk_norm.kind}" if p.qk_norm is not None else "")
+                + (f", query_scale={p.query_scale}" if p.query_scale is not None else "")
+                + (f", value_norm={p.value_norm}" if p.value_norm is not None else "")
+                + (", values_from_keys=True" if p.values_from_keys else "")
+                + (", output_gate=True" if p.output_gate else ""))
 
     NORMS = ("q_norm.weight", "k_norm.weight")
 
@@ -217,7 +135,7 @@ class TSPAttention(ShardedModule):
         if name == "o_proj.bias" or name in self.NORMS:
             return REPLICATED
         if name.startswith(("k_proj", "v_proj")) and s.kv_replicas > 1:
-            return chunk_spec(s.num_kv_heads * s.head_dim, rank, s.tsp_size)  # see _Shards
+            return chunk_spec(s.num_kv_heads * s.head_dim, rank, s.tsp_size)  # see rounds.Shards
         dim = 1 if name == "o_proj.weight" else 0
         return even_spec(self.full_shapes[name][dim], rank, s.tsp_size, dim)
 
@@ -225,15 +143,16 @@ class TSPAttention(ShardedModule):
         """The schedule's weights in its order; with ``values_from_keys`` the key projection
         stands in the value projection's place too (the schedule computes V from it as from any
         value projection; autograd sums the two gradients of the one parameter)."""
-        if self.spec.kv_shared:  # (wq, wo[, bq]): the K/V are another layer's
+        sinks = ["sinks"] if self.parts.mask.sinks else []  # sharded with the query heads
+        if self.parts.kv_shared:  # (wq, wo[, bq]): the K/V are another layer's
             names = ["q_proj.weight", "o_proj.weight"]
             names += ["q_proj.bias"] if "q_proj.bias" in self.full_shapes else []
-            return names + (["sinks"] if self.spec.sinks else [])
-        v = "k_proj" if self.values_from_keys else "v_proj"
+            return names + sinks
+        v = "k_proj" if self.parts.values_from_keys else "v_proj"
         names = ["q_proj.weight", "k_proj.weight", f"{v}.weight", "o_proj.weight"]
         if "q_proj.bias" in self.full_shapes:
             names += ["q_proj.bias", "k_proj.bias", f"{v}.bias"]
-        return names + (["sinks"] if self.spec.sinks else [])  # sharded with the query heads
+        return names + sinks
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -245,12 +164,14 @@ class TSPAttention(ShardedModule):
         :mod:`tsp_core.inference.decode`) is called once with ``kv_all`` [G, 2, B, local_kv_heads,
         S/D, head_dim], G = D / kv_replicas key/value head groups in order: the K/V (RoPE applied)
         of this rank's own tokens for every key/value head, all computed here, none received from
-        another rank. ``shared_kv``: with ``kv_shared``, the ``kv_all`` another layer returned
-        (Gemma 4's KV-shared layers). With ``kv_out`` the result is ``(output, kv_all)``."""
-        s = self.spec
-        if s.kv_shared != (shared_kv is not None):
-            raise ValueError(f"a layer {'with' if s.kv_shared else 'without'} kv_shared takes "
-                             f"{'the' if s.kv_shared else 'no'} shared_kv of the layer it reuses")
+        another rank. ``shared_kv``: on a layer that reuses K/V (``KVSharing`` role "reuse"), the
+        ``kv_all`` another layer returned (Gemma 4's KV-shared layers). On a layer that stores
+        them (role "store") the result is ``(output, kv_all)``. ``position_embeddings``: the
+        model's rotary output, read as ``AttentionParts.rotary`` says (:func:`rotary_inputs`)."""
+        s, p = self.spec, self.parts
+        if p.kv_shared != (shared_kv is not None):
+            raise ValueError(f"a layer {'with' if p.kv_shared else 'without'} kv_shared takes "
+                             f"{'the' if p.kv_shared else 'no'} shared_kv of the layer it reuses")
         check_local_input(x, s.hidden_size)
         if x.shape[1] % (2 if s.layout == "zigzag" else 1):
             raise ValueError(f"local sequence length ({x.shape[1]}) must be even under the zigzag "
@@ -258,15 +179,16 @@ class TSPAttention(ShardedModule):
         docs = checked_docs(docs, x, s.tsp_size)
         if docs is not None:
             packed = [b for b, row in enumerate(docs) if len(row) > 1]
-            if s.query_scale is not None and packed:  # same docs on every rank: all raise here
+            if p.query_scale is not None and packed:  # same docs on every rank: all raise here
                 raise ValueError(
                     f"packed rows (row {packed[0]} holds {len(docs[packed[0]])} documents: "
                     f"{docs[packed[0]]}) on a layer whose queries are scaled by their position "
-                    f"({s.query_scale}): Hugging Face scales them by the position in the row "
+                    f"({p.query_scale}): Hugging Face scales them by the position in the row "
                     f"(Llama 4's attn_temperature_tuning counts across documents), which a row "
                     f"whose documents shard_batch padded to multiples of {2 * s.tsp_size} "
                     f"cannot give; feed one document per row, or set "
                     f"attn_temperature_tuning=False")
+        position_embeddings = rotary_inputs(position_embeddings, p.rotary)
         if position_embeddings is None:
             if position_ids is None:
                 raise ValueError("pass the global position_ids of the local tokens (from "
@@ -276,23 +198,51 @@ class TSPAttention(ShardedModule):
             if tuple(position_ids.shape) != tuple(x.shape[:2]):
                 raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match "
                                  f"the input's [batch, local_seq] = {tuple(x.shape[:2])}")
-            position_embeddings = rope.cos_sin(position_ids, self.inv_freq, 1.0, x.dtype)
-        weightless = s.qk_norm_eps is not None and s.qk_norm_kind in WEIGHTLESS
-        norms = list(self.NORMS) if s.qk_norm_eps is not None and not weightless else []
-        norms = norms[:1] if s.kv_shared else norms
+            position_embeddings = unrotated(rope.cos_sin(position_ids, self.inv_freq, 1.0, x.dtype),
+                                            p.rotary)
+        weightless = p.qk_norm is not None and p.qk_norm.weightless
+        norms = list(self.NORMS) if p.qk_norm is not None and not weightless else []
+        norms = norms[:1] if p.kv_shared else norms
         x, weights, context = schedule_inputs(self, self._weight_names() + norms, x)
         if norms:  # replicated: every rank normalises its own tokens, gradients summed
             weights[-len(norms):] = [comm.sum_grad(w, self.mesh.group)
                                      for w in weights[-len(norms):]]
         if weightless:  # the schedules take norm weights: empty placeholders, never read
-            weights += [x.new_empty(0)] * (1 if s.kv_shared else 2)
-        if s.kv_shared:
+            weights += [x.new_empty(0)] * (1 if p.kv_shared else 2)
+        if p.kv_shared:
             weights = [shared_kv, *weights]
-        cos, sin = rope.rotation_inputs(real_rotary(position_embeddings), x.dtype)
-        fn = PhasedAttentionFn if s.qk_norm_all_heads else PerGroupAttentionFn
+        cos, sin = rope.rotation_inputs(position_embeddings, x.dtype)
+        fn = PhasedAttentionFn if p.over_token else PerGroupAttentionFn
         with context:
             y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
-        y, kv_all = y if s.kv_out else (y, None)
+        y, kv_all = y if p.kv_out else (y, None)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
-        return (y, kv_all) if s.kv_out else y
+        return (y, kv_all) if p.kv_out else y
+
+
+def full_shapes(shape: AttentionShape, parts: AttentionParts) -> dict[str, tuple[int, ...]]:
+    """The full (unsharded) shape of each parameter of a layer of ``shape`` (resolved) and
+    ``parts``, by its Hugging Face name."""
+    h, d = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    q_rows = 2 * q if parts.output_gate else q  # each head's [query | gate] rows
+    shapes = {"q_proj.weight": (q_rows, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+              "o_proj.weight": (h, q)}
+    if shape.qkv_bias:
+        shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+    if parts.values_from_keys:  # no value projection of its own: the key projection's output
+        shapes = {n: s for n, s in shapes.items() if not n.startswith("v_proj.")}
+    if shape.o_bias:
+        shapes["o_proj.bias"] = (h,)
+    if parts.mask.sinks:
+        shapes["sinks"] = (shape.num_heads,)
+    norm = parts.qk_norm
+    if norm is not None and not norm.weightless:
+        widths = (q, kv) if norm.over_token else (d, d)
+        shapes.update({n: (w,) for n, w in zip(norm.weights, widths)})
+    if parts.kv_shared:  # another layer's K/V: no key/value projection, no key norm of its own
+        k_norm = norm.weights[1] if norm is not None else None
+        shapes = {n: s for n, s in shapes.items()
+                  if not n.startswith(("k_proj.", "v_proj.")) and n != k_norm}
+    return shapes

@@ -17,24 +17,24 @@ import torch.nn.functional as F
 from .. import flash
 from .rounds import (
     AttentionSpec,
-    _attend,
-    _attend_backward,
-    _flat,
-    _heads,
-    _KVGathers,
-    _OwnerReduces,
-    _rotated,
-    _rotated_backward,
-    _Rounds,
-    _row_groups,
-    _Shards,
-    _split_norms,
-    _values,
-    _values_backward,
+    KVGathers,
+    OwnerReduces,
+    Rounds,
+    Shards,
+    attend_round,
+    attend_round_backward,
     gated,
     gated_backward,
     join_gate,
+    join_heads,
+    normed_values,
+    normed_values_backward,
+    rotated,
+    rotated_backward,
+    row_groups,
     split_gate,
+    split_heads,
+    split_norms,
 )
 
 
@@ -54,13 +54,13 @@ class PerGroupAttentionFn(torch.autograd.Function):
         B, L, _ = x.shape
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
         D, R = spec.tsp_size, spec.kv_replicas
-        groups = _row_groups(docs, L * D, dist.get_rank(group), spec)
-        if spec.kv_shared:  # the first "weight" is another layer's kv_all, reused as it is
+        groups = row_groups(docs, L * D, dist.get_rank(group), spec)
+        if spec.parts.kv_shared:  # the first "weight" is another layer's kv_all, reused as it is
             shared, *weights = weights
-        proj, (qn, kn) = _split_norms(weights, spec)
-        shards = _Shards(proj, spec, group)
+        proj, (qn, kn) = split_norms(weights, spec)
+        shards = Shards(proj, spec, group)
         q_all = x.new_empty(D, B, nq, L, d)
-        kv_all = shared if spec.kv_shared else x.new_empty(D // R, 2, B, nkv, L, d)
+        kv_all = shared if spec.parts.kv_shared else x.new_empty(D // R, 2, B, nkv, L, d)
         if tuple(kv_all.shape) != (D // R, 2, B, nkv, L, d):
             raise ValueError(f"the shared K/V have shape {tuple(kv_all.shape)}, this layer needs "
                              f"{(D // R, 2, B, nkv, L, d)}: the layers sharing K/V must have "
@@ -69,7 +69,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
         lse_all = x.new_empty(D, B, nq, L, dtype=torch.float64 if x.dtype == torch.float64
                               else torch.float32)
         y = x.new_zeros(x.shape)  # contiguous, whatever x's strides
-        kvs = _KVGathers(kv_all, groups, spec, group)
+        kvs = KVGathers(kv_all, groups, spec, group)
 
         def project(r: int, buf: torch.Tensor) -> tuple:
             """Round r's queries and, in the first round of its key/value head, that head's K/V,
@@ -77,23 +77,23 @@ class PerGroupAttentionFn(torch.autograd.Function):
             gate (this rank's tokens', from the round's query shard; None without one)."""
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
             q, gate = split_gate(F.linear(x, wq, bq), spec, nq)
-            q_all[r] = _rotated(_heads(q, nq), qn, cos, sin, spec)
-            if r % R == 0 and spec.kv_shared:
+            q_all[r] = rotated(split_heads(q, nq), qn, cos, sin, spec)
+            if r % R == 0 and spec.parts.kv_shared:
                 kvs.start(r // R)
             elif r % R == 0:
                 j = r // R
-                kv_all[j, 0] = _rotated(_heads(F.linear(x, wk, bk), nkv), kn, cos, sin, spec)
-                kv_all[j, 1] = _values(_heads(F.linear(x, wv, bv), nkv), spec)
+                kv_all[j, 0] = rotated(split_heads(F.linear(x, wk, bk), nkv), kn, cos, sin, spec)
+                kv_all[j, 1] = normed_values(split_heads(F.linear(x, wv, bv), nkv), spec)
                 kvs.start(j)
             return wo, None if shards.sinks is None else shards.round_sinks(buf), gate
 
         def attend(r: int, wo: torch.Tensor, sinks: torch.Tensor | None,
                    gate: torch.Tensor | None) -> None:
-            _attend(r, q_all, out_all, lse_all, kvs, sinks)
-            y.view(B * L, -1).addmm_(gated(_flat(out_all[r]), gate).reshape(B * L, -1), wo.t())
+            attend_round(r, q_all, out_all, lse_all, kvs, sinks)
+            y.view(B * L, -1).addmm_(gated(join_heads(out_all[r]), gate).reshape(B * L, -1), wo.t())
 
         previous = None
-        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+        for r, buf in Rounds(shards.round_pack.pack(shards.round), group):
             wo, sinks, gate = project(r, buf)  # receiving buf started round r+1's broadcast
             if previous is not None:
                 attend(*previous)
@@ -103,7 +103,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             kv_sink(kv_all)
         ctx.spec, ctx.group, ctx.groups = spec, group, groups
         ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
-        if spec.kv_out:  # for the layers that reuse these K/V; their gradient comes back
+        if spec.parts.kv_out:  # for the layers that reuse these K/V; their gradient comes back
             ctx.set_materialize_grads(False)
             return y, kv_all
         return y
@@ -116,18 +116,18 @@ class PerGroupAttentionFn(torch.autograd.Function):
             dy = torch.zeros_like(x)
         B, L, h = x.shape
         nq, nkv, R = spec.local_heads, spec.local_kv_heads, spec.kv_replicas
-        proj, (qn, kn) = _split_norms(weights, spec)
+        proj, (qn, kn) = split_norms(weights, spec)
         norm_grads = [None, None]  # q_norm, k_norm: summed over the rounds
-        shards = _Shards(proj, spec, group)
+        shards = Shards(proj, spec, group)
         kv_grads = shards.kv_grad_buffers() if shards.sliced else []
         dy = dy.contiguous()
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
         dx = x.new_zeros(x.shape)
         dx2 = dx.view(B * L, h)
-        reduces = _OwnerReduces(group)
-        kvs = _KVGathers(kv_all, groups, spec, group)
+        reduces = OwnerReduces(group)
+        kvs = KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
-        shared_grad = torch.empty_like(kv_all) if spec.kv_shared else None
+        shared_grad = torch.empty_like(kv_all) if spec.parts.kv_shared else None
 
         def finish(r: int, grads: list, wk: torch.Tensor, wv: torch.Tensor,
                    bk: torch.Tensor | None, bv: torch.Tensor | None,
@@ -135,46 +135,48 @@ class PerGroupAttentionFn(torch.autograd.Function):
             """Round r's tail, one round late so that its dK/dV reduce-scatter overlapped the
             next round: in the last round of a key/value head, that projection's backward; then
             the round's weight gradients (and its sinks') on their way to the owner."""
-            if r % R == R - 1 and spec.kv_shared:  # the K/V's owner layer takes their gradient
+            if r % R == R - 1 and spec.parts.kv_shared:  # the K/V's owner layer takes its grad
                 shared_grad[r // R] = kvs.scattered(r // R)
             elif r % R == R - 1:
                 dkv = kvs.scattered(r // R)
                 if dkv_reused is not None:  # the KV-shared layers' gradient of these K/V
                     dkv = dkv + dkv_reused[r // R]
-                pre = None if kn is None else _heads(F.linear(x, wk, bk), nkv)  # recomputed
-                dk, g = _rotated_backward(pre, kn, cos, sin, spec, dkv[0])
+                pre = None if kn is None else split_heads(F.linear(x, wk, bk), nkv)  # recomputed
+                dk, g = rotated_backward(pre, kn, cos, sin, spec, dkv[0])
                 if g is not None:
                     norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
-                pre = None if spec.v_norm_eps is None else _heads(F.linear(x, wv, bv), nkv)
-                dv = _values_backward(pre, spec, dkv[1])  # recomputed, as the keys' norm input
-                shards.add_kv_grads(r // R, _flat(dk).reshape(B * L, -1),
-                                    _flat(dv).reshape(B * L, -1), x2, wk, wv, dx2, grads,
+                pre = (None if spec.parts.value_norm is None else
+                       split_heads(F.linear(x, wv, bv), nkv))  # recomputed, as the keys' norm input
+                dv = normed_values_backward(pre, spec, dkv[1])
+                shards.add_kv_grads(r // R, join_heads(dk).reshape(B * L, -1),
+                                    join_heads(dv).reshape(B * L, -1), x2, wk, wv, dx2, grads,
                                     kv_grads)
             reduces.send(r, shards.round_pack.pack(shards.round_grads(grads, sinks_grad)))
 
         kvs.start(0)
         previous = None
-        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+        for r, buf in Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
             o = out_all[r]
             # recomputed from this rank's tokens: the pre-norm queries (with a q norm) and the
             # output gate (with one); nothing of them was kept from the forward
             pre, gate = (split_gate(F.linear(x, wq, bq), spec, nq)
-                         if qn is not None or spec.output_gate else (None, None))
-            do, dgate = gated_backward(F.linear(dy, wo.t()), _flat(o), gate)
-            do = _heads(do, nq).contiguous()
-            dq = _attend_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
+                         if qn is not None or spec.parts.output_gate else (None, None))
+            do, dgate = gated_backward(F.linear(dy, wo.t()), join_heads(o), gate)
+            do = split_heads(do, nq).contiguous()
+            dq = attend_round_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
             sinks_grad = (None if shards.sinks is None else
                           flash.sink_backward(do, o, lse_all[r], shards.round_sinks(buf)))
             del do
-            pre = None if qn is None else _heads(pre, nq)
-            dq, g = _rotated_backward(pre, qn, cos, sin, spec, dq)
+            pre = None if qn is None else split_heads(pre, nq)
+            dq, g = rotated_backward(pre, qn, cos, sin, spec, dq)
             if g is not None:
                 norm_grads[0] = g if norm_grads[0] is None else norm_grads[0] + g
-            dq = join_gate(_flat(dq), dgate, spec, nq).reshape(B * L, -1)
+            dq = join_gate(join_heads(dq), dgate, spec, nq).reshape(B * L, -1)
             del dgate
             dx2.addmm_(dq, wq)
-            grads = [dq.t() @ x2, None, None, dy2.t() @ gated(_flat(o), gate).reshape(B * L, -1),
+            go = dy2.t() @ gated(join_heads(o), gate).reshape(B * L, -1)
+            grads = [dq.t() @ x2, None, None, go,
                      dq.sum(0) if shards.bias else None, None, None]
             del dq
             if previous is not None:
@@ -183,7 +185,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
         finish(*previous)
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
         if qn is not None:
-            grads = [*grads, *(norm_grads[:1] if spec.kv_shared else norm_grads)]
-        if spec.kv_shared:
+            grads = [*grads, *(norm_grads[:1] if spec.parts.kv_shared else norm_grads)]
+        if spec.parts.kv_shared:
             grads = [shared_grad, *grads]
         return (dx, None, None, None, None, None, None, *grads)

@@ -20,9 +20,9 @@ rank's weight or K/V: docs/design.md "Memory rules").
 Layers with attention sinks and q/k norms over all heads run here too (the default schedule
 carries sinks the same way): each round's shard carries its owner's sinks (one logit per head),
 the attention adds them (flash.add_sinks), and their gradient, computed in the attention
-backward, goes back to the owner with the input projections' round gradients. The sinks of every head ([tsp_size, heads per
-rank], num_attention_heads numbers) are kept from the forward for the attention backward, which
-runs before the input projections' rounds bring them again."""
+backward, goes back to the owner with the input projections' round gradients. The sinks of
+every head ([tsp_size, heads per rank], num_attention_heads numbers) are kept from the forward
+for the attention backward, which runs before the input projections' rounds bring them again."""
 
 from __future__ import annotations
 
@@ -34,16 +34,16 @@ from .. import flash, rope
 from ..norm import NORMS
 from .rounds import (
     AttentionSpec,
-    _attend,
-    _attend_backward,
-    _flat,
-    _KVGathers,
-    _OwnerReduces,
-    _rotated,
-    _Rounds,
-    _row_groups,
-    _Shards,
-    _split_norms,
+    KVGathers,
+    OwnerReduces,
+    Rounds,
+    Shards,
+    attend_round,
+    attend_round_backward,
+    join_heads,
+    rotated,
+    row_groups,
+    split_norms,
 )
 
 
@@ -54,34 +54,35 @@ def _lse_dtype(x: torch.Tensor) -> torch.dtype:
 def normed_heads(raw: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch.Tensor,
                  sin: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """raw [G, B, L, heads*d]: G head groups' projections, in head order, of the same tokens ->
-    [G, B, heads, L, d] normalised over all G*heads heads of each token (``qk_norm_all_heads``),
-    over each head, or not at all (``weight`` None), RoPE applied."""
+    [G, B, heads, L, d] normalised over all G*heads heads of each token (``QKNorm.scope``
+    "token"), over each head, or not at all (``weight`` None), RoPE applied."""
     G, B, L, _ = raw.shape
     flat = raw.permute(1, 2, 0, 3).reshape(B, L, -1)           # [B, L, all heads * d]: HF's q
-    if weight is not None and spec.qk_norm_all_heads:
-        flat = NORMS[spec.qk_norm_kind](flat, weight, spec.qk_norm_eps)
+    norm = spec.parts.qk_norm
+    if weight is not None and spec.parts.over_token:
+        flat = NORMS[norm.kind](flat, weight, norm.eps)
     heads_first = flat.view(B, L, G, heads, -1).permute(2, 0, 3, 1, 4)
-    if weight is not None and not spec.qk_norm_all_heads:  # each head's, before or after RoPE
-        return _rotated(heads_first, weight, cos, sin, spec).contiguous()
-    return rope.apply(heads_first, cos, sin, spec.rope_interleaved).contiguous()
+    if weight is not None and not spec.parts.over_token:  # each head's, before or after RoPE
+        return rotated(heads_first, weight, cos, sin, spec).contiguous()
+    return rope.apply(heads_first, cos, sin, spec.parts.rotary.interleaved).contiguous()
 
 
 class PhasedAttentionFn(torch.autograd.Function):
     """Same arguments as :class:`tsp_core.layers.attention.per_group.PerGroupAttentionFn`; with
-    ``spec.sinks`` the sinks follow the projection weights (before the q/k norm weights)."""
+    ``Mask.sinks`` the sinks follow the projection weights (before the q/k norm weights)."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
         B, L, _ = x.shape
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
         D, R = spec.tsp_size, spec.kv_replicas
-        groups = _row_groups(docs, L * D, dist.get_rank(group), spec)
-        proj, (qn, kn) = _split_norms(weights, spec)
-        shards = _Shards(proj, spec, group, split_out=True)
+        groups = row_groups(docs, L * D, dist.get_rank(group), spec)
+        proj, (qn, kn) = split_norms(weights, spec)
+        shards = Shards(proj, spec, group, split_out=True)
         q_raw = x.new_empty(D, B, L, nq * d)            # phase 1: every group's raw projections
         kv_raw = x.new_empty(D // R, 2, B, L, nkv * d)
         sinks_all = None if shards.sinks is None else shards.sinks.new_empty(D, nq)
-        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):
+        for r, buf in Rounds(shards.round_pack.pack(shards.round), group):
             wq, wk, wv, _, bq, bk, bv = shards.unpack(r, buf)
             if sinks_all is not None:
                 sinks_all[r] = shards.round_sinks(buf)
@@ -92,19 +93,20 @@ class PhasedAttentionFn(torch.autograd.Function):
         q_all, kv_all = _normed(q_raw, kv_raw, qn, kn, cos, sin, spec)
         out_all = x.new_empty(D, B, nq, L, d)              # phase 2: attention, no weights move
         lse_all = x.new_empty(D, B, nq, L, dtype=_lse_dtype(x))
-        kvs = _KVGathers(kv_all, groups, spec, group)
+        kvs = KVGathers(kv_all, groups, spec, group)
         kvs.start(0)
         for r in range(D):
             if r % R == R - 1:
                 kvs.start(r // R + 1)  # the next head's K/V arrive while this round attends
-            _attend(r, q_all, out_all, lse_all, kvs, None if sinks_all is None else sinks_all[r])
+            sinks = None if sinks_all is None else sinks_all[r]
+            attend_round(r, q_all, out_all, lse_all, kvs, sinks)
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
         del q_all, kv_all
         y = x.new_zeros(x.shape)                           # phase 3: the output projection
-        for r, buf in _Rounds(shards.out_pack.pack([proj[3]]), group):
+        for r, buf in Rounds(shards.out_pack.pack([proj[3]]), group):
             (wo,) = shards.out_pack.unpack(buf)
-            y.view(B * L, -1).addmm_(_flat(out_all[r]).reshape(B * L, -1), wo.t())
+            y.view(B * L, -1).addmm_(join_heads(out_all[r]).reshape(B * L, -1), wo.t())
         ctx.spec, ctx.group, ctx.groups, ctx.sinks_all = spec, group, groups, sinks_all
         ctx.save_for_backward(x, cos, sin, q_raw, kv_raw, out_all, lse_all, *weights)
         return y
@@ -115,16 +117,16 @@ class PhasedAttentionFn(torch.autograd.Function):
         x, cos, sin, q_raw, kv_raw, out_all, lse_all, *weights = ctx.saved_tensors
         B, L, h = x.shape
         nq, R, D = spec.local_heads, spec.kv_replicas, spec.tsp_size
-        proj, (qn, kn) = _split_norms(weights, spec)
-        shards = _Shards(proj, spec, group, split_out=True)
+        proj, (qn, kn) = split_norms(weights, spec)
+        shards = Shards(proj, spec, group, split_out=True)
         dy = dy.contiguous()
         x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
-        reduces = _OwnerReduces(group)
+        reduces = OwnerReduces(group)
         do_all = torch.empty_like(out_all)                # output projection's rounds: dO, dWo
-        for r, buf in _Rounds(shards.out_pack.pack([proj[3]]), group):
+        for r, buf in Rounds(shards.out_pack.pack([proj[3]]), group):
             (wo,) = shards.out_pack.unpack(buf)
             do_all[r] = F.linear(dy, wo.t()).view(B, L, nq, -1).transpose(1, 2)
-            reduces.send(r, dy2.t() @ _flat(out_all[r]).reshape(B * L, -1))
+            reduces.send(r, dy2.t() @ join_heads(out_all[r]).reshape(B * L, -1))
         go = reduces.finish()
         norms = [] if qn is None else [qn, kn]
         with torch.enable_grad():                          # the norms and RoPE, recomputed
@@ -135,12 +137,12 @@ class PhasedAttentionFn(torch.autograd.Function):
         q_fixed = q_all.detach()
         kv_all = torch.stack([k_all.detach(), _v_heads(kv_raw, spec)], 1)
         dq_all, dkv_all = torch.empty_like(q_fixed), torch.empty_like(kv_all)
-        kvs = _KVGathers(kv_all, groups, spec, group)
+        kvs = KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
         kvs.start(0)
         sinks_grad = None if sinks_all is None else torch.empty_like(sinks_all)
         for r in range(D):                                 # attention, no weights move
-            dq_all[r] = _attend_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs, dkv_sum)
+            dq_all[r] = attend_round_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs, dkv_sum)
             if sinks_grad is not None:
                 sinks_grad[r] = flash.sink_backward(do_all[r], out_all[r], lse_all[r],
                                                     sinks_all[r])
@@ -155,8 +157,8 @@ class PhasedAttentionFn(torch.autograd.Function):
         kv_grads = shards.kv_grad_buffers() if shards.sliced else []
         dx = x.new_zeros(x.shape)
         dx2 = dx.view(B * L, h)
-        reduces = _OwnerReduces(group)
-        for r, buf in _Rounds(shards.round_pack.pack(shards.round), group):  # input projections
+        reduces = OwnerReduces(group)
+        for r, buf in Rounds(shards.round_pack.pack(shards.round), group):  # input projections
             wq, wk, wv, _, _, _, _ = shards.unpack(r, buf)
             j = r // R
             dq = dq_raw[r].reshape(B * L, -1)

@@ -9,8 +9,8 @@ functions decide what is saved (docs/design.md "Memory rules").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,11 +20,14 @@ from ...distributed.chunks import row_segments
 from ...distributed.flat_pack import FlatPack
 from .. import flash, rope
 from ..norm import NORMS, unscaled_norm
+from .parts import AttentionParts
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Static shape and pattern of one TSP attention layer."""
+    """Static shape and parts of one TSP attention layer over ``tsp_size`` ranks: the resolved
+    :class:`~.parts.AttentionShape` numbers and the layer's :class:`~.parts.AttentionParts`,
+    which the schedules read."""
 
     hidden_size: int
     num_heads: int
@@ -32,38 +35,7 @@ class AttentionSpec:
     head_dim: int
     tsp_size: int
     layout: str = "zigzag"
-    causal: bool = True
-    sliding_window: int | None = None
-    scale: float | None = None
-    qk_norm_eps: float | None = None   # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
-    qk_norm_kind: str = "llama"        # its numerics (tsp_core.layers.norm.NORMS)
-    softcap: float | None = None       # scores tanh(s / softcap) * softcap (Gemma 2; flash.py)
-    # the q/k norms span all heads of a token (OLMo 2), not each head: phased.py
-    qk_norm_all_heads: bool = False
-    # the per-head q/k norms come after RoPE instead of before it (Hunyuan dense)
-    qk_norm_after_rope: bool = False
-    rope_interleaved: bool = False     # RoPE on channel pairs (2i, 2i+1): GLM-4, Ernie 4.5
-    # a query sees only the keys of its own chunk of this many tokens (Llama 4; flash.py)
-    chunk_size: int | None = None
-    # a learned per-head logit in the softmax denominator (gpt-oss's ``sinks`` [num_heads],
-    # sharded with the heads and broadcast with their round's shard: flash.add_sinks)
-    sinks: bool = False
-    # queries scaled per token by a function of its global position in the row (Llama 4's
-    # attention temperature tuning on NoPE layers): ``query_scale(positions, dtype)`` -> the
-    # factors in ``dtype`` (float32 at least); applied to the rotated, normed queries
-    query_scale: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
-    # an RMSNorm without a learned scale over each value head, in qk_norm_kind's numerics
-    # (Gemma 4's v_norm); None: values as projected
-    v_norm_eps: float | None = None
-    # the layer's K/V are another layer's (Gemma 4's KV-shared layers): its schedule takes that
-    # layer's kv_all and projects none; its rounds carry q and o only
-    kv_shared: bool = False
-    # the schedule also returns its kv_all, for the KV-shared layers that reuse it
-    kv_out: bool = False
-    # an output gate (Qwen3.5, Qwen3-Next): the query projection gives per head [query | gate]
-    # (2 * head_dim rows), and each head's attention output is multiplied by sigmoid(gate)
-    # before o_proj; the gate comes from this rank's tokens and the round's query shard
-    output_gate: bool = False
+    parts: AttentionParts = field(default_factory=AttentionParts)
 
     @property
     def local_heads(self) -> int:
@@ -80,16 +52,17 @@ class AttentionSpec:
 
     @property
     def softmax_scale(self) -> float:
-        return self.scale if self.scale is not None else self.head_dim ** -0.5
+        scale = self.parts.scale
+        return scale if scale is not None else self.head_dim ** -0.5
 
 
-def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
+def split_heads(t: torch.Tensor, n: int) -> torch.Tensor:
     """[B, L, n*d] -> [B, n, L, d]"""
     B, L, _ = t.shape
     return t.view(B, L, n, -1).transpose(1, 2)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def join_heads(t: torch.Tensor) -> torch.Tensor:
     """[B, n, L, d] -> [B, L, n*d]"""
     B, n, L, d = t.shape
     return t.transpose(1, 2).reshape(B, L, n * d)
@@ -98,9 +71,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def split_gate(raw: torch.Tensor, spec: AttentionSpec, heads: int
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The query projection's output [..., heads * q_width] -> (queries [..., heads * d], the
-    output gate [..., heads * d] or None without ``spec.output_gate``): with the gate each head's
-    2d rows are [query | gate], as Hugging Face's Qwen3.5 chunks them."""
-    if not spec.output_gate:
+    output gate [..., heads * d] or None without ``AttentionParts.output_gate``): with the gate
+    each head's 2d rows are [query | gate], as Hugging Face's Qwen3.5 chunks them."""
+    if not spec.parts.output_gate:
         return raw, None
     q, gate = raw.unflatten(-1, (heads, 2 * spec.head_dim)).chunk(2, dim=-1)
     return q.flatten(-2), gate.flatten(-2)
@@ -134,7 +107,7 @@ def gated_backward(grad: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | N
     return grad * s, grad * out * s * (1 - s)
 
 
-class _Rounds:
+class Rounds:
     """Owner-broadcast of every rank's packed shard in turn, one round prefetched ahead."""
 
     def __init__(self, own: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -155,7 +128,7 @@ class _Rounds:
             yield r, buf
 
 
-class _OwnerReduces:
+class OwnerReduces:
     """Each round's weight gradients summed onto the round's owner, at most one foreign reduce in
     flight; :meth:`finish` waits for all and returns this rank's own sum."""
 
@@ -181,7 +154,7 @@ class _OwnerReduces:
 
 
 @dataclass(frozen=True)
-class _RowGroup:
+class RowGroup:
     """Rows of the batch that share one token layout (packed rows may differ)."""
 
     rows: slice | list[int]
@@ -190,14 +163,15 @@ class _RowGroup:
     positions: tuple[int, ...] = ()  # the local tokens' global positions in the row, in order
 
 
-def _row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
-                spec: AttentionSpec) -> list[_RowGroup]:
-    def group(rows: slice | list[int], d: tuple[int, ...] | None) -> _RowGroup:
+def row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
+                spec: AttentionSpec) -> list[RowGroup]:
+    def group(rows: slice | list[int], d: tuple[int, ...] | None) -> RowGroup:
         segs = row_segments(d or (seq,), rank, spec.tsp_size, spec.layout)
-        pieces = flash.plan_pieces(segs, seq, spec.causal, spec.sliding_window, spec.chunk_size)
+        mask = spec.parts.mask
+        pieces = flash.plan_pieces(segs, seq, mask.causal, mask.sliding_window, mask.chunk_size)
         positions = (tuple(i for a, b, _ in segs for i in range(a, b))
-                     if spec.query_scale is not None else ())
-        return _RowGroup(rows, d, pieces, positions)
+                     if spec.parts.query_scale is not None else ())
+        return RowGroup(rows, d, pieces, positions)
 
     if docs is None:
         return [group(slice(None), None)]
@@ -213,11 +187,12 @@ def _row_groups(docs: tuple[tuple[int, ...], ...] | None, seq: int, rank: int,
 def query_scale(spec: AttentionSpec, positions: torch.Tensor, like: torch.Tensor
                 ) -> torch.Tensor | None:
     """The per-token query factors of ``positions`` (any shape) in ``like``'s dtype widened to
-    float32 at least, on its device; None without ``spec.query_scale``."""
-    if spec.query_scale is None:
+    float32 at least, on its device; None without a query scale (``AttentionParts.query_scale``)."""
+    scale = spec.parts.query_scale
+    if scale is None:
         return None
     wide = torch.promote_types(like.dtype, torch.float32)
-    return spec.query_scale(positions.to(like.device), wide).to(wide)
+    return scale(positions.to(like.device), wide).to(wide)
 
 
 def scale_queries(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -228,14 +203,14 @@ def scale_queries(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return (q.to(scale.dtype) * scale[:, None]).to(q.dtype)
 
 
-def _group_scale(g: _RowGroup, spec: AttentionSpec, like: torch.Tensor) -> torch.Tensor | None:
+def _group_scale(g: RowGroup, spec: AttentionSpec, like: torch.Tensor) -> torch.Tensor | None:
     """Row group ``g``'s query factors [L] (None without a query scale)."""
-    if spec.query_scale is None:
+    if spec.parts.query_scale is None:
         return None
     return query_scale(spec, torch.tensor(g.positions, dtype=torch.long), like)
 
 
-class _Shards:
+class Shards:
     """This rank's attention weights, split into what each round broadcasts and where the round's
     key/value projection comes from.
 
@@ -246,20 +221,20 @@ class _Shards:
     once per pass, the rounds broadcast only the query and output projections, and the weight
     gradients of the slices are reduce-scattered back at the end.
 
-    With sinks (``spec.sinks``: the last of ``weights``), each round's pack ends with its owner's
+    With sinks (``Mask.sinks``: the last of ``weights``), each round's pack ends with its owner's
     sinks (one logit per head of the group: :meth:`round_sinks`), and their gradient goes back to
     the owner with the round's other gradients (:meth:`round_grads`)."""
 
     def __init__(self, weights: Sequence[torch.Tensor], spec: AttentionSpec,
                  group: dist.ProcessGroup, split_out: bool = False) -> None:
         weights = list(weights)
-        self.sinks = weights.pop() if spec.sinks else None
-        if spec.kv_shared:  # (wq, wo[, bq]): no key/value projection, as with slices without any
+        self.sinks = weights.pop() if spec.parts.mask.sinks else None
+        if spec.parts.kv_shared:  # (wq, wo[, bq]): no K/V projection, as slices without any
             wq, wo, *bq = weights
             weights = [wq, wq[:0], wq[:0], wo] + ([bq[0], bq[0][:0], bq[0][:0]] if bq else [])
         wq, wk, wv, wo, *b = weights
         self.spec, self.group, self.bias = spec, group, bool(b)
-        self.sliced = spec.kv_replicas > 1 or spec.kv_shared
+        self.sliced = spec.kv_replicas > 1 or spec.parts.kv_shared
         self.round = [wq, wo, *b[:1]] if self.sliced else list(weights)
         # split_out: the output projection goes round by round on its own (phased.py)
         self.split_out = split_out
@@ -271,7 +246,7 @@ class _Shards:
         self.round_pack = FlatPack([w.shape for w in self.round])
         self.kv_rows = spec.num_kv_heads * spec.head_dim
         self.kv_full: list[torch.Tensor] = []
-        if self.sliced and not spec.kv_shared:
+        if self.sliced and not spec.parts.kv_shared:
             kv = [wk, wv, *b[1:]]
             self.kv_pack = FlatPack([w.shape for w in kv])
             D = spec.tsp_size
@@ -343,7 +318,7 @@ class _Shards:
             own.insert(1 if self.sliced else 3, go)
         if not self.sliced:
             return own + tail
-        if self.spec.kv_shared:  # the weights it has: (wq, wo[, bq])
+        if self.spec.parts.kv_shared:  # the weights it has: (wq, wo[, bq])
             return own + tail
         gk, gv, *gb = self.scatter_kv_grads(kv_grads)
         gq, go, *gbq = own
@@ -351,7 +326,7 @@ class _Shards:
 
     def kv_grad_buffers(self) -> list[torch.Tensor]:
         """Zeroed padded full-row accumulators for the key/value weight gradients (sliced)."""
-        if self.spec.kv_shared:
+        if self.spec.parts.kv_shared:
             return []
         D = self.spec.tsp_size
         return [t.new_zeros(D * s[0], *s[1:]) for t, s in zip(self.kv_full, self.kv_pack.shapes)]
@@ -365,61 +340,70 @@ class _Shards:
         return self.kv_pack.unpack(out)
 
 
-def _split_norms(weights: Sequence[torch.Tensor], spec: AttentionSpec):
+def split_norms(weights: Sequence[torch.Tensor], spec: AttentionSpec):
     """(projection weights, (q_norm weight, k_norm weight) or (None, None)); a KV-shared layer
     has no k_norm (None)."""
-    if spec.qk_norm_eps is None:
+    if spec.parts.qk_norm is None:
         return list(weights), (None, None)
-    if spec.kv_shared:
+    if spec.parts.kv_shared:
         return list(weights[:-1]), (weights[-1], None)
     return list(weights[:-2]), tuple(weights[-2:])
 
 
 def _head_norm(t: torch.Tensor, weight: torch.Tensor | None, spec: AttentionSpec) -> torch.Tensor:
-    return t if weight is None else NORMS[spec.qk_norm_kind](t, weight, spec.qk_norm_eps)
+    norm = spec.parts.qk_norm
+    return t if weight is None else NORMS[norm.kind](t, weight, norm.eps)
 
 
-def _rotated(t: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+def _after_rope(spec: AttentionSpec) -> bool:
+    """Whether the per-head q/k norm comes after RoPE (``QKNorm.after_rope``)."""
+    return spec.parts.qk_norm is not None and spec.parts.qk_norm.after_rope
+
+
+def rotated(t: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
              spec: AttentionSpec) -> torch.Tensor:
     """q or k heads [B, heads, L, d], per-head normed (``weight`` None: not) and rotated, in the
-    family's order: the norm before RoPE, or after it (``qk_norm_after_rope``)."""
-    if spec.qk_norm_after_rope:
-        return _head_norm(rope.apply(t, cos, sin, spec.rope_interleaved), weight, spec)
-    return rope.apply(_head_norm(t, weight, spec), cos, sin, spec.rope_interleaved)
+    family's order: the norm before RoPE, or after it (``QKNorm.after_rope``)."""
+    pairs = spec.parts.rotary.interleaved
+    if _after_rope(spec):
+        return _head_norm(rope.apply(t, cos, sin, pairs), weight, spec)
+    return rope.apply(_head_norm(t, weight, spec), cos, sin, pairs)
 
 
-def _rotated_backward(pre: torch.Tensor | None, weight: torch.Tensor | None, cos: torch.Tensor,
+def rotated_backward(pre: torch.Tensor | None, weight: torch.Tensor | None, cos: torch.Tensor,
                       sin: torch.Tensor, spec: AttentionSpec,
                       grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients of :func:`_rotated` w.r.t. its input ``pre`` (recomputed by the caller, only
+    """Gradients of :func:`rotated` w.r.t. its input ``pre`` (recomputed by the caller, only
     when there is a norm) and the norm weight (None without one)."""
+    pairs = spec.parts.rotary.interleaved
     if weight is None:
-        return rope.apply_backward(grad, cos, sin, spec.rope_interleaved), None
-    if spec.qk_norm_after_rope:
-        grad, g = _head_norm_backward(rope.apply(pre, cos, sin, spec.rope_interleaved), weight,
-                                      spec, grad)
-        return rope.apply_backward(grad, cos, sin, spec.rope_interleaved), g
-    grad = rope.apply_backward(grad, cos, sin, spec.rope_interleaved)
+        return rope.apply_backward(grad, cos, sin, pairs), None
+    if _after_rope(spec):
+        grad, g = _head_norm_backward(rope.apply(pre, cos, sin, pairs), weight, spec, grad)
+        return rope.apply_backward(grad, cos, sin, pairs), g
+    grad = rope.apply_backward(grad, cos, sin, pairs)
     return _head_norm_backward(pre, weight, spec, grad)
 
 
-def _values(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """Value heads [B, heads, L, d] as the attention uses them: with ``spec.v_norm_eps`` each
-    head RMS-normalised without a scale (Gemma 4's v_norm), else as projected."""
-    if spec.v_norm_eps is None:
+def normed_values(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Value heads [B, heads, L, d] as the attention uses them: with a value norm
+    (:class:`~.parts.ValueNorm`) each head RMS-normalised without a scale (Gemma 4's v_norm),
+    else as projected."""
+    norm = spec.parts.value_norm
+    if norm is None:
         return t
-    return unscaled_norm(t, spec.qk_norm_kind, spec.v_norm_eps)
+    return unscaled_norm(t, norm.kind, norm.eps)
 
 
-def _values_backward(pre: torch.Tensor | None, spec: AttentionSpec,
+def normed_values_backward(pre: torch.Tensor | None, spec: AttentionSpec,
                      grad: torch.Tensor) -> torch.Tensor:
-    """Gradient of :func:`_values` w.r.t. the projected values ``pre`` (recomputed by the
+    """Gradient of :func:`normed_values` w.r.t. the projected values ``pre`` (recomputed by the
     caller, only with a value norm), by autograd over the forward's own ops."""
-    if spec.v_norm_eps is None:
+    if spec.parts.value_norm is None:
         return grad
     with torch.enable_grad():
         pre = pre.detach().requires_grad_()
-        return torch.autograd.grad(_values(pre, spec), pre, grad)[0]
+        return torch.autograd.grad(normed_values(pre, spec), pre, grad)[0]
 
 
 def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec,
@@ -434,7 +418,7 @@ def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: Attention
                                    allow_unused=True, materialize_grads=True)
 
 
-class _KVGathers:
+class KVGathers:
     """The whole-sequence K/V of each key/value head j (one tensor per row group), gathered from
     every rank's own tokens, and in the backward their gradients sent back to the token owners.
 
@@ -450,7 +434,7 @@ class _KVGathers:
     K/V arriving, or the previous head's dK/dV leaving (docs/memory.md "The attention backward's
     floor")."""
 
-    def __init__(self, kv_all: torch.Tensor, groups: list[_RowGroup], spec: AttentionSpec,
+    def __init__(self, kv_all: torch.Tensor, groups: list[RowGroup], spec: AttentionSpec,
                  group: dist.ProcessGroup) -> None:
         self.kv_all, self.groups, self.spec, self.group = kv_all, groups, spec, group
         self._pending: dict[int, list[comm.PendingSequence]] = {}
@@ -493,17 +477,17 @@ class _KVGathers:
 
     def _retire(self, j: int) -> None:
         parts = self._scatters.pop(j)
-        self._scattered[j] = _by_rows([(rows, p.wait()) for rows, p in parts], self.kv_all[j])
+        self._scattered[j] = by_rows([(rows, p.wait()) for rows, p in parts], self.kv_all[j])
 
 
 def _check_round_sinks(spec: AttentionSpec, sinks: torch.Tensor | None) -> None:
-    if spec.sinks and sinks is None:
+    if spec.parts.mask.sinks and sinks is None:
         raise RuntimeError("this layer has attention sinks but its schedule passed none to the "
                            "round's attention: TSPAttention runs sinks on the phased schedule")
 
 
-def _attend(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.Tensor,
-            kvs: _KVGathers, sinks: torch.Tensor | None = None) -> None:
+def attend_round(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.Tensor,
+            kvs: KVGathers, sinks: torch.Tensor | None = None) -> None:
     """Round ``r``'s attention: the local queries of head group r against the whole sequence's
     K/V of its key/value head j (from ``kvs``, dropped after j's last round); writes
     ``out_all[r]`` and ``lse_all[r]`` (with ``sinks``, the group's sink logits, both include the
@@ -515,20 +499,21 @@ def _attend(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.T
     for g, kv in zip(kvs.groups, kvs.get(j)):
         q = scale_queries(q_all[r][g.rows], _group_scale(g, spec, q_all))
         o, lse = flash.attention_forward(q, kv[0], kv[1], g.pieces,
-                                         spec.softmax_scale, softcap=spec.softcap, sinks=sinks)
+                                         spec.softmax_scale, softcap=spec.parts.mask.softcap,
+                                         sinks=sinks)
         out_all[r][g.rows], lse_all[r][g.rows] = o, lse
     if r % R == R - 1:
         kvs.drop(j)
 
 
-def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: torch.Tensor,
-                     lse_all: torch.Tensor, kvs: _KVGathers, dkv_sum: dict[int, torch.Tensor]
+def attend_round_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: torch.Tensor,
+                     lse_all: torch.Tensor, kvs: KVGathers, dkv_sum: dict[int, torch.Tensor]
                      ) -> torch.Tensor:
-    """Backward of :func:`_attend` for round ``r`` given its output gradient ``do``: returns dQ
+    """Backward of :func:`attend_round` for round ``r`` given its output gradient ``do``: returns dQ
     of the round (before RoPE's backward). The dK/dV of key/value head j are summed in float32
     over j's rounds and pieces (``dkv_sum``, one accumulator per row group); halfway through the
     round the previous head's reduce-scatter is waited for and the next head's gather started
-    (:meth:`_KVGathers.halfway`); after j's last round its K/V are dropped and its dK/dV sent to
+    (:meth:`KVGathers.halfway`); after j's last round its K/V are dropped and its dK/dV sent to
     the token owners (``kvs.scattered(j)`` returns them, for the caller's key/value projection
     backward one round later). With sinks, ``out_all``/``lse_all`` already include them (the
     pieces' backward needs nothing more); their own gradient is flash.sink_backward's."""
@@ -540,19 +525,19 @@ def _attend_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: tor
         scale = _group_scale(g, spec, q_all)  # the queries attended scaled: so is their grad
         dq_g, dkv_sum[i] = flash.attention_backward(
             do[g.rows], scale_queries(q_all[r][g.rows], scale), kv, out_all[r][g.rows],
-            lse_all[r][g.rows], g.pieces, spec.softmax_scale, softcap=spec.softcap,
+            lse_all[r][g.rows], g.pieces, spec.softmax_scale, softcap=spec.parts.mask.softcap,
             dkv=None if first else dkv_sum[i],
             halfway=(lambda: kvs.halfway(j)) if i == 0 else None)
         dq_parts.append((g.rows, scale_queries(dq_g, scale)))
     del kv  # the loop's last K/V: dropped below after j's last round
-    dq = _by_rows(dq_parts, q_all[r])
+    dq = by_rows(dq_parts, q_all[r])
     if last:
         kvs.drop(j)  # the full-sequence K/V and dK/dV of one head never coexist with the next's
         kvs.scatter(j, dkv_sum)
     return dq
 
 
-def _by_rows(parts: list[tuple[slice | list[int], torch.Tensor]], like: torch.Tensor
+def by_rows(parts: list[tuple[slice | list[int], torch.Tensor]], like: torch.Tensor
              ) -> torch.Tensor:
     """Reassemble per-row-group results along the batch dim (dim 0, or 1 for stacked K/V)."""
     if len(parts) == 1:  # one layout for the whole batch: no reassembly
