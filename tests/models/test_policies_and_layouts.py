@@ -1,19 +1,22 @@
 """Whole models in float64 on 4 processes against one process (1e-10): a custom ``DecoderPolicy``
 passed to ``parallelize`` (its module names and sliding window are the ones used), the contiguous
 token layout on a whole causal model, and gradient accumulation in a plain loop (2 micro-batches
-give the gradients of the one batch they make up)."""
+give the gradients of the one batch they make up). In one process: ``register_policy`` refuses a
+name already registered unless told to replace it."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import tsp_core
 from tests.support import dist_pool, hf_models
 from tests.support.reference import assert_close
-from tsp_core.models.policies import DecoderPolicy
+from tsp_core.models.policies import AttentionPolicy, DecoderPolicy, ModuleNames
 
 
 def batch(rows: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +55,9 @@ def custom_policy() -> None:
     model.add_module("backbone", model.model)
     model.add_module("output", model.lm_head)
     del model.model, model.lm_head
-    policy = DecoderPolicy(name="renamed-llama", model_types=(), base_model="backbone",
-                           lm_head="output", sliding_window=lambda config, attention: 5)
+    policy = DecoderPolicy(name="renamed-llama", model_types=(),
+                           modules=ModuleNames(base_model="backbone", lm_head="output"),
+                           attn=AttentionPolicy(sliding_window=lambda config, attention: 5))
     model = tsp_core.parallelize(model, mesh, policy=policy)
     ids, labels = batch(4, 24, 96, seed=1)
     replica = mesh.device_mesh.get_coordinate()[0]
@@ -118,6 +122,27 @@ def gradient_accumulation() -> None:
         total += loss.item()
     assert abs(total - expected.item()) <= 1e-10 * expected.item(), (total, expected)
     assert_grads(model, ref)
+
+
+def test_register_policy_refuses_a_duplicate_name():
+    # a second policy under a registered name would silently change every model that finds it:
+    # refused, naming the policy and how to replace it on purpose; replace=True replaces it
+    from tsp_core.models.policies import base, register_policy, supported
+    from tsp_core.models.policies.llama import POLICY as LLAMA
+
+    before = supported()
+    with pytest.raises(ValueError, match=r"^a policy named 'llama' is already registered; "
+                                         r"register_policy\(policy, replace=True\) replaces it "
+                                         r"on purpose, or give the new policy another name$"):
+        register_policy(DecoderPolicy(name="llama", model_types=("llama",)))
+    assert base._POLICIES["llama"] is LLAMA and supported() == before
+    renamed = dataclasses.replace(LLAMA, modules=ModuleNames(base_model="backbone"))
+    try:
+        assert register_policy(renamed, replace=True) is renamed
+        assert base._POLICIES["llama"] is renamed and supported() == before
+    finally:
+        register_policy(LLAMA, replace=True)  # the registry as it was, for the other tests
+    assert base._POLICIES["llama"] is LLAMA
 
 
 def test_custom_policy(pools):

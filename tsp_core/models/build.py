@@ -5,7 +5,7 @@ embeddings, attention or Gated DeltaNet, MLP or experts, norms, small replicated
 head) and records each replacement in a :class:`ModulePlan`, with the state it will load;
 nothing in the model changes here (:mod:`.wrap` applies the plan once it is checked). Each kind
 of module has one builder; a family's own attention comes from its policy
-(``DecoderPolicy.attention_module``)."""
+(``AttentionPolicy.module``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..distributed.mesh import TSPMesh
-from ..layers.attention import TSPAttention
+from ..layers.attention import AttentionShape, TSPAttention
 from ..layers.mlp import TSPGatedMLP, TSPPlainMLP
 from ..layers.moe import TSPMoE, TSPRouter
 from ..layers.norm import TSPRMSNorm
@@ -31,9 +31,9 @@ from .reading import (
     LayerSpec,
     ModelSpec,
     activation,
+    attention_parts,
     hf_linear,
     norm_eps,
-    softcap,
 )
 
 
@@ -69,8 +69,9 @@ class ModulePlan:
         TSP module too, and its state is checked to be taken whole."""
         role = ("attention" if isinstance(new, TSPAttention) else
                 "mlp" if isinstance(new, TSPGatedMLP) else None)
-        if role is not None and self.policy.fused_in(role):  # Hugging Face's fused projections
-            new.fuse(self.policy.fused_in(role))
+        fused = {} if role is None else self.policy.modules.fused_in(role)
+        if fused:  # Hugging Face's fused projections
+            new.fuse(fused)
         state = None
         if not self.empty:
             state = (old or getattr(parent, name)).state_dict()
@@ -86,13 +87,13 @@ class ModulePlan:
 
 def plan_modules(model: nn.Module, plan: ModulePlan) -> ModulePlan:
     """Every replacement of ``model``, built and recorded in ``plan``."""
-    policy = plan.policy
-    base = getattr(model, policy.base_model)
+    names = plan.policy.modules
+    base = getattr(model, names.base_model)
     embed = plan_embeddings(base, plan)
-    plan.replicate(base, policy.base_replicated)
+    plan.replicate(base, names.base_replicated)
     for layer in plan.spec.layers:
         plan_layer(layer, plan)
-    plan.replace(base, policy.final_norm, rms_norm(plan, getattr(base, policy.final_norm)))
+    plan.replace(base, names.final_norm, rms_norm(plan, getattr(base, names.final_norm)))
     plan_head(model, embed, plan)
     return plan
 
@@ -100,10 +101,10 @@ def plan_modules(model: nn.Module, plan: ModulePlan) -> ModulePlan:
 def plan_embeddings(base: nn.Module, plan: ModulePlan) -> TSPEmbedding:
     """The vocabulary-sharded embedding and the family's further ones (Gemma 4's per-layer
     inputs, where the model has them); returns the main one (a tied head shares it)."""
-    c = plan.spec.config
-    embed = embedding(plan, getattr(base, plan.policy.embed), c.vocab_size, c.hidden_size)
-    plan.replace(base, plan.policy.embed, embed)
-    for name in plan.policy.extra_embeds:
+    c, names = plan.spec.config, plan.policy.modules
+    embed = embedding(plan, getattr(base, names.embed), c.vocab_size, c.hidden_size)
+    plan.replace(base, names.embed, embed)
+    for name in names.extra_embeds:
         old = getattr(base, name, None)
         if old is not None:
             plan.replace(base, name, embedding(plan, old, old.num_embeddings, old.embedding_dim))
@@ -124,99 +125,54 @@ def plan_layer(layer: LayerSpec, plan: ModulePlan) -> None:
     replicated modules."""
     policy, c = plan.policy, plan.spec.config
     if layer.delta_net is not None:  # Qwen3.5's Gated DeltaNet: no softmax attention here
-        plan.replace(layer.module, policy.linear_attention,
+        plan.replace(layer.module, policy.modules.linear_attention,
                      tsp_delta_net(plan.mesh, c, layer.delta_net, plan.opts))
     else:
-        plan.replace(layer.module, policy.attention, build_attention(layer, plan))
-    plan.replace(layer.module, policy.mlp, build_mlp(layer, plan))
+        plan.replace(layer.module, policy.modules.attention, build_attention(layer, plan))
+    plan.replace(layer.module, policy.modules.mlp, build_mlp(layer, plan))
     if layer.moe_beside:  # Gemma 4: the layer calls its router and experts itself
         moe = plan.spec.moe
-        plan.replace(layer.module, policy.moe.router,
+        plan.replace(layer.module, policy.ffn.moe.router,
                      TSPRouter(plan.mesh, moe, init_seed=None, **plan.opts))
-        plan.replace(layer.module, policy.moe.experts, experts(plan, moe))
-    for norm in policy.layer_norms:
+        plan.replace(layer.module, policy.ffn.moe.experts, experts(plan, moe))
+    for norm in policy.modules.layer_norms:
         plan.replace(layer.module, norm, rms_norm(plan, getattr(layer.module, norm)))
-    plan.replicate(layer.module, policy.layer_replicated)
+    plan.replicate(layer.module, policy.modules.layer_replicated)
 
 
 def build_attention(layer: LayerSpec, plan: ModulePlan) -> nn.Module:
-    """The TSP attention of one layer: the family's own module (DeepSeek-V3's latent attention),
-    else an :class:`HFTSPAttention` with the parts the policy reads from the Hugging Face
-    module; a KV-sharing layer learns which earlier layer stores its K/V."""
+    """The TSP attention of one layer: the family's own module (``AttentionPolicy.module``:
+    DeepSeek-V3's latent attention), else an :class:`HFTSPAttention` of the layer's shape and
+    the parts the policy reads from the Hugging Face module (:func:`.reading.attention_parts`);
+    a layer that reuses K/V learns which earlier layer stores them."""
     policy, c, attn, mesh = plan.policy, plan.spec.config, layer.attention, plan.mesh
-    sharing = policy.kv_sharing(c, attn)
-    own = policy.attention_module  # the family's own schedule (DeepSeek-V3's latent one)
-    new = own(mesh, c, attn, plan.opts) if own is not None else hf_attention(layer, plan)
-    if sharing is not None:
-        new.kv_role, new.kv_key = sharing
-        if sharing[0] == "reuse":  # the last layer before it that stores under its key
-            new.kv_source = plan.kv_stores.get(new.kv_key)
-        else:
-            plan.kv_stores[new.kv_key] = plan.attention_layers
     plan.attention_layers += 1
-    new.rotary = bool(policy.rotary(c, attn))
-    new.rope_half_width = policy.rope_half_width
+    if policy.attn.module is not None:
+        return policy.attn.module(mesh, c, attn, plan.opts)
+    bias = hf_linear(attn, "q_proj", policy.modules.fused_in("attention")).bias is not None
+    shape = AttentionShape(c.hidden_size, plan.spec.num_heads, layer.kv_heads, layer.head_dim,
+                           qkv_bias=bias, o_bias=attn.o_proj.bias is not None)
+    parts = attention_parts(layer, c, policy)
+    new = HFTSPAttention(mesh, shape, parts, init_seed=None, **plan.opts)
+    sharing = parts.kv_sharing
+    if sharing is not None and sharing.reuses:  # the last layer before it storing under its key
+        new.kv_source = plan.kv_stores.get(sharing.key)
+    elif sharing is not None:
+        plan.kv_stores[sharing.key] = plan.attention_layers - 1
     return new
-
-
-def hf_attention(layer: LayerSpec, plan: ModulePlan) -> HFTSPAttention:
-    """An :class:`HFTSPAttention` with the parts the policy reads from the layer's Hugging Face
-    attention module."""
-    policy, c, attn, mesh = plan.policy, plan.spec.config, layer.attention, plan.mesh
-    l2_eps = policy.l2_qk_norm(c, attn)  # a weightless L2 q/k norm (Llama 4)
-    sharing = policy.kv_sharing(c, attn)
-    reuse = sharing is not None and sharing[0] == "reuse"
-    return HFTSPAttention(
-        mesh, c.hidden_size, plan.spec.num_heads, layer.kv_heads, layer.head_dim,
-        qkv_bias=hf_linear(attn, "q_proj", policy.fused_in("attention")).bias is not None,
-        o_bias=attn.o_proj.bias is not None, sliding_window=policy.sliding_window(c, attn),
-        scale=attn.scaling,
-        qk_norm_eps=head_norm_eps(policy, attn, c) if l2_eps is None else l2_eps,
-        qk_norm_kind=policy.norm if l2_eps is None else "l2",
-        softcap=softcap(policy.attn_softcap, c),
-        qk_norm_all_heads=policy.qk_norm_all_heads,
-        qk_norm_after_rope=policy.head_norms_after_rope,
-        qk_norm_names=policy.head_norms or ("q_norm", "k_norm"),
-        rope_interleaved=policy.rope_interleaved,
-        attention_chunk_size=policy.attention_chunk(c, attn),
-        sinks=isinstance(getattr(attn, "sinks", None), nn.Parameter),
-        query_scale=policy.query_scale(c, attn),
-        v_norm_eps=None if reuse else value_norm_eps(policy, attn),
-        values_from_keys=bool(policy.values_from_keys(c, attn)), kv_shared=reuse,
-        kv_out=sharing is not None and sharing[0] == "store",
-        output_gate=policy.output_gate, init_seed=None, **plan.opts)
-
-
-def head_norm_eps(policy: DecoderPolicy, attn: nn.Module, config: Any) -> float | None:
-    """The epsilon of the attention's per-head q/k norms (None: the model has none)."""
-    if policy.qk_norms(config) is None:
-        return None
-    return norm_eps(getattr(attn, policy.head_norms[0]))
-
-
-def value_norm_eps(policy: DecoderPolicy, attn: nn.Module) -> float | None:
-    """The epsilon of the attention's weightless value norm (``DecoderPolicy.value_norm``), None
-    when the policy names none."""
-    if policy.value_norm is None:
-        return None
-    norm = getattr(attn, policy.value_norm, None)
-    if norm is None:
-        raise ValueError(f"the policy {policy.name!r} names a value norm {policy.value_norm!r} "
-                         f"that the attention ({type(attn).__name__}) does not have")
-    return norm_eps(norm)
 
 
 def build_mlp(layer: LayerSpec, plan: ModulePlan) -> nn.Module:
     """The TSP MLP of one layer, by its kind: the experts, an ungated MLP or a gated one."""
     c, mlp, policy = plan.spec.config, layer.mlp, plan.policy
     if layer.mlp_kind == "moe":
-        return experts(plan, plan.spec.moe, returns_pair=policy.moe.returns_pair,
-                       router_dtype=getattr(mlp, policy.moe.router).weight.dtype)
+        return experts(plan, plan.spec.moe, returns_pair=policy.ffn.moe.returns_pair,
+                       router_dtype=getattr(mlp, policy.ffn.moe.router).weight.dtype)
     act = ACTIVATIONS[activation(c)]
     if layer.mlp_kind == "plain":
         return TSPPlainMLP(plan.mesh, c.hidden_size, layer.mlp_width, activation=act,
                            bias=mlp.up_proj.bias is not None, init_seed=None, **plan.opts)
-    bias = hf_linear(mlp, "gate_proj", policy.fused_in("mlp")).bias is not None
+    bias = hf_linear(mlp, "gate_proj", policy.modules.fused_in("mlp")).bias is not None
     return TSPGatedMLP(plan.mesh, c.hidden_size, layer.mlp_width, activation=act, bias=bias,
                        init_seed=None, **plan.opts)
 
@@ -252,9 +208,10 @@ def replicated(plan: ModulePlan, old: nn.Module) -> nn.Module:
 
 def plan_head(model: nn.Module, embed: TSPEmbedding, plan: ModulePlan) -> None:
     """The vocabulary-parallel LM head: tied to the embedding when the model ties them."""
-    c, name = plan.spec.config, plan.policy.lm_head
+    c, names = plan.spec.config, plan.policy.modules
+    name = names.lm_head
     old = getattr(model, name)
-    if old.weight is getattr(getattr(model, plan.policy.base_model), plan.policy.embed).weight:
+    if old.weight is getattr(getattr(model, names.base_model), names.embed).weight:
         head = TSPLMHead(plan.mesh, c.vocab_size, c.hidden_size, tied_to=embed)
         plan.replacements.append(Replacement(model, name, head, None))
     else:

@@ -7,7 +7,8 @@ replacements (:mod:`.build`), still before the model changes."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from ..layers.sizes import valid_sizes_hint, valid_tsp_sizes
 from ..layers.tiles import check_tile_tokens
 from .delta_net import check_delta_nets
 from .policies import DecoderPolicy
-from .reading import ACTIVATIONS, ModelSpec, activation, norm_eps, softcap
+from .reading import ACTIVATIONS, ModelSpec, activation, attention_parts, norm_eps, softcap
 
 
 def check_options(mesh: TSPMesh, mp_policy: Any, tile_tokens: int | None,
@@ -56,9 +57,9 @@ def check_model(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, spec: Mo
     check_modules(model, policy)
     check_head_norms(model, policy, spec)
     check_kv_sharing(model, policy, spec)
-    if policy.attention_module is None:  # a family's own attention checks its own rows
+    if policy.attn.module is None:  # a family's own attention checks its own rows
         check_attention_rows(policy, spec)
-    dense = getattr(spec.config, policy.dense_intermediate_size)
+    dense = getattr(spec.config, policy.ffn.dense_intermediate_size)
     check_fused(model, policy, {"q_proj": spec.num_heads * spec.head_dim,
                                 "k_proj": spec.kv_heads * spec.head_dim,
                                 "v_proj": spec.kv_heads * spec.head_dim, "gate_proj": dense,
@@ -95,7 +96,7 @@ def check_sizes(mesh: TSPMesh, policy: DecoderPolicy, spec: ModelSpec,
     for width in widths:
         if width % mesh.size:
             raise ValueError(f"tsp_size ({mesh.size}) must divide "
-                             f"{policy.dense_intermediate_size} ({width}); {hint}")
+                             f"{policy.ffn.dense_intermediate_size} ({width}); {hint}")
 
 
 def check_config(model: nn.Module, policy: DecoderPolicy, spec: ModelSpec) -> None:
@@ -107,8 +108,9 @@ def check_config(model: nn.Module, policy: DecoderPolicy, spec: ModelSpec) -> No
         raise ValueError(f"{type(model).__name__}: {'; '.join(refused)} not implemented by TSP; "
                          f"set {'them' if len(refused) > 1 else 'it'} to None/False to run it "
                          f"without (a different model), or train it without TSP")
-    for what, hook in (("attention", policy.attn_softcap), ("logits", policy.logits_softcap)):
-        cap = softcap(hook, c)
+    caps = (("attention", policy.attn.softcap_of(c)),
+            ("logits", softcap(policy.head.logits_softcap, c)))
+    for what, cap in caps:
         if cap is not None and not cap > 0:
             raise ValueError(f"{type(model).__name__}: the {what} soft-cap ({cap}) must be "
                              f"positive, or None for no soft-capping")
@@ -152,10 +154,11 @@ def check_parameters(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> 
 
 def check_modules(model: nn.Module, policy: DecoderPolicy) -> None:
     """The base model holds the modules the policy names."""
-    base = getattr(model, policy.base_model)
-    for name in (policy.embed, policy.layers, policy.final_norm):
+    names = policy.modules
+    base = getattr(model, names.base_model)
+    for name in (names.embed, names.layers, names.final_norm):
         if not hasattr(base, name):
-            raise ValueError(f"{type(model).__name__}.{policy.base_model} has no {name!r}; the "
+            raise ValueError(f"{type(model).__name__}.{names.base_model} has no {name!r}; the "
                              f"policy {policy.name!r} does not describe this model")
 
 
@@ -165,11 +168,11 @@ def float32_kept(model: nn.Module, policy: DecoderPolicy) -> Callable[[str], boo
     (``ExpertsPolicy.router_float32``, GLM-4.5) and the RMSNorms among the model's
     ``_keep_in_fp32_modules`` (gpt-oss's in a float16 model; each TSPRMSNorm takes its weight's
     dtype)."""
-    moe = policy.moe
-    router = f"{policy.mlp}.{moe.router}.weight" if moe is not None and moe.router_float32 else None
+    moe, names = policy.ffn.moe, policy.modules
+    router = f"{names.mlp}.{moe.router}.weight" if moe is not None and moe.router_float32 else None
     listed = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
               *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
-    norms = listed & {*policy.layer_norms, policy.final_norm}
+    norms = listed & {*names.layer_norms, names.final_norm}
 
     def kept(name: str) -> bool:
         parts = name.split(".")
@@ -187,26 +190,27 @@ def check_attention_rows(policy: DecoderPolicy, spec: ModelSpec) -> None:
         if s.attention is None:  # no softmax attention
             continue
         k, d = s.kv_heads, s.head_dim
-        q_rows = nq * d * (2 if policy.output_gate else 1)  # [query | gate] per head (Qwen3.5)
+        q_rows = nq * d * (2 if policy.attn.output_gate else 1)  # [query | gate] per head
         for name, rows in (("q_proj", q_rows), ("k_proj", k * d)):
             linear = getattr(s.attention, name, None)
             if isinstance(linear, nn.Linear) and linear.out_features != rows:
-                raise ValueError(f"layer {s.index}: {policy.attention}.{name} has "
+                raise ValueError(f"layer {s.index}: {policy.modules.attention}.{name} has "
                                  f"{linear.out_features} rows, but the layer's {nq} query and {k} "
                                  f"key/value heads of head_dim {d} make {rows}")
 
 
 def check_fused(model: nn.Module, policy: DecoderPolicy, rows: dict[str, int]) -> None:
     """Every fused projection the policy names exists with the rows of its parts."""
-    base = getattr(model, policy.base_model)
-    for role, name, parts in policy.fused:
-        for i, layer in enumerate(getattr(base, policy.layers)):
-            module = getattr(layer, getattr(policy, role))
+    names = policy.modules
+    base = getattr(model, names.base_model)
+    for role, name, parts in names.fused:
+        for i, layer in enumerate(getattr(base, names.layers)):
+            module = getattr(layer, getattr(names, role))
             linear = getattr(module, name, None)
             want = sum(rows[p] for p in parts)
             got = None if linear is None else tuple(linear.weight.shape)
             if got is None or got[0] != want:
-                raise ValueError(f"layer {i}: {getattr(policy, role)}.{name} has weight shape "
+                raise ValueError(f"layer {i}: {getattr(names, role)}.{name} has weight shape "
                                  f"{got}; the policy {policy.name!r} fuses {parts} there "
                                  f"({want} rows)")
 
@@ -217,25 +221,26 @@ def check_moe_policy(model: nn.Module, policy: DecoderPolicy) -> None:
     policy matched by class or model_type never runs it as a dense model."""
     c = getattr(model, "config", None)
     for name in ("num_local_experts", "num_experts"):  # Mixtral; Qwen2/3-MoE, OLMoE, ...
-        if getattr(c, name, None) and policy.moe is None:
+        if getattr(c, name, None) and policy.ffn.moe is None:
             raise ValueError(f"{type(model).__name__} is a mixture-of-experts model "
                              f"(config.{name}={getattr(c, name)}) and the policy {policy.name!r} "
                              f"describes no experts; TSP runs the MoE of Mixtral and Qwen3-MoE "
                              f"(docs/moe.md): train it without TSP, or describe its experts with "
-                             f"DecoderPolicy(moe=ExpertsPolicy(...))")
+                             f"DecoderPolicy(ffn=FeedForwardPolicy(moe=ExpertsPolicy(...)))")
 
 
 def check_kv_sharing(model: nn.Module, policy: DecoderPolicy, spec: ModelSpec) -> None:
-    """Each layer that reuses K/V (``DecoderPolicy.kv_sharing``) comes after a layer that stores
+    """Each layer that reuses K/V (its parts' ``KVSharing``) comes after a layer that stores
     them under its key, with the same key/value heads and head_dim."""
     stored: dict[Any, tuple[int, tuple[int, int]]] = {}
     for s in spec.layers:
         if s.attention is None:  # no softmax attention
             continue
-        sharing = policy.kv_sharing(model.config, s.attention)
+        parts = attention_parts(s, model.config, policy)
+        sharing = None if parts is None else parts.kv_sharing
         if sharing is None:
             continue
-        role, key = sharing
+        role, key = sharing.role, sharing.key
         shape = (s.kv_heads, s.head_dim)
         if role == "store":
             stored[key] = (s.index, shape)
@@ -250,17 +255,19 @@ def check_kv_sharing(model: nn.Module, policy: DecoderPolicy, spec: ModelSpec) -
 
 def check_head_norms(model: nn.Module, policy: DecoderPolicy, spec: ModelSpec) -> None:
     """The q/k norms are what the policy says: per head (weights of the layer's head_dim) or over
-    all heads of a token (``qk_norm_all_heads``: nq*head_dim, nkv*head_dim), with the same eps."""
-    if policy.qk_norms(model.config) is None:
+    all heads of a token (``QKNorm.scope`` "token": nq*head_dim, nkv*head_dim), with the same
+    eps."""
+    qk = policy.attn.qk_norm_in(model.config)
+    if qk is None:
         return
     for s in spec.layers:
         if s.attention is None:  # no softmax attention
             continue
         i, attn, k, d = s.index, s.attention, s.kv_heads, s.head_dim
-        q_width, k_width = ((spec.num_heads * d, k * d) if policy.qk_norm_all_heads else (d, d))
-        sharing = policy.kv_sharing(model.config, attn)
-        names = policy.head_norms
-        if sharing is not None and sharing[0] == "reuse":  # no K/V, no k norm of its own
+        q_width, k_width = ((spec.num_heads * d, k * d) if qk.over_token else (d, d))
+        names = qk.names
+        parts = attention_parts(s, model.config, policy)
+        if parts is not None and parts.kv_shared:  # no K/V, no k norm of its own
             names, k_width = names[:1], None
         norms = [getattr(attn, n, None) for n in names]
         if any(n is None for n in norms):
@@ -268,10 +275,10 @@ def check_head_norms(model: nn.Module, policy: DecoderPolicy, spec: ModelSpec) -
                              f"{names} that the attention does not have")
         shapes = [tuple(n.weight.shape) for n in norms]
         if shapes != [(q_width,), (k_width,)][:len(norms)]:
-            what = ("over all heads of a token" if policy.qk_norm_all_heads else "per head")
+            what = ("over all heads of a token" if qk.over_token else "per head")
             raise ValueError(f"layer {i}: q/k norm weights of shapes {shapes}, but the policy "
                              f"{policy.name!r} describes norms {what}: [({q_width},), "
-                             f"({k_width},)]; set DecoderPolicy.qk_norm_all_heads to match")
+                             f"({k_width},)]; set DecoderPolicy.attn.qk_norm.scope to match")
         if len(norms) == 2 and norm_eps(norms[0]) != norm_eps(norms[1]):
             raise ValueError(f"layer {i}: q_norm eps ({norm_eps(norms[0])}) and k_norm eps "
                              f"({norm_eps(norms[1])}) differ")

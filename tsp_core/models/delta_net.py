@@ -1,7 +1,7 @@
 """Qwen3.5's Gated DeltaNet layers in a Hugging Face model under TSP: the Hugging Face module
 read into a :class:`~tsp_core.layers.linear_attention.TSPGatedDeltaNet` with its call signature
-(``DecoderPolicy.linear_attention`` names the module; a decoder layer that has it has no softmax
-attention)."""
+(the policy's ``modules.linear_attention`` names the module; a decoder layer that has it has no
+softmax attention)."""
 
 from __future__ import annotations
 

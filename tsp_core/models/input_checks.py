@@ -22,6 +22,7 @@ import torch
 from ..distributed import comm
 from ..distributed.chunks import rank_chunks, row_segments
 from ..distributed.model_state import model_state
+from ..layers.attention import TSPAttention
 from ..layers.rope import length_dependent_types
 from ..sequence.layout import IGNORE_INDEX, batch_fingerprint
 
@@ -242,7 +243,7 @@ def check_model_features(model: Any, docs: tuple[tuple[int, ...], ...] | None,
     """What the model's own features need of the batch: one document per row when queries are
     scaled by position, the global length for a length-dependent rope (whose kinds it returns)."""
     packed = [r for r, d in enumerate(docs or ()) if len(d) > 1]
-    if packed and any(getattr(getattr(m, "spec", None), "query_scale", None) is not None
+    if packed and any(isinstance(m, TSPAttention) and m.parts.query_scale is not None
                       for m in model.modules()):
         found.add(PACKED_QUERY_SCALE, f"row {packed[0]} holds {len(docs[packed[0]])} documents "
                                       f"{list(docs[packed[0]])} and layers scale queries by "

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from ..distributed.mesh import TSPMesh
+from ..layers.attention import AttentionParts
 from ..layers.moe import MoESpec, choose_schedule
 from .policies import DecoderPolicy
+from .policies.attention import norm_eps  # noqa: F401  (read here by checks and build)
 
 # Hugging Face's activation names -> the TSP MLPs' (tsp_core.layers.mlp)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -55,9 +57,9 @@ def read_model(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy) -> ModelS
     """The spec of ``model`` under ``policy`` for a TSP group of ``mesh.size`` ranks."""
     c = model.config
     nq, nkv, head_dim = config_shape(c)
-    base = getattr(model, policy.base_model, None)
+    base = getattr(model, policy.modules.base_model, None)
     layers = tuple(read_layer(i, layer, c, policy, (nq, nkv, head_dim))
-                   for i, layer in enumerate(getattr(base, policy.layers, [])))
+                   for i, layer in enumerate(getattr(base, policy.modules.layers, [])))
     has_moe = any(s.mlp_kind == "moe" or s.moe_beside for s in layers)
     return ModelSpec(c, nq, nkv, head_dim, layers, moe_spec(c, policy, mesh) if has_moe else None)
 
@@ -67,16 +69,27 @@ def read_layer(index: int, layer: nn.Module, config: Any, policy: DecoderPolicy,
     """One decoder layer's spec (``shape``: the config's query heads, key/value heads and
     head size)."""
     delta = delta_net(layer, policy)
-    attn = None if delta is not None else getattr(layer, policy.attention, None)
+    attn = None if delta is not None else getattr(layer, policy.modules.attention, None)
     kv_heads, head_dim = shape[1:]
     if attn is not None:
         kv_heads, head_dim = attention_shape(attn, *shape)
-    mlp = getattr(layer, policy.mlp, None)
-    kind = ("moe" if policy.sparse_mlp(mlp) else "plain" if is_plain_mlp(mlp, policy)
+    mlp = getattr(layer, policy.modules.mlp, None)
+    kind = ("moe" if policy.ffn.sparse_mlp(mlp) else "plain" if is_plain_mlp(mlp, policy)
             else "gated")
     width = None if kind == "moe" else mlp_width(mlp, config, policy)
     return LayerSpec(index, layer, delta, attn, kv_heads, head_dim, mlp, kind, width,
-                     policy.moe_beside_mlp(layer))
+                     policy.ffn.moe_beside_mlp(layer))
+
+
+def attention_parts(layer: LayerSpec, config: Any, policy: DecoderPolicy
+                    ) -> AttentionParts | None:
+    """The parts the policy reads from a layer's Hugging Face attention
+    (:meth:`~.policies.attention.AttentionPolicy.parts`), read when the checks and the build
+    need them (a model already parallelized holds no Hugging Face attention to read); None for
+    a layer without softmax attention or with the family's own attention module."""
+    if layer.attention is None or policy.attn.module is not None:
+        return None
+    return policy.attn.parts(config, layer.attention, policy.norm)
 
 
 def config_shape(config: Any) -> tuple[int, int, int]:
@@ -103,43 +116,39 @@ def attention_shape(attn: nn.Module, nq: int, nkv: int, head_dim: int) -> tuple[
 
 
 def delta_net(layer: nn.Module, policy: DecoderPolicy) -> nn.Module | None:
-    """A decoder layer's Gated DeltaNet (``DecoderPolicy.linear_attention``, Qwen3.5's linear
+    """A decoder layer's Gated DeltaNet (``ModuleNames.linear_attention``, Qwen3.5's linear
     attention), None for a layer with softmax attention."""
-    return getattr(layer, policy.linear_attention, None) if policy.linear_attention else None
+    name = policy.modules.linear_attention
+    return getattr(layer, name, None) if name else None
 
 
 def mlp_width(mlp: nn.Module, config: Any, policy: DecoderPolicy) -> int:
     """A dense MLP's intermediate size, from its up projection's rows (its share of a fused one):
     each layer's own (Gemma 4's double-wide MLPs on its KV-shared layers), else the config's."""
-    for name, parts in policy.fused_in("mlp").items():
+    for name, parts in policy.modules.fused_in("mlp").items():
         if "up_proj" in parts and isinstance(getattr(mlp, name, None), nn.Linear):
             return getattr(mlp, name).out_features // len(parts)
     up = getattr(mlp, "up_proj", None)
     if isinstance(up, nn.Linear):
         return up.out_features
-    return getattr(config, policy.dense_intermediate_size)
+    return getattr(config, policy.ffn.dense_intermediate_size)
 
 
 def is_plain_mlp(mlp: nn.Module, policy: DecoderPolicy) -> bool:
     """Whether a dense MLP is ungated, ``down(act(up(x)))`` (Apertus): it has no gate, plain or
     fused; :class:`~tsp_core.layers.mlp.TSPPlainMLP` replaces it."""
-    return not (policy.sparse_mlp(mlp) or hasattr(mlp, "gate_proj") or policy.fused_in("mlp"))
+    return not (policy.ffn.sparse_mlp(mlp) or hasattr(mlp, "gate_proj")
+                or policy.modules.fused_in("mlp"))
 
 
 def moe_spec(config: Any, policy: DecoderPolicy, mesh: TSPMesh) -> MoESpec:
     """The shape and routing of the family's sparse MLPs, from the config."""
-    return policy.moe.spec(config, mesh.size, ACTIVATIONS.get(activation(config), "silu"))
+    return policy.ffn.moe.spec(config, mesh.size, ACTIVATIONS.get(activation(config), "silu"))
 
 
 def activation(config: Any) -> str:
     """The MLP's activation name (Gemma 2/3 call the field hidden_activation)."""
     return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-
-
-def norm_eps(norm: nn.Module) -> float:
-    """An RMSNorm's epsilon (Llama's ``variance_epsilon``, Gemma's ``eps``)."""
-    eps = getattr(norm, "variance_epsilon", None)
-    return norm.eps if eps is None else eps
 
 
 def softcap(hook: Any, config: Any) -> float | None:
@@ -175,7 +184,7 @@ def moe_schedule_for(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy, req
     """The MoE schedule the layers run: ``requested``, or for "auto" the one that moves fewer
     bytes at ``tokens_per_rank`` (:func:`tsp_core.layers.moe.choose_schedule`). A dense model
     (a dense Gemma 4 under its MoE policy, too) keeps "auto": it has no MoE layer."""
-    if policy.moe is None or requested != "auto" or not getattr(
-            model.config, policy.moe.num_experts, None):
+    if policy.ffn.moe is None or requested != "auto" or not getattr(
+            model.config, policy.ffn.moe.num_experts, None):
         return requested
     return choose_schedule(moe_spec(model.config, policy, mesh), tokens_per_rank)

@@ -77,11 +77,11 @@ class TSPCausalLM:
             raise ValueError("fused_lm_head=True scores the labels: pass labels (TRL's trainers "
                              "do) so that the model shards them into shift_labels")
         with rope.global_length(state.ropes, rope_len):
-            out = getattr(self, state.policy.base_model)(
+            out = getattr(self, state.policy.modules.base_model)(
                 input_ids=input_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
                 use_cache=False, **kwargs)
         aux = aux_loss(self, router, attention_mask)
-        head: TSPLMHead = getattr(self, state.policy.lm_head)
+        head: TSPLMHead = getattr(self, state.policy.modules.lm_head)
         hidden = head.scale_input(out.last_hidden_state)
         if shift_labels is None:
             return causal_lm_output(logits=head(hidden), aux_loss=aux)
@@ -212,7 +212,7 @@ def aux_loss(model: nn.Module, output_router_logits: bool | None,
               else getattr(model.config, "output_router_logits", False))
     state = model_state(model)
     try:
-        if not wanted or not state.policy.moe.aux_loss:  # GLM-4.5 has none
+        if not wanted or not state.policy.ffn.moe.aux_loss:  # GLM-4.5 has none
             return None
         if any(m.router_logits is None for m in layers):
             raise ValueError("an MoE layer has no router logits: it did not run forward")

@@ -36,10 +36,10 @@ def apply_plan(model: nn.Module, plan: ModulePlan) -> None:
             r.new.load_full(r.state)
         setattr(r.parent, r.name, r.new)
     policy, c = plan.policy, plan.spec.config
-    head = getattr(model, policy.lm_head)
-    if policy.logits_divisor is not None:
-        head.logits_divisor = float(policy.logits_divisor(c))
-    head.logits_softcap = softcap(policy.logits_softcap, c)
+    head = getattr(model, policy.modules.lm_head)
+    if policy.head.logits_divisor is not None:
+        head.logits_divisor = float(policy.head.logits_divisor(c))
+    head.logits_softcap = softcap(policy.head.logits_softcap, c)
 
 
 def wrap_model(model: nn.Module, plan: ModulePlan, tile_tokens: int | None,
@@ -59,7 +59,7 @@ def wrap_model(model: nn.Module, plan: ModulePlan, tile_tokens: int | None,
     for module in model.modules():  # the MLPs, the experts and the loss
         if hasattr(module, "tile_tokens"):
             module.tile_tokens = tile_tokens
-    layers = list(getattr(getattr(model, policy.base_model), policy.layers))
+    layers = list(getattr(getattr(model, policy.modules.base_model), policy.modules.layers))
     if activation_offload:
         state.offload = install_activation_offload(model, layers)
     if mesh.fsdp_size > 1:  # FSDP2 sums data-parallel gradients itself

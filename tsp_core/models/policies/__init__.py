@@ -28,6 +28,11 @@ from . import (  # noqa: F401  (each registers its family)
     seed_oss,
     smollm3,
 )
-from .base import DecoderPolicy, ExpertsPolicy, find_policy, register_policy, supported
+from .attention import AttentionPolicy
+from .base import DecoderPolicy, find_policy, register_policy, supported
+from .ffn import ExpertsPolicy, FeedForwardPolicy
+from .head import HeadPolicy
+from .modules import ModuleNames
 
-__all__ = ["DecoderPolicy", "ExpertsPolicy", "find_policy", "register_policy", "supported"]
+__all__ = ["AttentionPolicy", "DecoderPolicy", "ExpertsPolicy", "FeedForwardPolicy", "HeadPolicy",
+           "ModuleNames", "find_policy", "register_policy", "supported"]

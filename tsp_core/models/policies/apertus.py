@@ -5,9 +5,11 @@ an MLP without a gate becomes :class:`~tsp_core.layers.mlp.TSPPlainMLP`, whose x
 its learnable ``alpha_p``, ``alpha_n`` (replicated, gradients summed over the group) and its
 ``beta``, ``eps`` buffers under Hugging Face's names."""
 
+from .attention import PER_HEAD, AttentionPolicy
 from .base import DecoderPolicy, register_policy
+from .modules import ModuleNames
 
 POLICY = register_policy(DecoderPolicy(
     name="apertus", model_types=("apertus",), class_names=("ApertusForCausalLM",),
-    layer_norms=("attention_layernorm", "feedforward_layernorm"),
-    head_norms=("q_norm", "k_norm")))
+    modules=ModuleNames(layer_norms=("attention_layernorm", "feedforward_layernorm")),
+    attn=AttentionPolicy(qk_norm=PER_HEAD)))

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from ...layers.attention.latent import TSPLatentAttention
-from .base import DecoderPolicy, ExpertsPolicy, register_policy
-from .glm4_moe import _norm_topk, _router
+from .attention import AttentionPolicy
+from .base import DecoderPolicy, register_policy
+from .ffn import FeedForwardPolicy
+from .glm4_moe import EXPERTS as GLM4_MOE_EXPERTS
 
 
 class HFTSPLatentAttention(TSPLatentAttention):
@@ -54,7 +56,5 @@ def latent_attention(mesh, config: Any, attn: nn.Module, opts: dict) -> HFTSPLat
 
 POLICY = register_policy(DecoderPolicy(
     name="deepseek_v3", model_types=("deepseek_v3",), class_names=("DeepseekV3ForCausalLM",),
-    attention_module=latent_attention,
-    moe=ExpertsPolicy(num_experts="n_routed_experts", intermediate_size="moe_intermediate_size",
-                      norm_topk=_norm_topk, options=_router, aux_loss=False,
-                      router_float32=True)))
+    attn=AttentionPolicy(module=latent_attention),
+    ffn=FeedForwardPolicy(moe=GLM4_MOE_EXPERTS)))

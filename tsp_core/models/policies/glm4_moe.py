@@ -9,7 +9,9 @@ of ``n_shared_experts * moe_intermediate_size`` on every token. No load-balancin
 correction bias balances). The router weight and the correction bias stay float32 in a bf16
 model, as ``from_pretrained`` keeps them (``router_float32``)."""
 
-from .base import DecoderPolicy, ExpertsPolicy, register_policy
+from .attention import PER_HEAD, AttentionPolicy
+from .base import DecoderPolicy, register_policy
+from .ffn import ExpertsPolicy, FeedForwardPolicy
 
 
 def _norm_topk(config):
@@ -31,9 +33,14 @@ def _router(config):
                 shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
 
 
+# the sigmoid router with its correction bias and groups, and the shared experts; DeepSeek-V3's
+# experts are the same (policies/deepseek_v3.py)
+EXPERTS = ExpertsPolicy(num_experts="n_routed_experts", intermediate_size="moe_intermediate_size",
+                        norm_topk=_norm_topk, options=_router, aux_loss=False,
+                        router_float32=True)
+
+
 POLICY = register_policy(DecoderPolicy(
     name="glm4_moe", model_types=("glm4_moe",), class_names=("Glm4MoeForCausalLM",),
-    head_norms=("q_norm", "k_norm"), head_norms_on=_qk_norm,
-    moe=ExpertsPolicy(num_experts="n_routed_experts", intermediate_size="moe_intermediate_size",
-                      norm_topk=_norm_topk, options=_router, aux_loss=False,
-                      router_float32=True)))
+    attn=AttentionPolicy(qk_norm=PER_HEAD, qk_norm_on=_qk_norm),
+    ffn=FeedForwardPolicy(moe=EXPERTS)))

@@ -4,7 +4,8 @@ and ``residual_multiplier`` (the model's and the layer's own forward apply them)
 (the logits are divided by it: ``logits_divisor``)."""
 
 from .base import DecoderPolicy, register_policy
+from .head import HeadPolicy
 
-POLICY = register_policy(DecoderPolicy(name="granite", model_types=("granite",),
-                                       class_names=("GraniteForCausalLM",),
-                                       logits_divisor=lambda config: config.logits_scaling))
+POLICY = register_policy(DecoderPolicy(
+    name="granite", model_types=("granite",), class_names=("GraniteForCausalLM",),
+    head=HeadPolicy(logits_divisor=lambda config: config.logits_scaling)))

@@ -1,8 +1,8 @@
 """Llama 4 text (Llama4ForCausalLM, ``model_type`` "llama4_text"; the vision model is not a
 causal LM TSP runs). Llama's layout with:
 
-- RoPE on channel pairs from one complex ``freqs_cis`` (``rope_interleaved``; the attention turns
-  it into cos/sin: :func:`tsp_core.layers.attention.module.real_rotary`);
+- RoPE on channel pairs from one complex ``freqs_cis`` (``Rotary("complex")``; the attention
+  turns it into cos/sin: :func:`tsp_core.layers.attention.module.real_rotary`);
 - NoPE layers (``no_rope_layers[i]`` 0: the attention's ``use_rope``), whose queries are scaled by
   the attention temperature of their global position when ``attn_temperature_tuning``:
   ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` (:class:`TemperatureTuning`);
@@ -23,17 +23,21 @@ model in float64 (its tests compare against a float64-faithful copy of that code
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .base import DecoderPolicy, ExpertsPolicy, register_policy
+from ...layers.attention.parts import AttentionParts, QKNorm, Rotary
+from .attention import AttentionPolicy, no_rotary
+from .base import DecoderPolicy, register_policy
+from .ffn import ExpertsPolicy, FeedForwardPolicy
+from .modules import ModuleNames
 
 
 @dataclass(frozen=True)
 class TemperatureTuning:
     """Llama 4's attention temperature (arXiv 2501.19399) as a query scale of global positions
-    (:attr:`tsp_core.layers.attention.AttentionSpec.query_scale`): Hugging Face's own formula,
+    (:attr:`tsp_core.layers.attention.AttentionParts.query_scale`): Hugging Face's own formula,
     computed in ``dtype`` (float32 for bf16 and float32 models, as Hugging Face does)."""
 
     floor_scale: float
@@ -50,19 +54,25 @@ def _chunk(config, attention):
     return config.attention_chunk_size
 
 
-def _rotary(config, attention):
-    return bool(attention.use_rope)
-
-
 def _temperature(config, attention):
     if not attention.attn_temperature_tuning or attention.use_rope:
         return None
     return TemperatureTuning(float(attention.floor_scale), float(attention.attn_scale))
 
 
-def _l2_norm(config, attention):
-    norm = getattr(attention, "qk_norm", None)  # only on RoPE layers, when use_qk_norm
-    return None if norm is None else float(norm.eps)
+def _l2_norm(config, attention) -> QKNorm | None:
+    """The weightless L2 q/k norm, after RoPE (only on RoPE layers, when use_qk_norm)."""
+    norm = getattr(attention, "qk_norm", None)
+    return None if norm is None else QKNorm("l2", float(norm.eps), after_rope=True)
+
+
+def _parts(config, attention, parts: AttentionParts) -> AttentionParts:
+    """Llama 4's own parts: the chunk, the L2 q/k norm, and on NoPE layers no rotary and the
+    attention temperature."""
+    parts = replace(parts, mask=replace(parts.mask, chunk_size=_chunk(config, attention)),
+                    qk_norm=_l2_norm(config, attention),
+                    query_scale=_temperature(config, attention))
+    return parts if attention.use_rope else no_rotary(parts)
 
 
 def _no_renorm(config):
@@ -74,10 +84,14 @@ def _experts(config):
                 shared_intermediate_size=config.intermediate_size, shared_name="shared_expert")
 
 
+# dense layers of intermediate_size_mlp channels between the MoE layers
+FFN = FeedForwardPolicy(
+    dense_intermediate_size="intermediate_size_mlp",
+    moe=ExpertsPolicy(num_experts="num_local_experts", router="router", norm_topk=_no_renorm,
+                      options=_experts, aux_loss=False, returns_pair=True, hub_parts=None))
+
+
 POLICY = register_policy(DecoderPolicy(
     name="llama4_text", model_types=("llama4_text",), class_names=("Llama4ForCausalLM",),
-    mlp="feed_forward", dense_intermediate_size="intermediate_size_mlp",
-    attention_chunk=_chunk, rotary=_rotary, rope_interleaved=True, query_scale=_temperature,
-    l2_qk_norm=_l2_norm, head_norms_after_rope=True,
-    moe=ExpertsPolicy(num_experts="num_local_experts", router="router", norm_topk=_no_renorm,
-                      options=_experts, aux_loss=False, returns_pair=True, hub_parts=None)))
+    modules=ModuleNames(mlp="feed_forward"), ffn=FFN,
+    attn=AttentionPolicy(rotary=Rotary("complex"), family_parts=_parts)))

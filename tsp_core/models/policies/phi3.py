@@ -7,15 +7,13 @@ Every layer uses ``config.sliding_window`` (None disables it); longrope and part
 model's own rotary embedding. Generation recomputes the KV cache where HF's Phi-3 ``generate``
 does: once, when the sequence first passes ``original_max_position_embeddings``."""
 
+from .attention import AttentionPolicy, window_from_config
 from .base import DecoderPolicy, register_policy
-
-
-def _window(config, attention):
-    return getattr(config, "sliding_window", None)
-
+from .modules import ModuleNames
 
 POLICY = register_policy(DecoderPolicy(
-    name="phi3", model_types=("phi3",), class_names=("Phi3ForCausalLM",), sliding_window=_window,
-    fused=(("attention", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-           ("mlp", "gate_up_proj", ("gate_proj", "up_proj"))),
+    name="phi3", model_types=("phi3",), class_names=("Phi3ForCausalLM",),
+    attn=AttentionPolicy(sliding_window=window_from_config),
+    modules=ModuleNames(fused=(("attention", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                               ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))),
     recompute_cache_at=lambda config: getattr(config, "original_max_position_embeddings", None)))

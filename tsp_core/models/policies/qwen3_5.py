@@ -11,10 +11,11 @@ DeltaNet, run by TSPGatedDeltaNet (tsp_core.layers.linear_attention)."""
 
 from __future__ import annotations
 
+from .attention import PER_HEAD, AttentionPolicy
 from .base import DecoderPolicy, register_policy
-
+from .modules import ModuleNames
 
 POLICY = register_policy(DecoderPolicy(
     name="qwen3_5", model_types=("qwen3_5_text",), class_names=("Qwen3_5ForCausalLM",),
-    norm="gemma", head_norms=("q_norm", "k_norm"), output_gate=True,
-    linear_attention="linear_attn"))
+    norm="gemma", attn=AttentionPolicy(qk_norm=PER_HEAD, output_gate=True),
+    modules=ModuleNames(linear_attention="linear_attn")))

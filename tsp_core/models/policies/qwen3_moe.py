@@ -4,11 +4,9 @@ expert, top ``num_experts_per_tok`` of ``num_experts``, weights renormalised whe
 ``norm_topk_prob`` and cast back to the logits' dtype; the layers in ``mlp_only_layers`` (or off
 the ``decoder_sparse_step``) keep a dense MLP of ``intermediate_size``."""
 
-from .base import DecoderPolicy, ExpertsPolicy, register_policy
-
-
-def _window(config, attention):
-    return getattr(attention, "sliding_window", None)
+from .attention import PER_HEAD, AttentionPolicy, window_from_module
+from .base import DecoderPolicy, register_policy
+from .ffn import ExpertsPolicy, FeedForwardPolicy
 
 
 def _norm_topk(config):
@@ -17,6 +15,7 @@ def _norm_topk(config):
 
 POLICY = register_policy(DecoderPolicy(
     name="qwen3_moe", model_types=("qwen3_moe",), class_names=("Qwen3MoeForCausalLM",),
-    sliding_window=_window, head_norms=("q_norm", "k_norm"),
-    moe=ExpertsPolicy(num_experts="num_experts", intermediate_size="moe_intermediate_size",
-                      norm_topk=_norm_topk, weights_in_logits_dtype=True)))
+    attn=AttentionPolicy(sliding_window=window_from_module, qk_norm=PER_HEAD),
+    ffn=FeedForwardPolicy(moe=ExpertsPolicy(
+        num_experts="num_experts", intermediate_size="moe_intermediate_size",
+        norm_topk=_norm_topk, weights_in_logits_dtype=True))))
