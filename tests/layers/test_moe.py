@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 import tsp_core
 from tests.inference.test_decode import left_padded
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, hf_models, parity
 from tests.support.reference import assert_close, assert_grads_close
 from tsp_core import comm
 from tsp_core.layers.moe import TSPMoE
@@ -178,50 +179,24 @@ def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return ce + AUX_COEF * aux_reference(out.router_logits, experts, c.num_experts_per_tok)
 
 
-def batches(vocab: int, rows: int, seq: int, steps: int):
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (rows, seq), generator=gen)
-        labels = ids.clone()
-        labels[0, :3] = -100
-        yield ids, labels
+def aux_loss_present(present: bool, out) -> None:
+    """A TSP step's output carries the load-balancing loss exactly when the family has one
+    (GLM-4.5 has none: its correction bias balances)."""
+    aux = getattr(out, "aux_loss", None)
+    assert (aux is not None) == present, aux
 
 
-def train_parity(family: str, tsp: int, schedule: str = "expert", seq: int = 16,
-                 steps: int = 3) -> list[float]:
-    mesh = dist_pool.mesh(tsp)
-    dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
-    ref = build(family)
-    model = tsp_core.parallelize(copy.deepcopy(ref), mesh, moe_schedule=schedule)
-    assert {m.schedule for m in model.modules() if isinstance(m, TSPMoE)} == {schedule}
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rows, losses = 2, []
-    for step, (ids, labels) in enumerate(batches(ref.config.vocab_size, rows * dp, seq, steps)):
-        expected = reference_loss(ref, ids, labels)
-        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        out = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
-                                           mesh))
-        aux = getattr(out, "aux_loss", None)  # GLM-4.5 has no load-balancing loss
-        assert (aux is None) == (family == "glm4_moe"), aux
-        rel = abs(out.loss.item() - expected.item()) / abs(expected.item())
-        assert rel <= 1e-10, f"step {step}: loss {out.loss.item()!r} vs {expected.item()!r}"
-        losses.append(out.loss.item())
-        expected.backward()
-        out.loss.backward()
-        if step == 0:
-            want_grads = {n: p.grad for n, p in ref.named_parameters()}
-            what = f"{family} {schedule} dp {dp} x tsp {tsp} rank {dist.get_rank()} step 0"
-            assert_grads_close(hf_models.full_grads(model), want_grads, 1e-10, what)
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    full, want = tsp_core.full_state_dict(model), ref.state_dict()
-    assert sorted(full) == sorted(want)
-    for name, t in want.items():
-        assert_close(full[name], t, 1e-8, name)
-    dist.barrier()
-    return losses
+def moe_parity(family: str, tsp: int, schedule: str = "expert", seq: int = 16,
+               steps: int = 3) -> parity.Parity:
+    """``steps`` AdamW steps (lr 1e-2) of 2 rows of ``seq`` tokens per replica under
+    ``schedule``, the loss with the load-balancing loss (:func:`reference_loss`): losses and
+    first gradients to 1e-10, weights to 1e-8, every rank (tests/support/parity.py)."""
+    return parity.Parity(
+        partial(build, family), tsp, steps=steps, seq=seq,
+        optimizer=partial(torch.optim.AdamW, lr=1e-2), reference_loss=reference_loss,
+        options=dict(moe_schedule=schedule),
+        check_output=partial(aux_loss_present, family != "glm4_moe"),
+        name=f"{family} {schedule}")
 
 
 CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]   # (world size, tsp size); (4, 2) is dp 2 x tsp 2
@@ -233,22 +208,22 @@ MOE_FAMILIES = ["mixtral", "qwen3_moe", "glm4_moe", "gpt_oss"]
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_training_parity_float64(pools, family, world, tsp):
-    losses = pools.of(world).run(train_parity, family, tsp)
-    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+    parity.assert_same_losses(pools.of(world).run(parity.train_parity,
+                                                  moe_parity(family, tsp)))
 
 
 def test_load_balancing_loss_skips_tsp_padding(pools):
     """14 tokens at tsp 2 are padded to 16 by shard_batch, which marks the two it added in the
     attention_mask it returns: the aux loss counts only the real tokens, like one process."""
-    pools.of(2).run(train_parity, "mixtral", 2, seq=14, steps=1)
+    pools.of(2).run(parity.train_parity, moe_parity("mixtral", 2, seq=14, steps=1))
 
 
 @pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_ring_schedule_training_parity_float64(pools, family, world, tsp):
     """The other schedule: every expert's channels split 1/D, the slices circulating."""
-    losses = pools.of(world).run(train_parity, family, tsp, "ring")
-    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+    parity.assert_same_losses(pools.of(world).run(parity.train_parity,
+                                                  moe_parity(family, tsp, "ring")))
 
 
 def test_schedule_chosen_by_the_bytes_formula():
@@ -295,7 +270,7 @@ def test_glm4_moe_build_exercises_every_feature():
     gate = layers[1].mlp.gate
     seen = []
     hook = gate.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
-    ids, _ = next(batches(c.vocab_size, 2, 16, 1))
+    ids, _ = parity.batches(c.vocab_size, 2, 16, 1)[0]
     with torch.no_grad():
         model(input_ids=ids)
     hook.remove()
@@ -343,7 +318,7 @@ def test_gpt_oss_build_exercises_every_feature():
     mlp = layers[1].mlp
     seen = []
     hooks = [mlp.router.register_forward_hook(lambda m, a, out: seen.append((a[0], out)))]
-    ids, _ = next(batches(c.vocab_size, 2, 16, 1))
+    ids, _ = parity.batches(c.vocab_size, 2, 16, 1)[0]
     with torch.no_grad():
         model(input_ids=ids)
     for hook in hooks:
@@ -387,7 +362,7 @@ def glm4_moe_variants(tsp: int) -> None:
     ref = ref.to(torch.float64)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     assert not any("q_norm" in n for n in ref.state_dict())
-    ids, labels = next(batches(ref.config.vocab_size, 2, 16, 1))
+    ids, labels = parity.batches(ref.config.vocab_size, 2, 16, 1)[0]
     expected = reference_loss(ref, ids, labels)
     out = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh))
     assert_loss(out.loss.item(), expected.item(), f"glm4_moe without options at tsp {tsp}")
@@ -481,7 +456,7 @@ def reference_steps(family: str):
     ref = build(family)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses, states = [], []
-    for ids, labels in batches(ref.config.vocab_size, 2, 16, CKPT_STEPS):
+    for ids, labels in parity.batches(ref.config.vocab_size, 2, 16, CKPT_STEPS):
         loss = reference_loss(ref, ids, labels)
         loss.backward()
         opt.step()
@@ -518,7 +493,7 @@ def save_at_tsp2(family: str, root: str, schedule: str = "expert") -> float:
     losses, states = reference_steps(family)
     model = tsp_core.parallelize(build(family), mesh, moe_schedule=schedule)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = list(batches(model.config.vocab_size, 2, 16, CKPT_STEPS))
+    data = parity.batches(model.config.vocab_size, 2, 16, CKPT_STEPS)
     assert_loss(tsp_step(model, opt, mesh, *data[0]), losses[0], "step 1 at tsp 2")
     tsp_core.save_checkpoint(os.path.join(root, "dcp_d2"), model, opt, step=1)
     saved = tsp_core.full_state_dict(model)
@@ -563,7 +538,7 @@ def resume(family: str, tsp: int, root: str, saver_loss: float,
     mesh = dist_pool.mesh(tsp)
     losses, states = reference_steps(family)
     path = os.path.join(root, "dcp_d2")
-    ids, labels = list(batches(build(family).config.vocab_size, 2, 16, CKPT_STEPS))[1]
+    ids, labels = parity.batches(build(family).config.vocab_size, 2, 16, CKPT_STEPS)[1]
     model = tsp_core.parallelize(build(family, seed=11), mesh, moe_schedule=schedule)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     assert tsp_core.load_checkpoint(path, model, opt) == {"step": 1}
@@ -847,7 +822,7 @@ def gpt_oss_fp16(root: str, tsp: int) -> float:
     kept = {n for n, p in ref.named_parameters() if p.dtype == torch.float32}
     assert kept and all(n.endswith("norm.weight") for n in kept), sorted(kept)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
-    ids, labels = next(batches(ref.config.vocab_size, 2, 16, 1))
+    ids, labels = parity.batches(ref.config.vocab_size, 2, 16, 1)[0]
     with torch.no_grad():
         want = ref(input_ids=ids, labels=labels).loss.item()
         got = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)).loss

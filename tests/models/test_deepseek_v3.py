@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import os
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from multiprocessing import get_context
 
 import pytest
@@ -41,7 +42,7 @@ import torch.distributed as dist
 import tsp_core
 from tests.inference.test_decode import left_padded, reference_logits
 from tests.layers.test_moe import float64_glm_router
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, hf_models, parity
 from tests.support.reference import assert_close, assert_grads_close
 from tsp_core import comm
 from tsp_core.sequence.layout import position_ids
@@ -87,49 +88,13 @@ def test_build_exercises_every_feature():
     assert build(None).model.layers[0].self_attn.q_proj is not None
 
 
-def train_parity(tsp: int, q_lora_rank: int | None, steps: int = 3, seq: int = 24) -> list[float]:
-    mesh = dist_pool.mesh(tsp)
-    dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
-    ref = build(q_lora_rank)
-    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    gen = torch.Generator().manual_seed(7)
-    rows, losses = 2, []
-    for step in range(steps):
-        ids = torch.randint(0, ref.config.vocab_size, (rows * dp, seq), generator=gen)
-        labels = ids.clone()
-        labels[0, :3] = -100
-        expected = hf_models.reference_loss(ref, ids, labels)
-        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        loss = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
-                                            mesh)).loss
-        rel = abs(loss.item() - expected.item()) / abs(expected.item())
-        assert rel <= 1e-10, f"step {step}: loss {loss.item()!r} vs {expected.item()!r}"
-        losses.append(loss.item())
-        expected.backward()
-        loss.backward()
-        if step == 0:
-            assert_grads_close(hf_models.full_grads(model),
-                               {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
-                               f"deepseek_v3 q_lora_rank {q_lora_rank} dp {dp} x tsp {tsp} rank "
-                               f"{dist.get_rank()} step 0")
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    full, want = tsp_core.full_state_dict(model), ref.state_dict()
-    assert sorted(full) == sorted(want)
-    for name, t in want.items():
-        assert_close(full[name], t, 1e-8, f"{name} after {steps} steps")
-    dist.barrier()
-    return losses
-
-
 @pytest.mark.parametrize("world,tsp,q_lora_rank", [(1, 1, 16), (2, 2, 16), (4, 4, 16),
                                                    (4, 2, None)], ids=str)
 def test_training_parity_float64(pools, world, tsp, q_lora_rank):
-    losses = pools.of(world).run(train_parity, tsp, q_lora_rank)
-    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+    # 3 SGD steps (lr 0.5) of 2 rows of 24 tokens per replica (tests/support/parity.py)
+    case = parity.Parity(partial(build, q_lora_rank), tsp,
+                         name=f"deepseek_v3 q_lora_rank {q_lora_rank}")
+    parity.assert_same_losses(pools.of(world).run(parity.train_parity, case))
 
 
 LENGTHS = [13, 4, 19]  # one packed row of 36 tokens: documents across zigzag chunk boundaries
@@ -171,7 +136,7 @@ def checkpoints_and_ring(root: str) -> None:
     """Hugging Face's own save_pretrained (the Hub's per-expert layout) loads into a TSP model on
     the ring MoE schedule bit for bit; that model's save_pretrained writes Hugging Face's tensors
     bit for bit; one training step on the ring schedule is Hugging Face's (loss and every
-    gradient to 1e-10)."""
+    gradient to 1e-10, the weights after it to 1e-8: tests/support/parity.py)."""
     import os
 
     from safetensors.torch import load_file
@@ -200,13 +165,10 @@ def checkpoints_and_ring(root: str) -> None:
         assert torch.equal(mine[name], t), f"save_pretrained: {name}"
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=gen)
-    expected = hf_models.reference_loss(ref, ids, ids)
-    loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
-    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss, expected)
-    expected.backward()
-    loss.backward()
-    assert_grads_close(hf_models.full_grads(model),
-                       {n: p.grad for n, p in ref.named_parameters()}, 1e-10, "ring schedule")
+    data, sgd = [(ids, ids)], partial(torch.optim.SGD, lr=0.5)
+    parity.compare(parity.tsp_record(model, mesh, data, sgd, rows=2),
+                   parity.reference_record(ref, data, sgd), parity.FLOAT64,
+                   f"ring schedule rank {dist.get_rank()}")
     dist.barrier()
 
 

@@ -11,14 +11,15 @@ under the ring schedule, and its collectives and their bytes (the MoE formula's)
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import tsp_core
-from tests.support import dist_pool, hf_models
-from tests.support.reference import assert_close, assert_grads_close
+from tests.support import dist_pool, hf_models, parity
+from tests.support.reference import assert_close
 from tsp_core import comm
 
 
@@ -29,17 +30,14 @@ def checkpointed_step(reentrant: bool) -> str:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=gen)
-    loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
-    if reentrant:
+    data, sgd = [(ids, ids)], partial(torch.optim.SGD, lr=0.5)
+    if reentrant:  # the forward runs, the backward refuses
         with pytest.raises(RuntimeError, match="reentrant activation checkpointing recomputes"):
-            loss.backward()
+            parity.tsp_record(model, mesh, data, sgd, rows=2)
         return "refused"
-    loss.backward()
-    expected = hf_models.reference_loss(ref, ids, ids)
-    expected.backward()
-    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss, expected)
-    assert_grads_close(hf_models.full_grads(model), {n: p.grad for n, p in ref.named_parameters()},
-                       1e-10, "gemma4 checkpointed")
+    parity.compare(parity.tsp_record(model, mesh, data, sgd, rows=2),
+                   parity.reference_record(ref, data, sgd), parity.FLOAT64,
+                   f"gemma4 checkpointed rank {dist.get_rank()}")
     return "exact"
 
 
@@ -51,40 +49,31 @@ def test_kv_shared_layers_under_activation_checkpointing(pools, reentrant):
 
 def moe_sgd_parity(tsp: int) -> list[float]:
     """3 SGD steps of the MoE model (hf_models' gemma4: the experts beside every MLP) under both
-    MoE schedules against the unmodified model: loss per step 1e-10, first-step gradients 1e-10,
-    weights after 3 steps 1e-8 (plain SGD: a gradient of the wrong scale shows); then greedy
-    generation under the ring schedule (the expert schedule's: tests/inference/test_decode.py)
-    gives Hugging Face's tokens, each step's logits within 1e-8, and its full state dict is
-    Hugging Face's bit for bit (the experts' gate_up_proj fused from the ring's gate and up)."""
+    MoE schedules against the unmodified model (tests/support/parity.py, one reference run for
+    both): loss per step 1e-10, first-step gradients 1e-10, weights after 3 steps 1e-8 (plain
+    SGD: a gradient of the wrong scale shows); then greedy generation under the ring schedule
+    (the expert schedule's: tests/inference/test_decode.py) gives Hugging Face's tokens, each
+    step's logits within 1e-8, and its full state dict is Hugging Face's bit for bit (the
+    experts' gate_up_proj fused from the ring's gate and up)."""
     from tsp_core.layers.moe import TSPMoE, TSPRouter
 
     mesh = dist_pool.mesh(tsp)
     gen = torch.Generator().manual_seed(3)
     vocab = hf_models.build("gemma4", torch.float64).config.vocab_size
-    ids = [torch.randint(0, vocab, (2, 24), generator=gen) for _ in range(3)]
-    want = hf_models.sgd_reference(hf_models.build("gemma4", torch.float64), ids, 0.1, None)
+    data = [(ids, ids) for ids in
+            (torch.randint(0, vocab, (2, 24), generator=gen) for _ in range(3))]
+    sgd = partial(torch.optim.SGD, lr=0.1)
+    want = parity.reference_record(hf_models.build("gemma4", torch.float64), data, sgd)
     losses = []
     for schedule in ("expert", "ring"):
         model = tsp_core.parallelize(hf_models.build("gemma4", torch.float64), mesh,
                                      moe_schedule=schedule)
-        layers = model.model.layers
+        parity.check_moe_schedule(model, schedule)
         assert all(isinstance(layer.router, TSPRouter) and isinstance(layer.experts, TSPMoE)
-                   and layer.experts.schedule == schedule for layer in layers), schedule
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        run = {"losses": []}
-        for step, batch in enumerate(ids):
-            loss = model(**tsp_core.shard_batch({"input_ids": batch, "labels": batch}, mesh)).loss
-            loss.backward()
-            if step == 0:
-                run["grads0"] = hf_models.full_grads(model)
-            opt.step()
-            opt.zero_grad()
-            run["losses"].append(loss.item())
-        run["weights"] = tsp_core.full_state_dict(model)
-        hf_models.assert_matches_reference(run, want, 1e-8, loss_tol=1e-10,
-                                           what=f"{schedule} tsp {tsp}: ")
-        for name, g in want["grads0"].items():
-            assert_close(run["grads0"][name], g, 1e-10, f"{schedule} tsp {tsp} grad {name}")
+                   for layer in model.model.layers), schedule
+        run = parity.tsp_record(model, mesh, data, sgd, rows=2)
+        parity.compare(run, want, parity.FLOAT64,
+                       f"{schedule} tsp {tsp} rank {dist.get_rank()}")
         losses += run["losses"]
     ref = hf_models.build("gemma4", torch.float64)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh, moe_schedule="ring")

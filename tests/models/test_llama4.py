@@ -11,6 +11,7 @@ check's one all-gather and before any other collective."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tsp_core
-from tests.support import dist_pool, hf_models
-from tests.support.reference import assert_close, assert_grads_close
+from tests.support import dist_pool, hf_models, parity
+from tests.support.reference import assert_close
 from tsp_core import comm
 
 LENGTHS = [13, 4, 19]  # 36 tokens: documents straddle chunk boundaries of the row (chunk 5)
@@ -78,29 +79,25 @@ def packed_temperature_refused(tsp: int) -> str:
     return str(err.value)
 
 
-def ring_schedule(tsp: int) -> None:
-    """The MoE layer under the ring schedule (every expert's channels split, the slices travel;
-    the family tests run the expert schedule): loss and every gradient of one step."""
+def one_moe_layer(ref, model) -> None:
+    """The tiny Llama 4's MoE layers, and no other, became TSP's expert layers."""
     from tsp_core.layers.moe import TSPMoE
 
-    mesh = dist_pool.mesh(tsp)
-    ref = hf_models.build("llama4_text", torch.float64)
-    model = tsp_core.parallelize(copy.deepcopy(ref), mesh, moe_schedule="ring")
-    assert [m.schedule for m in model.modules() if isinstance(m, TSPMoE)] == ["ring"]
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=gen)
-    expected = hf_models.reference_loss(ref, ids, ids)
-    loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
-    assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss, expected)
-    expected.backward()
-    loss.backward()
-    assert_grads_close(hf_models.full_grads(model), {n: p.grad for n, p in ref.named_parameters()},
-                       1e-10, f"ring schedule, tsp {tsp}")
-    dist.barrier()
+    moe = [m for m in model.modules() if isinstance(m, TSPMoE)]
+    assert len(moe) == len(hf_models.LLAMA4_MOE_LAYERS), moe
 
 
 def test_moe_ring_schedule(pools):
-    pools.of(2).run(ring_schedule, 2)
+    """The MoE layer under the ring schedule (every expert's channels split, the slices travel;
+    the family tests run the expert schedule): the loss, every gradient and every weight after
+    one SGD step (tests/support/parity.py), at tsp 2."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, hf_models.build("llama4_text", torch.float64).config.vocab_size,
+                        (2, 24), generator=gen)
+    case = parity.Parity(partial(hf_models.build, "llama4_text", torch.float64), 2,
+                         data=[(ids, ids)], options=dict(moe_schedule="ring"),
+                         guard=one_moe_layer, name="llama4_text ring schedule")
+    pools.of(2).run(parity.train_parity, case)
 
 
 @pytest.mark.parametrize("tsp", [2, 4])

@@ -7,6 +7,7 @@ hidden/heads, and 1 key/value head) at world sizes 1, 2, 4 and dp 2 x tsp 2."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -14,58 +15,18 @@ import torch.distributed as dist
 from torch import nn
 
 import tsp_core
-from tests.support import dist_pool, hf_models
-from tests.support.reference import assert_close, assert_grads_close
+from tests.support import dist_pool, hf_models, parity
 
 
-def batches(vocab: int, rows: int, seq: int, steps: int):
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (rows, seq), generator=gen)
-        labels = ids.clone()
-        labels[0, :3] = -100           # ignored labels
-        labels[-1, seq // 2] = -100
-        yield ids, labels
-
-
-def train_parity(family: str, tsp: int, dtype_name: str, seq: int, steps: int = 5,
-                 kv_heads: int | None = None) -> list[float]:
-    dtype = getattr(torch, dtype_name)
-    loss_tol, sd_tol = (1e-10, 1e-8) if dtype == torch.float64 else (1e-4, 1e-4)
-    mesh = dist_pool.mesh(tsp)
-    dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
-    ref = hf_models.build(family, dtype, kv_heads=kv_heads)
-    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
-    assert tsp_core.get_mesh(model) is mesh
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rows = 2
-    losses = []
-    for step, (ids, labels) in enumerate(batches(ref.config.vocab_size, rows * dp, seq, steps)):
-        expected = hf_models.reference_loss(ref, ids, labels)
-        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        batch = tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]}, mesh)
-        loss = model(**batch).loss
-        rel = abs(loss.item() - expected.item()) / abs(expected.item())
-        assert rel <= loss_tol, f"step {step}: loss {loss.item()!r} vs {expected.item()!r} (rel {rel:.2e})"
-        losses.append(loss.item())
-        expected.backward()
-        loss.backward()
-        if step == 0 and dtype == torch.float64:
-            want_grads = {n: p.grad for n, p in ref.named_parameters()}
-            assert_grads_close(hf_models.full_grads(model), want_grads, 1e-10,
-                               f"{family} dp {dp} x tsp {tsp} rank {dist.get_rank()} step 0")
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad()
-        opt.zero_grad()
-    full = tsp_core.full_state_dict(model)
-    want = ref.state_dict()
-    assert sorted(full) == sorted(want)
-    for name, t in want.items():
-        assert_close(full[name], t, sd_tol, name)
-    dist.barrier()
-    return losses
+def family_parity(family: str, tsp: int, dtype: torch.dtype, seq: int, steps: int = 5,
+                  kv_heads: int | None = None) -> parity.Parity:
+    """The zoo's ``family`` trained ``steps`` AdamW steps (lr 1e-3) on batches with ignored
+    labels (tests/support/parity.py): float64 to 1e-10 (losses, first gradients) and 1e-8
+    (weights), float32 to 1e-4 (losses, weights)."""
+    return parity.Parity(
+        partial(hf_models.build, family, dtype, kv_heads=kv_heads), tsp, steps=steps, seq=seq,
+        middle_ignored=True, optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        tol=parity.FLOAT64 if dtype == torch.float64 else parity.FLOAT32, name=family)
 
 
 CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]   # (world size, tsp size); (4, 2) is dp 2 x tsp 2
@@ -74,14 +35,14 @@ CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]   # (world size, tsp size); (4, 2) is
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", hf_models.FAMILIES)
 def test_training_parity_float64(pools, family, world, tsp):
-    losses = pools.of(world).run(train_parity, family, tsp, "float64", 24)
-    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+    parity.assert_same_losses(pools.of(world).run(
+        parity.train_parity, family_parity(family, tsp, torch.float64, 24)))
 
 
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("family", hf_models.FLOAT32_FAMILIES)
 def test_training_parity_float32(pools, family, world, tsp):
-    pools.of(world).run(train_parity, family, tsp, "float32", 24)
+    pools.of(world).run(parity.train_parity, family_parity(family, tsp, torch.float32, 24))
 
 
 @pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
@@ -90,14 +51,14 @@ def test_one_kv_head(pools, family, world, tsp):
     # one key/value head (Gemma 2B and Gemma 3 1B ship with one) split over 2 or 4 ranks, each a
     # slice of its rows: Qwen3's and Gemma 3's per-head k norm and OLMo 2's whole-width one on a
     # sliced head, the norm's weight gradient summed once per head, not once per round
-    losses = pools.of(world).run(train_parity, family, tsp, "float64", 24, 5, 1)
-    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+    parity.assert_same_losses(pools.of(world).run(
+        parity.train_parity, family_parity(family, tsp, torch.float64, 24, 5, 1)))
 
 
 def test_padding_and_ignored_labels(pools):
     # 21 tokens: padded to 24 at tsp 2 and 4; the loss is HF's on the unpadded 21 tokens
-    pools.of(4).run(train_parity, "llama", 4, "float64", 21, 2)
-    pools.of(4).run(train_parity, "mistral", 2, "float64", 21, 2)
+    pools.of(4).run(parity.train_parity, family_parity("llama", 4, torch.float64, 21, 2))
+    pools.of(4).run(parity.train_parity, family_parity("mistral", 2, torch.float64, 21, 2))
 
 
 def bad_models() -> list[str]:
@@ -193,7 +154,8 @@ def bad_models() -> list[str]:
                   r"policy 'qwen3-without-norms': Qwen3DecoderLayer\.self_attn holds \['k_norm\."
                   r"weight', 'q_norm\.weight'\], which its TSP replacement \(HFTSPAttention\) "
                   r"does not take",
-                  dataclasses.replace(QWEN3, name="qwen3-without-norms", head_norms=None)))
+                  dataclasses.replace(QWEN3, name="qwen3-without-norms",
+                                      attn=dataclasses.replace(QWEN3.attn, qk_norm=None))))
     for model, pattern, *policy in cases:
         before = dict(model.state_dict(keep_vars=True))
         with tsp_core.comm.track() as stats, pytest.raises(ValueError, match=pattern) as e:
@@ -208,18 +170,20 @@ def bad_models() -> list[str]:
     # shapes
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    from tsp_core.models.policies import DecoderPolicy
+    from tsp_core.layers.attention import QKNorm
+    from tsp_core.models.policies import AttentionPolicy, DecoderPolicy, ModuleNames
 
     olmo = Olmo2ForCausalLM(Olmo2Config(vocab_size=32, hidden_size=64, intermediate_size=64,
                                         num_hidden_layers=1, num_attention_heads=4,
                                         num_key_value_heads=4))
     per_head = DecoderPolicy(name="olmo2-as-per-head", model_types=(),
-                             layer_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
-                             head_norms=("q_norm", "k_norm"))
+                             modules=ModuleNames(layer_norms=("post_attention_layernorm",
+                                                              "post_feedforward_layernorm")),
+                             attn=AttentionPolicy(qk_norm=QKNorm(names=("q_norm", "k_norm"))))
     with tsp_core.comm.track() as stats, pytest.raises(
             ValueError, match=r"layer 0: q/k norm weights of shapes \[\(64,\), \(64,\)\], but "
                               r"the policy 'olmo2-as-per-head' describes norms per head: "
-                              r"\[\(16,\), \(16,\)\]; set DecoderPolicy.qk_norm_all_heads"):
+                              r"\[\(16,\), \(16,\)\]; set DecoderPolicy.attn.qk_norm.scope"):
         tsp_core.parallelize(olmo, mesh, policy=per_head)
     assert not stats.calls
     model = tsp_core.parallelize(hf_models.build("llama", torch.float64), mesh)
@@ -241,7 +205,8 @@ def bad_models() -> list[str]:
     tsp_core.parallelize(LlamaForCausalLM(config), mesh)
     with tsp_core.comm.track() as stats, pytest.raises(
             RuntimeError, match=r'LlamaAttention called the "tsp" attention implementation, which '
-                                r"only tsp_core\.parallelize's attention modules \(HFTSPAttention\) "
+                                r"only tsp_core\.parallelize's attention modules "
+                                r"\(HFTSPAttention\) "
                                 r"run: this LlamaAttention belongs to a model that was not "
                                 r"parallelized.* built from the same config object as a model "
                                 r"later given to tsp_core\.parallelize .*AutoModelForCausalLM\."
@@ -288,8 +253,9 @@ def test_size_errors_list_exactly_the_sizes_that_work(intermediate, valid):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tsp_core.baselines.layouts import LayoutSpec
-    from tsp_core.models.parallelize import _check
+    from tsp_core.models.checks import check_model
     from tsp_core.models.policies import find_policy
+    from tsp_core.models.reading import read_model
     from tsp_core.plan.cost import check_layout
     from tsp_core.plan.traffic import ModelShape
 
@@ -301,7 +267,8 @@ def test_size_errors_list_exactly_the_sizes_that_work(intermediate, valid):
     accepted = []
     for d in range(1, 25):
         try:
-            _check(model, SimpleNamespace(size=d, fsdp_size=1), policy, "expert")
+            mesh = SimpleNamespace(size=d, fsdp_size=1)
+            check_model(model, mesh, policy, read_model(model, mesh, policy), "expert")
             accepted.append(d)
         except ValueError as e:
             assert str(e).startswith((f"tsp_size ({d}) must divide",
@@ -316,9 +283,12 @@ def rope_stays_float32() -> None:
     """``.to(bfloat16)`` / ``.bfloat16()`` / ``.half()`` of a TSP model (or of a module holding
     it, as Lightning's bf16-true and DeepSpeed's bf16 do) cast the weights but keep every rotary
     frequency buffer float32 and bit for bit; a device move or a wider type still applies."""
+    from tsp_core.layers.attention import AttentionParts, AttentionShape, Rotary
+
     mesh = dist_pool.mesh(2)
     model = tsp_core.parallelize(hf_models.build("llama", torch.float32), mesh)
-    attention = tsp_core.TSPAttention(mesh, 32, 4, 2, rope_theta=500000.0)
+    attention = tsp_core.TSPAttention(mesh, AttentionShape(32, 4, 2),
+                                      AttentionParts(rotary=Rotary(theta=500000.0)))
     holder = nn.ModuleDict({"model": model, "attention": attention})  # a LightningModule, say
     frequencies = {n: b.clone() for n, b in holder.named_buffers() if n.endswith("inv_freq")}
     assert any(n.startswith("model.") for n in frequencies), sorted(frequencies)
@@ -334,7 +304,8 @@ def rope_stays_float32() -> None:
             assert now[n].dtype == torch.float32 and torch.equal(now[n], want), (name, n, now[n])
         holder.float()
     holder.double()  # wider: the frequencies follow
-    assert all(b.dtype == torch.float64 for n, b in holder.named_buffers() if n.endswith("inv_freq"))
+    assert all(b.dtype == torch.float64 for n, b in holder.named_buffers()
+               if n.endswith("inv_freq"))
     dist.barrier()
 
 
@@ -346,7 +317,7 @@ def replicas_must_agree() -> None:
     """dp 2 x tsp 2: replicas built from different seeds are refused on every rank, naming the
     first tensor, before the model changes; the same seed converts, with one all-gather of the
     sums over the data-parallel dim; a mesh without data parallelism adds no collective."""
-    from tsp_core.models.parallelize import TSPCausalLM
+    from tsp_core.models import TSPCausalLM
 
     mesh = dist_pool.mesh(2)
     dp_rank = mesh.device_mesh.get_coordinate()[0]

@@ -1,8 +1,9 @@
 """Qwen3.5 text (Qwen3_5ForCausalLM) under TSP against the unmodified Hugging Face model on one
 process, float64. Its Gated DeltaNet layers at the end (test_delta_net_*). Its full-attention
-layers (tests/support/hf_models.py "qwen3_5": layer_types all "full_attention"): the output gate ([query | gate] rows per head in q_proj), per-head q/k
-norms scaled by 1 + w, partial rotary through the text rotary's mrope sections, q/k/v/o biases.
-Hugging Face's RMSNorms compute in float32 even in a float64 model; the reference's run in
+layers (tests/support/hf_models.py "qwen3_5": layer_types all "full_attention"): the output
+gate ([query | gate] rows per head in q_proj), per-head q/k norms scaled by 1 + w, partial
+rotary through the text rotary's mrope sections, q/k/v/o biases. Hugging Face's RMSNorms
+compute in float32 even in a float64 model; the reference's run in
 float64 (hf_models.float64_qwen3_5_norms, the same formula), the rest is Hugging Face's own code
 (SDPA attention). Plain SGD, so that a gradient of the wrong scale shows in the weights."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -17,8 +19,7 @@ import torch.distributed as dist
 
 import tsp_core
 from tests.inference.test_decode import greedy_parity
-from tests.support import dist_pool, hf_models
-from tests.support.reference import assert_close
+from tests.support import dist_pool, hf_models, parity
 from tsp_core import comm
 
 
@@ -42,61 +43,18 @@ def test_text_rotary_is_plain_rope():
         assert all(torch.equal(g, w) for g, w in zip(got, want)), "mrope != plain RoPE for text"
 
 
-def batches(vocab: int, rows: int, seq: int, steps: int):
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (rows, seq), generator=gen)
-        labels = ids.clone()
-        labels[0, :3] = -100
-        yield ids, labels
-
-
-def sgd_parity(tsp: int, seq: int = 24, steps: int = 3, lr: float = 0.5,
-               family: str = "qwen3_5") -> list[float]:
-    """Each step's loss to 1e-10, the first step's gradients (gathered) to 1e-10 and the weights
-    after ``steps`` SGD steps to 1e-8, on every rank; dp = world / tsp replicas, 2 rows each.
-    ``family``: tests/support/hf_models.py's Qwen3.5 (with Gated DeltaNet layers: "qwen3_5-linear",
-    "qwen3_5-mixed")."""
-    mesh = dist_pool.mesh(tsp)
-    dp, dp_rank = mesh.dp_size, mesh.device_mesh.get_coordinate()[0]
-    ref = hf_models.build(family, torch.float64)
-    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for step, (ids, labels) in enumerate(batches(ref.config.vocab_size, 2 * dp, seq, steps)):
-        expected = hf_models.reference_loss(ref, ids, labels)
-        mine = slice(dp_rank * 2, (dp_rank + 1) * 2)
-        loss = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
-                                            mesh)).loss
-        assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), \
-            f"step {step}: loss {loss.item()!r} vs {expected.item()!r}"
-        losses.append(loss.item())
-        expected.backward()
-        loss.backward()
-        if step == 0:
-            from tests.support.reference import assert_grads_close
-
-            assert_grads_close(hf_models.full_grads(model),
-                               {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
-                               f"{family} dp {dp} x tsp {tsp} rank {dist.get_rank()} step 0")
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad()
-        opt.zero_grad()
-    full = tsp_core.full_state_dict(model)
-    want = ref.state_dict()
-    assert sorted(full) == sorted(want)
-    for name, t in want.items():
-        assert_close(full[name], t, 1e-8, f"weights after {steps} steps: {name}")
-    dist.barrier()
-    return losses
+def sgd_parity(tsp: int, seq: int = 24, family: str = "qwen3_5") -> parity.Parity:
+    """3 SGD steps (lr 0.5) of 2 rows of ``seq`` tokens per replica: each step's loss to 1e-10,
+    the first step's gradients (gathered) to 1e-10 and the weights after the steps to 1e-8, on
+    every rank (tests/support/parity.py). ``family``: tests/support/hf_models.py's Qwen3.5 (with
+    Gated DeltaNet layers: "qwen3_5-linear", "qwen3_5-mixed")."""
+    return parity.Parity(partial(hf_models.build, family, torch.float64), tsp, seq=seq,
+                         name=family)
 
 
 @pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
 def test_training_parity_float64(pools, world, tsp):
-    losses = pools.of(world).run(sgd_parity, tsp)
-    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+    parity.assert_same_losses(pools.of(world).run(parity.train_parity, sgd_parity(tsp)))
 
 
 @pytest.mark.parametrize("tsp", [2, 4])
@@ -169,8 +127,8 @@ def test_delta_net_heads_that_do_not_split_are_refused(pools):
 @pytest.mark.parametrize("family,seq", [("qwen3_5-linear", 13), ("qwen3_5-mixed", 24)])
 @pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))
 def test_delta_net_training_parity_float64(pools, world, tsp, family, seq):
-    losses = pools.of(world).run(sgd_parity, tsp, seq, family=family)
-    assert all(r == losses[0] for r in losses), "the loss must be identical on every rank"
+    parity.assert_same_losses(pools.of(world).run(parity.train_parity,
+                                                  sgd_parity(tsp, seq, family)))
 
 
 @pytest.mark.parametrize("tsp", [2, 4])

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from tests.support import llama4_reference
+from tests.support import delta_net_reference, llama4_reference
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -32,203 +38,6 @@ FLOAT32_FAMILIES = ("llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3
 LLAMA4_MOE_LAYERS = (0,)
 
 
-def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):
-    """``kv_heads``: num_key_value_heads instead of COMMON's 2 (1 = MQA: at tsp 2 and 4 each
-    key/value head is split over several ranks)."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    torch.manual_seed(seed)
-    common = COMMON if kv_heads is None else {**COMMON, "num_key_value_heads": kv_heads}
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, **common))
-    elif family == "llama-tied":   # tied embeddings, a vocabulary that needs padding at D = 2, 4
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=101, tie_word_embeddings=True, **common))
-    elif family == "mistral":      # sliding window smaller than the test sequences
-        model = MistralForCausalLM(MistralConfig(vocab_size=96, sliding_window=7, **common))
-    elif family == "qwen2":        # q/k/v biases; layer 1 uses a sliding window
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, use_sliding_window=True,
-                                             sliding_window=9, max_window_layers=1, **common))
-    elif family == "qwen3":        # per-head q/k norms, head_dim 24 (not 64/4), biases, a
-        from transformers import Qwen3Config, Qwen3ForCausalLM  # sliding layer
-
-        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=96, head_dim=24, attention_bias=True,
-                                             use_sliding_window=True, sliding_window=9,
-                                             max_window_layers=1, **common))
-    elif family == "gemma":        # (1 + w) norms, scaled embedding, tanh-GELU, head_dim 24
-        from transformers import GemmaConfig, GemmaForCausalLM
-
-        model = GemmaForCausalLM(GemmaConfig(vocab_size=96, head_dim=24, **common))
-    elif family == "gemma2":       # sandwich norms, query_pre_attn_scalar, alternating sliding
-        from transformers import Gemma2Config, Gemma2ForCausalLM  # layers, soft-capping
-
-        # soft-caps small for the scores and logits of this size: initializer_range 0.2 (not
-        # 0.02) gives attention scores of about 2 (up to ~13) and logits of about 1.3 (up to
-        # ~6), so tanh(s / 2) and tanh(logits / 3) are far from linear (GEMMA2_SOFTCAPS)
-        model = Gemma2ForCausalLM(Gemma2Config(
-            vocab_size=96, head_dim=24, query_pre_attn_scalar=20, sliding_window=9,
-            initializer_range=0.2, **GEMMA2_SOFTCAPS, **common))
-        # HF's only attention for Gemma 2 with soft-capping is its eager one, whose softmax runs
-        # in float32 whatever the dtype (1e-7 off in float64, like its loss): the reference uses
-        # the same attention with the softmax in the model's dtype when that is wider
-        use_exact_eager(model)
-    elif family == "gemma3":       # Gemma 2's layout plus per-head q/k norms and local/global
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # rotary bases
-
-        model = Gemma3ForCausalLM(Gemma3TextConfig(
-            vocab_size=96, head_dim=24, query_pre_attn_scalar=20, sliding_window=9,
-            layer_types=["sliding_attention", "full_attention"], **common))
-    elif family == "granite":      # embedding, residual, attention and logits multipliers
-        from transformers import GraniteConfig, GraniteForCausalLM
-
-        model = GraniteForCausalLM(GraniteConfig(
-            vocab_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
-            attention_multiplier=0.3, logits_scaling=4.0, **common))
-    elif family == "olmo2":        # q/k norms over all heads, norms after attention and MLP,
-        from transformers import Olmo2Config, Olmo2ForCausalLM  # biases
-
-        model = Olmo2ForCausalLM(Olmo2Config(vocab_size=96, attention_bias=True, **common))
-    elif family == "phi3":         # fused qkv_proj and gate_up_proj, sliding window, partial
-        from transformers import Phi3Config, Phi3ForCausalLM  # rotary (Phi-4-mini), padding row
-
-        model = Phi3ForCausalLM(Phi3Config(vocab_size=96, sliding_window=7,
-                                           partial_rotary_factor=0.5, pad_token_id=0,
-                                           eos_token_id=2, **common))
-    elif family == "olmo3":        # OLMo 2's layout plus a sliding layer (layer_types)
-        from transformers import Olmo3Config, Olmo3ForCausalLM
-
-        model = Olmo3ForCausalLM(Olmo3Config(
-            vocab_size=96, attention_bias=True, sliding_window=9,
-            layer_types=["sliding_attention", "full_attention"], **common))
-    elif family == "seed_oss":     # q/k/v biases and an o_proj bias, head_dim 24; its dropouts
-        from transformers import SeedOssConfig, SeedOssForCausalLM  # (0.1 by default) off
-
-        model = SeedOssForCausalLM(SeedOssConfig(
-            vocab_size=96, head_dim=24, attention_bias=True, attention_out_bias=True,
-            attention_dropout=0.0, residual_dropout=0.0, **common))
-    elif family == "exaone4":      # per-head q/k norms, norms after attention and MLP, head_dim
-        from transformers import Exaone4Config, Exaone4ForCausalLM  # 24, the hybrid layout: a
-
-        # sliding layer with RoPE and a full one without (global NoPE)
-        model = Exaone4ForCausalLM(Exaone4Config(
-            vocab_size=96, head_dim=24, sliding_window=9,
-            layer_types=["sliding_attention", "full_attention"], **common))
-    elif family == "smollm3":      # a NoPE layer (no_rope_layers 0: no rotary at all) and a
-        from transformers import SmolLM3Config, SmolLM3ForCausalLM  # sliding one with RoPE
-
-        model = SmolLM3ForCausalLM(SmolLM3Config(
-            vocab_size=96, pad_token_id=None, no_rope_layers=[1, 0], use_sliding_window=True,
-            sliding_window=9, layer_types=["sliding_attention", "full_attention"], **common))
-    elif family == "glm4":         # interleaved partial rotary, fused gate_up_proj, q/k/v biases,
-        from transformers import Glm4Config, Glm4ForCausalLM  # four norms per layer
-
-        model = Glm4ForCausalLM(Glm4Config(vocab_size=96, head_dim=24, pad_token_id=None,
-                                           **common))
-    elif family == "ernie4_5":     # a bias on every projection (use_bias), interleaved rotary,
-        from transformers import Ernie4_5Config, Ernie4_5ForCausalLM  # tied embeddings, head 24
-
-        model = Ernie4_5ForCausalLM(Ernie4_5Config(vocab_size=96, head_dim=24, use_bias=True,
-                                                   tie_word_embeddings=True, **common))
-        float64_ernie_rope()
-    elif family == "apertus":      # ungated MLP with xIELU (learnable alpha_p, alpha_n), per-head
-        from transformers import ApertusConfig, ApertusForCausalLM  # q/k norms, q/k/v/o biases
-
-        # its llama3 rope, scaled below a 64-token original length (a test sequence is longer)
-        rope = dict(rope_type="llama3", rope_theta=12e6, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=64)
-        model = ApertusForCausalLM(ApertusConfig(vocab_size=96, attention_bias=True,
-                                                 rope_parameters=rope, **common))
-        for layer in model.model.layers:  # xIELU's beta and eps buffers off their defaults
-            layer.mlp.act_fn.beta.fill_(0.4 + 0.05 * torch.rand(()).item())
-            layer.mlp.act_fn.eps.fill_(-1e-3 * (1 + torch.rand(()).item()))
-    elif family == "hunyuan_v1_dense":  # per-head q/k norms after RoPE, q/k/v/o biases, head_dim
-        from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM  # 24, NTK alpha
-
-        rope = dict(rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0)  # static: "ntk_alpha"
-        model = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(
-            vocab_size=96, head_dim=24, attention_bias=True, rope_parameters=rope, **common))
-    elif family == "llama4_text":  # layer 0 with RoPE: chunks of 5 tokens (a zigzag chunk holds
-        from transformers import Llama4ForCausalLM, Llama4TextConfig  # 3 or 6), the L2 q/k norm
-
-        # and the MoE (LLAMA4_MOE_LAYERS: 4 experts of 64 channels, top 1, a shared expert);
-        # NoPE layer 1: the attention temperature (floor_scale 4: the factor changes
-        # every 4 tokens), a dense MLP of intermediate_size_mlp 96, not intermediate_size 64.
-        # RoPE from complex freqs_cis on channel pairs. Its float32 steps run in float64 in a
-        # float64 model (tests/support/llama4_reference.py)
-        model = Llama4ForCausalLM(Llama4TextConfig(
-            vocab_size=96, pad_token_id=None, **{**common, "intermediate_size": 64},
-            intermediate_size_mlp=96, no_rope_layers=[1, 0], attention_chunk_size=5,
-            use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
-            num_local_experts=4, num_experts_per_tok=1, moe_layers=list(LLAMA4_MOE_LAYERS)))
-        llama4_reference.float64_llama4(model)
-    elif family == "gemma4":       # Gemma 4 text: weight-scaled norms, the value norm, global
-        from transformers import Gemma4ForCausalLM, Gemma4TextConfig  # layers with their own
-
-        # head size (32) and one key/value head (MQA: K/V slices at tsp 2, 4) whose values are
-        # the keys' projection (attention_k_eq_v); per-layer inputs; the final logit soft-cap;
-        # a vocabulary that needs padding at tsp 2 and 4, for both embeddings
-        # layers 2 and 3 reuse the K/V of layers 0 and 1 (KV-shared layers), with MLPs of
-        # twice the width (use_double_wide_mlp); the MoE block beside every MLP (enable_moe_block:
-        # 4 experts of 16 channels, top 2), its router's scale and per-expert scales off one
-        model = Gemma4ForCausalLM(Gemma4TextConfig(
-            **{**common, "num_key_value_heads": 2 if kv_heads is None else kv_heads,
-               "num_hidden_layers": 4},
-            vocab_size=97, vocab_size_per_layer_input=97, head_dim=24, global_head_dim=32,
-            num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=9,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
-            final_logit_softcapping=3.0, initializer_range=0.2, **GEMMA4_MOE))
-        model.set_experts_implementation("eager")  # grouped_mm takes no float64
-        with torch.no_grad():  # the layers' scalars off one: a layer that skips it is off
-            for layer in model.model.layers:
-                layer.layer_scalar.fill_(0.8 + 0.4 * torch.rand(()).item())
-                layer.router.scale.add_(0.3 * torch.randn(layer.router.scale.shape))
-                layer.router.per_expert_scale.add_(0.3 * torch.randn(4))
-    elif family == "qwen3_5":      # Qwen3.5 text, full-attention layers only: the output gate
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # ([query | gate] rows
-
-        # per head in q_proj), partial rotary (0.25 of head_dim 24: 6 channels) through the
-        # text rotary's mrope sections, (1 + w) norms, q/k/v/o biases
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
-            vocab_size=96, head_dim=24, attention_bias=True,
-            layer_types=["full_attention"] * COMMON["num_hidden_layers"], **common))
-        float64_qwen3_5_norms(model)
-    elif family in ("qwen3_5-linear", "qwen3_5-mixed"):  # Qwen3.5's Gated DeltaNet layers: all
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # of them, or the mix
-
-        from tests.support import delta_net_reference as dn  # (linear, full); their float32
-        kinds = ["linear_attention", "linear_attention" if family.endswith("linear")  # islands
-                 else "full_attention"]  # in float64: tests/support/delta_net_reference.py
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(  # (without a full-attention layer HF's
-            vocab_size=96, head_dim=24, layer_types=kinds, **dn.DELTA_NET, **common,  # cache
-            use_cache=family.endswith("mixed")))  # cannot say its length: no cache by default
-        float64_qwen3_5_norms(model)
-        dn.float64_delta_nets(model)
-        dn.spread_delta_nets(model)
-    else:
-        raise ValueError(family)
-    if family.startswith("gemma"):
-        float64_gemma_norms(model)
-    if family in ("qwen3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "phi3", "olmo3",
-                  "seed_oss", "exaone4", "smollm3", "glm4", "ernie4_5", "apertus",
-                  "hunyuan_v1_dense", "llama4_text", "gemma4", "qwen3_5"):
-        # norms and biases away from their initial ones/zeros: a weight applied the wrong way
-        # (w vs 1 + w), or not at all, changes the very first loss
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(("norm.weight", "bias", "alpha_p", "alpha_n")):
-                    p.add_(0.1 * torch.randn(p.shape))
-    return model.to(dtype)
-
-
-GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
-GEMMA2_SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
 EXACT_EAGER = "tsp_tests_exact_eager"
 
 
@@ -266,11 +75,12 @@ def use_exact_eager(model) -> None:
     model.config._attn_implementation = EXACT_EAGER
 
 
-def float64_ernie_rope() -> None:
+def float64_ernie_rope(model: nn.Module | None = None) -> None:
     """Ernie 4.5's ``apply_rotary_pos_emb`` rotates q and k in float32 whatever their dtype
     (``q.float() * cos``: a float64 model's q and k rounded to float32, ~1e-8 off). Replaced,
     process-wide and idempotently, by the same formula in q's dtype when that is wider than
-    float32; for float32 and below it is Hugging Face's own function."""
+    float32; for float32 and below it is Hugging Face's own function. ``model`` is not needed
+    (the function is replaced in its module); it lets the zoo list this as an adjustment."""
     from transformers.models.ernie4_5 import modeling_ernie4_5 as ernie
 
     hf = getattr(ernie.apply_rotary_pos_emb, "hf_original", ernie.apply_rotary_pos_emb)
@@ -327,6 +137,195 @@ def float64_qwen3_5_norms(model) -> None:
     for module in model.modules():
         if type(module).__name__ == "Qwen3_5RMSNorm":
             module.forward = types.MethodType(forward, module)
+
+
+def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):
+    """The zoo's ``family`` (:data:`ZOO`) from ``seed``, in ``dtype``. ``kv_heads``:
+    num_key_value_heads instead of COMMON's 2 (1 = MQA: at tsp 2 and 4 each key/value head is
+    split over several ranks)."""
+    import transformers
+
+    if family not in ZOO:
+        raise ValueError(f"no zoo model {family!r}; the zoo holds {sorted(ZOO)}")
+    row = ZOO[family]
+    torch.manual_seed(seed)
+    common = COMMON if kv_heads is None else {**COMMON, "num_key_value_heads": kv_heads}
+    fields = copy.deepcopy(row.fields)  # a config may change the lists and dicts it is given
+    config = getattr(transformers, row.config_class)(**{**common, **fields})
+    model = getattr(transformers, row.model_class)(config)
+    for adjust in row.adjust:  # in order: some draw from the seeded generator
+        adjust(model)
+    return model.to(dtype)
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One model of the zoo: transformers' causal-LM and config classes by name, the config's
+    fields over COMMON, and the adjustments applied after construction, in order (their random
+    draws follow the construction's, so the order is part of the weights)."""
+
+    model_class: str
+    config_class: str
+    fields: dict[str, Any]
+    adjust: tuple[Callable[[nn.Module], None], ...] = ()
+
+
+def spread_norms_and_biases(model: nn.Module) -> None:
+    """Norms and biases away from their initial ones/zeros: a weight applied the wrong way
+    (w vs 1 + w), or not at all, changes the very first loss."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "bias", "alpha_p", "alpha_n")):
+                p.add_(0.1 * torch.randn(p.shape))
+
+
+def xielu_off_defaults(model: nn.Module) -> None:
+    """Apertus's xIELU beta and eps buffers off their defaults."""
+    for layer in model.model.layers:
+        layer.mlp.act_fn.beta.fill_(0.4 + 0.05 * torch.rand(()).item())
+        layer.mlp.act_fn.eps.fill_(-1e-3 * (1 + torch.rand(()).item()))
+
+
+def gemma4_experts_and_scalars(model: nn.Module) -> None:
+    """Gemma 4's experts in eager (grouped_mm takes no float64); the layers' scalars, its
+    router's scale and per-expert scales off one: a layer that skips one is off."""
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.fill_(0.8 + 0.4 * torch.rand(()).item())
+            layer.router.scale.add_(0.3 * torch.randn(layer.router.scale.shape))
+            layer.router.per_expert_scale.add_(0.3 * torch.randn(4))
+
+
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+GEMMA2_SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+HEAD_24 = dict(vocab_size=96, head_dim=24)
+SPREAD = (spread_norms_and_biases,)
+
+# every model's vocabulary is 96 unless it says otherwise (a vocabulary that needs padding at
+# tsp 2 and 4: 101, 97)
+ZOO: dict[str, ZooModel] = {
+    "llama": ZooModel("LlamaForCausalLM", "LlamaConfig", dict(vocab_size=96)),
+    # tied embeddings, a vocabulary that needs padding at D = 2, 4
+    "llama-tied": ZooModel("LlamaForCausalLM", "LlamaConfig",
+                           dict(vocab_size=101, tie_word_embeddings=True)),
+    # sliding window smaller than the test sequences
+    "mistral": ZooModel("MistralForCausalLM", "MistralConfig",
+                        dict(vocab_size=96, sliding_window=7)),
+    # q/k/v biases; layer 1 uses a sliding window
+    "qwen2": ZooModel("Qwen2ForCausalLM", "Qwen2Config", dict(
+        vocab_size=96, use_sliding_window=True, sliding_window=9, max_window_layers=1)),
+    # per-head q/k norms, head_dim 24 (not 64/4), biases, a sliding layer
+    "qwen3": ZooModel("Qwen3ForCausalLM", "Qwen3Config", dict(
+        **HEAD_24, attention_bias=True, use_sliding_window=True, sliding_window=9,
+        max_window_layers=1), SPREAD),
+    # (1 + w) norms, scaled embedding, tanh-GELU, head_dim 24
+    "gemma": ZooModel("GemmaForCausalLM", "GemmaConfig", HEAD_24,
+                      (float64_gemma_norms, *SPREAD)),
+    # sandwich norms, query_pre_attn_scalar, alternating sliding layers, soft-capping. The
+    # soft-caps small for the scores and logits of this size: initializer_range 0.2 (not 0.02)
+    # gives attention scores of about 2 (up to ~13) and logits of about 1.3 (up to ~6), so
+    # tanh(s / 2) and tanh(logits / 3) are far from linear (GEMMA2_SOFTCAPS). HF's only
+    # attention for Gemma 2 with soft-capping is its eager one, whose softmax runs in float32
+    # whatever the dtype (1e-7 off in float64, like its loss): the reference uses the same
+    # attention with the softmax in the model's dtype when that is wider (use_exact_eager)
+    "gemma2": ZooModel("Gemma2ForCausalLM", "Gemma2Config", dict(
+        **HEAD_24, query_pre_attn_scalar=20, sliding_window=9, initializer_range=0.2,
+        **GEMMA2_SOFTCAPS), (use_exact_eager, float64_gemma_norms, *SPREAD)),
+    # Gemma 2's layout plus per-head q/k norms and local/global rotary bases
+    "gemma3": ZooModel("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        **HEAD_24, query_pre_attn_scalar=20, sliding_window=9, layer_types=SLIDING_FULL),
+        (float64_gemma_norms, *SPREAD)),
+    # embedding, residual, attention and logits multipliers
+    "granite": ZooModel("GraniteForCausalLM", "GraniteConfig", dict(
+        vocab_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.3, logits_scaling=4.0), SPREAD),
+    # q/k norms over all heads, norms after attention and MLP, biases
+    "olmo2": ZooModel("Olmo2ForCausalLM", "Olmo2Config",
+                      dict(vocab_size=96, attention_bias=True), SPREAD),
+    # fused qkv_proj and gate_up_proj, sliding window, partial rotary (Phi-4-mini), padding row
+    "phi3": ZooModel("Phi3ForCausalLM", "Phi3Config", dict(
+        vocab_size=96, sliding_window=7, partial_rotary_factor=0.5, pad_token_id=0,
+        eos_token_id=2), SPREAD),
+    # OLMo 2's layout plus a sliding layer (layer_types)
+    "olmo3": ZooModel("Olmo3ForCausalLM", "Olmo3Config", dict(
+        vocab_size=96, attention_bias=True, sliding_window=9, layer_types=SLIDING_FULL),
+        SPREAD),
+    # q/k/v biases and an o_proj bias, head_dim 24; its dropouts (0.1 by default) off
+    "seed_oss": ZooModel("SeedOssForCausalLM", "SeedOssConfig", dict(
+        **HEAD_24, attention_bias=True, attention_out_bias=True, attention_dropout=0.0,
+        residual_dropout=0.0), SPREAD),
+    # per-head q/k norms, norms after attention and MLP, head_dim 24, the hybrid layout: a
+    # sliding layer with RoPE and a full one without (global NoPE)
+    "exaone4": ZooModel("Exaone4ForCausalLM", "Exaone4Config", dict(
+        **HEAD_24, sliding_window=9, layer_types=SLIDING_FULL), SPREAD),
+    # a NoPE layer (no_rope_layers 0: no rotary at all) and a sliding one with RoPE
+    "smollm3": ZooModel("SmolLM3ForCausalLM", "SmolLM3Config", dict(
+        vocab_size=96, pad_token_id=None, no_rope_layers=[1, 0], use_sliding_window=True,
+        sliding_window=9, layer_types=SLIDING_FULL), SPREAD),
+    # interleaved partial rotary, fused gate_up_proj, q/k/v biases, four norms per layer
+    "glm4": ZooModel("Glm4ForCausalLM", "Glm4Config", dict(**HEAD_24, pad_token_id=None),
+                     SPREAD),
+    # a bias on every projection (use_bias), interleaved rotary, tied embeddings, head_dim 24;
+    # its float32 rotary in float64 (float64_ernie_rope)
+    "ernie4_5": ZooModel("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(
+        **HEAD_24, use_bias=True, tie_word_embeddings=True), (float64_ernie_rope, *SPREAD)),
+    # ungated MLP with xIELU (learnable alpha_p, alpha_n), per-head q/k norms, q/k/v/o biases;
+    # its llama3 rope, scaled below a 64-token original length (a test sequence is longer)
+    "apertus": ZooModel("ApertusForCausalLM", "ApertusConfig", dict(
+        vocab_size=96, attention_bias=True, rope_parameters=dict(
+            rope_type="llama3", rope_theta=12e6, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=64)),
+        (xielu_off_defaults, *SPREAD)),
+    # per-head q/k norms after RoPE, q/k/v/o biases, head_dim 24, NTK alpha (static:
+    # "ntk_alpha")
+    "hunyuan_v1_dense": ZooModel("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config", dict(
+        **HEAD_24, attention_bias=True, rope_parameters=dict(
+            rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0)), SPREAD),
+    # layer 0 with RoPE: chunks of 5 tokens (a zigzag chunk holds 3 or 6), the L2 q/k norm and
+    # the MoE (LLAMA4_MOE_LAYERS: 4 experts of 64 channels, top 1, a shared expert); NoPE
+    # layer 1: the attention temperature (floor_scale 4: the factor changes every 4 tokens), a
+    # dense MLP of intermediate_size_mlp 96, not intermediate_size 64. RoPE from complex
+    # freqs_cis on channel pairs. Its float32 steps run in float64 in a float64 model
+    # (tests/support/llama4_reference.py)
+    "llama4_text": ZooModel("Llama4ForCausalLM", "Llama4TextConfig", dict(
+        vocab_size=96, pad_token_id=None, intermediate_size=64, intermediate_size_mlp=96,
+        no_rope_layers=[1, 0], attention_chunk_size=5, use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, num_local_experts=4,
+        num_experts_per_tok=1, moe_layers=list(LLAMA4_MOE_LAYERS)),
+        (llama4_reference.float64_llama4, *SPREAD)),
+    # Gemma 4 text: weight-scaled norms, the value norm, global layers with their own head size
+    # (32) and one key/value head (MQA: K/V slices at tsp 2, 4) whose values are the keys'
+    # projection (attention_k_eq_v); per-layer inputs; the final logit soft-cap; a vocabulary
+    # that needs padding at tsp 2 and 4, for both embeddings; layers 2 and 3 reuse the K/V of
+    # layers 0 and 1 (KV-shared layers), with MLPs of twice the width (use_double_wide_mlp);
+    # the MoE block beside every MLP (enable_moe_block: 4 experts of 16 channels, top 2)
+    "gemma4": ZooModel("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        num_hidden_layers=4, vocab_size=97, vocab_size_per_layer_input=97, head_dim=24,
+        global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=9, layer_types=SLIDING_FULL * 2, hidden_size_per_layer_input=8,
+        num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=3.0,
+        initializer_range=0.2, **GEMMA4_MOE),
+        (gemma4_experts_and_scalars, float64_gemma_norms, *SPREAD)),
+    # Qwen3.5 text, full-attention layers only: the output gate ([query | gate] rows per head
+    # in q_proj), partial rotary (0.25 of head_dim 24: 6 channels) through the text rotary's
+    # mrope sections, (1 + w) norms, q/k/v/o biases
+    "qwen3_5": ZooModel("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        **HEAD_24, attention_bias=True,
+        layer_types=["full_attention"] * COMMON["num_hidden_layers"]),
+        (float64_qwen3_5_norms, *SPREAD)),
+    # Qwen3.5's Gated DeltaNet layers: all of them, or the mix (linear, full); their float32
+    # islands in float64 (tests/support/delta_net_reference.py). Without a full-attention layer
+    # HF's cache cannot say its length: no cache by default
+    **{family: ZooModel("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        **HEAD_24, layer_types=["linear_attention", second], **delta_net_reference.DELTA_NET,
+        use_cache=second == "full_attention"),
+        (float64_qwen3_5_norms, delta_net_reference.float64_delta_nets,
+         delta_net_reference.spread_delta_nets))
+       for family, second in (("qwen3_5-linear", "linear_attention"),
+                              ("qwen3_5-mixed", "full_attention"))},
+}
 
 
 def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

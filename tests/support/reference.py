@@ -81,7 +81,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
     return F.linear(a, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
-def gated_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], activation: str = "silu") -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, w: dict[str, torch.Tensor],
+              activation: str = "silu") -> torch.Tensor:
     g = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
     act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
     up = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
@@ -90,7 +91,8 @@ def gated_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], activation: str = "si
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
     """Fail loudly unless max|actual - expected| <= tol * max(1, max|expected|)."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, \
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     err = (actual - expected).abs().max().item() if actual.numel() else 0.0
     scale = max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
     assert err <= tol * scale, f"{what}: max abs error {err:.3e} > {tol:.0e} * {scale:.3g}"
