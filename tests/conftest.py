@@ -7,6 +7,7 @@ import warnings
 import pytest
 
 from tests.support import dist_pool
+from tests.support import simulations as simulations_support
 
 
 class Pools:
@@ -28,7 +29,7 @@ class Pools:
                 self._shared[size].run(dist_pool.fresh_state)
             except AssertionError as err:  # the pool is a new one now: this module's tests run
                 warnings.warn(f"the pool of {size} that an earlier module left did not answer, "
-                              f"so it was replaced: {err}")
+                              f"so it was replaced: {err}", stacklevel=2)
         self._taken.add(size)
         pool = self._shared[size]
         return pool if timeout is None else dist_pool.Bounded(pool, timeout)
@@ -52,3 +53,11 @@ def pools(_shared_pools):
 def pool(pools):
     """The pool of 4 ranks, for modules that use one size only."""
     return pools.of(4)
+
+
+@pytest.fixture(scope="session")
+def simulations():
+    """The session's two simulation workers (tests/support/simulations.py), started on first
+    use: every planner test's records run there instead of in a pool of its own."""
+    with simulations_support.start() as workers:
+        yield workers

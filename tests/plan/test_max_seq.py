@@ -1,17 +1,16 @@
 """The long-context tools measured: ``tsp simulate --activation-offload`` reports the host's bytes
 apart from the GPU's peak, and ``tsp plan --max-seq``'s answer is the longest sequence that fits
 (it fits, and one step of 2D tokens more does not), each checked by simulations run here, apart
-from the code under test, in one pool of two spawned workers that both tests share."""
+from the code under test, in the session's two spawned simulation workers (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 import pytest
 
-from tsp_core.plan.simulate import MODELS, SimulationRequest, _run_one, record_dict
+from tests.support.simulations import simulate_one
+from tsp_core.plan.simulate import MODELS, SimulationRequest, record_dict
 from tsp_core.tools import cli
 
 LAYERS = 4  # the tiny preset with more layers: offload keeps a constant number on the device
@@ -19,9 +18,9 @@ H = MODELS["tiny"]["hidden_size"]
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as p:
-        yield p
+def pool(simulations):
+    """The session's two simulation workers (tests/conftest.py)."""
+    return simulations
 
 
 def tsp_request(seq: int, offload: bool, layout: str = "tsp") -> SimulationRequest:
@@ -36,7 +35,7 @@ def test_offload_moves_the_layer_inputs_to_the_host(pool):
     offload keeps off it (all but the two it brings back). (A baseline gets the same offload:
     the next test's cp.)"""
     seq = 4096
-    plain, off = pool.map(_run_one, [tsp_request(seq, False), tsp_request(seq, True)])
+    plain, off = pool.map(simulate_one, [tsp_request(seq, False), tsp_request(seq, True)])
     layer_input = seq // 2 * H * 2
     print(f"peak {plain.peak_bytes} -> {off.peak_bytes}, host {off.host_bytes}; one layer "
           f"input {layer_input}")
@@ -68,7 +67,7 @@ def test_max_seq_is_the_longest_that_fits(pool, tmp_path, capsys):
     assert set(fits) == {"tsp", "cp"}
     asks = [tsp_request(f["seq"] + extra, True, name)
             for name, f in fits.items() for extra in (0, 4)]
-    recs = list(pool.map(_run_one, asks))
+    recs = list(pool.map(simulate_one, asks))
     for (name, f), at, beyond in zip(fits.items(), recs[0::2], recs[1::2]):
         print(name, f["seq"], f["bound"], at.peak_bytes, at.host_bytes, beyond.peak_bytes,
               beyond.host_bytes, gpu_limit, host_limit)

@@ -23,9 +23,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
-from typing import Iterator
 
 import pytest
 import torch
@@ -177,7 +176,7 @@ def breaking_the_rule(variant: str | None) -> Iterator[None]:
     from tsp_core import comm
     from tsp_core.layers.attention import rounds
 
-    gather, start = comm.start_all_gather_sequence, rounds._Rounds._start
+    gather, start = comm.start_all_gather_sequence, rounds.Rounds._start
 
     def gather_kept(*args, **kwargs):
         pending = gather(*args, **kwargs)
@@ -200,13 +199,13 @@ def breaking_the_rule(variant: str | None) -> Iterator[None]:
     if variant == "keep_kv":
         comm.start_all_gather_sequence = gather_kept
     elif variant == "keep_shard":
-        rounds._Rounds._start = start_kept
+        rounds.Rounds._start = start_kept
     elif variant is not None:
         raise ValueError(variant)
     try:
         yield
     finally:
-        comm.start_all_gather_sequence, rounds._Rounds._start = gather, start
+        comm.start_all_gather_sequence, rounds.Rounds._start = gather, start
         _KEPT.clear()
 
 
@@ -228,13 +227,12 @@ def simulate_variant(degree: int, variant: str | None, model: str = "7b", seq: i
         return record_dict(run(req))
 
 
-def test_each_component_at_its_floor_and_broken_rules_fail():
+def test_each_component_at_its_floor_and_broken_rules_fail(simulations):
     """D=4 and D=8 meet every floor; at D=8, keeping the gathered K/V or one remote weight shard
     breaks the activations kept for backward and what the attention's backward adds (the
     smallest such bug, one attention shard, is 16 times the slack)."""
     runs = [(4, None), (8, None), (8, "keep_kv"), (8, "keep_shard")]
-    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
-        recs = list(pool.map(simulate_variant, *zip(*runs)))
+    recs = list(simulations.map(simulate_variant, *zip(*runs)))
     for (d, variant), rec in zip(runs, recs):
         assert rec["degree"] == d and rec["layers"] == LAYERS
         assert rec["peak_bytes"] == sum(rec["breakdown"].values()), rec
@@ -311,24 +309,24 @@ def scaling_violations(runs: dict[tuple[int, int], dict]) -> list[str]:
     return bad
 
 
-def family_runs(models: tuple[str, ...], variants: tuple[str | None, ...],
-                tile_tokens: int | None = None) -> dict:
-    """Each model's block (its first BLOCK_LAYERS layers) at (S, 4), (S, 8), (2S, 8)."""
+def family_runs(simulations: ProcessPoolExecutor, models: tuple[str, ...],
+                variants: tuple[str | None, ...], tile_tokens: int | None = None) -> dict:
+    """Each model's block (its first BLOCK_LAYERS layers) at (S, 4), (S, 8), (2S, 8), run in
+    the session's ``simulations`` workers."""
     points = [(FAMILY_SEQ, 4), (FAMILY_SEQ, 8), (2 * FAMILY_SEQ, 8)]
     keys = [(m, v, p) for m in models for v in variants for p in points]
     layers = [BLOCK_LAYERS.get(m, LAYERS) for m, _, _ in keys]
-    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
-        recs = pool.map(simulate_variant, [p[1] for _, _, p in keys], [v for _, v, _ in keys],
-                        [m for m, _, _ in keys], [p[0] for _, _, p in keys],
-                        [tile_tokens] * len(keys), layers)
-        out: dict = {}
-        for (m, v, p), n, rec in zip(keys, layers, recs):
-            assert rec["layers"] == n and rec["seq"] == p[0] and rec["degree"] == p[1]
-            out.setdefault((m, v), {})[p] = rec
+    recs = simulations.map(simulate_variant, [p[1] for _, _, p in keys],
+                           [v for _, v, _ in keys], [m for m, _, _ in keys],
+                           [p[0] for _, _, p in keys], [tile_tokens] * len(keys), layers)
+    out: dict = {}
+    for (m, v, p), n, rec in zip(keys, layers, recs):
+        assert rec["layers"] == n and rec["seq"] == p[0] and rec["degree"] == p[1]
+        out.setdefault((m, v), {})[p] = rec
     return out
 
 
-def test_the_rule_holds_in_every_family_and_its_breaks_show():
+def test_the_rule_holds_in_every_family_and_its_breaks_show(simulations):
     """One block of Qwen3 (per-head q/k norms), Gemma 2 (sandwich norms, soft-capped attention
     and logits) and OLMo 2 (whole-width q/k norms: the phased schedule) keeps and adds what the
     rule allows; in OLMo 2's schedule, keeping the gathered K/V or a remote weight shard for
@@ -337,8 +335,8 @@ def test_the_rule_holds_in_every_family_and_its_breaks_show():
     # the attention_backward window (docs/memory.md "Reading tsp simulate's phases"), then halves
     # with D as the rule says; the chosen tile (2048 tokens at h=4096) would not
     one = FAMILY_SEQ // 4
-    runs = family_runs(FAMILY_BLOCKS, (None,), one) | family_runs(("olmo-2-7b",),
-                                                                   ("keep_kv", "keep_shard"), one)
+    runs = family_runs(simulations, FAMILY_BLOCKS, (None,), one) | \
+        family_runs(simulations, ("olmo-2-7b",), ("keep_kv", "keep_shard"), one)
     for model in FAMILY_BLOCKS:
         bad = scaling_violations(runs[(model, None)])
         assert bad == [], f"{model}: " + "\n".join(bad)
@@ -349,25 +347,26 @@ def test_the_rule_holds_in_every_family_and_its_breaks_show():
 
 # ------------------------------------------------------------------ mixture of experts
 
-def test_the_rule_holds_for_moe_blocks():
+def test_the_rule_holds_for_moe_blocks(simulations):
     """One block of Mixtral-8x7B (8 experts, top 2), of Qwen3-30B-A3B (128 experts, top 8,
     per-head q/k norms), of GLM-4.5-Air (its dense first layer and first sparse one: 128
     experts, top 8 by the sigmoid router, a shared expert on the dense ring, 96 query heads of
     128), of gpt-oss-20b (its first layer: sliding attention with sinks, 32 experts with
     biases, top 4) and of Llama-4-Scout (its first layer: chunked attention, the L2 q/k norm, 16
     experts, top 1 weighting the input, a shared expert on the dense ring) under TSP's
-    expert-parallel schedule (tsp_core.layers.moe, uniform routing under fake tensors). What the forward keeps is linear in this rank's tokens; the MoE
-    block's working sets and the parameters shrink at least as 1/D, up to what expert
-    parallelism keeps constant: the replicated router (and gpt-oss's experts' down biases, [E,
-    h], which every token's chosen experts add), and the expert running backward (its k S / E
-    rows and its gate/up gradient slice do not depend on D). Attention is the dense rule's
+    expert-parallel schedule (tsp_core.layers.moe, uniform routing under fake tensors). What
+    the forward keeps is linear in this rank's tokens; the MoE block's working sets and the
+    parameters shrink at least as 1/D, up to what expert parallelism keeps constant: the
+    replicated router (and gpt-oss's experts' down biases, [E, h], which every token's chosen
+    experts add), and the expert running backward (its k S / E rows and its gate/up gradient
+    slice do not depend on D). Attention is the dense rule's
     (Qwen3-30B-A3B has 4 key/value heads: below D = 8 they are not cut further)."""
     # h, F per expert, E, top k, replicated [E, h] tensors per sparse layer, sparse layers
     shapes = {"mixtral-8x7b": (4096, 14336, 8, 2, 1, 1), "qwen3-30b-a3b": (2048, 768, 128, 8, 1, 1),
               "glm-4.5-air": (4096, 1408, 128, 8, 1, 1), "gpt-oss-20b": (2880, 2880, 32, 4, 2, 1),
               "llama-4-scout": (5120, 8192, 16, 1, 1, 1)}
     models = tuple(shapes)
-    runs = family_runs(models, (None,))
+    runs = family_runs(simulations, models, (None,))
     for model in models:
         h, f, e, k, replicated, sparse = shapes[model]
         s4, s8, l8 = (runs[(model, None)][p] for p in
@@ -399,15 +398,14 @@ def simulate_recompute(layout: str, model: str, layers: int, seq: int) -> dict:
                                              recompute="full")))
 
 
-def test_moe_leaves_nothing_after_the_step_under_recompute():
+def test_moe_leaves_nothing_after_the_step_under_recompute(simulations):
     """Under full recompute (what `tsp simulate` and `tsp plan` assume), once the step is done
     no activation of an MoE block is alive, as for the dense blocks, under TSP and the tensor-
     parallel baseline: the recompute in backward must not keep its router logits (and with them
     its graph, the routed rows and the expert activations; 42 GiB at Mixtral's 32 layers and
     128K before tsp_core.layers.moe.recomputing)."""
-    with ProcessPoolExecutor(max_workers=2, mp_context=get_context("spawn")) as pool:
-        recs = list(pool.map(simulate_recompute, ["tsp", "tp"], ["mixtral-8x7b"] * 2, [2, 2],
-                             [4096, 4096]))
+    recs = list(simulations.map(simulate_recompute, ["tsp", "tp"], ["mixtral-8x7b"] * 2,
+                                [2, 2], [4096, 4096]))
     for rec in recs:  # the slack: the batch's int64 tensors of the tokens the rank sees
         slack = (4096 if rec["layout"] == "tp" else 4096 // 8) * SLACK_PER_TOKEN
         assert rec["phases"]["end"]["activations"] <= slack, (rec["layout"], rec["phases"]["end"])

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.simulations import simulate_all
 from tsp_core.baselines.layouts import LayoutSpec
 from tsp_core.plan.cost import auto_tsp_size, plan
 from tsp_core.plan.detect import detect, nodes_from_env, parse_nvidia_topo, parse_rocm_topo
 from tsp_core.plan.hardware import Cluster, device
-from tsp_core.plan.memory import _param_counts, estimate
+from tsp_core.plan.memory import estimate, param_counts
 from tsp_core.plan.traffic import ModelShape
 
 FIX = Path(__file__).parents[1] / "fixtures" / "topology"
@@ -38,9 +39,11 @@ def test_parse_rocm_smi_showtopo():
 
 
 def test_nodes_from_launcher_environment():
-    assert nodes_from_env({"SLURM_JOB_NUM_NODES": "4", "SLURM_GPUS_ON_NODE": "8"}) == (4, 8, "slurm")
+    assert nodes_from_env({"SLURM_JOB_NUM_NODES": "4", "SLURM_GPUS_ON_NODE": "8"}) \
+        == (4, 8, "slurm")
     assert nodes_from_env({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == (2, 8, "torchrun")
-    assert nodes_from_env({"OMPI_COMM_WORLD_SIZE": "32", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == (8, 4, "mpi")
+    assert nodes_from_env({"OMPI_COMM_WORLD_SIZE": "32", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) \
+        == (8, 4, "mpi")
     assert nodes_from_env({}) == (None, None, "none")
     with pytest.raises(ValueError, match="not a multiple"):
         nodes_from_env({"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"})
@@ -64,7 +67,8 @@ def test_detect_from_tools_and_environment_with_overrides(tmp_path):
     hw.write_text(json.dumps({"gpu": "h100", "nodes": 3, "gpus_per_node": 8}))
     given = detect({"inter_node_gbps": 200}, env={"TSP_HARDWARE": str(hw)}, run=lambda cmd: None,
                    torch_devices=[])
-    assert (given.cluster.device.name, given.cluster.nodes, given.cluster.inter_node_gbps) == ("h100", 3, 200)
+    assert (given.cluster.device.name, given.cluster.nodes, given.cluster.inter_node_gbps) \
+        == ("h100", 3, 200)
     with pytest.raises(ValueError, match="--gpu"):
         detect(env={}, run=lambda cmd: None, torch_devices=[])
 
@@ -104,20 +108,23 @@ LAYOUTS = [("tsp", 8, 1), ("tp", 8, 1), ("tp-sp", 8, 1), ("cp", 1, 8), ("tp+cp",
            ("tp-sp+cp", 2, 4)]
 
 
-def test_memory_within_ten_percent_of_simulate():
+def test_memory_within_ten_percent_of_simulate(simulations):
     """Every layout, two lengths, the 7B shape cut to one layer (the simulation of rank 0 under
     FakeTensorMode, two worker processes), where the working sets weigh most against the model
     state. docs/planning.md has the 32-layer comparison (every layout within 2%)."""
-    from tsp_core.plan.simulate import SimulationRequest, simulate_many
+    from tsp_core.plan.simulate import SimulationRequest
 
     seqs = (16384, 65536)
-    reqs = [SimulationRequest(n, t, c, s, "7b", 1, recompute="full") for s in seqs for n, t, c in LAYOUTS]
-    records = simulate_many(reqs, jobs=2, fresh=False)
+    reqs = [SimulationRequest(n, t, c, s, "7b", 1, recompute="full")
+            for s in seqs for n, t, c in LAYOUTS]
+    records = simulate_all(simulations, reqs)
     shape = ModelShape(4096, 32, 32, 16384, 1, 32000)
     for r in records:
         planned = estimate(shape, LayoutSpec(r.name, r.tp, r.cp), r.seq).peak
-        print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned {planned / 2**30:.3f} GiB")
-        assert abs(planned - r.peak_bytes) / r.peak_bytes < 0.10, (r.layout, r.seq, planned, r.peak_bytes)
+        print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, "
+              f"planned {planned / 2**30:.3f} GiB")
+        assert abs(planned - r.peak_bytes) / r.peak_bytes < 0.10, \
+            (r.layout, r.seq, planned, r.peak_bytes)
 
 
 def test_model_presets_and_config_files(tmp_path):
@@ -127,7 +134,8 @@ def test_model_presets_and_config_files(tmp_path):
     from tsp_core.plan.simulate import model_config
 
     qwen = model_shape("qwen3-8b", None)
-    assert (qwen.hidden_size, qwen.num_heads, qwen.num_kv_heads, qwen.num_layers) == (4096, 32, 8, 36)
+    assert (qwen.hidden_size, qwen.num_heads, qwen.num_kv_heads, qwen.num_layers) \
+        == (4096, 32, 8, 36)
     assert qwen.kv_width == 1024 and qwen.attention_weights == 2 * 4096 * (4096 + 1024)
     gemma = model_shape("gemma-3-12b", 2)
     assert gemma.num_layers == 2 and gemma.q_width == 16 * 256 != gemma.hidden_size
@@ -144,7 +152,8 @@ def test_model_presets_and_config_files(tmp_path):
     Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=24, layer_types=["full_attention"] * 3,
                 max_position_embeddings=128).save_pretrained(tmp_path)
-    other = tmp_path / "other" / "qwen3-small.json"  # any file name, in a folder without config.json
+    # any file name, in a folder without config.json
+    other = tmp_path / "other" / "qwen3-small.json"
     other.parent.mkdir()
     other.write_text((tmp_path / "config.json").read_text())
     for path in (tmp_path, tmp_path / "config.json", other):
@@ -210,7 +219,7 @@ def test_newer_families_config_files(tmp_path, family):
     model = (test_moe.build(family) if family in NEWER_MOE_FAMILIES
              else hf_models.build(family, torch.float32))
     policy = find_policy(model)
-    moe = policy.moe is not None
+    moe = policy.ffn.moe is not None
     model.config.save_pretrained(tmp_path)
     config = model_config(str(tmp_path / "config.json"), layers=1)
     assert (config.model_type, config.num_hidden_layers) == (family, 1)
@@ -219,20 +228,20 @@ def test_newer_families_config_files(tmp_path, family):
     assert (shape.num_layers, shape.num_kv_heads, shape.kv_width) == (2, 2, 2 * head_dim)
     # the planner's dense MLP weights: Apertus's MLP has no gate (up and down only)
     matrices = 2 if family == "apertus" else 3
-    dense = getattr(config, policy.dense_intermediate_size)
+    dense = getattr(config, policy.ffn.dense_intermediate_size)
     assert shape.mlp_weights == matrices * dense * config.hidden_size
     if moe:  # the experts as the family's policy reads them
-        spec = policy.moe.spec(model.config, 1)
+        spec = policy.ffn.moe.spec(model.config, 1)
         assert (shape.num_experts, shape.top_k, shape.expert_intermediate_size) == \
             (spec.num_experts, spec.top_k, spec.intermediate_size)
-        layers = getattr(getattr(model, policy.base_model), policy.layers)
-        sparse = sum(policy.sparse_mlp(getattr(layer, policy.mlp)) for layer in layers)
+        layers = getattr(getattr(model, policy.modules.base_model), policy.modules.layers)
+        sparse = sum(policy.ffn.sparse_mlp(getattr(layer, policy.modules.mlp)) for layer in layers)
         assert shape.num_moe_layers == sparse > 0   # GLM-4.5's first and Llama 4's layer 1 dense
     assert shape.is_moe == moe
     simulate_config_dir(tmp_path)
 
 
-def test_ungated_mlp_memory_within_ten_percent_of_simulate(tmp_path):
+def test_ungated_mlp_memory_within_ten_percent_of_simulate(tmp_path, simulations):
     """An ungated MLP (Apertus's up, xIELU, down: TSPPlainMLP) under TSP, one layer whose MLP
     working set is the peak (h 64, intermediate 4096): the planner's tile and its tensors are
     the plain MLP's (mlp_matrices 2: xIELU's tile, half the gated one, holding PLAIN_TILE_TENSORS
@@ -242,7 +251,7 @@ def test_ungated_mlp_memory_within_ten_percent_of_simulate(tmp_path):
     from transformers import ApertusConfig
 
     from tsp_core.plan.command import model_shape
-    from tsp_core.plan.simulate import SimulationRequest, simulate_many
+    from tsp_core.plan.simulate import SimulationRequest
 
     ApertusConfig(vocab_size=96, hidden_size=64, intermediate_size=4096, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2,
@@ -251,7 +260,7 @@ def test_ungated_mlp_memory_within_ten_percent_of_simulate(tmp_path):
     assert shape.mlp_matrices == 2 and shape.mlp_weights == 2 * 4096 * 64
     reqs = [SimulationRequest("tsp", d, 1, seq, str(tmp_path), None, recompute="full")
             for seq, d in ((16384, 2), (8192, 4))]
-    for r in simulate_many(reqs, jobs=2, fresh=False):
+    for r in simulate_all(simulations, reqs):
         planned = estimate(shape, LayoutSpec("tsp", r.tp), r.seq)
         print(f"apertus {r.seq} D={r.tp}: simulate {r.peak_bytes / 2**20:.1f} MiB, planned "
               f"{planned.peak / 2**20:.1f} MiB ({planned.moment})")
@@ -433,17 +442,17 @@ def test_moe_plan_ranks_tsp_with_expert_traffic_and_memory(tmp_path):
     assert (data["choice"]["layout"], data["choice"]["degree"]) == ("tsp", 8)
 
 
-def test_moe_memory_within_ten_percent_of_simulate():
+def test_moe_memory_within_ten_percent_of_simulate(simulations):
     """The planner's MoE working set (docs/planning.md) against `tsp simulate` of the real
     TSPMoE (schedule (a), uniform routing under fake tensors, its experts' rows in tiles) on a
     one-layer cut of Mixtral-8x7B at 16K and 128K tokens, D = 8 (the untiled count planned
     8.54 GiB at 128K where 4.43 are measured)."""
     from tsp_core.plan.command import model_shape
-    from tsp_core.plan.simulate import SimulationRequest, simulate_many
+    from tsp_core.plan.simulate import SimulationRequest
 
     reqs = [SimulationRequest("tsp", 8, 1, seq, "mixtral-8x7b", 1, recompute="full")
             for seq in (16384, 131072)]
-    for r in simulate_many(reqs, jobs=2, fresh=False):
+    for r in simulate_all(simulations, reqs):
         planned = estimate(model_shape("mixtral-8x7b", 1), LayoutSpec("tsp", 8), r.seq)
         print(f"{r.layout} {r.seq}: simulate {r.peak_gib:.3f} GiB, planned "
               f"{planned.peak / 2**30:.3f} GiB")
@@ -476,7 +485,7 @@ def test_llama_70b_preset_shape():
     assert 80 * layer + rest == 68_976_648_192                      # Llama-2-70B's 68.98e9
 
 
-def test_fsdp_simulation_shards_model_state_by_dp_shard():
+def test_fsdp_simulation_shards_model_state_by_dp_shard(simulations):
     """The real fully_shard under the fake process group, rank 0 of a 2 x 4 world, against the
     same model without FSDP2 (2 ranks), for TSP and tp-sp wrapped alike: parameters and AdamW's
     moments fall to exactly 1/4 (its float32 step count stays one per tensor), the gradients
@@ -486,11 +495,11 @@ def test_fsdp_simulation_shards_model_state_by_dp_shard():
     planner is within 10% of each measurement."""
     from tsp_core.plan.command import model_shape
     from tsp_core.plan.fsdp_sim import FSDP_WORKING_SET
-    from tsp_core.plan.simulate import SimulationRequest, simulate_many
+    from tsp_core.plan.simulate import SimulationRequest
 
     reqs = [SimulationRequest(n, 2, 1, 1024, "tiny", recompute="full", dp_shard=s)
             for n in ("tsp", "tp-sp") for s in (1, 4)]
-    tsp1, tsp4, sp1, sp4 = simulate_many(reqs, jobs=2, fresh=False)
+    tsp1, tsp4, sp1, sp4 = simulate_all(simulations, reqs)
     # tiny: h 64, F 256, 2 layers, 4 heads (4 for K/V), vocab 512, bf16; rank 0's at D=2
     h, F, V, L = 64, 256, 512, 2
     u = (4 * h * h + 3 * F * h) // 2 * 2 + 2 * h * 2    # one layer's shards (its norms whole)
@@ -620,7 +629,7 @@ def test_qwen3_5_preset_and_its_linear_attention_layers(tmp_path):
 
 # ------------------------------------------- latent attention and Gated DeltaNet (docs/planning.md)
 
-def test_latent_attention_memory_within_ten_percent_of_simulate(tmp_path):
+def test_latent_attention_memory_within_ten_percent_of_simulate(tmp_path, simulations):
     """The planner's per-rank peak for multi-head latent attention (with GLM-4.5's MoE) against
     `tsp simulate` of the real TSPLatentAttention at D = 4, 4K and 32K tokens: the deepseek-v3
     preset cut to 3 layers (1 dense, 2 sparse: 16 experts of 256, top 4 of 2 of 4 groups, a
@@ -630,7 +639,7 @@ def test_latent_attention_memory_within_ten_percent_of_simulate(tmp_path):
     MoE layer decides the peak here; where MLA's backward does (all 3 layers dense, 32K) the
     planner runs 29% low (docs/planning.md), which this test does not cover."""
     from tsp_core.plan.command import model_shape
-    from tsp_core.plan.simulate import SimulationRequest, model_config, simulate_many
+    from tsp_core.plan.simulate import SimulationRequest, model_config
 
     config = model_config("deepseek-v3", layers=3)
     for k, v in dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
@@ -643,7 +652,7 @@ def test_latent_attention_memory_within_ten_percent_of_simulate(tmp_path):
     config.save_pretrained(tmp_path)
     reqs = [SimulationRequest("tsp", 4, 1, seq, str(tmp_path), None, recompute="full")
             for seq in (4096, 32768)]
-    for r in simulate_many(reqs, jobs=2, fresh=False):
+    for r in simulate_all(simulations, reqs):
         planned = estimate(model_shape(str(tmp_path), None), LayoutSpec("tsp", 4), r.seq)
         print(f"{r.seq}: simulate {r.peak_gib:.4f} GiB, planned {planned.peak / 2**30:.4f} GiB "
               f"({planned.moment})")
@@ -652,7 +661,7 @@ def test_latent_attention_memory_within_ten_percent_of_simulate(tmp_path):
             (r.seq, planned.peak, r.peak_bytes)
 
 
-def test_delta_net_memory_within_ten_percent_of_simulate(tmp_path):
+def test_delta_net_memory_within_ten_percent_of_simulate(tmp_path, simulations):
     """The planner's per-rank peak for Gated DeltaNet against `tsp simulate` of the real
     TSPGatedDeltaNet at D = 2, 1K and 4K tokens: the qwen3.5 preset cut to 4 layers, narrowed
     to h 256 (8 value and 4 key heads of 32, a 512 vocabulary), all linear attention AND 3
@@ -661,7 +670,7 @@ def test_delta_net_memory_within_ten_percent_of_simulate(tmp_path):
     last's at 4K); without its round term the plan is 44-69% low (2K/8K: without the
     gradients in flight 12-14% low)."""
     from tsp_core.plan.command import model_shape
-    from tsp_core.plan.simulate import SimulationRequest, model_config, simulate_many
+    from tsp_core.plan.simulate import SimulationRequest, model_config
 
     reqs = []
     for name, types in (("linear", ["linear_attention"] * 4),
@@ -675,7 +684,7 @@ def test_delta_net_memory_within_ten_percent_of_simulate(tmp_path):
         config.save_pretrained(tmp_path / name)
         reqs += [SimulationRequest("tsp", 2, 1, seq, str(tmp_path / name), None,
                                    recompute="full") for seq in (1024, 4096)]
-    for r in simulate_many(reqs, jobs=2, fresh=False):
+    for r in simulate_all(simulations, reqs):
         planned = estimate(model_shape(r.model, None), LayoutSpec("tsp", 2), r.seq)
         print(f"{r.model} {r.seq}: simulate {r.peak_bytes}, planned {planned.peak:.0f} "
               f"({planned.moment})")
@@ -699,7 +708,7 @@ def test_latent_attention_preset_plans_tsp_alone():
     from tsp_core.plan.traffic import DeltaNetShape, layer_forward_elements
 
     ds = model_shape("deepseek-v3", None)
-    c = _param_counts(ds, LayoutSpec("tsp", 1))
+    c = param_counts(ds, LayoutSpec("tsp", 1))
     assert c["layers"] + c["embed"] + c["head"] == 671_026_404_352
     spec = LatentSpec(7168, 128, 1536, 512, 128, 64, 128, 8, 1.0)
     fwd = latent_collectives(spec, 1, 131072, 2, [])["forward"]
