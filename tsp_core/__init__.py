@@ -22,7 +22,9 @@ from .state.resharding import latest_checkpoint, load_checkpoint, save_checkpoin
 __all__ = ["FullLogits", "TSPAttention", "TSPEmbedding", "TSPGatedMLP", "TSPLMHead", "TSPMesh",
            "TSPRMSNorm", "comm", "full_logits", "full_state_dict", "generate", "get_mesh", "guard",
            "init_mesh",
-           "latest_checkpoint", "layout", "metrics", "load_checkpoint", "load_full_state_dict", "parallelize",
+           "latest_checkpoint", "layout", "metrics", "load_checkpoint", "load_full_state_dict",
+           "parallelize",
            "pipeline", "TSPPipeline",
            "position_ids", "run_cleanly", "shutdown",
-           "save_checkpoint", "save_pretrained", "shard_batch", "shard_sequence", "unshard_sequence"]
+           "save_checkpoint", "save_pretrained", "shard_batch", "shard_sequence",
+           "unshard_sequence"]

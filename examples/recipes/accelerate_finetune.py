@@ -22,10 +22,10 @@ import os
 import re
 
 import torch
+from common import TokenRows, long_context, parse_args, report
 from torch.utils.data import DataLoader
 
 import tsp_core
-from common import TokenRows, long_context, parse_args, report
 from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 from tsp_transformers import load_pretrained
 

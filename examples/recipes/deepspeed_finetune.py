@@ -20,11 +20,11 @@ and ``--tile-tokens N`` are ``initialize(..., activation_offload=True, tile_toke
 from __future__ import annotations
 
 import torch
+from common import TokenRows, data_parallel_sampler, device, long_context, parse_args, report
 from torch.utils.data import DataLoader
 
 import tsp_core
 import tsp_deepspeed
-from common import TokenRows, data_parallel_sampler, device, long_context, parse_args, report
 from tsp_transformers import load_pretrained
 
 

@@ -22,13 +22,13 @@ import os
 
 import lightning as L
 import torch
+from common import TokenRows, data_parallel_sampler, long_context, parse_args, report
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 import tsp_core
 import tsp_lightning  # registers strategy="tsp"
-from common import TokenRows, data_parallel_sampler, long_context, parse_args, report
 from tsp_transformers import load_pretrained
 
 PRECISION = {"bfloat16": "bf16-true", "float32": "32-true", "float64": "64-true"}

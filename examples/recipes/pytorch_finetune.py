@@ -19,10 +19,10 @@ from __future__ import annotations
 import os
 
 import torch
+from common import TokenRows, data_parallel_sampler, device, long_context, parse_args, report
 from torch.utils.data import DataLoader
 
 import tsp_core
-from common import TokenRows, data_parallel_sampler, device, long_context, parse_args, report
 from tsp_transformers import load_pretrained
 
 

@@ -21,11 +21,11 @@ import os
 
 import torch
 import torch.distributed as dist
+from common import TokenRows, long_context, parse_args, report
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 import tsp_core
-from common import TokenRows, long_context, parse_args, report
 from tsp_transformers import TSPTrainer, TSPTrainingArguments, load_pretrained
 
 

@@ -49,4 +49,5 @@ def test_tsp_groups_inside_a_node_dp_across(tsp_size, monkeypatch):
 def test_tsp_group_larger_than_a_node_is_warned(monkeypatch):
     tsp, dp, warned = _groups(3, 16, monkeypatch)
     assert tsp == list(range(16)) and dp == [3]
-    assert any("tsp_size (16) does not divide the 8 processes of a node" in w for w in warned), warned
+    assert any("tsp_size (16) does not divide the 8 processes of a node" in w
+               for w in warned), warned

@@ -73,7 +73,8 @@ def test_accelerate_deepspeed_zero2_matches_one_process(tmp_path, procs):
     stdout = run([accelerate, "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes",
                   str(procs), launch.EXIT_CLEANLY, JOB, "--kv-heads", "1", "--round-trip",
                   "--out", str(tmp_path)], TSP_SIZE="2")
-    assert f"processes {procs}, distributed DistributedType.DEEPSPEED, TSP degree 2" in stdout, stdout
+    assert f"processes {procs}, distributed DistributedType.DEEPSPEED, TSP degree 2" in stdout, \
+        stdout
     ref = accelerate_reference(1, rows_per_step=procs, dtype=torch.float32, clip=1.0)
     assert min(ref["norms"]) > 1.0, ref["norms"]
     runs = job_run(str(tmp_path), 1)

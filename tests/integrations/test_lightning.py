@@ -329,7 +329,8 @@ def test_resume_is_exact(tmp_path):
     run_job(str(tmp_path / "a"), *common, "--ckpt-dir", str(ckpts))
     uninterrupted = result(str(tmp_path / "a"))
     step2 = ckpts / "epoch=1.ckpt"
-    assert step2.is_dir(), f"a sharded (torch.distributed.checkpoint) folder: {sorted(ckpts.iterdir())}"
+    assert step2.is_dir(), \
+        f"a sharded (torch.distributed.checkpoint) folder: {sorted(ckpts.iterdir())}"
     run_job(str(tmp_path / "b"), *common, "--resume", str(step2))
     res, weights = result(str(tmp_path / "b"))
     assert len(res["losses"]) == 2, res
@@ -369,7 +370,7 @@ def test_reading_the_mesh_too_early_says_when_it_exists():
 
     for cls in (tsp_lightning.TSPStrategy, tsp_lightning.TSPFabricStrategy):
         with pytest.raises(RuntimeError) as info:
-            cls(tsp_size=2).tsp_mesh
+            _ = cls(tsp_size=2).tsp_mesh  # the property raises
         message = str(info.value)
         for words in (f"{cls.__name__}.tsp_mesh was read before the strategy built it",
                       "builds the TSP mesh in setup_environment",

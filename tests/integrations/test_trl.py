@@ -434,7 +434,7 @@ def test_trl_precision_defaults_tsp2_match_one_process(two_processes, one_proces
 
 
 def test_padding_free_keys_must_match_the_position_ids():
-    from tsp_core.models.parallelize import check_padding_free
+    from tsp_core.models import check_padding_free
 
     pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
     good = torch.tensor([0, 3, 5, 6], dtype=torch.int32)

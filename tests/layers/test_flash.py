@@ -261,13 +261,14 @@ def test_math_kernel_without_cap(monkeypatch, size, causal, window):
         check_rank(p, size, causal, window, 2, gen)
 
 
-@pytest.mark.parametrize("size,window,docs", [(4, None, None), (2, 3, None), (2, None, [8, 24, 16])])
+@pytest.mark.parametrize("size,window,docs",
+                         [(4, None, None), (2, 3, None), (2, None, [8, 24, 16])])
 def test_bf16_piece_gradients_summed_in_float32(size, window, docs):
     """In bf16, every piece's dQ/dK/dV is summed in float32 (the forward merges in float32 too):
     dK/dV come back as the float32 accumulator, equal to the float64 sum of the kernel's own
     per-piece gradients (a full piece's per key block, flash.key_blocks) to float32 precision
-    (a bf16 accumulator would be off by its ulp, 4e-3), and dQ is that sum rounded once to bf16. The result is also the float64 math's to bf16
-    precision."""
+    (a bf16 accumulator would be off by its ulp, 4e-3), and dQ is that sum rounded once to bf16.
+    The result is also the float64 math's to bf16 precision."""
     seq, scale = 48, 8 ** -0.5
     gen = torch.Generator().manual_seed(7)
     doc_of = None if docs is None else torch.repeat_interleave(torch.arange(len(docs)),

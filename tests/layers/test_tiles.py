@@ -15,9 +15,9 @@ mixture-of-experts ring and the vocabulary-parallel loss take a rank's tokens a 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from typing import Iterator
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ from tsp_core import comm
 from tsp_core.layers import tiles
 from tsp_core.layers.mlp import PLAIN_TILE_TENSORS, TSPGatedMLP, TSPPlainMLP, plain_tile_tokens
 from tsp_core.layers.moe import MoESpec, dispatch_combine
-from tsp_core.layers.moe.ring import _RingExpertsFn
+from tsp_core.layers.moe.ring import RingExpertsFn
 from tsp_core.layers.vocab import TSPLMHead
 from tsp_core.sequence.layout import shard_sequence
 
@@ -84,7 +84,7 @@ def mlp_exact(tsp: int, activation: str, bias: bool) -> None:
 
 
 def moe_exact(tsp: int) -> None:
-    """Both schedules' experts (the ring's ``_RingExpertsFn``, the expert schedule's
+    """Both schedules' experts (the ring's ``RingExpertsFn``, the expert schedule's
     ``dispatch_combine``) on given routing: float64 routing weights (a leaf, so their gradient is
     compared too) and each token's top 2 of 4 experts."""
     mesh = dist_pool.mesh(tsp)
@@ -117,7 +117,7 @@ def moe_exact(tsp: int) -> None:
                "up": full["up"][:, cols].clone().requires_grad_(),
                "down": full["down"][:, :, cols].clone().requires_grad_()}
         x_loc, w_loc = x[mine].clone().requires_grad_(), weights[mine].clone().requires_grad_()
-        y = _RingExpertsFn.apply(x_loc, w_loc, experts[mine], spec, mesh.group, tile,
+        y = RingExpertsFn.apply(x_loc, w_loc, experts[mine], spec, mesh.group, tile,
                                  own["gate"], own["up"], own["down"])
         y.backward(dy[mine])
         runs[tile] = {"y": y.detach(), "x": x_loc.grad, "w": w_loc.grad,
@@ -406,7 +406,7 @@ def test_tiled_norm_keeps_only_its_input_and_gives_autograds_numbers(dtype):
         w.requires_grad_()
         saved: list[int] = []
 
-        def keep(t: torch.Tensor) -> torch.Tensor:
+        def keep(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
             saved.append(t.numel() * t.element_size())
             return t
 

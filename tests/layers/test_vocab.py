@@ -66,7 +66,8 @@ def run_parity(tsp: int, vocab: int, tied: bool, padding_idx: int | None,
 
 
 @pytest.mark.parametrize("tsp", [1, 2, 4])
-@pytest.mark.parametrize("vocab,tied,padding_idx", [(32, False, None), (13, True, 3), (5, False, 0)])
+@pytest.mark.parametrize("vocab,tied,padding_idx",
+                         [(32, False, None), (13, True, 3), (5, False, 0)])
 def test_parity_float64(pool, tsp, vocab, tied, padding_idx):
     D = tsp
     # embedding: counts, ids, rows forward + rows backward; loss: D-1 hops forward, D-1 weight
@@ -90,7 +91,8 @@ def bad_ids() -> str:
     ids = torch.zeros(1, 4, dtype=torch.long)
     if mesh.rank == 2:
         ids[0, 1] = 10
-    with pytest.raises(ValueError, match=r"token ids out of range \[0, 10\) on TSP rank\(s\) \[2\]") as e:
+    with pytest.raises(ValueError,
+                       match=r"token ids out of range \[0, 10\) on TSP rank\(s\) \[2\]") as e:
         emb(ids)
     return str(e.value)
 

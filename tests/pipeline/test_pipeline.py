@@ -1,7 +1,8 @@
 """TSP x pipeline parallelism (tsp_core.pipeline) against the unmodified Hugging Face Llama on one
 process, float64: pp 2 x tsp 2 under 1F1B, Interleaved1F1B and InterleavedZeroBubble (2 stages
-per rank), and pp 2 x dp 2 x tsp 1 (FSDP2 over dp_shard 2, and plain replicas), 4 micro-batches whose labelled-token counts differ (so a mean
-of micro-batch means would be wrong). Each step's loss to 1e-10, the first step's gradients
+per rank), and pp 2 x dp 2 x tsp 1 (FSDP2 over dp_shard 2, and plain replicas), 4
+micro-batches whose labelled-token counts differ (so a mean of micro-batch means would be
+wrong). Each step's loss to 1e-10, the first step's gradients
 (before clipping) to 1e-10, the gradient norm the clipping sees and the weights after 3 AdamW
 steps with clipping active to 1e-8; the point-to-point counts of a step are those of
 docs/pipeline.md; a checkpoint saved at pp 2 x tsp 2 resumes elsewhere exactly; bad
@@ -162,9 +163,10 @@ def _refused(fn, pattern: str) -> str:
 
 
 def refusals() -> list[str]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     import tsp_core
     from tsp_core import comm
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     mesh, model = _mesh(2, 2), tiny_llama()
 
@@ -200,7 +202,8 @@ def refusals() -> list[str]:
                          r"micro-batches; pass a multiple of 4 rows"))
     msgs.append(_refused(lambda: pipe.step({"input_ids": bad["input_ids"] + 96,
                                             "labels": bad["labels"]}),
-                         r"input_ids hold values from \d+ to \d+, outside the vocabulary \[0, 96\)"))
+                         r"input_ids hold values from \d+ to \d+, outside the vocabulary "
+                         r"\[0, 96\)"))
     with comm.track() as stats, pytest.raises(NotImplementedError, match=r"a tsp_core.pipeline "
                                                r"holds only some stages of the model on each "
                                                r"rank and does not generate"):
@@ -268,7 +271,8 @@ def checkpoint_run(root: str) -> dict:
         assert tsp_core.load_checkpoint(path, model, model_opt) == {"step": 1}
         resumed = train(model, model_opt, range(1, STEPS), mesh)
         for step, (a, b) in enumerate(zip(resumed, losses, strict=True)):
-            assert abs(a - b) <= 1e-10 * abs(b), f"tsp {tsp} resumed loss, step {step + 1}: {a} vs {b}"
+            assert abs(a - b) <= 1e-10 * abs(b), \
+                f"tsp {tsp} resumed loss, step {step + 1}: {a} vs {b}"
         got = tsp_core.full_state_dict(model)
         for name, t in final.items():
             assert_close(got[name], t, 1e-10, f"tsp {tsp} resumed: {name} after step {STEPS}")
@@ -295,7 +299,8 @@ def test_saved_at_pp2_tsp2_resumes_interleaved_at_tsp2_tsp4_and_one_process(pool
         opt.zero_grad()
         losses.append(loss.item())
     for step, (a, b) in enumerate(zip(losses, per_rank[0]["losses"], strict=True)):
-        assert abs(a - b) <= 1e-10 * abs(b), f"one process resumed loss, step {step + 1}: {a} vs {b}"
+        assert abs(a - b) <= 1e-10 * abs(b), \
+            f"one process resumed loss, step {step + 1}: {a} vs {b}"
     want = model.state_dict()
     only, final0 = per_rank[0]["only"], per_rank[0]["final"]  # rank0_only: rank 0 all, others {}
     assert only.keys() == final0.keys(), sorted(only.keys() ^ final0.keys())

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.pipeline.test_pipeline import M, ROWS, SEQ, batches, tiny_llama
+from tests.pipeline.test_pipeline import ROWS, SEQ, M, batches, tiny_llama
 
 TSP, PP = 2, 2
 FLOAT64 = 8  # bytes of the float64 scalars (label count, loss) and of the activations' elements
@@ -40,10 +40,11 @@ def _stage_reference(stage_mesh, layers: int, first: bool, last: bool,
     stage holds (the final norm only on the last stage), after one warm-up pass. The embedding's
     all-to-all moves as many rows as each micro-batch's tokens ask of each vocabulary shard, so
     every micro-batch is run, not one times M."""
+    from transformers import LlamaForCausalLM
+
     import tsp_core
     from tsp_core import comm
     from tsp_core.distributed.mesh import TSPMesh
-    from transformers import LlamaForCausalLM
 
     config = copy.deepcopy(tiny_llama().config)
     config.num_hidden_layers = layers
@@ -90,8 +91,8 @@ def counts_run(schedule: str) -> dict:
     """On each rank: the counts of the pipeline's second step (comm.track and the process-wide
     counters alike) and the formula's, both as {(kind, "calls"|"bytes"): number}."""
     import tsp_core
-    from tsp_core import comm
     from tests.pipeline.test_pipeline import _mesh
+    from tsp_core import comm
 
     mesh = _mesh(TSP, PP)
     pipe = tsp_core.pipeline(tiny_llama(), mesh, microbatches=M, schedule=schedule)

@@ -8,8 +8,8 @@ import argparse
 import pytest
 
 from tsp_core.plan.command import add_arguments, model_shape
-from tsp_core.plan.hardware import DEVICES, Cluster
 from tsp_core.plan.cost import plan
+from tsp_core.plan.hardware import DEVICES, Cluster
 from tsp_core.plan.stages import bubble, stage_view, with_pipeline
 
 
@@ -51,7 +51,8 @@ def test_plan_command_takes_pp(capsys):
 def test_simulate_adds_the_micro_batches_in_flight(capsys):
     import types
 
-    from tsp_core.tools.cli import in_flight_bytes, main as tsp
+    from tsp_core.tools.cli import in_flight_bytes
+    from tsp_core.tools.cli import main as tsp
 
     stage = types.SimpleNamespace(name="tsp", tp=8, cp=1, seq=131072, batch=1, layers=8,
                                   dtype="bfloat16")

@@ -22,8 +22,9 @@ from tsp_core.plan.traffic import ModelShape
 LLAMA_7B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
             "intermediate_size": 11008, "num_hidden_layers": 32, "vocab_size": 32000,
             "max_position_embeddings": 4096}
-TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
-        "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 64}
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 128,
+        "max_position_embeddings": 64}
 SHAPE_7B = ModelShape(4096, 32, 32, 11008, 32, 32000)
 NO_GPU = {"cuda_memory": lambda: []}
 
@@ -197,4 +198,5 @@ def test_two_processes_build_the_planned_degree_or_all_refuse(monkeypatch):
     assert bad.returncode != 0
     for rank in (0, 1):
         assert re.search(rf"rank {rank} refused: tsp_size='auto': no TSP degree inside a node of 2 "
-                         r"GPUs fits 64 tokens.*D=2: .* GiB >", bad.stdout), bad.stdout + bad.stderr[-2000:]
+                         r"GPUs fits 64 tokens.*D=2: .* GiB >", bad.stdout), \
+            bad.stdout + bad.stderr[-2000:]

@@ -55,7 +55,8 @@ def test_killed_rank_restarts_and_ends_with_identical_weights(tmp_path):
 
     a = torch.load(os.path.join(plain, "final.pt"))
     b = torch.load(os.path.join(killed, "final.pt"))
-    assert sorted(a) == sorted(b) and len(a) == 2 * 9 + 3, sorted(a)  # 2 layers of 9, embedding, norm, head
+    # 2 layers of 9, embedding, norm, head
+    assert sorted(a) == sorted(b) and len(a) == 2 * 9 + 3, sorted(a)
     assert a["model.norm.weight"].dtype == torch.float32
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after the restart"

@@ -69,7 +69,8 @@ def test_shard_batch_pads_and_shifts(size):
     seq = 13
     ids = torch.arange(100, 100 + 2 * seq).view(2, seq)
     mask = torch.ones_like(ids)
-    out = [shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask}, fake_mesh(r, size))
+    out = [shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask},
+                       fake_mesh(r, size))
            for r in range(size)]
     padded = -(-seq // (2 * size)) * (2 * size)
     full = {k: unshard_sequence(torch.cat([o[k] for o in out], 1), size) for k in out[0]
@@ -85,7 +86,8 @@ def test_shard_batch_pads_and_shifts(size):
 
 def test_shard_batch_errors():
     mesh = fake_mesh(0, 4)
-    with pytest.raises(ValueError, match=r"sequence length \(7\) is shorter than 2\*tsp_size \(8\)"):
+    with pytest.raises(ValueError,
+                       match=r"sequence length \(7\) is shorter than 2\*tsp_size \(8\)"):
         shard_batch({"input_ids": torch.zeros(1, 7, dtype=torch.long)}, mesh)
     with pytest.raises(ValueError, match=r"labels has shape \(1, 15\) but input_ids has \(1, 16\)"):
         shard_batch({"input_ids": torch.zeros(1, 16, dtype=torch.long),

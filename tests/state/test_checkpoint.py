@@ -29,7 +29,8 @@ def round_trip(family: str, tsp: int, path: str) -> dict:
     # the global batch: 4 rows; with data parallel (tsp 2 in the 4-process pool) each replica
     # takes its own rows, so a replica that saw another's rows, or a mean where a sum belongs,
     # shows in the logits or the gradients
-    ids = torch.randint(0, ref.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, ref.config.vocab_size, (4, 16),
+                        generator=torch.Generator().manual_seed(3))
     dp, dp_rank = mesh.dp_size, dist.get_rank() // D
     with torch.no_grad():
         want = ref(input_ids=ids).logits
@@ -189,7 +190,8 @@ def phi3_fused_tensors(tsp: int, root: str) -> None:
     for source in (want, hf_dir):
         other = tsp_core.parallelize(hf_models.build("phi3", torch.float32, seed=5), mesh)
         tsp_core.load_full_state_dict(other, source)
-        same(tsp_core.full_state_dict(other), f"after load_full_state_dict({type(source).__name__})")
+        same(tsp_core.full_state_dict(other),
+             f"after load_full_state_dict({type(source).__name__})")
         for k, v in other.state_dict().items():  # this rank's own shards of q, k, v, gate, up
             assert torch.equal(local(v), shards[k]), k
     same(tsp_core.full_state_dict(load_pretrained(hf_dir, mesh=mesh, dtype=torch.float32)),
@@ -266,7 +268,8 @@ def families_bit_identical(tsp: int, root: str) -> None:
             else set()
         model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
 
-        def same(got: dict, what: str, skip: set = frozenset()) -> None:
+        def same(got: dict, what: str, skip: set = frozenset(), *,
+                 want: dict = want, family: str = family) -> None:
             names = sorted(set(want) - skip)
             assert sorted(got) == names, f"{family} {what}: {sorted(set(got) ^ set(names))}"
             for name in names:

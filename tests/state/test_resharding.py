@@ -142,7 +142,8 @@ def failures(root: str) -> list[str]:
     other = tsp_core.parallelize(hf_models.build("qwen2", torch.float64), mesh)
     tsp_core.save_checkpoint(os.path.join(root, "qwen2"), other)
     expect(ValueError, r"holds a Qwen2ForCausalLM that does not match this LlamaForCausalLM: "
-                       r"6 parameters not in this model \(e.g. \['model.layers.0.self_attn.k_proj.bias'",
+                       r"6 parameters not in this model "
+                       r"\(e.g. \['model.layers.0.self_attn.k_proj.bias'",
            lambda: tsp_core.load_checkpoint(os.path.join(root, "qwen2"), model))
     from transformers import LlamaConfig, LlamaForCausalLM
     wide = LlamaForCausalLM(LlamaConfig(**{**hf_models.COMMON, "hidden_size": 32}, vocab_size=96))
@@ -166,7 +167,8 @@ def failures(root: str) -> list[str]:
         for optimizer in (opt, fresh):
             expect(ValueError, r"lm_head.weight has shape \(95, 64\) in the checkpoint, "
                                r"\(96, 64\) here",
-                   lambda: load(os.path.join(root, "short"), model, optimizer))
+                   lambda load=load, optimizer=optimizer:
+                   load(os.path.join(root, "short"), model, optimizer))
             assert not fresh.state, f"{load.__name__} left state in a fresh optimizer"
     check_checkpoint(good, model, fresh)
     assert not fresh.state, "check_checkpoint left state in a fresh optimizer"
@@ -177,7 +179,8 @@ def failures(root: str) -> list[str]:
     expect(ValueError, r"holds optimizer state only \(saved with model_state=False\)",
            lambda: tsp_core.load_checkpoint(opt_only, model, opt))
     tsp_core.save_checkpoint(pickled, model, extra_weights_only=False, meta=Fraction(1, 3))
-    expect(ValueError, r"saved with extra_weights_only=False and do not load with weights_only=True",
+    expect(ValueError, r"saved with extra_weights_only=False and do not load with "
+                       r"weights_only=True",
            lambda: tsp_core.load_checkpoint(pickled, model))
     after = {k: v.to_local() for k, v in model.state_dict().items()}
     assert all(torch.equal(before[k], after[k]) for k in before), "a failed load changed the model"

@@ -25,10 +25,10 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
-
 
 # set by the libraries themselves when imported or first used: not a test's doing, and kept
 LIBRARY_ENV = {"TORCHINDUCTOR_CACHE_DIR",  # torch's compile cache, on first use

@@ -89,7 +89,8 @@ def test_simulate_a_config_json(tmp_path):
     config.save_pretrained(tmp_path / "gemma3")
     out = tmp_path / "sim.json"
     tsp("simulate", "--model", str(tmp_path / "gemma3" / "config.json"), "--seq", "256",
-        "--degree", "2", "--layouts", "tsp", "--optimizer", "none", "--jobs", "1", "--json", str(out))
+        "--degree", "2", "--layouts", "tsp", "--optimizer", "none", "--jobs", "1",
+        "--json", str(out))
     (rec,) = json.loads(out.read_text())
     h, d, L = config.hidden_size, config.head_dim, config.num_hidden_layers
     nq, nkv, F, V = (config.num_attention_heads, config.num_key_value_heads,

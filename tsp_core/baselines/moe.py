@@ -65,11 +65,12 @@ GATE_UP = _StridedShard(1, split_factor=2)  # gate rows and up rows, each split 
 
 def check_moe(config, policy: DecoderPolicy, tp: int) -> None:
     """Raise, naming the numbers, when a family's experts cannot be split over ``tp`` ranks."""
-    if policy.moe is None:
+    experts = policy.ffn.moe
+    if experts is None:
         return
-    f = getattr(config, policy.moe.intermediate_size)
+    f = getattr(config, experts.intermediate_size)
     if f % tp:
-        raise ValueError(f"tensor-parallel size ({tp}) must divide {policy.moe.intermediate_size} "
+        raise ValueError(f"tensor-parallel size ({tp}) must divide {experts.intermediate_size} "
                          f"({f}): each rank holds 1/{tp} of every expert's channels")
     jitter = getattr(config, "router_jitter_noise", 0) or 0
     if jitter:
@@ -238,6 +239,7 @@ class TensorParallelMoE(nn.Module):
 def apply_moe(layer: nn.Module, policy: DecoderPolicy, config, mesh: DeviceMesh,
               sequence_parallel: bool) -> None:
     """Replace ``layer``'s sparse MoE block by a :class:`TensorParallelMoE`."""
-    spec = policy.moe.spec(config, mesh.size())
-    block = getattr(layer, policy.mlp)
-    setattr(layer, policy.mlp, TensorParallelMoE(block, mesh, spec, policy.moe, sequence_parallel))
+    experts, mlp = policy.ffn.moe, policy.modules.mlp
+    spec = experts.spec(config, mesh.size())
+    block = getattr(layer, mlp)
+    setattr(layer, mlp, TensorParallelMoE(block, mesh, spec, experts, sequence_parallel))

@@ -46,8 +46,9 @@ def layer_plan(policy: DecoderPolicy, sequence_parallel: bool,
                moe: bool = False) -> dict[str, object]:
     """Parallel styles of one decoder layer, by module name (``moe``: its MLP is a sparse experts
     block, laid out by :func:`tsp_core.baselines.moe.apply_moe` instead)."""
-    a, m = policy.attention, policy.mlp
-    plan: dict[str, object] = {f"{a}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+    a, m = policy.modules.attention, policy.modules.mlp
+    plan: dict[str, object] = {f"{a}.{p}": ColwiseParallel()
+                               for p in ("q_proj", "k_proj", "v_proj")}
     # Each block's input becomes a DTensor once, at the block (as torchtitan does): its gradient
     # is then reduced once per block, not once per projection (q, k, v / gate, up).
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -59,7 +60,7 @@ def layer_plan(policy: DecoderPolicy, sequence_parallel: bool,
         plan |= {f"{m}.down_proj": RowwiseParallel(output_layouts=seq),
                  m: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))}
     if sequence_parallel:
-        plan |= {norm: SequenceParallel() for norm in policy.layer_norms}
+        plan |= {norm: SequenceParallel() for norm in policy.modules.layer_norms}
     return plan
 
 
@@ -69,18 +70,18 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, policy: DecoderPol
     sharded DTensor for ``loss_parallel``."""
     check_tensor_parallel(model.config, mesh.size())
     check_moe(model.config, policy, mesh.size())
-    base = getattr(model, policy.base_model)
-    embed, head = getattr(base, policy.embed), getattr(model, policy.lm_head)
+    base = getattr(model, policy.modules.base_model)
+    embed, head = getattr(base, policy.modules.embed), getattr(model, policy.modules.lm_head)
     tied = head.weight is embed.weight
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
-    for layer in getattr(base, policy.layers):
-        moe = policy.sparse_mlp(getattr(layer, policy.mlp))
+    for layer in getattr(base, policy.modules.layers):
+        moe = policy.ffn.sparse_mlp(getattr(layer, policy.modules.mlp))
         parallelize_module(layer, mesh, layer_plan(policy, sequence_parallel, moe))
         if moe:
             apply_moe(layer, policy, model.config, mesh, sequence_parallel)
     if sequence_parallel:
-        parallelize_module(getattr(base, policy.final_norm), mesh, SequenceParallel())
+        parallelize_module(getattr(base, policy.modules.final_norm), mesh, SequenceParallel())
     parallelize_module(head, mesh, ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
                                                    use_local_output=False))
     if tied:  # both are Shard(0) over the vocabulary: keep one parameter

@@ -7,7 +7,7 @@ it); :mod:`tsp_core.sequence.layout` builds the user-facing sharding on top. Pur
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def num_chunks(size: int, layout: str) -> int:
@@ -46,7 +46,8 @@ def row_segments(docs: Sequence[int], rank: int, size: int,
     segs, start = [], 0
     for n in docs:
         c = check_seq_len(n, size, layout)
-        segs += [(start + k * c, start + (k + 1) * c, start) for k in rank_chunks(rank, size, layout)]
+        segs += [(start + k * c, start + (k + 1) * c, start)
+                 for k in rank_chunks(rank, size, layout)]
         start += n
     return segs
 

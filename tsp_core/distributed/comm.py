@@ -20,8 +20,8 @@ import contextlib
 import math
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -158,7 +158,8 @@ def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: boo
     if d == 1:
         return _done(async_op)
     return _run("broadcast", _nbytes(t) * (d - 1) / d,
-                lambda a: dist.broadcast(t, group=group, group_src=src, async_op=a), async_op, group)
+                lambda a: dist.broadcast(t, group=group, group_src=src, async_op=a),
+                async_op, group)
 
 
 def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool = False):
@@ -288,7 +289,8 @@ def ring_over_shards(own: torch.Tensor, group: dist.ProcessGroup,
 
 
 def ring_over_shards_with_grads(own: torch.Tensor, group: dist.ProcessGroup,
-                                contribute: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                                contribute: Callable[[int, torch.Tensor], torch.Tensor]
+                                ) -> torch.Tensor:
     """The backward of :func:`ring_over_shards`: the shards circulate again (prefetched) and
     ``contribute(owner, shard)`` returns this rank's gradient for that shard, packed like it. An
     accumulator follows each shard, every rank adding its contribution; one last hop brings the
@@ -455,7 +457,8 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return reduce_scatter_sequence(g.contiguous(), ctx.group, ctx.dim, ctx.layout), None, None, None
+        grad = reduce_scatter_sequence(g.contiguous(), ctx.group, ctx.dim, ctx.layout)
+        return grad, None, None, None
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1,

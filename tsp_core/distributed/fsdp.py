@@ -18,7 +18,7 @@ every other collective.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

@@ -26,7 +26,8 @@ from .torch_features import one_buffer_collective
 ENV = "TSP_DEBUG_COLLECTIVES"
 KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
          "ring_pass")
-_SIZED_PER_RANK = ("all_to_all",)  # split sizes legitimately differ between ranks: bytes not compared
+# split sizes legitimately differ between ranks: bytes not compared
+_SIZED_PER_RANK = ("all_to_all",)
 
 _calls: dict[dist.ProcessGroup, int] = {}
 

@@ -58,7 +58,7 @@ class TSPMesh:
 
     @classmethod
     def from_device_mesh(cls, mesh: DeviceMesh, dim: str, layout: Layout = "zigzag",
-                         shard_dim: str | None = None, pp_dim: str | None = None) -> "TSPMesh":
+                         shard_dim: str | None = None, pp_dim: str | None = None) -> TSPMesh:
         """Wrap a mesh a framework already built (Accelerate calls its dim "tp", Lightning
         "tensor_parallel"; Accelerate's FSDP2 dim is "dp_shard"; torchtitan's pipeline dim
         "pp")."""
@@ -116,7 +116,7 @@ class TSPMesh:
                              "tsp_core.init_mesh(tsp_size, pp_size=P)")
         return self.device_mesh.get_group(self.pp_dim)
 
-    def stage_mesh(self) -> "TSPMesh":
+    def stage_mesh(self) -> TSPMesh:
         """The mesh of this rank's pipeline stage: every dim but the pipeline dim (the TSP and
         data-parallel groups of this stage); the mesh itself without a pipeline dim."""
         if self.pp_dim is None:
@@ -209,7 +209,8 @@ def init_process_group_from_env(timeout: timedelta | None = None) -> None:
 
 
 def check_mesh_shape(world_size: int, tsp_size: int, dp_size: int | None) -> int:
-    """Return dp_size after checking ``dp_size * tsp_size == world_size``; raises with the numbers."""
+    """Return dp_size after checking ``dp_size * tsp_size == world_size``; raises with the
+    numbers."""
     if tsp_size < 1:
         raise ValueError(f"tsp_size ({tsp_size}) must be at least 1")
     if world_size % tsp_size:
@@ -247,9 +248,10 @@ def warn_if_spanning_nodes(tsp_size: int, local_world_size: int | None = None) -
         return False
     import warnings
 
-    warnings.warn(f"tsp_size ({tsp_size}) does not divide the {local_world_size} processes of a node "
-                  f"(LOCAL_WORLD_SIZE): TSP groups span nodes and their weight and K/V traffic rides "
-                  f"the network; a divisor of {local_world_size} keeps each group inside a node",
+    warnings.warn(f"tsp_size ({tsp_size}) does not divide the {local_world_size} processes of a "
+                  f"node (LOCAL_WORLD_SIZE): TSP groups span nodes and their weight and K/V "
+                  f"traffic rides the network; a divisor of {local_world_size} keeps each group "
+                  f"inside a node",
                   stacklevel=3)
     return True
 

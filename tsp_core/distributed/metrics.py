@@ -32,8 +32,8 @@ import os
 import time
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from . import comm
 
 MIB = 2.0 ** 20
 _TOKENS = {"group": 0, "local": 0}
-_LIVE: "weakref.WeakSet[StepMetrics]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[StepMetrics] = weakref.WeakSet()
 
 
 def count_tokens(group: int, local: int) -> None:
@@ -64,12 +64,12 @@ class _Totals:
     bytes: Counter = field(default_factory=Counter)
 
     @classmethod
-    def now(cls) -> "_Totals":
+    def now(cls) -> _Totals:
         stats = comm.global_stats()
         return cls(time.perf_counter(), stats.wait_seconds, _TOKENS["group"], _TOKENS["local"],
                    Counter(stats.calls), Counter(stats.bytes))
 
-    def add_since(self, start: "_Totals", end: "_Totals") -> None:
+    def add_since(self, start: _Totals, end: _Totals) -> None:
         self.seconds += end.seconds - start.seconds
         self.wait_seconds += end.wait_seconds - start.wait_seconds
         self.tokens += end.tokens - start.tokens

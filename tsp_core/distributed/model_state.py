@@ -12,8 +12,9 @@ above reads it; it imports nothing above :mod:`tsp_core.distributed`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 

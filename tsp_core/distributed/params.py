@@ -10,8 +10,9 @@ full Hugging Face-shaped tensor. Creating, loading and gathering parameters is w
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -174,7 +175,8 @@ def local_replicated(param: torch.Tensor, mesh: TSPMesh) -> torch.Tensor:
 
 
 def init_full(shapes: Mapping[str, tuple[int, ...]], seed: int | None, dtype: torch.dtype | None,
-              device: torch.device | str | None, ones: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+              device: torch.device | str | None, ones: tuple[str, ...] = ()
+              ) -> dict[str, torch.Tensor]:
     """Full tensors for a fresh module: weights N(0, 0.02) drawn from ``seed`` (the same on every
     rank, so a model is the same at every degree), biases zero, names in ``ones`` one;
     ``seed=None`` leaves them uninitialised (fake-tensor simulation)."""

@@ -22,7 +22,8 @@ import os
 import sys
 import threading
 import traceback
-from typing import Iterator, NoReturn
+from collections.abc import Iterator
+from typing import NoReturn
 
 REPORT_ENV = "TSP_EXIT_REPORT"  # "1": each rank prints one line to stderr as it leaves
 

@@ -12,8 +12,8 @@ nightly or patched build that has the symbol is let through.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -24,8 +24,9 @@ own gradient is :func:`sink_backward`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -440,11 +441,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out:
     the packed full-sequence ``kv`` [2, B, Hkv, S, d] (with sinks, ``out`` and ``lse`` are the
     forward's, sink included, and the sinks' own gradient is :func:`sink_backward`). Every
     piece's gradients are summed in float32 (float64 for float64 input) whatever the input dtype,
-    as the forward merges its outputs: dQ comes back in q's dtype, dK/dV as that float32 accumulator, packed like ``kv``
-    (added into ``dkv`` when given: a key/value head shared by several rounds), for the caller to
-    cast once before its reduce-scatter. Full pieces run in :func:`key_blocks`. ``halfway`` is
-    called once, when half of the (query, key) pairs are done: the caller's moment to retire one
-    collective and start the next while the other half computes (docs/design.md "Overlap")."""
+    as the forward merges its outputs: dQ comes back in q's dtype, dK/dV as that float32
+    accumulator, packed like ``kv`` (added into ``dkv`` when given: a key/value head shared by
+    several rounds), for the caller to cast once before its reduce-scatter. Full pieces run in
+    :func:`key_blocks`. ``halfway`` is called once, when half of the (query, key) pairs are
+    done: the caller's moment to retire one collective and start the next while the other half
+    computes (docs/design.md "Overlap")."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = q.new_zeros(q.shape, dtype=acc)
     if dkv is None:

@@ -4,7 +4,7 @@ sequence. The same input on every rank raises the same error on every rank, so n
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -12,8 +12,8 @@ one tile loop (:func:`_ring_forward`, :func:`_ring_backward`) with each MLP's ti
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +53,11 @@ TileBackward = Callable[[torch.Tensor, torch.Tensor, Views, torch.Tensor, Views,
                         list[torch.Tensor]]
 
 
-def _act(g: torch.Tensor, kind: str) -> torch.Tensor:
+def activate(g: torch.Tensor, kind: str) -> torch.Tensor:
     return F.silu(g) if kind == "silu" else F.gelu(g, approximate="tanh")
 
 
-def _act_grad(g: torch.Tensor, kind: str) -> torch.Tensor:
+def activation_grad(g: torch.Tensor, kind: str) -> torch.Tensor:
     """d act(g) / d g, elementwise, the same operations in the same order as the formulas
     ``s (1 + g (1 - s))`` (SiLU, s = sigmoid(g)) and ``0.5 (1 + t) + 0.5 g (1 - t^2) c (1 + 3 k
     g^2)`` (tanh-GELU, t = tanh(c (g + k g^3))), but in place: at most three tensors the size
@@ -146,7 +146,7 @@ def _ring_backward(x: torch.Tensor, dy: torch.Tensor, group, pack: FlatPack, wei
     return dx.view(B, L, h), grad
 
 
-class _TSPGatedMLPFn(torch.autograd.Function):
+class TSPGatedMLPFn(torch.autograd.Function):
     """The ring schedule over this rank's tokens in tiles of ``tile`` (docs/design.md "Long
     context"): for each weight shard, one tile's gate, up and activation at a time in the
     forward; the backward recomputes them a tile at a time and sums the shard's weight gradient
@@ -158,7 +158,7 @@ class _TSPGatedMLPFn(torch.autograd.Function):
         pack = FlatPack([w.shape for w in weights])
 
         def intermediate(xt, ins, biases):
-            return (_act(F.linear(xt, ins[0], biases[0]), spec.activation)
+            return (activate(F.linear(xt, ins[0], biases[0]), spec.activation)
                     * F.linear(xt, ins[1], biases[1]))
 
         y = _ring_forward(x, group, pack, weights, tile, 2, intermediate)
@@ -174,14 +174,14 @@ class _TSPGatedMLPFn(torch.autograd.Function):
         def tile_backward(xt, dyt, ins, wd, biases, d_wd):
             g = F.linear(xt, ins[0], biases[0])  # recomputed: only the input is kept
             u = F.linear(xt, ins[1], biases[1])
-            a = _act(g, spec.activation)
+            a = activate(g, spec.activation)
             d_wd.add_(dyt.t() @ (a * u))
             dm = dyt @ wd
             du = dm * a
             del a
             dg = dm.mul_(u)
             del u
-            dg.mul_(_act_grad(g, spec.activation))
+            dg.mul_(activation_grad(g, spec.activation))
             return [dg, du]
 
         dx, grad = _ring_backward(x, dy, ctx.group, ctx.pack, weights, ctx.tile, 2,
@@ -240,7 +240,7 @@ class TSPGatedMLP(TokenTiled, ShardedModule):
         x, weights, context = schedule_inputs(self, names, x)
         tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size, x.dtype)
         with context:
-            y = _TSPGatedMLPFn.apply(x, s, self.mesh.group, tile, *weights)
+            y = TSPGatedMLPFn.apply(x, s, self.mesh.group, tile, *weights)
         if "down_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.down_proj.bias, self.mesh)
         return y
@@ -263,7 +263,7 @@ def _plain_act(u: torch.Tensor, kind: str, scalars: list[torch.Tensor],
     ``alpha_p``, ``alpha_n`` (``scalars``) and ``beta``, ``eps`` (``consts``), the operations
     of transformers' ``XIELUActivation._xielu_python`` in its order."""
     if kind != "xielu":
-        return _act(u, kind)
+        return activate(u, kind)
     raw_p, raw_n = scalars
     beta, eps = consts
     alpha_p = F.softplus(raw_p)
@@ -290,7 +290,7 @@ class PlainMLPSpec:
 
 
 class _TSPPlainMLPFn(torch.autograd.Function):
-    """``down(act(up(x)))`` on the ring schedule of :class:`_TSPGatedMLPFn` (the same tile loop,
+    """``down(act(up(x)))`` on the ring schedule of :class:`TSPGatedMLPFn` (the same tile loop,
     the same shard and gradient hops). The activation's learnable scalars are replicated: their
     gradient is this rank's sum over every shard and tile (the caller's ``sum_grad`` adds the
     other ranks'). The backward differentiates the activation with autograd, a tile at a time,

@@ -3,7 +3,7 @@ normalises different tokens with the same weight), in each family's own numerics
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -127,7 +127,8 @@ class TSPRMSNorm(TokenTiled, ShardedModule):
     time (:class:`_TiledNorm`; None: :func:`tiles.norm_tile_tokens` of the hidden size)."""
 
     def __init__(self, mesh: TSPMesh, hidden_size: int, eps: float = 1e-6, kind: str = "llama",
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if kind not in NORMS or kind in WEIGHTLESS:
             raise ValueError(f"unknown RMSNorm kind {kind!r}; one of "

@@ -3,7 +3,7 @@ that it says which sizes would work instead of only which does not."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def valid_tsp_sizes(num_heads: int | None = None, num_kv_heads: int | None = None,

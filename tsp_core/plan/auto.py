@@ -27,9 +27,10 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..baselines.layouts import LayoutSpec
 from .cost import auto_tsp_size
@@ -97,7 +98,8 @@ def _cuda_memory() -> list[int]:
 
     if not torch.cuda.is_available():
         return []
-    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    return [torch.cuda.get_device_properties(i).total_memory
+            for i in range(torch.cuda.device_count())]
 
 
 def choose_tsp_size(requested: Any, *, model_config: Any = None, local_processes: int,
@@ -111,13 +113,15 @@ def choose_tsp_size(requested: Any, *, model_config: Any = None, local_processes
         try:
             size = int(requested)
         except (TypeError, ValueError):
-            raise ValueError(f"tsp_size must be a positive integer or 'auto', got {requested!r}") from None
+            raise ValueError(f"tsp_size must be a positive integer or 'auto', "
+                             f"got {requested!r}") from None
         return TSPChoice(size, f"tsp_size={size} given")
     config = _config_of(model_config, env)
     if config is None:
-        raise ValueError("tsp_size='auto' needs the model's config to plan memory, and none is known "
-                         "when the mesh is built: pass the model config (tsp_model_config=... , or "
-                         "TSP_MODEL_CONFIG=path/to/config.json) or set tsp_size yourself")
+        raise ValueError("tsp_size='auto' needs the model's config to plan memory, and none is "
+                         "known when the mesh is built: pass the model config "
+                         "(tsp_model_config=... , or TSP_MODEL_CONFIG=path/to/config.json) or set "
+                         "tsp_size yourself")
     seq, seq_src = _first((seq_len, "given"), (env.get("TSP_SEQ_LEN"), "TSP_SEQ_LEN"),
                           (getattr(config, "max_position_embeddings", None),
                            "the model's max_position_embeddings"))

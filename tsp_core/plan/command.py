@@ -36,9 +36,9 @@ def _shards(text: str) -> tuple[int, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                   "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, "
-                   "mixtral-8x7b, qwen3-30b-a3b, glm-4.5-air, gpt-oss-20b, llama-4-scout, "
-                   "qwen3.5, small, tiny) or the path of a config.json")
+                   "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, "
+                   "llama-3.1-405b, mixtral-8x7b, qwen3-30b-a3b, glm-4.5-air, gpt-oss-20b, "
+                   "llama-4-scout, qwen3.5, small, tiny) or the path of a config.json")
     p.add_argument("--layers", type=int, default=None,
                    help="override the model's layer count (default: the model's)")
     p.add_argument("--seq", type=int, default=131072, help="tokens per sequence")
@@ -68,10 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None,
                    help="--pp: micro-batches per step (default 4 x --pp)")
     p.add_argument("--max-seq", action="store_true",
-                   help="instead of ranking at --seq: per layout on every GPU, the longest sequence "
-                        "whose step fits the GPU (with --headroom) and --host-gb, found with tsp "
-                        "simulate of the whole model (probes at --seq and twice it, then the "
-                        "answer checked), and the planner's step time there")
+                   help="instead of ranking at --seq: per layout on every GPU, the longest "
+                        "sequence whose step fits the GPU (with --headroom) and --host-gb, found "
+                        "with tsp simulate of the whole model (probes at --seq and twice it, then "
+                        "the answer checked), and the planner's step time there")
     p.add_argument("--activation-offload", action="store_true",
                    help="--max-seq: each checkpointed layer's input kept in host memory (every "
                         "layout); the host's bytes count against --host-gb")
@@ -126,11 +126,12 @@ def main(args: argparse.Namespace) -> int:
                                 args.global_batch_tokens) for c in ranked]
         ranked.sort(key=lambda c: (not c.fits, -c.tokens_per_s))
     fsdp = any(s > 1 for s in args.dp_shard)
-    print(f"cluster: {cl.nodes} x {cl.gpus_per_node} {cl.device.name} ({cl.device.memory_gb:.0f} GB, "
-          f"intra {cl.intra_gbps or cl.device.intra_gbps:.0f} GB/s, inter {cl.inter_node_gbps:.0f} Gb/s "
-          f"per GPU); sources: {found.sources}")
-    print(f"model {args.model}: {shape.num_layers} layers, h {shape.hidden_size}; {args.seq} tokens x "
-          f"{args.batch}; full recompute, bf16 AdamW; global batch {args.global_batch_tokens} tokens"
+    print(f"cluster: {cl.nodes} x {cl.gpus_per_node} {cl.device.name} "
+          f"({cl.device.memory_gb:.0f} GB, intra {cl.intra_gbps or cl.device.intra_gbps:.0f} GB/s, "
+          f"inter {cl.inter_node_gbps:.0f} Gb/s per GPU); sources: {found.sources}")
+    print(f"model {args.model}: {shape.num_layers} layers, h {shape.hidden_size}; "
+          f"{args.seq} tokens x {args.batch}; full recompute, bf16 AdamW; "
+          f"global batch {args.global_batch_tokens} tokens"
           + (f"; FSDP2 dp_shard {','.join(map(str, args.dp_shard))}" if fsdp else "")
           + (f"; pipeline {pp} stages on {stage_cl.gpus} GPUs each, the busiest of "
              f"{stage_layers} layers, {micro} micro-batches (1F1B bubble "
@@ -140,11 +141,13 @@ def main(args: argparse.Namespace) -> int:
           f"{'tokens/s':>10} {'step s':>7} {'comm s':>7}  links")
     for i, c in enumerate(ranked[:args.top], 1):
         links = ", ".join(f"{k} {v}" for k, v in c.links.items() if v != "none")
-        rep = f"{c.active_replicas}/{c.replicas}" if c.active_replicas < c.replicas else str(c.replicas)
+        rep = (f"{c.active_replicas}/{c.replicas}" if c.active_replicas < c.replicas
+               else str(c.replicas))
         dp = f" {c.dp_shard:>3}" if fsdp else ""
         fits = "yes" if c.fits else "NO"
         print(f"{i:>3} {c.label:<15} {c.degree:>3}{dp} {c.memory_gib:>8.1f} {fits:>4} "
-              f"{rep:>8} {c.tokens_per_s:>10.3g} {c.step_s:>7.2f} {c.exposed_comm_s:>7.2f}  {links}")
+              f"{rep:>8} {c.tokens_per_s:>10.3g} {c.step_s:>7.2f} {c.exposed_comm_s:>7.2f}  "
+              f"{links}")
     for line in refused:
         print(f"cannot run: {line}")
     fitting = [c for c in ranked if c.fits]

@@ -23,7 +23,7 @@ from ..baselines.layouts import LAYOUTS, LayoutSpec, layout_specs
 from ..layers.sizes import valid_tsp_sizes
 from .fsdp_sim import FSDP_LAYOUTS  # FSDP2 over context parallel is neither simulated nor planned
 from .hardware import Cluster
-from .memory import _param_counts, estimate
+from .memory import estimate, param_counts
 from .traffic import ModelShape, baseline_refusal, layer_forward_elements, moe_schedule_bytes
 
 LAYOUT_NAMES = ("tsp", "tp", "tp-sp", "cp", "tp+cp", "tp-sp+cp")
@@ -54,7 +54,8 @@ class Candidate:
 
 
 def _span(size: int, stride: int, per_node: int) -> str:
-    """Link class of a group of ``size`` ranks ``stride`` apart (ranks are numbered node by node)."""
+    """Link class of a group of ``size`` ranks ``stride`` apart (ranks are numbered node by
+    node)."""
     if size <= 1:
         return "none"
     return "intra-node" if size * stride <= per_node else "inter-node"
@@ -189,7 +190,7 @@ def fsdp_seconds(shape: ModelShape, lay: LayoutSpec, dp_shard: int, bw: float, l
     once: (S-1)/S of this rank's TSP / TP shards once in the forward, twice in the backward."""
     if dp_shard <= 1:
         return 0.0, 0.0
-    c = _param_counts(shape, lay)
+    c = param_counts(shape, lay)
     total = (c["layers"] + c["embed"] + c["head"]) * b
     S, L = dp_shard, shape.num_layers
     f = (S - 1) / S
@@ -221,7 +222,8 @@ def evaluate(shape: ModelShape, lay: LayoutSpec, seq: int, cluster: Cluster, bat
     elif c > 1:
         links["context"] = _span(c, t, n)
     bw = {"intra-node": cluster.intra_bytes_per_s, "inter-node": cluster.inter_bytes_per_s}
-    lat = {"intra-node": cluster.intra_latency_us * 1e-6, "inter-node": cluster.inter_latency_us * 1e-6}
+    lat = {"intra-node": cluster.intra_latency_us * 1e-6,
+           "inter-node": cluster.inter_latency_us * 1e-6}
     per_layer = 4  # forward, recompute, backward (2x)
     exposed = 0.0
     layer_compute = compute / L
@@ -274,7 +276,8 @@ def plan(shape: ModelShape, seq: int, cluster: Cluster, batch: int = 1,
         raise ValueError(f"dp_shard must be positive integers (1: no FSDP2), got "
                          f"{list(dp_shards)}")
     if degrees is None:
-        degrees = [d for d in range(1, n + 1) if n % d == 0] + ([2 * n] if cluster.gpus >= 2 * n else [])
+        degrees = ([d for d in range(1, n + 1) if n % d == 0]
+                   + ([2 * n] if cluster.gpus >= 2 * n else []))
     ranked, refused = [], []
     for lay in candidates(degrees):
         if cluster.gpus % lay.degree:
@@ -316,8 +319,10 @@ def auto_tsp_size(shape: ModelShape, seq: int, gpus_per_node: int, memory_bytes:
         peak = estimate(shape, LayoutSpec("tsp", d), seq, batch).peak
         if peak <= memory_bytes * (1 - headroom):
             return d
-        tried.append(f"D={d}: {peak / 2**30:.1f} GiB > {memory_bytes * (1 - headroom) / 2**30:.1f} GiB")
-    raise ValueError(f"no TSP degree inside a node of {gpus_per_node} GPUs fits {seq} tokens x batch "
-                     f"{batch} in {memory_bytes / 2**30:.1f} GiB with {headroom:.0%} headroom ("
+        tried.append(f"D={d}: {peak / 2**30:.1f} GiB > "
+                     f"{memory_bytes * (1 - headroom) / 2**30:.1f} GiB")
+    raise ValueError(f"no TSP degree inside a node of {gpus_per_node} GPUs fits {seq} tokens x "
+                     f"batch {batch} in {memory_bytes / 2**30:.1f} GiB with {headroom:.0%} "
+                     f"headroom ("
                      + "; ".join(tried) + "); shorten the sequence, use more GPUs per node, or set "
                      "tsp_size yourself")

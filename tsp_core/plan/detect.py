@@ -14,8 +14,8 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 from .hardware import DEVICES, PCIE_GBPS, Cluster, Device, device
 
@@ -94,12 +94,14 @@ def nodes_from_env(env: Mapping[str, str]) -> tuple[int | None, int | None, str]
     if nodes:
         per = num("SLURM_GPUS_ON_NODE") or num("SLURM_NTASKS_PER_NODE")
         return nodes, per, "slurm"
-    for world_key, local_key, name in (("WORLD_SIZE", "LOCAL_WORLD_SIZE", "torchrun"),
-                                       ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "mpi")):
+    for world_key, local_key, name in (
+            ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "torchrun"),
+            ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "mpi")):
         world, local = num(world_key), num(local_key)
         if world and local:
             if world % local:
-                raise ValueError(f"{world_key} ({world}) is not a multiple of {local_key} ({local})")
+                raise ValueError(
+                    f"{world_key} ({world}) is not a multiple of {local_key} ({local})")
             return world // local, local, name
     return None, None, "none"
 
@@ -156,8 +158,9 @@ def detect(overrides: Mapping[str, object] | None = None, env: Mapping[str, str]
         if dev is not None:
             src["gpu"] = f"torch.cuda ({torch_devices[0][0]})"
     if dev is None:
-        raise ValueError("cannot tell the GPU kind (no GPU visible, or one the table does not know); "
-                         f"pass --gpu one of {', '.join(DEVICES)} or set gpu in a hardware file")
+        raise ValueError("cannot tell the GPU kind (no GPU visible, or one the table does not "
+                         f"know); pass --gpu one of {', '.join(DEVICES)} or set gpu in a hardware "
+                         f"file")
     if "memory_gb" in given:
         dev = Device(**{**dev.__dict__, "memory_gb": float(given["memory_gb"])})
     elif torch_devices and "gpu" not in given:
@@ -177,7 +180,8 @@ def detect(overrides: Mapping[str, object] | None = None, env: Mapping[str, str]
             src["link"] = f"{topo.detail or topo.link} ({tool})"
             if topo.link == "pcie":
                 intra = PCIE_GBPS
-    gpn = given.get("gpus_per_node") or per or (topo.gpus if topo else None) or len(torch_devices or [])
+    gpn = (given.get("gpus_per_node") or per or (topo.gpus if topo else None)
+           or len(torch_devices or []))
     if "gpus_per_node" not in given:
         src["gpus_per_node"] = launcher if per else ("topology tool" if topo else "torch.cuda")
     if not gpn:

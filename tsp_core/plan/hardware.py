@@ -20,7 +20,8 @@ class Device:
     name: str
     peak_tflops: float          # dense bf16
     memory_gb: float            # vendor GB (1e9 bytes)
-    intra_gbps: float           # GB/s per GPU per direction to its node's peers (NVLink / Infinity Fabric)
+    # GB/s per GPU per direction to its node's peers (NVLink / Infinity Fabric)
+    intra_gbps: float
     matmul_efficiency: float    # fraction of peak for the large GEMMs (assumed)
     attention_efficiency: float  # fraction of peak for flash attention (assumed)
 
@@ -39,7 +40,8 @@ DEVICES: dict[str, Device] = {
     # A100 SXM 80GB: 312 TFLOP/s bf16, NVLink 3 (12 links) 300 GB/s per direction
     "a100": Device("a100", 312.0, 80.0, 300.0, 0.6, 0.5),
 }
-PCIE_GBPS = 25.0  # GB/s per direction between GPUs with no NVLink / XGMI (PCIe 4/5 through a switch)
+# GB/s per direction between GPUs with no NVLink / XGMI (PCIe 4/5 through a switch)
+PCIE_GBPS = 25.0
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class Cluster:
     device: Device
     gpus_per_node: int
     nodes: int
-    inter_node_gbps: float = 400.0   # Gb/s per GPU (one NIC each), the usual InfiniBand / RoCE figure
+    # Gb/s per GPU (one NIC each), the usual InfiniBand / RoCE figure
+    inter_node_gbps: float = 400.0
     link_efficiency: float = 0.75    # fraction of a link's peak a ring collective reaches (assumed)
     intra_latency_us: float = 10.0   # per ring step inside a node (assumed)
     inter_latency_us: float = 25.0   # per ring step across nodes (assumed)
@@ -68,13 +71,13 @@ class Cluster:
     def inter_bytes_per_s(self) -> float:
         return self.inter_node_gbps / 8 * GB * self.link_efficiency
 
-    def with_overrides(self, **kw) -> "Cluster":
+    def with_overrides(self, **kw) -> Cluster:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
 def device(name: str) -> Device:
     key = name.lower().replace("-", "").replace(" ", "")
     if key not in DEVICES:
-        raise ValueError(f"unknown GPU {name!r}; choose from {', '.join(DEVICES)} (or describe it in a "
-                         f"hardware file: see docs/planning.md)")
+        raise ValueError(f"unknown GPU {name!r}; choose from {', '.join(DEVICES)} (or describe it "
+                         f"in a hardware file: see docs/planning.md)")
     return DEVICES[key]

@@ -19,8 +19,8 @@ and fits; ``certain`` says that the next one was simulated and does not.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 from ..baselines.layouts import LayoutSpec
 from .simulate import MemoryRecord

@@ -53,7 +53,7 @@ class MemoryEstimate:
     parts: dict[str, float]         # parameters, gradients, optimizer_states, activations
 
 
-def _param_counts(shape: ModelShape, lay: LayoutSpec) -> dict[str, float]:
+def param_counts(shape: ModelShape, lay: LayoutSpec) -> dict[str, float]:
     """Elements per rank: one layer (the first and last: a sparse one when the model has any),
     its attention part, all layers together, the embedding, the head (+ final norm). A sparse
     layer's experts are cut 1/D by whole experts (TSP) or 1/T by channels (tp): the same count;
@@ -74,10 +74,10 @@ def _param_counts(shape: ModelShape, lay: LayoutSpec) -> dict[str, float]:
 
 def latent_saved_bytes(shape: ModelShape, tokens: float, b: int = 2) -> float:
     """What one multi-head latent attention layer keeps for backward on ``tokens`` own tokens
-    (docs/design.md "Multi-head latent attention (DeepSeek-V3)"): the query input and latent, the queries and
-    output of every head, the float32 LSE per head, and the down-projections' RMSNorms (float32
-    input, normalised output, two rsqrt): 98,952 bytes per token for DeepSeek-V3, the figure
-    tests/models/test_deepseek_v3.py measures under fake tensors."""
+    (docs/design.md "Multi-head latent attention (DeepSeek-V3)"): the query input and latent,
+    the queries and output of every head, the float32 LSE per head, and the down-projections'
+    RMSNorms (float32 input, normalised output, two rsqrt): 98,952 bytes per token for
+    DeepSeek-V3, the figure tests/models/test_deepseek_v3.py measures under fake tensors."""
     m, nq = shape.latent, shape.num_heads
     qw = shape.hidden_size if m.q_lora_rank is None else m.q_lora_rank
     dqk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -331,7 +331,7 @@ def estimate(shape: ModelShape, lay: LayoutSpec, seq: int, batch: int = 1, b: in
     ``dp_shard`` ranks when it is above 1 (:func:`fsdp_terms`)."""
     if dp_shard < 1:
         raise ValueError(f"dp_shard ({dp_shard}) must be at least 1")
-    c = _param_counts(shape, lay)
+    c = param_counts(shape, lay)
     L = shape.num_layers
     params = (c["layers"] + c["embed"] + c["head"]) * b
     opt = optimizer_moments * params

@@ -18,8 +18,14 @@ from typing import Any
 
 import torch
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import (_TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats,
-                                                  _ModState, _State)
+from torch.distributed._tools.mem_tracker import (
+    _TOTAL_KEY,
+    MemTracker,
+    _MemRefType,
+    _ModMemStats,
+    _ModState,
+    _State,
+)
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from multiprocessing import get_context
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -328,9 +328,10 @@ def _adamw_states(optimizer: torch.optim.Optimizer) -> None:
     """The state AdamW allocates on its first step: a step count and two moments per parameter."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.state[p] = {"step": torch.tensor(0.0),
-                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
 def on_device(snapshot: dict) -> dict:
@@ -360,13 +361,13 @@ def _phases(tracker, model: torch.nn.Module, layers) -> dict[str, dict[str, int]
 
     stats = tracker.memory_tracking
     out = {"kept": _categories(on_device(stats[model].snapshots[_ModState.POST_FW][-1]))}
-    policy = find_policy(model)
+    names = find_policy(model).modules
     for role in ("attention", "mlp"):
         for phase, start, peak in (("forward", _ModState.PRE_FW, _ModState.PEAK_FW),
                                    ("backward", _ModState.PRE_BW, _ModState.PEAK_BW)):
             best: dict[str, int] | None = None
             for layer in layers:  # a layer without the role's module (Qwen3.5's linear-
-                module = getattr(layer, getattr(policy, role), None)  # attention ones): skipped
+                module = getattr(layer, getattr(names, role), None)  # attention ones): skipped
                 if module is None:
                     continue
                 snaps = stats[module].snapshots
@@ -381,13 +382,13 @@ def _phases(tracker, model: torch.nn.Module, layers) -> dict[str, dict[str, int]
 def simulate(req: SimulationRequest) -> MemoryRecord:
     """Peak memory of rank 0 over one training step of ``req``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from .peak_tracker import IndexedMemTracker as MemTracker  # PyTorch's, faster: same numbers
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoModelForCausalLM
 
     from ..baselines import build
     from ..baselines.layouts import LayoutSpec, build_mesh
     from . import fsdp_sim
+    from .peak_tracker import IndexedMemTracker as MemTracker  # PyTorch's, faster: same numbers
 
     if req.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {req.optimizer!r} is not one of {OPTIMIZERS}")

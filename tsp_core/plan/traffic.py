@@ -38,8 +38,8 @@ from ..layers.moe import MoEScheduleBytes, moe_bytes
 @dataclass(frozen=True)
 class LatentShape:
     """Multi-head latent attention's sizes (docs/design.md "Multi-head latent attention
-    (DeepSeek-V3)"): the down-projections are replicated, ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``
-    and ``o_proj`` sharded by heads."""
+    (DeepSeek-V3)"): the down-projections are replicated, ``q_b_proj`` (or ``q_proj``),
+    ``kv_b_proj`` and ``o_proj`` sharded by heads."""
 
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -140,23 +140,24 @@ class ModelShape:
     qk_norm: bool = False
 
     @classmethod
-    def from_config(cls, config) -> "ModelShape":
+    def from_config(cls, config) -> ModelShape:
         """The shape of a Hugging Face config, read through the family's TSP policy where there
         is one: its experts (:func:`_moe_fields`) and the config field of its dense MLPs'
-        intermediate size (``DecoderPolicy.dense_intermediate_size``: Llama 4's
+        intermediate size (``FeedForwardPolicy.dense_intermediate_size``: Llama 4's
         ``intermediate_size_mlp``)."""
         nq = config.num_attention_heads
         _check_one_layer_shape(config)
         policy = _policy(config)
         experts = _moe_fields(config, policy)
-        dense = getattr(config, policy.dense_intermediate_size if policy else "intermediate_size")
+        dense = getattr(config,
+                        policy.ffn.dense_intermediate_size if policy else "intermediate_size")
         return cls(config.hidden_size, nq, getattr(config, "num_key_value_heads", None) or nq,
                    dense, config.num_hidden_layers, config.vocab_size,
                    getattr(config, "head_dim", None), **experts,
                    mlp_matrices=3 if experts or _gated_mlp(config) else 2,
-                   output_gate=bool(policy and policy.output_gate),
+                   output_gate=bool(policy and policy.attn.output_gate),
                    latent=_latent_fields(config, policy), delta_net=_delta_net_fields(config),
-                   qk_norm=bool(policy and policy.qk_norms(config)))
+                   qk_norm=bool(policy and policy.attn.qk_norm_in(config)))
 
     @property
     def is_moe(self) -> bool:
@@ -318,8 +319,8 @@ def _gated_mlp(config) -> bool:
 
 def _latent_fields(config, policy) -> LatentShape | None:
     """The latent attention's sizes where the family runs its own attention schedule
-    (``DecoderPolicy.attention_module``: DeepSeek-V3's MLA), else None."""
-    if policy is None or policy.attention_module is None:
+    (``AttentionPolicy.module``: DeepSeek-V3's MLA), else None."""
+    if policy is None or policy.attn.module is None:
         return None
     return LatentShape(config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim,
                        config.qk_rope_head_dim, config.v_head_dim,
@@ -375,7 +376,7 @@ def _moe_fields(config, policy) -> dict:
     layers are sparse follows Hugging Face's Qwen3-MoE rule (``mlp_only_layers``,
     ``decoder_sparse_step``), GLM-4.5's (``first_k_dense_replace``) and Llama 4's list
     (``moe_layers``); Mixtral's and gpt-oss's are all sparse."""
-    m = policy.moe if policy is not None else None
+    m = policy.ffn.moe if policy is not None else None
     if m is None or not getattr(config, m.num_experts, None):
         return {}
     L = config.num_hidden_layers

@@ -7,7 +7,8 @@ pieces (for non-causal models). Every function here is pure: no collectives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,7 +48,8 @@ def unshard_sequence(gathered: torch.Tensor, size: int, dim: int = 1,
     return torch.cat(pieces, dim=dim)
 
 
-def to_rank_order(full: torch.Tensor, size: int, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+def to_rank_order(full: torch.Tensor, size: int, dim: int = 1,
+                  layout: str = "zigzag") -> torch.Tensor:
     """Inverse of :func:`unshard_sequence`: concatenation of every rank's local tokens in rank
     order (what a reduce-scatter along ``dim`` expects)."""
     return torch.cat([shard_sequence(full, r, size, dim, layout) for r in range(size)], dim=dim)
@@ -84,7 +86,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     return out
 
 
-_BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seqlens")
+BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seqlens")
 
 
 def document_lengths(batch: dict[str, Any], seq: int, rows: int) -> list[list[int]]:
@@ -171,7 +173,7 @@ def batch_fingerprint(rows: torch.Tensor) -> torch.Tensor:
     return row_fingerprints([halves])[0]
 
 
-def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
+def shard_batch(batch: dict[str, Any], mesh: TSPMesh, *,
                 ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
     """This rank's part of a full-sequence batch (identical on every rank of the TSP group).
 
@@ -191,10 +193,10 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
     ignored by the loss and masked out. Packed rows are given by ``position_ids`` that restart at 0
     at each document (transformers' DataCollatorWithFlattening) or by ``cu_seqlens``.
     """
-    unknown = sorted(set(batch) - set(_BATCH_KEYS))
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {unknown}; it takes "
-                         f"{list(_BATCH_KEYS)} (full-sequence tensors of shape [batch, seq])")
+                         f"{list(BATCH_KEYS)} (full-sequence tensors of shape [batch, seq])")
     if "input_ids" not in batch:
         raise ValueError("shard_batch needs 'input_ids' of shape [batch, seq]")
     ids = batch["input_ids"]
@@ -210,7 +212,8 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
     packed = any(len(d) > 1 for d in docs)
     if not packed and seq < 2 * size:
         raise ValueError(f"sequence length ({seq}) is shorter than 2*tsp_size ({2 * size}): every "
-                         f"rank needs tokens of its own; use a smaller tsp_size or longer sequences")
+                         f"rank needs tokens of its own; use a smaller tsp_size or longer "
+                         f"sequences")
     if "attention_mask" in batch and not packed:
         mask = batch["attention_mask"]
         holes = (mask[:, 1:] > mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
@@ -265,7 +268,7 @@ def shard_batch(batch: dict[str, Any], mesh: "TSPMesh", *,
     # document lengths (the same whether they came as position_ids or cu_seqlens)
     given = [k for k in ("labels", "attention_mask") if k in batch]
     deep = max(len(row) for row in docs)
-    meta = torch.tensor([[_BATCH_KEYS.index(k) for k in given] + row + [0] * (deep - len(row))
+    meta = torch.tensor([[BATCH_KEYS.index(k) for k in given] + row + [0] * (deep - len(row))
                          for row in docs], device=ids.device)
     out["tsp_fingerprint"] = row_fingerprints([meta, ids] + [batch[k].to(ids.device)
                                                              for k in given])

@@ -19,9 +19,10 @@ import queue
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -132,7 +133,8 @@ def _measure(cfg: BenchConfig, layout_label: str, seq: int, device: torch.device
             step()
         (snap,) = tracker.get_tracker_snapshot("peak").values()
         peak = int(snap["Total"])
-    peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    peaks = [torch.zeros((), dtype=torch.int64, device=device)
+             for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, torch.tensor(peak, dtype=torch.int64, device=device))
     shape = ModelShape.from_config(config)
     formula = layer_forward_elements(spec.name, spec.tp, spec.cp, shape, cfg.batch, seq)

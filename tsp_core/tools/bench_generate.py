@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -165,7 +166,8 @@ def _measure(cfg: GenerateBenchConfig, layout: str, prompt: int, device: torch.d
         if layout == "tp":
             pm = build(model, LayoutSpec("tp", cfg.degree, 1))
             model = pm.model
-            model.set_attn_implementation("sdpa")  # the baseline's CP attention assumes q = k length
+            # the baseline's CP attention assumes q = k length
+            model.set_attn_implementation("sdpa")
             # generate picks tokens from whole-vocabulary logits: gather the vocabulary-sharded
             # DTensor (HF keeps only the last position's logits, so this is [B, 1, V])
             model.lm_head.register_forward_hook(

@@ -39,7 +39,8 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
 
 
 def _write_json(path: str, data) -> None:
@@ -68,8 +69,13 @@ def torch_dtype_size(name: str) -> int:
 def simulate_main(args: argparse.Namespace) -> int:
     from ..baselines import parse_layouts
     from ..plan.fsdp_sim import FSDP_LAYOUTS, FSDP_WORKING_SET, check_dp_shard
-    from ..plan.simulate import (SimulationRequest, check_request, model_config, record_dict,
-                                 simulate_many)
+    from ..plan.simulate import (
+        SimulationRequest,
+        check_request,
+        model_config,
+        record_dict,
+        simulate_many,
+    )
 
     pp, micro = args.pp, args.microbatches or 4 * args.pp
     if pp > 1:  # before any process starts
@@ -83,12 +89,12 @@ def simulate_main(args: argparse.Namespace) -> int:
             total = model_config(args.model, None).num_hidden_layers
             split_layers(total, pp, suggest_split(total, pp))
         except (ValueError, OSError) as e:
-            raise SystemExit(str(e))
+            raise SystemExit(str(e)) from e
         args.layers = max(suggest_split(total, pp))
     try:
         config = model_config(args.model, args.layers)
     except (ValueError, OSError) as e:
-        raise SystemExit(str(e))
+        raise SystemExit(str(e)) from e
     fsdp = any(dp > 1 for dp in args.dp_shard)
     if args.layouts is None:  # with FSDP2, the layouts it is simulated for
         args.layouts = ",".join(FSDP_LAYOUTS) if fsdp else "tsp,tp,tp-sp,cp,tp+cp,tp-sp+cp"
@@ -102,10 +108,10 @@ def simulate_main(args: argparse.Namespace) -> int:
     for r in requests:  # before any process starts
         check_dp_shard(r.layout, r.tp * r.cp, r.dp_shard)
         check_request(r)
-    from ..models.parallelize import _config_shape  # Gemma 4's heads differ per layer
+    from ..models.reading import config_shape  # Gemma 4's heads differ per layer
 
     print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"heads {config.num_attention_heads}/{_config_shape(config)[1]}, intermediate "
+          f"heads {config.num_attention_heads}/{config_shape(config)[1]}, intermediate "
           f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}; batch "
           f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; "
           + (f"FSDP2 dp_shard {','.join(map(str, args.dp_shard))}; " if fsdp else "")
@@ -204,9 +210,9 @@ def parser() -> argparse.ArgumentParser:
                   "gradients, optimizer states, activations and temporaries of rank 0 of each "
                   "world (no GPU needed)")
     sim.add_argument("--model", default="7b", help="a preset (7b, qwen3-8b, gemma-2-9b, "
-                     "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, "
-                     "mixtral-8x7b, qwen3-30b-a3b, glm-4.5-air, gpt-oss-20b, llama-4-scout, "
-                     "qwen3.5, small, tiny) or the path of a "
+                     "gemma-3-12b, olmo-2-7b, llama-70b, llama-3.1-8b, llama-3.1-70b, "
+                     "llama-3.1-405b, mixtral-8x7b, qwen3-30b-a3b, glm-4.5-air, gpt-oss-20b, "
+                     "llama-4-scout, qwen3.5, small, tiny) or the path of a "
                      "config.json (any supported family)")
     sim.add_argument("--layers", type=int, default=None,
                      help="override the model's layer count (default: the model's)")

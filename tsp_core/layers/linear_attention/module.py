@@ -3,7 +3,7 @@ owns, under Hugging Face's names and shapes, the checks on its inputs, and the s
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ...distributed import comm
 from ...distributed.chunks import check_seq_len, num_chunks, rank_chunks
 from ...distributed.flat_pack import FlatPack
-from ..attention.rounds import _OwnerReduces, _Rounds
+from ..attention.rounds import OwnerReduces, Rounds
 from .delta_rule import apply_map, chunk_map, chunk_rule, compute_dtype, gated_norm, l2norm
 
 
@@ -81,7 +81,7 @@ class _Unit:
     local: int
 
 
-def _units(docs, batch: int, local_len: int, spec: DeltaNetSpec) -> tuple[list[_Unit], int]:
+def chunk_units(docs, batch: int, local_len: int, spec: DeltaNetSpec) -> tuple[list[_Unit], int]:
     """The chunks of this rank's tokens, the same list on every rank (only the chunk index each
     ``local`` stands for differs), and the number of sequences. Rows with the same documents
     share their units; an unpacked batch is one document per row."""
@@ -103,7 +103,7 @@ def _units(docs, batch: int, local_len: int, spec: DeltaNetSpec) -> tuple[list[_
     return units, seq
 
 
-class _Layout:
+class ChunkLayout:
     """Where each chunk of each sequence is: its owner and local index, and the offsets of each
     unit's piece in the flat buffers that the maps and tails all-gathers move."""
 
@@ -130,7 +130,7 @@ class _Layout:
         return q, self.index[(seq, i)]
 
 
-def _tails(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
+def _tails(x: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
     """This rank's chunks' last ``kernel - 1`` tokens (all of a shorter chunk), flat."""
     parts = [x[list(u.rows), u.start + u.length - t:u.start + u.length].reshape(-1)
              for u, t in zip(lay.units, lay.tail)]
@@ -141,7 +141,7 @@ def _split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(flat.split(sizes))
 
 
-def _halos(tails_all: torch.Tensor, lay: _Layout, h: int) -> list[torch.Tensor]:
+def _halos(tails_all: torch.Tensor, lay: ChunkLayout, h: int) -> list[torch.Tensor]:
     """Each own chunk's halo [rows, kernel - 1, h]: the preceding tokens of its sequence, from
     as many preceding chunks as it takes, zeros before the sequence's start (the convolution's
     causal padding)."""
@@ -163,7 +163,7 @@ def _halos(tails_all: torch.Tensor, lay: _Layout, h: int) -> list[torch.Tensor]:
     return out
 
 
-def _gather_tails(x: torch.Tensor, lay: _Layout, group) -> torch.Tensor:
+def _gather_tails(x: torch.Tensor, lay: ChunkLayout, group) -> torch.Tensor:
     own = _tails(x, lay).contiguous()
     out = own.new_empty(lay.spec.tsp_size, own.numel())
     if own.numel():
@@ -223,7 +223,7 @@ def _output(p: _Prepared, state: torch.Tensor, w: list[torch.Tensor], norm_w: to
     return F.linear(out.flatten(2), w[-1])
 
 
-def _incoming(maps_all: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
+def _incoming(maps_all: torch.Tensor, lay: ChunkLayout) -> list[torch.Tensor]:
     """Each own chunk's incoming state: the maps of its sequence's earlier chunks composed in
     sequence order from a zero state (a prefix scan over the gathered maps)."""
     spec = lay.spec
@@ -246,7 +246,7 @@ def _incoming(maps_all: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
     return out
 
 
-def _final(maps_all: torch.Tensor, lay: _Layout) -> torch.Tensor:
+def _final(maps_all: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
     """The state after the last chunk of sequence 0 (prefill: one sequence of every row)."""
     sizes = [torch.Size(s).numel() for s in lay.map_shape]
     per_rank = [_split_flat(maps_all[q], sizes) for q in range(maps_all.shape[0])]
@@ -258,7 +258,7 @@ def _final(maps_all: torch.Tensor, lay: _Layout) -> torch.Tensor:
     return state
 
 
-def _valid(u: _Unit, lay: _Layout, lengths: torch.Tensor | None) -> torch.Tensor | None:
+def _valid(u: _Unit, lay: ChunkLayout, lengths: torch.Tensor | None) -> torch.Tensor | None:
     """Which of a unit's tokens lie inside their row's prompt (prefill), None: all."""
     if lengths is None:
         return None
@@ -266,7 +266,7 @@ def _valid(u: _Unit, lay: _Layout, lengths: torch.Tensor | None) -> torch.Tensor
     return pos[None] < lengths[list(u.rows)][:, None]
 
 
-def _round(x, tails_all, w, norm_w, lay: _Layout, group, spec: DeltaNetSpec, lengths=None):
+def _round(x, tails_all, w, norm_w, lay: ChunkLayout, group, spec: DeltaNetSpec, lengths=None):
     """One round's local work up to the maps: (prepared units, own maps flat, gathered maps)."""
     h = spec.hidden_size
     halos = _halos(tails_all, lay, h)
@@ -283,11 +283,11 @@ def run_forward(x, norm_w, spec: DeltaNetSpec, group, docs, weights, lengths=Non
     length; unpacked rows) (output, the state after each row's prompt of this rank's own head
     group [B, nv/D, d_k, d_v], composed from the gathered maps of its own round)."""
     me = dist.get_rank(group)
-    lay = _Layout(_units(docs, x.shape[0], x.shape[1], spec)[0], spec, me)
+    lay = ChunkLayout(chunk_units(docs, x.shape[0], x.shape[1], spec)[0], spec, me)
     pack = FlatPack(spec.round_shapes())
     tails_all = _gather_tails(x, lay, group)
     y, final = torch.zeros_like(x), None
-    for r, buf in _Rounds(pack.pack(weights), group):
+    for r, buf in Rounds(pack.pack(weights), group):
         w = pack.unpack(buf)
         preps, _own, gathered = _round(x, tails_all, w, norm_w, lay, group, spec, lengths)
         for u, p, s in zip(lay.units, preps, _incoming(gathered, lay)):
@@ -313,7 +313,7 @@ class GatedDeltaNetFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, norm_w, *weights = ctx.saved_tensors
         spec, group = ctx.spec, ctx.group
-        lay = _Layout(_units(ctx.docs, x.shape[0], x.shape[1], spec)[0], spec,
+        lay = ChunkLayout(chunk_units(ctx.docs, x.shape[0], x.shape[1], spec)[0], spec,
                       dist.get_rank(group))
         pack = FlatPack(spec.round_shapes())
         x_leaf = x.detach().requires_grad_()
@@ -321,8 +321,8 @@ class GatedDeltaNetFn(torch.autograd.Function):
         tails_leaf = _gather_tails(x, lay, group).requires_grad_()
         dx, d_norm, d_tails = torch.zeros_like(x), torch.zeros_like(norm_w), \
             torch.zeros_like(tails_leaf)
-        reduces = _OwnerReduces(group)
-        for r, buf in _Rounds(pack.pack(weights), group):
+        reduces = OwnerReduces(group)
+        for r, buf in Rounds(pack.pack(weights), group):
             w_leaf = buf.detach().requires_grad_()
             with torch.enable_grad():
                 w = pack.unpack(w_leaf)

@@ -20,7 +20,7 @@ import math
 import torch
 
 from .delta_rule import compute_dtype
-from .schedule import DeltaNetSpec, _Layout, _units
+from .schedule import ChunkLayout, DeltaNetSpec, chunk_units
 
 
 def delta_net_collectives(spec: DeltaNetSpec, batch: int, local_len: int,
@@ -31,8 +31,8 @@ def delta_net_collectives(spec: DeltaNetSpec, batch: int, local_len: int,
     D = spec.tsp_size
     if D == 1:
         return {"forward": {}, "backward": {}}
-    units, _ = _units(docs, batch, local_len, spec)
-    lay = _Layout(units, spec, 0)
+    units, _ = chunk_units(docs, batch, local_len, spec)
+    lay = ChunkLayout(units, spec, 0)
     x_bytes = torch.empty(0, dtype=dtype).element_size()
     c_bytes = torch.empty(0, dtype=compute_dtype(dtype)).element_size()
     part = (D - 1) / D

@@ -64,4 +64,5 @@ from .spec import (
 __all__ = ["EXPERT_ACTIVATIONS", "LAYOUTS", "ROUTERS", "SCHEDULES", "MoEScheduleBytes", "MoESpec",
            "TSPMoE", "TSPRouter", "check_moe_shape", "check_router", "choose_schedule",
            "dense_weights", "dispatch_combine", "expert_views", "glu", "glu_backward",
-           "load_balancing_loss", "moe_bytes", "recomputing", "route", "route_tokens", "router_logits"]
+           "load_balancing_loss", "moe_bytes", "recomputing", "route", "route_tokens",
+           "router_logits"]

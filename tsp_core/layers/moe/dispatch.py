@@ -4,8 +4,8 @@ the experts running on the rows they received a tile at a time (:class:`_TiledEx
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

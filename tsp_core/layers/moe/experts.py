@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..mlp import _act, _act_grad
+from ..mlp import activate, activation_grad
 from .spec import MoESpec
 
 
@@ -16,7 +16,7 @@ def glu(g: torch.Tensor, u: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     """An expert's intermediate from its gate and up projections: ``act(g) * u``, or gpt-oss's
     clamped SwiGLU ``(clamp(u, -l, l) + 1) * gc * sigmoid(alpha * gc)``, gc = min(g, l)."""
     if spec.activation != "swiglu_clamped":
-        return _act(g, spec.activation) * u
+        return activate(g, spec.activation) * u
     gc = g.clamp(max=spec.swiglu_limit)
     return (u.clamp(-spec.swiglu_limit, spec.swiglu_limit) + 1) * (gc * torch.sigmoid(
         gc * spec.swiglu_alpha))
@@ -28,10 +28,10 @@ def glu_backward(g: torch.Tensor, u: torch.Tensor, dm: torch.Tensor, spec: MoESp
     A clamp passes the gradient where its input is inside the bounds, limits included, as
     torch.clamp's backward does."""
     if spec.activation != "swiglu_clamped":
-        a = _act(g, spec.activation)
+        a = activate(g, spec.activation)
         du = dm * a
         del a
-        return dm.mul_(u).mul_(_act_grad(g, spec.activation)), du
+        return dm.mul_(u).mul_(activation_grad(g, spec.activation)), du
     lim, alpha = spec.swiglu_limit, spec.swiglu_alpha
     gc = g.clamp(max=lim)
     s = torch.sigmoid(gc * alpha)

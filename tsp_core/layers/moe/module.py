@@ -3,7 +3,7 @@ schedule, the shared experts beside them and the decode step."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +20,13 @@ from ...distributed.params import (
     local,
     schedule_inputs,
 )
-from ..mlp import MLPSpec, _act, _TSPGatedMLPFn, check_local_input
+from ..mlp import MLPSpec, TSPGatedMLPFn, activate, check_local_input
 from ..sizes import valid_sizes_hint, valid_tsp_sizes
 from ..tiles import TokenTiled, mlp_tile_tokens
 from .choice import SCHEDULES
 from .dispatch import dispatch_combine
 from .experts import expert_views, glu
-from .ring import _RingExpertsFn
+from .ring import RingExpertsFn
 from .routing import dense_weights, recomputing, route_tokens
 from .spec import MoESpec, check_moe_shape, check_router
 
@@ -212,7 +212,7 @@ class TSPMoE(TokenTiled, ShardedModule):
             else:
                 tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size,
                                                            x.dtype)
-                y = _RingExpertsFn.apply(x2, weights, experts, s, self.mesh.group, tile,
+                y = RingExpertsFn.apply(x2, weights, experts, s, self.mesh.group, tile,
                                          *experts_weights)
             if down_bias:  # each chosen expert's bias, times its weight
                 bias = comm.sum_grad(down_bias[0], self.mesh.group)
@@ -224,7 +224,7 @@ class TSPMoE(TokenTiled, ShardedModule):
                                s.activation)
                 tile = self.tile_tokens or mlp_tile_tokens(
                     s.shared_intermediate_size // s.tsp_size, x.dtype)
-                y = y + _TSPGatedMLPFn.apply(x, spec, self.mesh.group, tile, *shared)
+                y = y + TSPGatedMLPFn.apply(x, spec, self.mesh.group, tile, *shared)
         return y, logits
 
     def decode_step(self, x: torch.Tensor,
@@ -257,7 +257,7 @@ class TSPMoE(TokenTiled, ShardedModule):
                 y.index_add_(0, token, (out if s.weight_input else out * w).to(y.dtype))
         if s.shared_intermediate_size:  # this rank's channels of the shared experts: summed
             wg, wu, wd = (local(self.get_parameter(n)) for n in self.shared)  # apart, added
-            shared = (_act(F.linear(x2, wg), s.activation) * F.linear(x2, wu)) @ wd.t()  # after
+            shared = (activate(F.linear(x2, wg), s.activation) * F.linear(x2, wu)) @ wd.t()  # after
             both = torch.stack([y, shared])
             comm.all_reduce(both, self.mesh.group)  # one all-reduce for both
             y = both[0] + both[1]

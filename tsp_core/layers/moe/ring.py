@@ -1,5 +1,5 @@
 """Schedule "ring" (docs/moe.md (b)): every expert's channels split 1/D; the slices travel around
-the TSP ring and every token stays on its rank (:class:`_RingExpertsFn`)."""
+the TSP ring and every token stays on its rank (:class:`RingExpertsFn`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _by_expert(experts: torch.Tensor, num_experts: int) -> list[tuple[torch.Tens
     return list(zip(token[order].split(sizes), slot[order].split(sizes)))
 
 
-class _RingExpertsFn(torch.autograd.Function):
+class RingExpertsFn(torch.autograd.Function):
     """Schedule "ring": every expert's channel slices travel around the TSP ring
     (:func:`comm.ring_over_shards`); each rank applies each slice to its own tokens routed to
     that expert, ``tile`` of them at a time, and adds the weighted partial outputs (with

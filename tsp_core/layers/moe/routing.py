@@ -3,7 +3,7 @@ load-balancing loss over the global batch."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist

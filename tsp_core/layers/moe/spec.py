@@ -4,8 +4,8 @@ any collective."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 from ..mlp import ACTIVATIONS
 from ..sizes import valid_sizes_hint, valid_tsp_sizes

@@ -4,7 +4,8 @@ per-module phase figures read the way ``tsp simulate`` records them."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

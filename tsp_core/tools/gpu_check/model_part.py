@@ -14,7 +14,7 @@ import contextlib
 import copy
 import os
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
