@@ -110,16 +110,17 @@ def test_lightning_resolution():
 
 
 def test_accelerate_resolution(monkeypatch):
-    from tsp_accelerate.accelerator import _tsp_size
+    from tsp_accelerate.accelerator import choose_accelerate_tsp_size
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("TSP_SEQ_LEN", "131072")
-    assert _tsp_size("auto", None, LLAMA_7B, memory_gb=80).size == 2
+    assert choose_accelerate_tsp_size("auto", None, LLAMA_7B, memory_gb=80).size == 2
     monkeypatch.setenv("TSP_SIZE", "auto")
-    assert _tsp_size(None, None, LLAMA_7B, memory_gb=80).size == 2
-    assert _tsp_size(4, None, LLAMA_7B).size == 4  # the argument wins over TSP_SIZE
+    assert choose_accelerate_tsp_size(None, None, LLAMA_7B, memory_gb=80).size == 2
+    # the argument wins over TSP_SIZE
+    assert choose_accelerate_tsp_size(4, None, LLAMA_7B).size == 4
     monkeypatch.delenv("TSP_SIZE")
-    assert _tsp_size(None, None).size == 8
+    assert choose_accelerate_tsp_size(None, None).size == 8
 
 
 def test_transformers_resolution(tmp_path, monkeypatch):
@@ -156,7 +157,7 @@ def test_deepspeed_resolution(monkeypatch):
 def test_every_adapter_shares_one_default_rule(monkeypatch, tmp_path):
     """The argument > TSP_SIZE > every process of a node, in all four adapters alike
     (tsp_core.plan.auto.resolve_degree): the same environment gives the same degree."""
-    from tsp_accelerate.accelerator import _tsp_size
+    from tsp_accelerate.accelerator import choose_accelerate_tsp_size
     from tsp_deepspeed.engine import resolve_tsp_size as deepspeed_size
     from tsp_lightning.common import resolve_sizes
     from tsp_transformers.trainer import TSPTrainingArguments
@@ -169,7 +170,8 @@ def test_every_adapter_shares_one_default_rule(monkeypatch, tmp_path):
 
     def degrees(given):
         args = TSPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, tsp_size=given)
-        return (resolve_sizes(given, "auto", 1, 8)[1].size, _tsp_size(given, None).size,
+        return (resolve_sizes(given, "auto", 1, 8)[1].size,
+                choose_accelerate_tsp_size(given, None).size,
                 trainer_size(args, model).size, deepspeed_size(model, given, {}, {}).size)
 
     assert degrees(None) == (8, 8, 8, 8)
