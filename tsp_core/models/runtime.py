@@ -24,7 +24,6 @@ from ..sequence.gather import gather_tokens
 from ..sequence.layout import IGNORE_INDEX
 from ..state.checkpoint import save_pretrained
 from .input_checks import check_model_inputs
-from .outputs import FusedLMOutput
 
 ATTN_IMPLEMENTATION = "tsp"
 
@@ -164,7 +163,7 @@ def loss_output(model: nn.Module, head: TSPLMHead, hidden: torch.Tensor,
 
 def fused_output(model: nn.Module, head: TSPLMHead, hidden: torch.Tensor,
                  shift_labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None,
-                 aux: torch.Tensor | None, full: tuple | None = None) -> FusedLMOutput:
+                 aux: torch.Tensor | None, full: tuple | None = None) -> Any:
     """What TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``) returns for
     ``fused_lm_head=True``, from the vocabulary-parallel head: per local token (shaped like
     ``shift_labels``) the label's log-probability, the entropy and the top-1 hit, zero where
@@ -179,6 +178,8 @@ def fused_output(model: nn.Module, head: TSPLMHead, hidden: torch.Tensor,
     (``full``: shard_batch's ``tsp_docs`` and the rows' own document lengths); the
     log-probabilities' backward takes this rank's positions of the gradient (every rank
     computes the same loss from them)."""
+    from .outputs import FusedLMOutput  # transformers: the base install is torch alone
+
     mesh = model_state(model).mesh
     log_probs, entropy, top1, mean_logits = head.token_stats(hidden, shift_labels)
     mask = shift_labels != IGNORE_INDEX
