@@ -20,10 +20,29 @@ from tsp_core.layers.attention import (
     Mask,
     QKNorm,
     ValueNorm,
+    Values,
 )
 from tsp_core.sequence.layout import pad_to_multiple, position_ids, shard_sequence
 
 HIDDEN, HEAD_DIM = 24, 8
+
+
+class Softsign(Values):
+    """A value part no model has, written here as a family would write its own: only ``apply``.
+    The schedules and their backward run it through the ``values`` slot unchanged."""
+
+    needs_input = True
+
+    def apply(self, v: torch.Tensor) -> torch.Tensor:
+        return v / (1 + v.abs())
+
+
+# each values part with its reference, written from the math
+VALUES = {
+    "norm": (ValueNorm(1e-6, "gemma"),                 # Gemma 4's v_norm: RMS without a scale
+             lambda v: v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)),
+    "softsign": (Softsign(), lambda v: v / (1 + v.abs())),
+}
 
 
 def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
@@ -48,7 +67,7 @@ def full_weights(nq: int, nkv: int, qkv_bias: bool, o_bias: bool, seed: int = 1,
 def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool = False,
                o_bias: bool = False, window: int | None = None, layout: str = "zigzag",
                causal: bool = True, head_dim: int = HEAD_DIM, qk_norm: str | None = None,
-               chunk: int | None = None, sinks: bool = False, v_norm: bool = False,
+               chunk: int | None = None, sinks: bool = False, values: str | None = None,
                k_eq_v: bool = False, gate: bool = False) -> None:
     mesh = dist_pool.mesh(tsp, layout)
     D, p = mesh.size, mesh.rank
@@ -60,7 +79,8 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
                                      dtype=torch.float64)
     norm = (None if qk_norm is None else
             QKNorm("gemma", 1e-6, scope="token" if qk_norm == "all" else "head"))
-    parts = AttentionParts(qk_norm=norm, value_norm=ValueNorm(1e-6, "gemma") if v_norm else None,
+    values_part, values_ref = VALUES[values] if values is not None else (Values(), None)
+    parts = AttentionParts(qk_norm=norm, values=values_part,
                            mask=Mask(causal, window, chunk, sinks), values_from_keys=k_eq_v,
                            output_gate=gate)
     layer = TSPAttention(mesh, AttentionShape(HIDDEN, nq, nkv, head_dim, qkv_bias, o_bias), parts,
@@ -75,7 +95,8 @@ def run_parity(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool
     ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
     x_ref = x.clone().requires_grad_()
     y_ref = reference.attention(x_ref, ref_w, nq, nkv, head_dim, causal=causal, window=window,
-                                chunk=chunk, qk_norm=qk_norm, v_norm=v_norm, output_gate=gate)
+                                chunk=chunk, qk_norm=qk_norm, values=values_ref,
+                                output_gate=gate)
     y_ref.backward(dy)
 
     # pad at the end (causal: padding cannot reach real tokens); zero upstream grad on padding
@@ -117,9 +138,14 @@ CASES = [
     dict(nq=8, nkv=4, seq=16, batch=1, qk_norm="head", sinks=True),
     # Gemma 4: the unscaled value norm with per-head q/k norms and a sliding window; the values
     # from the key projection (attention_k_eq_v) with and without it, with biases and K/V slices
-    dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, qk_norm="head", window=5, v_norm=True),
-    dict(nq=4, nkv=1, seq=13, batch=1, qkv_bias=True, qk_norm="head", v_norm=True, k_eq_v=True),
+    dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, qk_norm="head", window=5, values="norm"),
+    dict(nq=4, nkv=1, seq=13, batch=1, qkv_bias=True, qk_norm="head", values="norm", k_eq_v=True),
     dict(nq=8, nkv=4, seq=16, batch=1, k_eq_v=True),
+    # the values slot under the phased schedule too (norms over a token's heads), and a part
+    # written in this file (Softsign) under both schedules, with K/V slices at D = 4
+    dict(nq=8, nkv=2, seq=13, batch=2, qkv_bias=True, qk_norm="all", values="norm"),
+    dict(nq=4, nkv=1, seq=13, batch=1, qk_norm="all", values="softsign"),
+    dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, window=5, values="softsign"),
     # Qwen3.5's output gate ([query | gate] rows per head in q_proj): with per-head q/k norms,
     # GQA and biases; with K/V slices at D = 4, padding and a sliding window
     dict(nq=8, nkv=2, seq=16, batch=2, qkv_bias=True, qk_norm="head", gate=True),
@@ -137,6 +163,65 @@ def test_parity_float64(pool, tsp, case):
 def test_parity_contiguous_layout(pool, tsp):
     pool.run(run_parity, tsp, nq=8, nkv=2, seq=16, batch=1, layout="contiguous")
     pool.run(run_parity, tsp, nq=8, nkv=8, seq=16, batch=1, layout="contiguous", causal=False)
+
+
+def run_kv_route(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool = False,
+                 qk_norm: str | None = None) -> None:
+    """Two layers on one route (``KVSharing`` "store" then "reuse", as a sharing policy gives
+    them) against the reference of the math: the reusing layer's queries attend with the storing
+    layer's keys (after its key norm and RoPE) and values, and the gradient of both layers'
+    outputs reaches the storing layer's K/V projections."""
+    mesh = dist_pool.mesh(tsp, "zigzag")
+    D, p = mesh.size, mesh.rank
+    shape = AttentionShape(HIDDEN, nq, nkv, HEAD_DIM, qkv_bias)
+    norm = None if qk_norm is None else QKNorm("gemma", 1e-6)
+    w_store = full_weights(nq, nkv, qkv_bias, False, seed=1, qk_norm=qk_norm)
+    w_reuse = {k: t for k, t in full_weights(nq, nkv, qkv_bias, False, seed=4,
+                                             qk_norm=qk_norm).items()
+               if k.startswith(("q_proj.", "o_proj.", "q_norm."))}  # no K/V of its own
+    store, reuse = (TSPAttention(mesh, shape, AttentionParts(qk_norm=norm,
+                                                             kv_sharing=KVSharing(role, "a")),
+                                 dtype=torch.float64) for role in ("store", "reuse"))
+    store.load_full(w_store)
+    reuse.load_full(w_reuse)
+
+    gen = torch.Generator().manual_seed(2)
+    x, dy_store, dy_reuse = (torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
+                             for _ in range(3))
+    ref_store = {k: v.clone().requires_grad_() for k, v in w_store.items()}
+    ref_reuse = {k: v.clone().requires_grad_() for k, v in w_reuse.items()}
+    borrowed = {k: t for k, t in ref_store.items()
+                if k.startswith(("k_proj.", "v_proj.", "k_norm."))}
+    x_ref = x.clone().requires_grad_()
+    y_store = reference.attention(x_ref, ref_store, nq, nkv, HEAD_DIM, qk_norm=qk_norm)
+    y_reuse = reference.attention(x_ref, {**ref_reuse, **borrowed}, nq, nkv, HEAD_DIM,
+                                  qk_norm=qk_norm)
+    ((y_store * dy_store).sum() + (y_reuse * dy_reuse).sum()).backward()
+
+    shard = lambda t: shard_sequence(pad_to_multiple(t, D, 0, 1), p, D, 1)  # noqa: E731
+    real = shard(torch.ones(1, seq, 1, dtype=torch.bool))[0, :, 0]
+    x_loc = shard(x).requires_grad_()
+    pos = position_ids(x_loc.shape[1] * D, p, D)
+    y, kv_all = store(x_loc, pos)
+    y2 = reuse(x_loc, pos, shared_kv=kv_all)
+    ((y * shard(dy_store)).sum() + (y2 * shard(dy_reuse)).sum()).backward()
+
+    assert_close(y[:, real], shard(y_store.detach())[:, real], 1e-10, "storing layer's output")
+    assert_close(y2[:, real], shard(y_reuse.detach())[:, real], 1e-10, "reusing layer's output")
+    assert_close(x_loc.grad[:, real], shard(x_ref.grad)[:, real], 1e-10, "input grad")
+    for layer, ref in ((store, ref_store), (reuse, ref_reuse)):
+        grads = layer.full_tensors(grads=True)
+        assert sorted(grads) == sorted(ref), f"gradients for {sorted(grads)}, weights {sorted(ref)}"
+        for name, g in grads.items():
+            assert_close(g, ref[name].grad, 1e-10, f"grad of {name}")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("tsp", [1, 2, 4])
+def test_kv_route_matches_the_math(pool, tsp):
+    pool.run(run_kv_route, tsp, nq=8, nkv=2, seq=16, batch=2)
+    # K/V slices at D = 4 (nkv < D), biases, per-head q/k norms, padding
+    pool.run(run_kv_route, tsp, nq=4, nkv=1, seq=13, batch=1, qkv_bias=True, qk_norm="head")
 
 
 def count_collectives(tsp: int, nq: int, nkv: int, seq: int, batch: int, qkv_bias: bool,
@@ -452,7 +537,7 @@ def test_chunk_errors_before_any_collective():
 
 def test_parts_refuse_unsupported_combinations_in_one_place():
     # AttentionParts.check, the one refusal point, names what no schedule runs (the phased
-    # schedule of q/k norms over a token's heads has no output gate, value norm, KV sharing,
+    # schedule of q/k norms over a token's heads has no output gate, KV sharing,
     # weightless norm or norm after RoPE), before any collective; TSPAttention raises the same,
     # and the messages live in parts.py only
     from pathlib import Path
@@ -465,10 +550,8 @@ def test_parts_refuse_unsupported_combinations_in_one_place():
         (AttentionParts(qk_norm=token, output_gate=True),
          r"^output_gate \(a per-head output gate\) is implemented on the default schedule only, "
          r"not with qk_norm_all_heads$"),
-        (AttentionParts(qk_norm=token, value_norm=ValueNorm()),
-         r"^v_norm_eps \(a per-head value norm\) is implemented on the default schedule only"),
         (AttentionParts(qk_norm=token, kv_sharing=KVSharing("store", 0)),
-         r"^KV-shared layers \(kv_shared, kv_out\) are implemented on the default schedule"),
+         r"^KV-shared layers \(KVSharing\) are implemented on the default schedule"),
         (AttentionParts(qk_norm=QKNorm("l2", scope="token")),
          r"^the 'l2' q/k norm \(no weight\) is per head; qk_norm_all_heads is not implemented"),
         (AttentionParts(qk_norm=QKNorm(scope="token", after_rope=True)),

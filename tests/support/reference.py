@@ -3,6 +3,8 @@ score matrices and masks, plain autograd."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -23,14 +25,16 @@ def rope(t: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Te
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
               head_dim: int, *, causal: bool = True, window: int | None = None,
-              chunk: int | None = None, qk_norm: str | None = None, v_norm: bool = False,
+              chunk: int | None = None, qk_norm: str | None = None,
+              values: Callable[[torch.Tensor], torch.Tensor] | None = None,
               eps: float = 1e-6, output_gate: bool = False) -> torch.Tensor:
     """``qk_norm``: RMSNorms of q and k scaled by ``1 + w[q_norm.weight]`` (Gemma's numerics, in
     the input's dtype), over each head ("head") or over all heads of a token ("all", OLMo 2).
     ``chunk``: Llama 4's chunked mask (query i sees only keys j with j // chunk == i // chunk).
     With ``w["sinks"]`` [num_heads], gpt-oss's sinks in Hugging Face's eager order: a column of
-    each head's sink logit beside the scores, the softmax, the column dropped. ``v_norm``: each
-    value head RMS-normalised without a scale (Gemma 4); without ``w["v_proj.weight"]`` the
+    each head's sink logit beside the scores, the softmax, the column dropped. ``values``: a
+    function of each value head's vectors [..., head_dim] applied after the projection (Gemma
+    4's RMS norm without a scale); without ``w["v_proj.weight"]`` the
     values are the key projection's output before its norm and RoPE (Gemma 4's k_eq_v).
     ``output_gate`` (Qwen3.5): ``q_proj`` gives per head [query | gate], 2 * head_dim rows, and
     the attention output is multiplied by sigmoid(gate) before ``o_proj``."""
@@ -57,8 +61,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], num_heads: int, num_k
     q = rope(proj("q", num_heads), pos)
     k = rope(proj("k", num_kv_heads), pos)
     v = proj("v", num_kv_heads)
-    if v_norm:
-        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    if values is not None:
+        v = values(v)
     g = num_heads // num_kv_heads
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     scores = q @ k.transpose(-1, -2) * head_dim ** -0.5

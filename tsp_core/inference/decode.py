@@ -53,7 +53,7 @@ from ..layers.linear_attention.decode import prefill as delta_net_prefill
 from ..layers.linear_attention.decode import step as delta_net_step
 from ..layers.mlp import TSPGatedMLP, activate
 from ..layers.moe import TSPMoE
-from ..layers.norm import NORMS, unscaled_norm
+from ..layers.norm import NORMS
 from ..layers.vocab import TSPEmbedding, TSPLMHead
 from ..sequence import layout
 from .latent_decode import latent_step
@@ -402,7 +402,7 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     # values_from_keys (Gemma 4's attention_k_eq_v): the key projection's output is the values;
     # a KV-shared layer (KVSharing role "reuse") projects queries only and reads its source
     # layer's cache
-    shared = p.kv_shared
+    shared = p.takes_kv
     names = ["q"] if shared else ["q", "k", "k" if p.values_from_keys else "v"]
     projected = {n: proj(n) for n in names}
     # an output gate (Qwen3.5) stays here: rank r applies its own heads' gate after the merge
@@ -443,8 +443,7 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
         q_all = scale_queries(q_all.transpose(0, 1), query_scale(spec, positions, q_all)
                               ).transpose(0, 1)
     v_all = heads(v_all, 0 if shared else spec.num_kv_heads)[:, :, 0]
-    if p.value_norm is not None:             # Gemma 4: each value head normed without a weight
-        v_all = unscaled_norm(v_all, p.value_norm.kind, p.value_norm.eps)
+    v_all = p.values.apply(v_all)            # as the schedules (Gemma 4: a weightless norm)
     if shared:                               # the K/V the source layer wrote this step
         i = attn.kv_source
     elif slot is not None:                                            # this rank's turn

@@ -267,7 +267,7 @@ def check_head_norms(model: nn.Module, policy: DecoderPolicy, spec: ModelSpec) -
         q_width, k_width = ((spec.num_heads * d, k * d) if qk.over_token else (d, d))
         names = qk.names
         parts = attention_parts(s, model.config, policy)
-        if parts is not None and parts.kv_shared:  # no K/V, no k norm of its own
+        if parts is not None and parts.takes_kv:  # no K/V, no k norm of its own
             names, k_width = names[:1], None
         norms = [getattr(attn, n, None) for n in names]
         if any(n is None for n in norms):

@@ -33,7 +33,7 @@ class HFTSPAttention(TSPAttention):
         out = super().forward(hidden_states, position_embeddings=position_embeddings,
                               docs=kwargs.get("tsp_docs"),
                               kv_sink=None if state is None else state.sink, shared_kv=shared)
-        if self.parts.kv_out:
+        if self.parts.gives_kv:
             out, kv_all = out
             kwargs["shared_kv_states"][self.parts.kv_sharing.key] = (kv_all,)
         return out, None

@@ -22,7 +22,7 @@ from ...distributed.params import (
 )
 from .. import rope
 from ..inputs import check_local_input, checked_docs
-from .parts import AttentionParts, AttentionShape, QKNorm, Rotary
+from .parts import AttentionParts, AttentionShape, QKNorm, Rotary, Values
 from .per_group import PerGroupAttentionFn
 from .phased import PhasedAttentionFn
 from .rounds import AttentionSpec
@@ -124,7 +124,7 @@ class TSPAttention(ShardedModule):
                 + (", sinks=True" if m.sinks else "")
                 + (f", qk_norm={p.qk_norm.kind}" if p.qk_norm is not None else "")
                 + (f", query_scale={p.query_scale}" if p.query_scale is not None else "")
-                + (f", value_norm={p.value_norm}" if p.value_norm is not None else "")
+                + (f", values={p.values}" if p.values != Values() else "")
                 + (", values_from_keys=True" if p.values_from_keys else "")
                 + (", output_gate=True" if p.output_gate else ""))
 
@@ -144,7 +144,7 @@ class TSPAttention(ShardedModule):
         stands in the value projection's place too (the schedule computes V from it as from any
         value projection; autograd sums the two gradients of the one parameter)."""
         sinks = ["sinks"] if self.parts.mask.sinks else []  # sharded with the query heads
-        if self.parts.kv_shared:  # (wq, wo[, bq]): the K/V are another layer's
+        if self.parts.takes_kv:  # (wq, wo[, bq]): the K/V are another layer's
             names = ["q_proj.weight", "o_proj.weight"]
             names += ["q_proj.bias"] if "q_proj.bias" in self.full_shapes else []
             return names + sinks
@@ -169,9 +169,10 @@ class TSPAttention(ShardedModule):
         them (role "store") the result is ``(output, kv_all)``. ``position_embeddings``: the
         model's rotary output, read as ``AttentionParts.rotary`` says (:func:`rotary_inputs`)."""
         s, p = self.spec, self.parts
-        if p.kv_shared != (shared_kv is not None):
-            raise ValueError(f"a layer {'with' if p.kv_shared else 'without'} kv_shared takes "
-                             f"{'the' if p.kv_shared else 'no'} shared_kv of the layer it reuses")
+        if p.takes_kv != (shared_kv is not None):
+            raise ValueError(f"a layer {'that' if p.takes_kv else 'that does not'} reuse"
+                             f"{'s' if p.takes_kv else ''} K/V (KVSharing \"reuse\") takes "
+                             f"{'the' if p.takes_kv else 'no'} shared_kv of the layer it reuses")
         check_local_input(x, s.hidden_size)
         if x.shape[1] % (2 if s.layout == "zigzag" else 1):
             raise ValueError(f"local sequence length ({x.shape[1]}) must be even under the zigzag "
@@ -202,23 +203,23 @@ class TSPAttention(ShardedModule):
                                             p.rotary)
         weightless = p.qk_norm is not None and p.qk_norm.weightless
         norms = list(self.NORMS) if p.qk_norm is not None and not weightless else []
-        norms = norms[:1] if p.kv_shared else norms
+        norms = norms[:1] if p.takes_kv else norms
         x, weights, context = schedule_inputs(self, self._weight_names() + norms, x)
         if norms:  # replicated: every rank normalises its own tokens, gradients summed
             weights[-len(norms):] = [comm.sum_grad(w, self.mesh.group)
                                      for w in weights[-len(norms):]]
         if weightless:  # the schedules take norm weights: empty placeholders, never read
-            weights += [x.new_empty(0)] * (1 if p.kv_shared else 2)
-        if p.kv_shared:
+            weights += [x.new_empty(0)] * (1 if p.takes_kv else 2)
+        if p.takes_kv:
             weights = [shared_kv, *weights]
         cos, sin = rope.rotation_inputs(position_embeddings, x.dtype)
         fn = PhasedAttentionFn if p.over_token else PerGroupAttentionFn
         with context:
             y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
-        y, kv_all = y if p.kv_out else (y, None)
+        y, kv_all = y if p.gives_kv else (y, None)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
-        return (y, kv_all) if p.kv_out else y
+        return (y, kv_all) if p.gives_kv else y
 
 
 def full_shapes(shape: AttentionShape, parts: AttentionParts) -> dict[str, tuple[int, ...]]:
@@ -241,7 +242,7 @@ def full_shapes(shape: AttentionShape, parts: AttentionParts) -> dict[str, tuple
     if norm is not None and not norm.weightless:
         widths = (q, kv) if norm.over_token else (d, d)
         shapes.update({n: (w,) for n, w in zip(norm.weights, widths)})
-    if parts.kv_shared:  # another layer's K/V: no key/value projection, no key norm of its own
+    if parts.takes_kv:  # another layer's K/V: no key/value projection, no key norm of its own
         k_norm = norm.weights[1] if norm is not None else None
         shapes = {n: s for n, s in shapes.items()
                   if not n.startswith(("k_proj.", "v_proj.")) and n != k_norm}

@@ -1,5 +1,6 @@
 """What one TSP attention layer is made of, each part once: its shape (:class:`AttentionShape`),
-its q/k norm (:class:`QKNorm`), value norm (:class:`ValueNorm`), rotary embedding
+its q/k norm (:class:`QKNorm`), values (:class:`Values`: as projected, or a
+:class:`ValueNorm`), rotary embedding
 (:class:`Rotary`), mask (:class:`Mask`), KV sharing (:class:`KVSharing`) and the rest
 (:class:`AttentionParts`: the softmax scale, a per-token query scale, the output gate, values
 from the keys). :meth:`AttentionParts.check` is the one place that refuses a combination no
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ..norm import NORMS, WEIGHTLESS
+from ..norm import NORMS, WEIGHTLESS, unscaled_norm
 from ..sizes import valid_sizes_hint, valid_tsp_sizes
 
 ROTARY_KINDS = ("none", "default", "interleaved", "half_width", "complex")
@@ -81,12 +82,40 @@ class QKNorm:
 
 
 @dataclass(frozen=True)
-class ValueNorm:
+class Values:
+    """The values as the attention uses them: this base part leaves each value head as projected.
+    It is the slot both schedules and decode call on the projected value heads [..., head_dim]:
+    :meth:`apply` in the forward, :meth:`backward` for the gradient. A family's transform of
+    the values is a subclass that overrides :meth:`apply` (and sets ``needs_input``): its
+    backward is autograd over that ``apply``, and no schedule changes. The transform must act on
+    each (token, head) vector alone, as the values are split over both."""
+
+    needs_input: ClassVar[bool] = False  # whether the backward needs the projected values
+
+    def apply(self, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def backward(self, pre: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient w.r.t. the projected values ``pre`` (recomputed by the schedule, only when
+        ``needs_input``; docs/design.md "Memory rules") from that of :meth:`apply`'s result."""
+        if not self.needs_input:
+            return grad
+        with torch.enable_grad():
+            pre = pre.detach().requires_grad_()
+            return torch.autograd.grad(self.apply(pre), pre, grad)[0]
+
+
+@dataclass(frozen=True)
+class ValueNorm(Values):
     """An RMS norm without a learned scale over each value head (Gemma 4's v_norm), in ``kind``'s
     numerics (:data:`tsp_core.layers.norm.NORMS`)."""
 
     eps: float = 1e-6
     kind: str = "llama"
+    needs_input: ClassVar[bool] = True
+
+    def apply(self, v: torch.Tensor) -> torch.Tensor:
+        return unscaled_norm(v, self.kind, self.eps)
 
 
 @dataclass(frozen=True)
@@ -125,10 +154,13 @@ class Mask:
 
 @dataclass(frozen=True)
 class KVSharing:
-    """KV-shared layers (Gemma 4's num_kv_shared_layers): ``role`` "store": the layer returns its
-    K/V (``forward`` gives ``(output, kv_all)``) for later layers; "reuse": it projects no K/V
-    and attends with those last stored under ``key`` (``forward(..., shared_kv=kv_all)``), whose
-    gradient goes back to the storing layer."""
+    """A route of K/V between layers, keyed by ``key``: ``role`` "store": the layer gives its K/V
+    with its output (``forward`` returns ``(output, kv_all)``) to later layers; "reuse": it
+    projects no K/V and attends with those last stored under ``key`` (``forward(...,
+    shared_kv=kv_all)``), whose gradient goes back to the storing layer. The schedules only take
+    K/V as an input or give them as an output (:attr:`AttentionParts.takes_kv`, ``gives_kv``);
+    the model links the layers by key. A sharing scheme (Gemma 4's ``num_kv_shared_layers``,
+    cross-layer attention) is a policy that gives its layers these routes."""
 
     role: str
     key: Any = None
@@ -144,7 +176,8 @@ class KVSharing:
 
 @dataclass(frozen=True)
 class AttentionParts:
-    """The parts of one attention layer; every field's default is "off". ``scale``: the softmax
+    """The parts of one attention layer; every field's default is "off". ``values``: the
+    values' slot (:class:`Values`; :class:`ValueNorm`: Gemma 4). ``scale``: the softmax
     scale (None: head_dim ** -0.5); ``query_scale(positions, dtype)``: each query multiplied by a
     factor of its global position in the row (Llama 4's attention temperature tuning on its NoPE
     layers), after RoPE and the q/k norm; ``output_gate``: ``q_proj`` has 2 * head_dim rows per
@@ -153,7 +186,7 @@ class AttentionParts:
     projection's output before the key norm and RoPE (Gemma 4's ``attention_k_eq_v``)."""
 
     qk_norm: QKNorm | None = None
-    value_norm: ValueNorm | None = None
+    values: Values = field(default_factory=Values)
     rotary: Rotary = field(default_factory=Rotary)
     mask: Mask = field(default_factory=Mask)
     scale: float | None = None
@@ -168,12 +201,12 @@ class AttentionParts:
         return self.qk_norm is not None and self.qk_norm.over_token
 
     @property
-    def kv_shared(self) -> bool:
-        """Whether the layer attends with another layer's K/V and projects none."""
+    def takes_kv(self) -> bool:
+        """Whether the layer attends with K/V given to it (``shared_kv``) and projects none."""
         return self.kv_sharing is not None and self.kv_sharing.reuses
 
     @property
-    def kv_out(self) -> bool:
+    def gives_kv(self) -> bool:
         """Whether the layer also returns its K/V for the layers that reuse them."""
         return self.kv_sharing is not None and self.kv_sharing.stores
 
@@ -210,14 +243,11 @@ class AttentionParts:
         if norm.weightless and norm.over_token:
             raise ValueError(f"the {norm.kind!r} q/k norm (no weight) is per head; "
                              f"qk_norm_all_heads is not implemented for it")
-        if self.value_norm is not None and norm.over_token:
-            raise ValueError("v_norm_eps (a per-head value norm) is implemented on the default "
-                             "schedule only, not with qk_norm_all_heads")
         if self.output_gate and norm.over_token:
             raise ValueError("output_gate (a per-head output gate) is implemented on the default "
                              "schedule only, not with qk_norm_all_heads")
         if self.kv_sharing is not None and norm.over_token:
-            raise ValueError("KV-shared layers (kv_shared, kv_out) are implemented on the default "
+            raise ValueError("KV-shared layers (KVSharing) are implemented on the default "
                              "schedule only, not with qk_norm_all_heads")
 
 

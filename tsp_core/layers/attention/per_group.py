@@ -27,8 +27,6 @@ from .rounds import (
     gated_backward,
     join_gate,
     join_heads,
-    normed_values,
-    normed_values_backward,
     rotated,
     rotated_backward,
     row_groups,
@@ -54,13 +52,14 @@ class PerGroupAttentionFn(torch.autograd.Function):
         B, L, _ = x.shape
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
         D, R = spec.tsp_size, spec.kv_replicas
+        values = spec.parts.values
         groups = row_groups(docs, L * D, dist.get_rank(group), spec)
-        if spec.parts.kv_shared:  # the first "weight" is another layer's kv_all, reused as it is
+        if spec.parts.takes_kv:  # the first "weight" is another layer's kv_all, reused as it is
             shared, *weights = weights
         proj, (qn, kn) = split_norms(weights, spec)
         shards = Shards(proj, spec, group)
         q_all = x.new_empty(D, B, nq, L, d)
-        kv_all = shared if spec.parts.kv_shared else x.new_empty(D // R, 2, B, nkv, L, d)
+        kv_all = shared if spec.parts.takes_kv else x.new_empty(D // R, 2, B, nkv, L, d)
         if tuple(kv_all.shape) != (D // R, 2, B, nkv, L, d):
             raise ValueError(f"the shared K/V have shape {tuple(kv_all.shape)}, this layer needs "
                              f"{(D // R, 2, B, nkv, L, d)}: the layers sharing K/V must have "
@@ -78,12 +77,12 @@ class PerGroupAttentionFn(torch.autograd.Function):
             wq, wk, wv, wo, bq, bk, bv = shards.unpack(r, buf)
             q, gate = split_gate(F.linear(x, wq, bq), spec, nq)
             q_all[r] = rotated(split_heads(q, nq), qn, cos, sin, spec)
-            if r % R == 0 and spec.parts.kv_shared:
+            if r % R == 0 and spec.parts.takes_kv:
                 kvs.start(r // R)
             elif r % R == 0:
                 j = r // R
                 kv_all[j, 0] = rotated(split_heads(F.linear(x, wk, bk), nkv), kn, cos, sin, spec)
-                kv_all[j, 1] = normed_values(split_heads(F.linear(x, wv, bv), nkv), spec)
+                kv_all[j, 1] = values.apply(split_heads(F.linear(x, wv, bv), nkv))
                 kvs.start(j)
             return wo, None if shards.sinks is None else shards.round_sinks(buf), gate
 
@@ -103,7 +102,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             kv_sink(kv_all)
         ctx.spec, ctx.group, ctx.groups = spec, group, groups
         ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
-        if spec.parts.kv_out:  # for the layers that reuse these K/V; their gradient comes back
+        if spec.parts.gives_kv:  # for the layers that reuse these K/V; their gradient comes back
             ctx.set_materialize_grads(False)
             return y, kv_all
         return y
@@ -116,6 +115,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             dy = torch.zeros_like(x)
         B, L, h = x.shape
         nq, nkv, R = spec.local_heads, spec.local_kv_heads, spec.kv_replicas
+        values = spec.parts.values
         proj, (qn, kn) = split_norms(weights, spec)
         norm_grads = [None, None]  # q_norm, k_norm: summed over the rounds
         shards = Shards(proj, spec, group)
@@ -127,7 +127,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
         reduces = OwnerReduces(group)
         kvs = KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
-        shared_grad = torch.empty_like(kv_all) if spec.parts.kv_shared else None
+        shared_grad = torch.empty_like(kv_all) if spec.parts.takes_kv else None
 
         def finish(r: int, grads: list, wk: torch.Tensor, wv: torch.Tensor,
                    bk: torch.Tensor | None, bv: torch.Tensor | None,
@@ -135,7 +135,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
             """Round r's tail, one round late so that its dK/dV reduce-scatter overlapped the
             next round: in the last round of a key/value head, that projection's backward; then
             the round's weight gradients (and its sinks') on their way to the owner."""
-            if r % R == R - 1 and spec.parts.kv_shared:  # the K/V's owner layer takes its grad
+            if r % R == R - 1 and spec.parts.takes_kv:  # the K/V's owner layer takes its grad
                 shared_grad[r // R] = kvs.scattered(r // R)
             elif r % R == R - 1:
                 dkv = kvs.scattered(r // R)
@@ -145,9 +145,9 @@ class PerGroupAttentionFn(torch.autograd.Function):
                 dk, g = rotated_backward(pre, kn, cos, sin, spec, dkv[0])
                 if g is not None:
                     norm_grads[1] = g if norm_grads[1] is None else norm_grads[1] + g
-                pre = (None if spec.parts.value_norm is None else
-                       split_heads(F.linear(x, wv, bv), nkv))  # recomputed, as the keys' norm input
-                dv = normed_values_backward(pre, spec, dkv[1])
+                pre = (split_heads(F.linear(x, wv, bv), nkv) if values.needs_input
+                       else None)  # recomputed, as the keys' norm input
+                dv = values.backward(pre, dkv[1])
                 shards.add_kv_grads(r // R, join_heads(dk).reshape(B * L, -1),
                                     join_heads(dv).reshape(B * L, -1), x2, wk, wv, dx2, grads,
                                     kv_grads)
@@ -185,7 +185,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
         finish(*previous)
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads)
         if qn is not None:
-            grads = [*grads, *(norm_grads[:1] if spec.parts.kv_shared else norm_grads)]
-        if spec.parts.kv_shared:
+            grads = [*grads, *(norm_grads[:1] if spec.parts.takes_kv else norm_grads)]
+        if spec.parts.takes_kv:
             grads = [shared_grad, *grads]
         return (dx, None, None, None, None, None, None, *grads)

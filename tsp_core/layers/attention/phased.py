@@ -135,7 +135,9 @@ class PhasedAttentionFn(torch.autograd.Function):
             q_all = normed_heads(leaves[0], qn_l, nq, cos, sin, spec)
             k_all = normed_heads(leaves[1], kn_l, spec.local_kv_heads, cos, sin, spec)
         q_fixed = q_all.detach()
-        kv_all = torch.stack([k_all.detach(), _v_heads(kv_raw, spec)], 1)
+        values = spec.parts.values
+        v_raw = _v_heads(kv_raw, spec)
+        kv_all = torch.stack([k_all.detach(), values.apply(v_raw)], 1)
         dq_all, dkv_all = torch.empty_like(q_fixed), torch.empty_like(kv_all)
         kvs = KVGathers(kv_all, groups, spec, group)
         dkv_sum: dict[int, torch.Tensor] = {}
@@ -152,8 +154,8 @@ class PhasedAttentionFn(torch.autograd.Function):
         del do_all, kv_all, kvs
         dq_raw, dk_raw, *norm_grads = torch.autograd.grad((q_all, k_all), leaves,
                                                            (dq_all, dkv_all[:, 0]))
-        dv_raw = _flat_groups(dkv_all[:, 1])
-        del dq_all, dkv_all, q_all, k_all, q_fixed
+        dv_raw = _flat_groups(values.backward(v_raw, dkv_all[:, 1]))
+        del dq_all, dkv_all, q_all, k_all, q_fixed, v_raw
         kv_grads = shards.kv_grad_buffers() if shards.sliced else []
         dx = x.new_zeros(x.shape)
         dx2 = dx.view(B * L, h)
@@ -179,11 +181,12 @@ def _normed(q_raw: torch.Tensor, kv_raw: torch.Tensor, qn: torch.Tensor, kn: tor
     rotated."""
     q_all = normed_heads(q_raw, qn, spec.local_heads, cos, sin, spec)
     k_all = normed_heads(kv_raw[:, 0], kn, spec.local_kv_heads, cos, sin, spec)
-    return q_all, torch.stack([k_all, _v_heads(kv_raw, spec)], 1)
+    return q_all, torch.stack([k_all, spec.parts.values.apply(_v_heads(kv_raw, spec))], 1)
 
 
 def _v_heads(kv_raw: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """[G, 2, B, L, nkv*d] -> the values [G, B, nkv, L, d]."""
+    """[G, 2, B, L, nkv*d] -> the values as projected [G, B, nkv, L, d] (before
+    ``AttentionParts.values``)."""
     G, _, B, L, _ = kv_raw.shape
     return kv_raw[:, 1].view(G, B, L, spec.local_kv_heads, -1).transpose(2, 3)
 

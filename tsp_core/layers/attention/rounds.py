@@ -19,7 +19,7 @@ from ...distributed import comm
 from ...distributed.chunks import row_segments
 from ...distributed.flat_pack import FlatPack
 from .. import flash, rope
-from ..norm import NORMS, unscaled_norm
+from ..norm import NORMS
 from .parts import AttentionParts
 
 
@@ -229,12 +229,12 @@ class Shards:
                  group: dist.ProcessGroup, split_out: bool = False) -> None:
         weights = list(weights)
         self.sinks = weights.pop() if spec.parts.mask.sinks else None
-        if spec.parts.kv_shared:  # (wq, wo[, bq]): no K/V projection, as slices without any
+        if spec.parts.takes_kv:  # (wq, wo[, bq]): no K/V projection, as slices without any
             wq, wo, *bq = weights
             weights = [wq, wq[:0], wq[:0], wo] + ([bq[0], bq[0][:0], bq[0][:0]] if bq else [])
         wq, wk, wv, wo, *b = weights
         self.spec, self.group, self.bias = spec, group, bool(b)
-        self.sliced = spec.kv_replicas > 1 or spec.parts.kv_shared
+        self.sliced = spec.kv_replicas > 1 or spec.parts.takes_kv
         self.round = [wq, wo, *b[:1]] if self.sliced else list(weights)
         # split_out: the output projection goes round by round on its own (phased.py)
         self.split_out = split_out
@@ -246,7 +246,7 @@ class Shards:
         self.round_pack = FlatPack([w.shape for w in self.round])
         self.kv_rows = spec.num_kv_heads * spec.head_dim
         self.kv_full: list[torch.Tensor] = []
-        if self.sliced and not spec.parts.kv_shared:
+        if self.sliced and not spec.parts.takes_kv:
             kv = [wk, wv, *b[1:]]
             self.kv_pack = FlatPack([w.shape for w in kv])
             D = spec.tsp_size
@@ -318,7 +318,7 @@ class Shards:
             own.insert(1 if self.sliced else 3, go)
         if not self.sliced:
             return own + tail
-        if self.spec.parts.kv_shared:  # the weights it has: (wq, wo[, bq])
+        if self.spec.parts.takes_kv:  # the weights it has: (wq, wo[, bq])
             return own + tail
         gk, gv, *gb = self.scatter_kv_grads(kv_grads)
         gq, go, *gbq = own
@@ -326,7 +326,7 @@ class Shards:
 
     def kv_grad_buffers(self) -> list[torch.Tensor]:
         """Zeroed padded full-row accumulators for the key/value weight gradients (sliced)."""
-        if self.spec.parts.kv_shared:
+        if self.spec.parts.takes_kv:
             return []
         D = self.spec.tsp_size
         return [t.new_zeros(D * s[0], *s[1:]) for t, s in zip(self.kv_full, self.kv_pack.shapes)]
@@ -345,7 +345,7 @@ def split_norms(weights: Sequence[torch.Tensor], spec: AttentionSpec):
     has no k_norm (None)."""
     if spec.parts.qk_norm is None:
         return list(weights), (None, None)
-    if spec.parts.kv_shared:
+    if spec.parts.takes_kv:
         return list(weights[:-1]), (weights[-1], None)
     return list(weights[:-2]), tuple(weights[-2:])
 
@@ -383,27 +383,6 @@ def rotated_backward(pre: torch.Tensor | None, weight: torch.Tensor | None, cos:
         return rope.apply_backward(grad, cos, sin, pairs), g
     grad = rope.apply_backward(grad, cos, sin, pairs)
     return _head_norm_backward(pre, weight, spec, grad)
-
-
-def normed_values(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """Value heads [B, heads, L, d] as the attention uses them: with a value norm
-    (:class:`~.parts.ValueNorm`) each head RMS-normalised without a scale (Gemma 4's v_norm),
-    else as projected."""
-    norm = spec.parts.value_norm
-    if norm is None:
-        return t
-    return unscaled_norm(t, norm.kind, norm.eps)
-
-
-def normed_values_backward(pre: torch.Tensor | None, spec: AttentionSpec,
-                     grad: torch.Tensor) -> torch.Tensor:
-    """Gradient of :func:`normed_values` w.r.t. the projected values ``pre`` (recomputed by the
-    caller, only with a value norm), by autograd over the forward's own ops."""
-    if spec.parts.value_norm is None:
-        return grad
-    with torch.enable_grad():
-        pre = pre.detach().requires_grad_()
-        return torch.autograd.grad(normed_values(pre, spec), pre, grad)[0]
 
 
 def _head_norm_backward(pre: torch.Tensor, weight: torch.Tensor, spec: AttentionSpec,

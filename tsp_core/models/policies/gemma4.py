@@ -33,7 +33,7 @@ Refused by config field (docs/families.md "Gemma 4"): ``use_bidirectional_attent
 
 from dataclasses import replace
 
-from ...layers.attention.parts import AttentionParts, KVSharing
+from ...layers.attention.parts import AttentionParts, KVSharing, Values
 from .attention import PER_HEAD, AttentionPolicy, value_norm_from_module, window_from_module
 from .base import DecoderPolicy, register_policy
 from .ffn import ExpertsPolicy, FeedForwardPolicy
@@ -60,9 +60,10 @@ def _parts(config, attention, parts: AttentionParts) -> AttentionParts:
     (``v_norm``, in Gemma 4's numerics), which a layer reusing another's K/V does not run."""
     sharing = _kv_sharing(config, attention)
     reuse = sharing is not None and sharing.reuses
-    value_norm = None if reuse else value_norm_from_module(attention, "v_norm", "gemma4", "gemma4")
+    values = (Values() if reuse else
+              value_norm_from_module(attention, "v_norm", "gemma4", "gemma4"))
     return replace(parts, kv_sharing=sharing, values_from_keys=_values_from_keys(config, attention),
-                   value_norm=value_norm)
+                   values=values)
 
 
 def _moe_options(config) -> dict:
