@@ -186,17 +186,20 @@ def test_a_config_whose_layers_differ_is_refused_by_name():
         ModelShape.from_config(config)
 
 
-def simulate_config_dir(config_dir) -> None:
-    """`tsp simulate` takes the config.json in ``config_dir`` (TSP, D = 2, 512 tokens) and
-    writes one record with the model's parameters in it."""
-    out = config_dir / "sim.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--model",
-                          str(config_dir), "--seq", "512", "--degree", "2", "--layouts", "tsp",
-                          "--json", str(out)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    (rec,) = json.loads(out.read_text())
+def simulate_config_dir(config_dir, simulations) -> None:
+    """`tsp simulate --model DIR --seq 512 --degree 2 --layouts tsp` takes the config.json in
+    ``config_dir``: the command's own parser and requests (``cli.simulation_requests``), each
+    record run in the session's simulation workers instead of a process of the command's own
+    (tests/tools/test_cli.py runs the command itself on a config file); one record with the
+    model's parameters in it."""
+    from tests.support.simulations import simulate_all
+    from tsp_core.plan.simulate import record_dict
+    from tsp_core.tools import cli
+
+    args = cli.parser().parse_args(["simulate", "--model", str(config_dir), "--seq", "512",
+                                    "--degree", "2", "--layouts", "tsp"])
+    _, requests = cli.simulation_requests(args)
+    (rec,) = [record_dict(r) for r in simulate_all(simulations, requests)]
     assert (rec["layout"], rec["degree"], rec["seq"]) == ("tsp", 2, 512)
     assert rec["breakdown"]["parameters"] > 0
 
@@ -204,7 +207,7 @@ def simulate_config_dir(config_dir) -> None:
 @pytest.mark.parametrize("family", ["olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
                                     "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text",
                                     *NEWER_MOE_FAMILIES])
-def test_newer_families_config_files(tmp_path, family):
+def test_newer_families_config_files(tmp_path, family, simulations):
     # `tsp plan` and `tsp simulate` take a newer family's config.json: its shape (head_dim of its
     # own, a sliding layer cut with layer_types, the experts of a sparse one, Llama 4's dense
     # layers of intermediate_size_mlp) and a TSP simulation of the model it describes
@@ -238,7 +241,7 @@ def test_newer_families_config_files(tmp_path, family):
         sparse = sum(policy.ffn.sparse_mlp(getattr(layer, policy.modules.mlp)) for layer in layers)
         assert shape.num_moe_layers == sparse > 0   # GLM-4.5's first and Llama 4's layer 1 dense
     assert shape.is_moe == moe
-    simulate_config_dir(tmp_path)
+    simulate_config_dir(tmp_path, simulations)
 
 
 def test_ungated_mlp_memory_within_ten_percent_of_simulate(tmp_path, simulations):
@@ -579,7 +582,7 @@ def test_dp_shard_bad_input_names_the_numbers(capsys):
     assert "dp_shard sizes must be at least 1 (1: no FSDP2), got '0,4'" in capsys.readouterr().err
 
 
-def test_qwen3_5_preset_and_its_linear_attention_layers(tmp_path):
+def test_qwen3_5_preset_and_its_linear_attention_layers(tmp_path, simulations):
     """qwen3.5: transformers' Qwen3_5TextConfig defaults (the Qwen3.5-9B text model: 8.95e9
     parameters, 24 Gated DeltaNet layers and 8 full-attention ones). tsp plan ranks TSP alone
     on it (the baselines listed as 'cannot run'); tsp simulate takes a tiny config of both kinds
@@ -624,7 +627,7 @@ def test_qwen3_5_preset_and_its_linear_attention_layers(tmp_path):
         4096 * (3 * 16 * 256 + 2 * 4 * 256)
     # tsp simulate takes Qwen3.5's mix of Gated DeltaNet and gated full-attention layers
     hf_models.build("qwen3_5-mixed", torch.float32).config.save_pretrained(tmp_path)
-    simulate_config_dir(tmp_path)
+    simulate_config_dir(tmp_path, simulations)
 
 
 # ------------------------------------------- latent attention and Gated DeltaNet (docs/planning.md)

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import schedules
 
 from ..distributed import comm
 from ..distributed.mesh import TSPMesh
@@ -26,15 +25,13 @@ from ..distributed.params import local
 from ..models.policies import find_policy
 from ..sequence.layout import IGNORE_INDEX, shard_batch
 from .split import split_layers, stage_ranks
-from .stage import CountedStage, StageModule, build_stage_module
+from .stage import StageModule, build_stage_module
 
-# schedule name -> (torch class, stages per pipeline rank: None means "at least 2, default 2")
-SCHEDULES: dict[str, tuple[type, int | None]] = {
-    "1F1B": (schedules.Schedule1F1B, 1),
-    "GPipe": (schedules.ScheduleGPipe, 1),
-    "Interleaved1F1B": (schedules.ScheduleInterleaved1F1B, None),
-    "InterleavedZeroBubble": (schedules.ScheduleInterleavedZeroBubble, None),
-}
+# schedule name -> stages per pipeline rank (None means "at least 2, default 2"); each is the
+# torch.distributed.pipelining.schedules class of the name Schedule<name>, imported when a
+# pipeline builds its schedule (see .counted_stage)
+SCHEDULES: dict[str, int | None] = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": None,
+                                    "InterleavedZeroBubble": None}
 # families whose base model takes the previous stage's hidden states as inputs_embeds unchanged
 # (no embedding scale in the base model's forward) and whose layers share nothing across stages
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -49,7 +46,7 @@ def check_pipeline_args(model: nn.Module, mesh: TSPMesh, microbatches: int, sche
         raise ValueError(f"schedule {schedule!r} is not one of {tuple(SCHEDULES)} (torch's "
                          f"schedules TSP runs and tests; ZBVZeroBubble and DualPipeV place stages "
                          f"in a V and are not supported)")
-    fixed = SCHEDULES[schedule][1]
+    fixed = SCHEDULES[schedule]
     if fixed is not None and stages_per_rank not in (None, fixed):
         raise ValueError(f"schedule {schedule!r} runs {fixed} stage per pipeline rank, not "
                          f"stages_per_rank={stages_per_rank}; use Interleaved1F1B for several")
@@ -265,6 +262,10 @@ class TSPPipeline(nn.Module):
         # requires_grad: gradients flow back across the cut
         hidden = torch.empty(rows, seq, self.config.hidden_size, dtype=self.dtype, device=device,
                              requires_grad=True)
+        from torch.distributed.pipelining import schedules
+
+        from .counted_stage import CountedStage
+
         stages = []
         for index, module in zip(self.stage_indices, self.stage_modules):
             first, last = index == 0, index == self.num_stages - 1
@@ -273,8 +274,8 @@ class TSPPipeline(nn.Module):
                        if last else hidden)
             stages.append(CountedStage(module, index, self.num_stages, device, input_args=inputs,
                                        output_args=outputs, group=self.mesh.pp_group))
-        cls, fixed = SCHEDULES[self.schedule_name]
-        stage_arg = stages[0] if fixed == 1 else stages
+        cls = getattr(schedules, f"Schedule{self.schedule_name}")
+        stage_arg = stages[0] if SCHEDULES[self.schedule_name] == 1 else stages
         schedule = cls(stage_arg, self.microbatches, loss_fn=self._loss, scale_grads=False)
         self._schedules[ids_shape] = schedule
         return schedule

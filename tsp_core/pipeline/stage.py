@@ -1,5 +1,6 @@
 """One pipeline stage: a run of whole decoder layers of a Hugging Face causal LM made TSP on the
-stage's own TSP group, and torch's ``PipelineStage`` around it with its sends and receives counted.
+stage's own TSP group (torch's ``PipelineStage`` around it, with its sends and receives counted,
+is :mod:`.counted_stage`'s).
 
 The stage is a copy of the model that holds only its layers, converted by
 :func:`tsp_core.parallelize` on the stage's mesh (every dim but "pp"); the first stage keeps the
@@ -16,9 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
-from ..distributed import comm
 from ..distributed.data_parallel import install_gradient_sync
 from ..distributed.fsdp import apply_fsdp
 from ..distributed.mesh import TSPMesh
@@ -68,24 +67,6 @@ class StageModule(nn.Module):
             return name
         index, rest = name[len(prefix):].split(".", 1)
         return f"{prefix}{self.layers[int(index)]}.{rest}"
-
-
-
-class CountedStage(PipelineStage):
-    """torch's ``PipelineStage`` whose point-to-point sends and receives go through
-    :func:`tsp_core.comm.count_point_to_point` (kinds "send" and "recv"), like every collective."""
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int):
-        return comm.count_point_to_point(super().get_fwd_recv_ops(fwd_chunk_id))
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int):
-        return comm.count_point_to_point(super().get_bwd_recv_ops(bwd_chunk_id))
-
-    def get_fwd_send_ops(self, fwd_chunk_id: int):
-        return comm.count_point_to_point(super().get_fwd_send_ops(fwd_chunk_id))
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int):
-        return comm.count_point_to_point(super().get_bwd_send_ops(bwd_chunk_id))
 
 
 def copy_stage(model: nn.Module, policy: DecoderPolicy, layers: range) -> nn.Module:

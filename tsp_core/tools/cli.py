@@ -15,6 +15,7 @@ import json
 import sys
 import textwrap
 import time
+from typing import Any
 
 GIB = 1024 ** 3
 # what the commands import that the base install (torch) lacks -> the extra that installs it
@@ -66,18 +67,17 @@ def torch_dtype_size(name: str) -> int:
     return getattr(torch, name).itemsize
 
 
-def simulate_main(args: argparse.Namespace) -> int:
+def simulation_requests(args: argparse.Namespace) -> tuple[Any, list]:
+    """The model config and the simulation requests that ``tsp simulate ARGS`` runs, each
+    checked before any process starts (``SystemExit`` or ``ValueError`` naming the numbers).
+    Fills in what the options leave to it: ``args.layers`` with ``--pp``, ``args.microbatches``
+    and ``args.layouts``."""
     from ..baselines import parse_layouts
-    from ..plan.fsdp_sim import FSDP_LAYOUTS, FSDP_WORKING_SET, check_dp_shard
-    from ..plan.simulate import (
-        SimulationRequest,
-        check_request,
-        model_config,
-        record_dict,
-        simulate_many,
-    )
+    from ..plan.fsdp_sim import FSDP_LAYOUTS, check_dp_shard
+    from ..plan.simulate import SimulationRequest, check_request, model_config
 
-    pp, micro = args.pp, args.microbatches or 4 * args.pp
+    pp = args.pp
+    args.microbatches = micro = args.microbatches or 4 * pp
     if pp > 1:  # before any process starts
         from ..pipeline.split import split_layers, suggest_split
 
@@ -95,8 +95,8 @@ def simulate_main(args: argparse.Namespace) -> int:
         config = model_config(args.model, args.layers)
     except (ValueError, OSError) as e:
         raise SystemExit(str(e)) from e
-    fsdp = any(dp > 1 for dp in args.dp_shard)
     if args.layouts is None:  # with FSDP2, the layouts it is simulated for
+        fsdp = any(dp > 1 for dp in args.dp_shard)
         args.layouts = ",".join(FSDP_LAYOUTS) if fsdp else "tsp,tp,tp-sp,cp,tp+cp,tp-sp+cp"
     offload = args.activation_offload
     # tiles are TSP's (the baselines' MLP and loss are Hugging Face's, untiled)
@@ -108,7 +108,17 @@ def simulate_main(args: argparse.Namespace) -> int:
     for r in requests:  # before any process starts
         check_dp_shard(r.layout, r.tp * r.cp, r.dp_shard)
         check_request(r)
+    return config, requests
+
+
+def simulate_main(args: argparse.Namespace) -> int:
     from ..models.reading import config_shape  # Gemma 4's heads differ per layer
+    from ..plan.fsdp_sim import FSDP_WORKING_SET
+    from ..plan.simulate import record_dict, simulate_many
+
+    config, requests = simulation_requests(args)
+    pp, micro, fsdp = args.pp, args.microbatches, any(dp > 1 for dp in args.dp_shard)
+    offload = args.activation_offload
 
     print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"heads {config.num_attention_heads}/{config_shape(config)[1]}, intermediate "
