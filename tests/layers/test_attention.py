@@ -31,8 +31,6 @@ class Softsign(Values):
     """A value part no model has, written here as a family would write its own: only ``apply``.
     The schedules and their backward run it through the ``values`` slot unchanged."""
 
-    needs_input = True
-
     def apply(self, v: torch.Tensor) -> torch.Tensor:
         return v / (1 + v.abs())
 

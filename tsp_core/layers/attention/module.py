@@ -169,10 +169,12 @@ class TSPAttention(ShardedModule):
         them (role "store") the result is ``(output, kv_all)``. ``position_embeddings``: the
         model's rotary output, read as ``AttentionParts.rotary`` says (:func:`rotary_inputs`)."""
         s, p = self.spec, self.parts
-        if p.takes_kv != (shared_kv is not None):
-            raise ValueError(f"a layer {'that' if p.takes_kv else 'that does not'} reuse"
-                             f"{'s' if p.takes_kv else ''} K/V (KVSharing \"reuse\") takes "
-                             f"{'the' if p.takes_kv else 'no'} shared_kv of the layer it reuses")
+        if p.takes_kv and shared_kv is None:
+            raise ValueError("a layer that reuses K/V (KVSharing \"reuse\") takes the shared_kv "
+                             "of the layer it reuses; none was given")
+        if not p.takes_kv and shared_kv is not None:
+            raise ValueError("shared_kv was given to a layer that projects its own K/V (no "
+                             "KVSharing \"reuse\"); only a reusing layer takes it")
         check_local_input(x, s.hidden_size)
         if x.shape[1] % (2 if s.layout == "zigzag" else 1):
             raise ValueError(f"local sequence length ({x.shape[1]}) must be even under the zigzag "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -86,11 +86,15 @@ class Values:
     """The values as the attention uses them: this base part leaves each value head as projected.
     It is the slot both schedules and decode call on the projected value heads [..., head_dim]:
     :meth:`apply` in the forward, :meth:`backward` for the gradient. A family's transform of
-    the values is a subclass that overrides :meth:`apply` (and sets ``needs_input``): its
-    backward is autograd over that ``apply``, and no schedule changes. The transform must act on
-    each (token, head) vector alone, as the values are split over both."""
+    the values is a subclass that overrides only :meth:`apply`: its backward is autograd over
+    that ``apply``, and no schedule changes. The transform must act on each (token, head) vector
+    alone, as the values are split over both."""
 
-    needs_input: ClassVar[bool] = False  # whether the backward needs the projected values
+    @property
+    def needs_input(self) -> bool:
+        """Whether :meth:`backward` needs the projected values: whenever :meth:`apply` is not
+        this identity (a subclass whose own :meth:`backward` needs no input may say False)."""
+        return type(self).apply is not Values.apply
 
     def apply(self, v: torch.Tensor) -> torch.Tensor:
         return v
@@ -112,7 +116,6 @@ class ValueNorm(Values):
 
     eps: float = 1e-6
     kind: str = "llama"
-    needs_input: ClassVar[bool] = True
 
     def apply(self, v: torch.Tensor) -> torch.Tensor:
         return unscaled_norm(v, self.kind, self.eps)
