@@ -85,3 +85,40 @@ def test_sys_exit_inside_run_cleanly_keeps_its_code():
         proc = launch.run([sys.executable, "-c", code.format(arg)], ranks=1, expect_clean=False)
         assert proc.returncode == want and printed in proc.stderr, (arg, proc.stderr[-2000:])
         assert launch.exit_line(0, want) in proc.stderr, proc.stderr[-2000:]
+
+
+# A launcher (Lightning's is rank 0) that fails while a rank it started waits on: that rank holds
+# the job's stdout open and would have held the test for its whole timeout
+ORPHAN = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; print('rank 1 waits', flush=True); "
+                  "time.sleep(600)"])
+time.sleep(1)
+raise SystemExit("rank 0 could not bind its port")
+"""
+
+
+def test_a_rank_left_running_is_killed_and_named(monkeypatch):
+    monkeypatch.setattr(launch, "GRACE", 1.0)
+    proc = launch.run([sys.executable, "-c", ORPHAN], ranks=2, expect_clean=False, timeout=60)
+    assert "rank 1 waits" in proc.stdout, proc.stdout
+    found = launch.problems(proc, 2)
+    assert found[0] == "exit code 1" and f"{launch.LEFT_RUNNING!r} on stderr" in found, found
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith(launch.LEFT_RUNNING)]
+    pid = int(line.split("['")[1].split()[0])
+    assert not os.path.exists(f"/proc/{pid}/stat") or state(pid) in "ZX", state(pid)
+
+
+def state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_each_launch_gets_its_own_port():
+    ports = [launch.fresh_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(p < 32768 for p in ports), ports
+    accelerate = os.path.join(launch.BIN, "accelerate")
+    assert launch.with_port([accelerate, "launch", "x.py"], 20001) == [
+        accelerate, "launch", "--main_process_port", "20001", "x.py"]
+    mine = [accelerate, "launch", "--main_process_port=5", "x.py"]
+    assert launch.with_port(mine, 20001) == mine
