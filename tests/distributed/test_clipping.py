@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tsp_core.distributed.params import local
 
 STEPS, ROWS, SEQ, LR, CLIP = 3, 4, 22, 0.5, 0.05  # 22 tokens: padding at tsp 2 and 4
@@ -46,7 +46,7 @@ def clipped_sgd(tsp: int, kv_heads: int) -> dict:
         loss = model(**tsp_core.shard_batch({"input_ids": mine, "labels": mine}, mesh)).loss
         loss.backward()
         if step == 0:
-            run["grads0"] = hf_models.full_grads(model)
+            run["grads0"] = gather.full_grads(model)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         assert isinstance(norm, DTensor), type(norm)
         run["norms"].append(norm.full_tensor().item())

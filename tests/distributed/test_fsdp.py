@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tests.support.reference import assert_close
 from tsp_core.distributed.mesh import check_dp_shard
 from tsp_core.distributed.params import local
@@ -36,7 +36,7 @@ def _step(model, mesh, ids: torch.Tensor, opt) -> tuple[float, float, dict | Non
     mine = ids.chunk(mesh.dp_size)[dp_rank]
     loss = model(**tsp_core.shard_batch({"input_ids": mine, "labels": mine}, mesh)).loss
     loss.backward()
-    grads = hf_models.full_grads(model)
+    grads = gather.full_grads(model)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
     opt.zero_grad()
@@ -53,7 +53,7 @@ def assert_sharded(model, floor: float, when: str) -> float:
     """This rank's parameter storage (every parameter's local untyped storage, measured) is within
     3% above ``floor``: no FSDP2 unit, the root (embedding, final norm, LM head) included, is left
     whole. Returns held / floor."""
-    held = hf_models.storage_bytes(model)
+    held = gather.storage_bytes(model)
     assert floor <= held <= 1.03 * floor, \
         f"rank {dist.get_rank()} {when}: {held} parameter bytes held, floor {floor:.0f} " \
         f"(ratio {held / floor:.3f}, at most 1.03)"
@@ -186,7 +186,7 @@ def moe_gradients_match_one_process(schedule: str) -> None:
     loss = model(**tsp_core.shard_batch({"input_ids": mine, "labels": mine}, mesh)).loss
     loss.backward()
     assert abs(loss.item() - want.item()) <= 1e-10 * abs(want.item()), (loss.item(), want.item())
-    grads = hf_models.full_grads(model)
+    grads = gather.full_grads(model)
     assert sorted(grads) == sorted(n for n, _ in ref.named_parameters())
     for name, p in ref.named_parameters():
         assert_close(grads[name], p.grad, 1e-8, f"{schedule}: {name}")

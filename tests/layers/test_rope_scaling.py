@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tests.support.reference import assert_close
 from tsp_core import comm
 from tsp_core.distributed.model_state import find_model_state
@@ -81,7 +81,7 @@ def training_parity(kind: str, tsp: int) -> list[float]:
         got.backward()
         rel = abs(got.item() - want.item()) / abs(want.item())
         assert rel <= 1e-10, f"{kind} D={tsp} seq {seq}: loss {got.item()!r} vs {want.item()!r}"
-        grads, ref_grads = hf_models.full_grads(model), hf_models.full_grads(ref)
+        grads, ref_grads = gather.full_grads(model), gather.full_grads(ref)
         assert sorted(grads) == sorted(ref_grads)
         for name, g in ref_grads.items():
             assert_close(grads[name], g, 1e-10, f"{kind} D={tsp} seq {seq}: grad of {name}")
@@ -164,7 +164,7 @@ def packed_data_parallel_parity(kind: str) -> list[float]:
         what = f"{kind} step {step} replica {replica}"
         rel = abs(got.item() - want.item()) / abs(want.item())
         assert rel <= 1e-10, f"{what}: loss {got.item()!r} vs {want.item()!r}"
-        grads = hf_models.full_grads(model)
+        grads = gather.full_grads(model)
         assert sorted(grads) == sorted(n for n, _ in refs[0].named_parameters())
         for (name, a), b in zip(refs[0].named_parameters(), refs[1].parameters()):
             assert_close(grads[name], a.grad + b.grad, 1e-10, f"{what}: grad of {name}")

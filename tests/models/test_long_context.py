@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import tsp_core
 from tests.layers import test_moe
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tests.support.reference import assert_grads_close
 from tsp_core.distributed.model_state import model_state
 
@@ -89,7 +89,7 @@ def long_context_parity(case: str, tsp: int) -> float:
     assert forwards == [2] * count, f"{what}: attention forwards per layer {forwards}, not 2 " \
                                     f"each (forward and recompute)"
     want = {name: p.grad for name, p in ref.named_parameters()}
-    assert_grads_close(hf_models.full_grads(model), want, 1e-10, f"{what} step 0")
+    assert_grads_close(gather.full_grads(model), want, 1e-10, f"{what} step 0")
     dist.barrier()
     return loss.item()
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tests.support.reference import assert_grads_close
 from tsp_core.distributed.model_state import model_state
 
@@ -28,7 +28,7 @@ def step(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     loss = model(**batch).loss
     loss.backward()
-    return loss.detach(), hf_models.full_grads(model)
+    return loss.detach(), gather.full_grads(model)
 
 
 def exact_with_offload(reentrant: bool) -> dict[str, int]:

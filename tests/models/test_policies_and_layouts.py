@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tests.support.reference import assert_close
 from tsp_core.models.policies import AttentionPolicy, DecoderPolicy, ModuleNames
 
@@ -35,7 +35,7 @@ def loss_sum(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def assert_grads(model, ref, tol: float = 1e-10) -> None:
-    got = hf_models.full_grads(model)
+    got = gather.full_grads(model)
     for name, p in ref.named_parameters():
         assert_close(got[name], p.grad, tol, f"grad of {name}")
 
@@ -72,7 +72,7 @@ def custom_policy() -> None:
     loss.backward()
     renamed = {("model." + n[len("backbone."):] if n.startswith("backbone.") else
                 "lm_head." + n[len("output."):] if n.startswith("output.") else n): g
-               for n, g in hf_models.full_grads(model).items()}
+               for n, g in gather.full_grads(model).items()}
     for name, p in ref.named_parameters():
         assert_close(renamed[name], p.grad, 1e-10, f"grad of {name}")
 

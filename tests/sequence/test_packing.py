@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tests.support.reference import assert_close
 from tsp_core.distributed.chunks import row_segments
 from tsp_core.layers.flash import plan_pieces
@@ -63,7 +63,7 @@ def packed_parity(family: str, tsp: int) -> None:
     loss = model(**sharded).loss
     assert abs(loss.item() - loss_ref.item()) <= 1e-9 * abs(loss_ref.item()), (loss, loss_ref)
     loss.backward()
-    got = hf_models.full_grads(model)
+    got = gather.full_grads(model)
     for name, p in ref.named_parameters():
         assert_close(got[name], p.grad, 1e-9, f"grad of {name}")
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tests.support.reference import assert_close
 from tsp_core.distributed.params import local
 from tsp_core.sequence.layout import shard_sequence
@@ -57,7 +57,7 @@ def round_trip(family: str, tsp: int, path: str) -> dict:
                  "logits after load_full_state_dict")
     hf_models.reference_loss(ref, ids, ids).backward()
     other(**tsp_core.shard_batch({"input_ids": mine, "labels": mine}, mesh)).loss.backward()
-    got = hf_models.full_grads(other)
+    got = gather.full_grads(other)
     for name, t in ref.named_parameters():
         assert_close(got[name], t.grad, 1e-10, f"grad of {name} after load_full_state_dict "
                                                f"(tsp {D}, dp {dp})")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models
 from tests.support.reference import assert_close
 
 ROWS = 4  # the global batch: data-parallel replicas (1, 2 or 4) split it, each its own rows
@@ -49,7 +49,7 @@ def tsp_steps(model, opt, mesh, steps: range, ref_grads: list[dict] | None = Non
         ids = batch(step, model.config.vocab_size).chunk(dp)[dp_rank]
         model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.backward()
         if ref_grads is not None:
-            got = hf_models.full_grads(model)
+            got = gather.full_grads(model)
             for name, g in ref_grads[step].items():
                 assert_close(got[name], g, 1e-10, f"grad of {name} at step {step} "
                                                   f"(tsp {mesh.size}, dp {dp})")

@@ -98,45 +98,32 @@ def float64_ernie_rope(model: nn.Module | None = None) -> None:
 
 
 def float64_gemma_norms(model) -> None:
-    """Gemma's RMSNorms compute in float32 even in a float64 model (``x.float()``,
-    ``weight.float()``): their weight gradients are sums rounded to float32, which caps agreement
-    with any other summation order at ~1e-7. The reference's norms compute in the model's dtype
-    when it is wider, as tsp_core.layers.norm.gemma_rms_norm does (the same ops for float32 and
-    below)."""
-    import types
-
-    from tsp_core.layers.norm import gemma4_rms_norm, gemma_rms_norm, unscaled_norm
-
-    def forward(self, x):
-        return gemma_rms_norm(x, self.weight, self.eps)
-
-    def gemma4(self, x):  # Gemma 4's: scaled by the weight itself, or not at all (its v_norm)
-        if not self.with_scale:
-            return unscaled_norm(x, "gemma4", self.eps)
-        return gemma4_rms_norm(x, self.weight, self.eps)
-
-    for module in model.modules():
-        name = type(module).__name__
-        if name.startswith("Gemma") and name.endswith("RMSNorm"):
-            module.forward = types.MethodType(gemma4 if name == "Gemma4RMSNorm" else forward,
-                                              module)
+    """Gemma's RMSNorms (1-3: scaled by ``1 + weight``; 4: by the weight, or unscaled) compute in
+    float32 even in a float64 model (``x.float()``, ``weight.float()``): their weight gradients
+    are sums rounded to float32, which caps agreement with any other summation order at ~1e-7.
+    The reference's norms run tests/support/norm_reference.py's copies of Hugging Face's
+    forwards, in the model's dtype when it is wider (Hugging Face's bits for float32 and below:
+    tests/models/test_references.py)."""
+    _faithful_norms(model, lambda name: name.startswith("Gemma") and name.endswith("RMSNorm"))
 
 
 def float64_qwen3_5_norms(model) -> None:
     """Qwen3.5's RMSNorms (``Qwen3_5RMSNorm``: scaled by ``1 + weight``) compute in float32 even
-    in a float64 model (``x.float()``), as Gemma's do: the reference's compute in the model's
-    dtype when it is wider, with tsp_core.layers.norm.gemma_rms_norm (the same ops for float32
-    and below)."""
-    import types
+    in a float64 model (``x.float()``), as Gemma's do: the reference's run
+    tests/support/norm_reference.py's copy, in the model's dtype when it is wider (its gated norm
+    is the Gated DeltaNet's: tests/support/delta_net_reference.py)."""
+    _faithful_norms(model, lambda name: name == "Qwen3_5RMSNorm")
 
-    from tsp_core.layers.norm import gemma_rms_norm
 
-    def forward(self, x):
-        return gemma_rms_norm(x, self.weight, self.eps)
+def _faithful_norms(model, wanted: Callable[[str], bool]) -> None:
+    """Patch every norm whose class name is ``wanted`` with its faithful copy; a wanted class
+    without a copy is an error (it would keep Hugging Face's float32 island silently)."""
+    from tests.support import norm_reference
 
-    for module in model.modules():
-        if type(module).__name__ == "Qwen3_5RMSNorm":
-            module.forward = types.MethodType(forward, module)
+    names = {type(m).__name__ for m in model.modules() if wanted(type(m).__name__)}
+    missing = sorted(names - set(norm_reference.FORWARDS))
+    assert not missing, f"no float64-faithful copy of {missing} in tests/support/norm_reference.py"
+    norm_reference.float64_norms(model, wanted)
 
 
 def build(family: str, dtype: torch.dtype, seed: int = 0, kv_heads: int | None = None):
@@ -339,43 +326,6 @@ def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
 
 
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """Gradients by Hugging Face name and full shape: a plain model's ``.grad``; of a TSP model
-    the gathered shards (every rank of the TSP group must call it; KV-head and vocabulary
-    padding dropped and fused tensors such as Phi-3's ``qkv_proj`` assembled, as in
-    ``tsp_core.full_state_dict``)."""
-    from tsp_core.distributed.params import ShardedModule, local
-
-    out: dict[str, torch.Tensor] = {}
-    owned, seen = set(), set()
-    for prefix, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, ShardedModule):
-            pre = f"{prefix}." if prefix else ""
-            owned |= {pre + n for n, _ in m.named_parameters()}
-            # a tied weight under its first name only, as model.named_parameters() gives it
-            fresh = {m.hf_name(n) for n, p in m.named_parameters() if id(p) not in seen}
-            seen |= {id(p) for _, p in m.named_parameters()}
-            if fresh:
-                out.update({pre + n: g for n, g in m.full_tensors(grads=True).items()
-                            if n in fresh})
-    for name, p in model.named_parameters():
-        if name not in owned and p.grad is not None:
-            out[name] = local(p.grad).detach().clone()
-    return out
-
-
-def storage_bytes(model) -> int:
-    """Bytes of parameter storage this rank holds, measured: every distinct storage once (FSDP2's
-    shards are views into per-layer buffers)."""
-    from tsp_core.distributed.params import local
-
-    seen = {}
-    for p in model.parameters():
-        s = local(p).untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def sgd_reference(model, batches: list[torch.Tensor], lr: float, clip: float | None,
                   optimizer=torch.optim.SGD) -> dict:
     """The unmodified model on one process, one global batch per step: loss
@@ -403,21 +353,28 @@ def sgd_reference(model, batches: list[torch.Tensor], lr: float, clip: float | N
 
 
 def assert_matches_reference(run: dict, ref: dict, tol: float, norm_tol: float | None = None,
-                             what: str = "", loss_tol: float | None = None) -> None:
+                             what: str = "", loss_tol: float | None = None,
+                             keys: tuple[str, ...] = ("losses", "norms", "grads0", "weights")
+                             ) -> None:
     """A TSP run's losses (relative, ``loss_tol``), norms before clipping (relative,
     ``norm_tol``), first-step gradients and final weights (:func:`tests.reference.assert_close`,
-    ``tol``) against :func:`sgd_reference`'s; keys a run does not record are not compared."""
+    ``tol``) against :func:`sgd_reference`'s. ``keys`` names what is compared: a run that lacks
+    one of them fails (it is not skipped), so a caller comparing less says so; a run's extra keys
+    (a rank's other records) are not compared."""
     from tests.support.reference import assert_close
 
+    missing = [key for key in keys if key not in run]
+    assert not missing, f"{what}the run lacks {missing} (it has {sorted(run)})"
     norm_tol = tol if norm_tol is None else norm_tol
     loss_tol = tol if loss_tol is None else loss_tol
     for key, t in (("losses", loss_tol), ("norms", norm_tol)):
-        if key in run:
+        if key in keys:
             assert len(run[key]) == len(ref[key]), f"{what}{key}: {run[key]} vs {ref[key]}"
             for step, (a, b) in enumerate(zip(run[key], ref[key])):
                 assert abs(a - b) <= t * abs(b), f"{what}{key}, step {step}: {a} vs {b}"
     for key in ("grads0", "weights"):
-        if key in run:
-            assert sorted(run[key]) == sorted(ref[key]), f"{what}{key}: names differ"
+        if key in keys:
+            assert sorted(run[key]) == sorted(ref[key]), \
+                f"{what}{key}: names differ: {sorted(set(run[key]) ^ set(ref[key]))}"
             for name, t in ref[key].items():
                 assert_close(run[key][name], t, tol, f"{what}{key} {name}")
