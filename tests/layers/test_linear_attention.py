@@ -41,6 +41,25 @@ def _tsp_layer(mesh, cfg, ref, dtype: torch.dtype = torch.float64) -> TSPGatedDe
     return layer
 
 
+# CASES[0] (4 key heads of 8, 8 value heads of 6, kernel 4, hidden 32, 2 rows of 32 tokens,
+# float64) at D = 2, (calls, bytes per rank) written out by hand beside the formula
+# (delta_net_collectives), so that a collective added to both fails. A round's weights (2 key
+# heads, 4 value heads): in_proj q, k 16 x 32 each, v, z 24 x 32 each, b, a 4 x 32 each, conv
+# 16, 16 and 24 channels x 4, A_log and dt_bias 4 each, out_proj 32 x 24: 3816 elements, half
+# of them from the other rank (8 bytes): 15264 per broadcast, 2 rounds. Zigzag chunks of 8
+# tokens, 2 per rank, each a unit of both rows: the maps [2 rows, 4 heads, 8, 8 + 6] = 896
+# elements a unit, 1792 a rank; each round (2) gathers both ranks' 3584, half from the other
+# rank: 14336 bytes a round, 28672 in all; the halo tails (3 = kernel - 1 tokens of each unit's
+# 2 rows, 32 wide: 384 a rank, 768 gathered) once, at half: 3072 bytes (3 all-gathers, 31744
+# bytes); the backward reduce-scatters the same; the gated norm's weight (6) all-reduced at
+# 2 (D-1)/D: 48 bytes
+DELTA_NET_BY_HAND_D2 = {
+    "forward": {"broadcast": (2, 30528), "all_gather": (3, 31744)},
+    "backward": {"broadcast": (2, 30528), "all_gather": (3, 31744),
+                 "reduce_scatter": (3, 31744), "reduce": (2, 30528), "all_reduce": (1, 48)},
+}
+
+
 def run_parity(tsp: int, nk: int, nv: int, seq: int, batch: int, dk: int = 8, dv: int = 6,
                kernel: int = 4, docs: tuple[int, ...] | None = None,
                float32: bool = False) -> None:
@@ -81,6 +100,10 @@ def run_parity(tsp: int, nk: int, nv: int, seq: int, batch: int, dk: int = 8, dv
     for what, stats in (("forward", fwd), ("backward", bwd)):
         got = {k: (stats.calls[k], stats.bytes[k]) for k in stats.calls}
         assert got == want[what], f"D={D} {what}: counted {got}, formula {want[what]}"
+        if D == 2 and (nk, nv, seq, batch, dk, dv, kernel, docs, float32) == (
+                4, 8, 32, 2, 8, 6, 4, None, False):  # CASES[0]
+            assert got == DELTA_NET_BY_HAND_D2[what], \
+                f"{what}: counted {got}, by hand {DELTA_NET_BY_HAND_D2[what]}"
     assert_close(y[:, real], shard(y_ref.detach())[:, real], tol, "output")
     assert_close(x_loc.grad[:, real], shard(x_ref.grad)[:, real], tol, "input grad")
     grads = layer.full_tensors(grads=True)

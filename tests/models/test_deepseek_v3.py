@@ -11,8 +11,9 @@
   interleaved rotary pairs, a query/key head size (12) unlike the value head size (6), RMSNorm
   weights away from one. Hugging Face's eager softmax runs in float32: the reference runs SDPA
   (float64 throughout); its router computes in float32 (``hidden_states.type(torch.float32)``):
-  the reference's router runs the same code in float64 (tests/layers/test_moe.py's
-  float64_glm_router, the same router code as GLM-4.5's).
+  the reference's router runs the same code in float64 (tests/support/moe_reference.py's
+  float64_glm_router, the same router code as GLM-4.5's, proved bit for bit against Hugging
+  Face's in float32 by tests/models/test_references.py).
 - Checkpoints: Hugging Face's save_pretrained loads bit for bit, TSP's save_pretrained writes
   Hugging Face's tensors bit for bit (tsp 2, the ring MoE schedule, which then trains one step
   exactly).
@@ -41,15 +42,16 @@ import torch.distributed as dist
 
 import tsp_core
 from tests.inference.test_decode import left_padded, reference_logits
-from tests.layers.test_moe import float64_glm_router
-from tests.support import dist_pool, hf_models, parity
+from tests.support import dist_pool, gather, parity
+from tests.support.moe_reference import float64_glm_router
 from tests.support.reference import assert_close, assert_grads_close
 from tsp_core import comm
 from tsp_core.sequence.layout import position_ids
 
 
-def build(q_lora_rank: int | None = 16, seed: int = 0):
-    """A tiny DeepSeek-V3 in float64 with every feature TSP runs (module docstring)."""
+def build(q_lora_rank: int | None = 16, seed: int = 0, dtype: torch.dtype = torch.float64):
+    """A tiny DeepSeek-V3 in float64 with every feature TSP runs (module docstring). In float32
+    (``dtype``) its router is Hugging Face's own: the float64 copy changes only float32's casts."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
@@ -71,9 +73,10 @@ def build(q_lora_rank: int | None = 16, seed: int = 0):
                 t.copy_(0.3 * torch.randn(t.shape))
             elif name.endswith("mlp.gate.weight"):  # routing far from uniform
                 t.normal_(0, 0.5)
-    float64_glm_router(model)
+    if dtype == torch.float64:
+        float64_glm_router(model)
     model.set_experts_implementation("eager")
-    return model.to(torch.float64)
+    return model.to(dtype)
 
 
 def test_build_exercises_every_feature():
@@ -95,6 +98,15 @@ def test_training_parity_float64(pools, world, tsp, q_lora_rank):
     case = parity.Parity(partial(build, q_lora_rank), tsp,
                          name=f"deepseek_v3 q_lora_rank {q_lora_rank}")
     parity.assert_same_losses(pools.of(world).run(parity.train_parity, case))
+
+
+def test_training_parity_bf16_autocast(pools):
+    # float32 weights, forward and backward under bf16 autocast: one SGD step of the latent
+    # attention and the MoE (expert schedule) against the unmodified model under the same
+    # autocast, within bf16's bounds (tests/support/parity.py compare_bf16: G = 9 u). Measured:
+    # 0.9 u
+    case = parity.bf16_parity(partial(build, 16, dtype=torch.float32), 2, "deepseek_v3")
+    parity.assert_same_losses(pools.of(2).run(parity.train_parity, case))
 
 
 LENGTHS = [13, 4, 19]  # one packed row of 36 tokens: documents across zigzag chunk boundaries
@@ -122,7 +134,7 @@ def packed_rows(tsp: int) -> None:
     loss = model(**batch).loss
     assert abs(loss.item() - expected.item()) <= 1e-10 * abs(expected.item()), (loss, expected)
     loss.backward()
-    assert_grads_close(hf_models.full_grads(model),
+    assert_grads_close(gather.full_grads(model),
                        {n: p.grad for n, p in ref.named_parameters()}, 1e-10,
                        f"packed row, tsp {tsp}")
     dist.barrier()
@@ -176,9 +188,25 @@ def test_checkpoints_and_the_ring_schedule(pools, tmp_path):
     pools.of(2).run(checkpoints_and_ring, str(tmp_path))
 
 
+# One MLA layer of count_collectives' shape at D = 2 (float64, 8 bytes; batch 2 x seq 32),
+# (calls, bytes per rank) written out by hand, beside the formula (latent_collectives), so that
+# a collective added to both the layer and the formula fails. Each head of 8: q_b 12 x 16 (qk
+# head 8 + 4 by q_lora_rank 16) = 192, kv_b (8 + 6) x 12 = 168, o 6 x 32 = 192: 552, 4416 for
+# all heads; each of the D = 2 broadcasts (and reduces) moves one group's half: 2208 x 8 =
+# 17664 bytes in all by the ring rule ((D-1)/D of the 4416). The latent (12 + 4 = 16 per token)
+# of 2 x 32 tokens, half of it from the other rank: 512 x 8 = 4096 bytes, once. The 7
+# replicated tensors (q_a 16 x 32 + 16, its norm 16, kv_a 16 x 32 + 16, its norm 12, o bias
+# 32: 1116 elements) are all-reduced in the backward, 2 (D-1)/D of them: 1116 x 8 = 8928 bytes
+MLA_BY_HAND_D2 = {
+    "forward": {"broadcast": (2, 17664), "all_gather": (1, 4096)},
+    "backward": {"broadcast": (2, 17664), "all_gather": (1, 4096), "reduce": (2, 17664),
+                 "reduce_scatter": (1, 4096), "all_reduce": (7, 8928)},
+}
+
+
 def count_collectives(tsp: int) -> None:
     """One MLA layer of the tiny shape, with biases (attention_bias): calls and bytes of each
-    pass against the formula."""
+    pass against the formula, and at D = 2 against :data:`MLA_BY_HAND_D2`."""
     from tsp_core.layers.attention.latent import TSPLatentAttention, latent_collectives
 
     mesh = dist_pool.mesh(tsp)
@@ -200,6 +228,8 @@ def count_collectives(tsp: int) -> None:
     for what, stats in (("forward", fwd), ("backward", bwd)):
         got = {k: (stats.calls[k], stats.bytes[k]) for k in stats.calls}
         assert got == want[what], f"tsp {tsp} {what}: {got} != {want[what]}"
+        if tsp == 2:
+            assert got == MLA_BY_HAND_D2[what], f"{what}: {got} != by hand {MLA_BY_HAND_D2[what]}"
     dist.barrier()
 
 

@@ -47,6 +47,42 @@ def test_kv_shared_layers_under_activation_checkpointing(pools, reentrant):
     assert pools.of(2).run(checkpointed_step, reentrant) == [want] * 2
 
 
+def dense_float32() -> torch.nn.Module:
+    """hf_models' Gemma 4 in float32 with Hugging Face's own norms, for the bf16 autocast case,
+    with changes that keep its bf16 run within bf16's precision of its float32 one (the zoo's,
+    which Hugging Face's own bf16 run misses by 48 to 144 u, fits no bound derived from bf16's
+    precision). Its scores are RMS-normalised q and k at scale 1, up to head_dim (24, 32) in
+    size: rounding q and k to bf16 moves them by up to head_dim x u, which the softmax turns
+    into probabilities that many u off; with the q/k norm weights at a tenth the scores are
+    O(1). initializer_range 0.02, not the zoo's 0.2 (which makes the final soft-cap nonlinear
+    for the float64 tests, and amplifies rounding). No MoE block: a token whose top 2 of 4
+    experts are within bf16's noise of a tie picks another expert, a jump no precision bound
+    covers (moe_sgd_parity runs the block in float64). Every other feature of the zoo's model
+    is kept."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    fields = {**hf_models.COMMON, **copy.deepcopy(hf_models.ZOO["gemma4"].fields),
+              "enable_moe_block": False, "initializer_range": 0.02}
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**fields))
+    with torch.no_grad():
+        for layer in model.model.layers:  # off one, as the zoo's
+            layer.layer_scalar.fill_(0.8 + 0.4 * torch.rand(()).item())
+        hf_models.spread_norms_and_biases(model)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(0.1)
+    return model
+
+
+def test_training_parity_bf16_autocast(pools):
+    # float32 weights, forward and backward under bf16 autocast: one SGD step against the
+    # unmodified model under the same autocast, within bf16's bounds for its 4 layers
+    # (tests/support/parity.py compare_bf16: sqrt(2) G = 12.7 u). Measured: 4.9 u
+    parity.assert_same_losses(pools.of(2).run(parity.train_parity, parity.bf16_parity(
+        dense_float32, 2, "gemma4 dense")))
+
+
 def moe_sgd_parity(tsp: int) -> list[float]:
     """3 SGD steps of the MoE model (hf_models' gemma4: the experts beside every MLP) under both
     MoE schedules against the unmodified model (tests/support/parity.py, one reference run for
@@ -135,6 +171,14 @@ def moe_traffic(tsp: int) -> None:
             assert bwd.bytes["ring_pass"] == (2 * D - 1) * shard, dict(bwd.bytes)
         assert bwd.bytes["all_reduce"] == pytest.approx(router_bytes), (dict(bwd.bytes),
                                                                         router_bytes)
+        # by hand (D = 4, float64): the router's proj 8 x 16, scale 16, per-expert scales 8 are
+        # 152 elements, 1216 bytes, all-reduced at 2 (D-1)/D = 1.5 times: 1824 bytes
+        assert bwd.calls["all_reduce"] == 3 and bwd.bytes["all_reduce"] == 1824, dict(bwd.bytes)
+        if schedule == "ring":  # each expert's gate, up and down: 3 x 8 x 16 = 384 elements, 8
+            # experts 3072, 24576 bytes, a quarter (6144) per hop: 3 hops forward (18432), 3
+            # again and 4 gradient hops backward (7: 43008)
+            assert dict(fwd.calls) == {"ring_pass": 3} and fwd.bytes["ring_pass"] == 18432
+            assert bwd.calls["ring_pass"] == 7 and bwd.bytes["ring_pass"] == 43008, dict(bwd.bytes)
         assert all(p.grad is not None for m in (router, experts) for p in m.parameters())
     dist.barrier()
 

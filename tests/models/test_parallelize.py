@@ -2,7 +2,8 @@
 full shape, relative error 1e-10 on every rank), then 5 AdamW steps give the losses and the final
 full state dict of the unmodified model on one process (Llama, tied Llama, Mistral with a sliding
 window, Qwen2 with biases and a sliding layer, Qwen3 with per-head q/k norms, head_dim unlike
-hidden/heads, and 1 key/value head) at world sizes 1, 2, 4 and dp 2 x tsp 2."""
+hidden/heads, and 1 key/value head) at world sizes 1, 2, 4 and dp 2 x tsp 2; float32 weights
+under bf16 autocast (test_training_parity_bf16_autocast)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def test_training_parity_float64(pools, family, world, tsp):
 @pytest.mark.parametrize("family", hf_models.FLOAT32_FAMILIES)
 def test_training_parity_float32(pools, family, world, tsp):
     pools.of(world).run(parity.train_parity, family_parity(family, tsp, torch.float32, 24))
+
+
+@pytest.mark.parametrize("family,world,tsp", [("llama-tied", 2, 2), ("gemma2", 4, 2)], ids=str)
+def test_training_parity_bf16_autocast(pools, family, world, tsp):
+    # float32 weights, the forward and backward under bf16 autocast (how users train in mixed
+    # precision): one SGD step against the unmodified model under the same autocast, the loss,
+    # every first gradient and the weights after the step within bf16's bounds
+    # (tests/support/parity.py compare_bf16: G = 9 u). Llama tied: the tied, padded vocabulary;
+    # Gemma 2 at dp 2 x tsp 2: soft-capped scores (TSP's math kernel, whose backward keeps
+    # float32 under autocast), sandwich norms. Measured: 1.4 u and 3.2 u
+    parity.assert_same_losses(pools.of(world).run(parity.train_parity, parity.bf16_parity(
+        partial(hf_models.build, family, torch.float32), tsp, family)))
 
 
 @pytest.mark.parametrize("world,tsp", [(2, 2), (4, 4), (4, 2)], ids=lambda v: str(v))

@@ -16,11 +16,18 @@ A name present on one side only fails the test, naming it. A test describes its 
 :class:`Parity` (the model builder, sizes, optimizer, tolerances, parallelize options, feature
 guards); :func:`reference_record`, :func:`tsp_record` and :func:`compare` are the parts, for a
 test that trains one reference against several TSP models.
+
+With ``autocast`` (:func:`bf16_parity`), both models are float32 and each step's forward and
+backward run under ``torch.autocast("cpu", dtype=...)``, the way users train in mixed precision:
+the TSP run is held to bf16's precision (tests/support/precision.py), against the reference under
+the same autocast, and must differ from the plain float32 reference (it computed in bf16).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.support import dist_pool, hf_models
+from tests.support import dist_pool, gather, hf_models, precision
 from tests.support.reference import relative_error
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), the global batch of one step
@@ -78,6 +85,7 @@ class Parity:
     guard: Callable[[nn.Module, nn.Module], None] | None = None
     check_output: Callable[[Any], None] | None = None
     name: str = ""
+    autocast: torch.dtype | None = None
 
 
 def batches(vocab: int, rows: int, seq: int, steps: int, middle_ignored: bool = False,
@@ -96,15 +104,23 @@ def batches(vocab: int, rows: int, seq: int, steps: int, middle_ignored: bool = 
     return out
 
 
+def autocast(dtype: torch.dtype | None):
+    """``torch.autocast("cpu", dtype)`` around a step's forward and backward; none for None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
 def reference_record(ref: nn.Module, data: list[Batch], optimizer: Callable,
-                     reference_loss: Callable = hf_models.reference_loss) -> dict:
+                     reference_loss: Callable = hf_models.reference_loss,
+                     autocast_dtype: torch.dtype | None = None) -> dict:
     """The plain model trained on one process, one global batch per step: each step's loss, the
-    first step's gradients and the final state dict."""
+    first step's gradients and the final state dict (each forward and backward under
+    ``autocast_dtype``'s autocast, if given)."""
     opt = optimizer(ref.parameters())
     losses, grads0 = [], None
     for ids, labels in data:
-        loss = reference_loss(ref, ids, labels)
-        loss.backward()
+        with autocast(autocast_dtype):
+            loss = reference_loss(ref, ids, labels)
+            loss.backward()
         if grads0 is None:
             missing = [n for n, p in ref.named_parameters() if p.grad is None]
             assert not missing, f"the reference's parameters {missing} got no gradient"
@@ -117,7 +133,8 @@ def reference_record(ref: nn.Module, data: list[Batch], optimizer: Callable,
 
 
 def tsp_record(model: nn.Module, mesh, data: list[Batch], optimizer: Callable, rows: int,
-               check_output: Callable[[Any], None] | None = None) -> dict:
+               check_output: Callable[[Any], None] | None = None,
+               autocast_dtype: torch.dtype | None = None) -> dict:
     """The parallelized model trained on this rank's share of the same batches (its replica's
     ``rows`` rows, sharded by ``tsp_core.shard_batch``): the record of :func:`reference_record`,
     the gradients gathered to full shape (every rank of the mesh must call it)."""
@@ -128,13 +145,14 @@ def tsp_record(model: nn.Module, mesh, data: list[Batch], optimizer: Callable, r
     opt = optimizer(model.parameters())
     losses, grads0 = [], None
     for ids, labels in data:
-        out = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
-                                           mesh))
-        if check_output is not None:
-            check_output(out)
-        out.loss.backward()
+        with autocast(autocast_dtype):
+            out = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
+                                               mesh))
+            if check_output is not None:
+                check_output(out)
+            out.loss.backward()
         if grads0 is None:
-            grads0 = hf_models.full_grads(model)
+            grads0 = gather.full_grads(model)
         opt.step()
         opt.zero_grad()
         losses.append(out.loss.item())
@@ -187,6 +205,60 @@ def compare(run: dict, ref: dict, tol: Tolerances, what: str) -> dict:
                 weight_error=weights)
 
 
+def bf16_bound(layers: int) -> float:
+    """tests/support/precision.py's G for a model of ``layers`` decoder layers: G = 2 sqrt(k) u
+    for the k = 20 bf16 roundings a gradient passes through 2 layers (about 10 a layer, forward
+    and back); ``layers`` layers pass about 10 each, so G sqrt(layers / 2), and G for 2 or
+    fewer."""
+    return precision.G * math.sqrt(max(layers, 2) / 2)
+
+
+def compare_bf16(run: dict, ref: dict, exact: dict, init: dict, what: str, layers: int) -> dict:
+    """A :func:`tsp_record` under bf16 autocast against the reference's under the same autocast
+    (``ref``) and without it (``exact``, float32), within tests/support/precision.py's bounds
+    (u = 2^-8, bf16's unit roundoff; G = 9 u for 2 layers, :func:`bf16_bound` for ``layers``):
+    the first gradients within G of ``ref``'s, norm-wise over all of them (two bf16 runs that
+    round in different places differ by about 6.3 u), and at least 0.1 u from ``exact``'s (the
+    run computed in bf16: one that stayed in float32 is ~1e-5 u from it); the loss of every step
+    within 2 G of ``ref``'s; the weights, float32 (the master weights autocast leaves alone),
+    within 2 G of the reference's movement from ``init`` (plain SGD: each step is lr x g, off by
+    the gradient's error). A name on one side only fails. Returns the figures, the gradients'
+    in units of u."""
+    bound = bf16_bound(layers)
+    for key in ("grads0", "weights"):
+        only_run, only_ref = sorted(set(run[key]) - set(ref[key])), sorted(set(ref[key]) -
+                                                                          set(run[key]))
+        assert not only_run and not only_ref, \
+            f"{what} {key}: only in TSP's: {only_run}; only in the reference's: {only_ref}"
+    grads = precision.relative_error(run["grads0"], ref["grads0"])
+    assert grads <= bound, (f"{what}: first gradients {grads / precision.U:.2f} u from the "
+                            f"reference's (> {bound / precision.U:.1f} u)")
+    off = precision.relative_error(run["grads0"], exact["grads0"])
+    assert off >= 0.1 * precision.U, \
+        f"{what}: first gradients {off / precision.U:.2e} u from float32's: not bf16"
+    assert len(run["losses"]) == len(ref["losses"]), (what, run["losses"], ref["losses"])
+    for step, (a, b) in enumerate(zip(run["losses"], ref["losses"])):
+        assert abs(a - b) <= 2 * bound * abs(b), f"{what} step {step}: loss {a} vs {b}"
+    wide = sorted(n for n, w in run["weights"].items()
+                  if w.is_floating_point() and w.dtype != torch.float32)
+    assert not wide, f"{what}: weights not float32 after the steps: {wide}"
+    names = sorted(n for n, w in ref["weights"].items() if w.is_floating_point())
+    moved = precision.relative_error(ref["weights"], init, names)
+    weights = precision.relative_error(run["weights"], ref["weights"], names)
+    assert weights <= 2 * bound * moved, \
+        f"{what}: weights {weights:.2e} from the reference's (> 2 G of its movement {moved:.2e})"
+    return dict(losses=run["losses"], grads_u=grads / precision.U,
+                from_float32_u=off / precision.U, weights_g=weights / (bound * moved))
+
+
+def bf16_parity(build: Callable[[], nn.Module], tsp: int, name: str, **fields: Any) -> Parity:
+    """One plain SGD step (lr 0.5) of the float32 model ``build`` makes, forward and backward
+    under bf16 autocast (:func:`compare_bf16`'s bounds); ``fields``: other :class:`Parity`
+    fields (``seq``, ``options``, ``guard``)."""
+    return Parity(build, tsp, steps=1, autocast=torch.bfloat16, name=f"{name} bf16 autocast",
+                  **fields)
+
+
 def check_moe_schedule(model: nn.Module, schedule: str) -> None:
     """Every expert layer of ``model`` runs ``schedule`` (and there is one)."""
     from tsp_core.layers.moe import TSPMoE
@@ -214,10 +286,18 @@ def train_parity(case: Parity) -> dict:
     if data is None:
         data = batches(ref.config.vocab_size, case.rows * dp, case.seq, case.steps,
                        case.middle_ignored)
-    want = reference_record(ref, data, case.optimizer, case.reference_loss)
-    run = tsp_record(model, mesh, data, case.optimizer, case.rows, case.check_output)
     what = f"{case.name} dp {dp} x tsp {case.tsp} rank {dist.get_rank()}".strip()
-    figures = compare(run, want, case.tol, what)
+    if case.autocast is None:
+        want = reference_record(ref, data, case.optimizer, case.reference_loss)
+        run = tsp_record(model, mesh, data, case.optimizer, case.rows, case.check_output)
+        figures = compare(run, want, case.tol, what)
+    else:
+        init = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+        exact = reference_record(copy.deepcopy(ref), data, case.optimizer, case.reference_loss)
+        want = reference_record(ref, data, case.optimizer, case.reference_loss, case.autocast)
+        run = tsp_record(model, mesh, data, case.optimizer, case.rows, case.check_output,
+                         case.autocast)
+        figures = compare_bf16(run, want, exact, init, what, ref.config.num_hidden_layers)
     dist.barrier()
     return figures
 
