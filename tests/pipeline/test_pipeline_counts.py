@@ -12,7 +12,11 @@ of its buffer, a broadcast (d - 1) / d): on the last stage's ranks one all-reduc
 count per stage-mesh dim and one ``sum_over`` of each micro-batch's loss, on every rank one
 broadcast of the loss over the pipeline group, and the point-to-point transfers of [b, S/D, h]
 shards (M forward sends per stage but the last, M gradient sends per stage but the first, as many
-receives). The step counted is the second (the first also runs torch's one-time handshake)."""
+receives). The step counted is the second (the first also runs torch's one-time handshake).
+
+Beside the formula, for 1F1B the pipeline's own part (what a rank moves beyond its stage's plain
+TSP passes) is written out by hand as plain numbers (PIPELINE_OWN_1F1B): a collective added to
+the pipeline and to the formula alike still fails there."""
 
 from __future__ import annotations
 
@@ -27,6 +31,31 @@ from tests.pipeline.test_pipeline import ROWS, SEQ, M, batches, tiny_llama
 
 TSP, PP = 2, 2
 FLOAT64 = 8  # bytes of the float64 scalars (label count, loss) and of the activations' elements
+
+
+# Written out by hand: 1F1B at pp 2 x tsp 2, stage s on pipeline rank s; M = 4 micro-batches of
+# ROWS / M = 8 / 4 = 2 rows; SEQ 16 over 2 TSP ranks is 8 tokens a rank; h 32; float64. One shard
+# [2, 16 / 2, 32] is 512 elements x 8 bytes = 4096 bytes. Per rank, beyond its stage's plain TSP
+# passes (calls; bytes as tsp_core.comm counts them: a send or receive its whole buffer, a
+# broadcast over d ranks (d - 1) / d of it, an all-reduce 2 (d - 1) / d):
+PIPELINE_OWN_1F1B = {
+    0: {("send", "calls"): 4,        # 4 micro-batches' activation shards forward to stage 1
+        ("send", "bytes"): 16384,    # 4 x 4096
+        ("recv", "calls"): 4,        # their 4 gradient shards back from stage 1
+        ("recv", "bytes"): 16384,    # 4 x 4096
+        ("broadcast", "calls"): 1,   # the step's loss (a float64 scalar) from stage 1, pp group
+        ("broadcast", "bytes"): 4},  # 8 x (2 - 1) / 2
+    1: {("send", "calls"): 4,        # 4 gradient shards back to stage 0
+        ("send", "bytes"): 16384,    # 4 x 4096
+        ("recv", "calls"): 4,        # 4 activation shards from stage 0
+        ("recv", "bytes"): 16384,    # 4 x 4096
+        ("broadcast", "calls"): 1,   # the step's loss to stage 0
+        ("broadcast", "bytes"): 4,   # 8 x (2 - 1) / 2
+        # over the stage's TSP group of 2: the global batch's label count once and each of the
+        # 4 micro-batches' summed loss, float64 scalars
+        ("all_reduce", "calls"): 5,  # 1 + 4
+        ("all_reduce", "bytes"): 40},  # 5 x 8 x 2 x (2 - 1) / 2
+}
 
 
 def _counts(stats) -> dict[str, tuple[int, float]]:
@@ -115,12 +144,12 @@ def counts_run(schedule: str) -> dict:
     rows = ROWS // M
     micros = [{k: v[i * rows:(i + 1) * rows] for k, v in steps[1].items()} for i in range(M)]
     shard = rows * (SEQ // TSP) * tiny_llama().config.hidden_size * FLOAT64  # [b, S/D, h]
-    want = Counter()
+    want, own = Counter(), Counter()
     for s in pipe.stage_indices:
         first, last = s == 0, s == stages - 1
         # TSP's own: each micro-batch's pass through the stage
-        want.update(_stage_reference(pipe.stage_mesh, len(pipe.layer_split[s]), first, last,
-                                     micros))
+        own.update(_stage_reference(pipe.stage_mesh, len(pipe.layer_split[s]), first, last,
+                                    micros))
         transfers = M * ((not last) + (not first))  # activations forward, gradients back
         _add(want, "send", transfers, transfers * shard)
         _add(want, "recv", transfers, transfers * shard)
@@ -130,9 +159,12 @@ def counts_run(schedule: str) -> dict:
                 if d > 1:  # the label count once, each micro-batch's loss sum_over
                     _add(want, "all_reduce", 1 + M, (1 + M) * 2 * FLOAT64 * (d - 1) / d)
     _add(want, "broadcast", 1, FLOAT64 * (d_pp - 1) / d_pp)  # the loss over the pipeline
+    want.update(own)
+    beyond = Counter(got)  # what the pipeline moves beyond its stages' plain TSP passes
+    beyond.subtract(own)
     nonzero = lambda c: {k: v for k, v in c.items() if v}  # noqa: E731
     return dict(got=nonzero(got), want=nonzero(want), moved=nonzero(moved),
-                stages=pipe.stage_indices)
+                beyond=nonzero(beyond), stages=pipe.stage_indices)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
@@ -145,3 +177,9 @@ def test_step_counts_equal_the_documented_formula(pools, schedule):
     stages = 2 if schedule == "1F1B" else 4
     sends = sum(run["got"][("send", "calls")] for run in per_rank)
     assert sends == 2 * (stages - 1) * M * TSP  # docs/pipeline.md: per TSP position, TSP of them
+    if schedule == "1F1B":
+        for rank, run in enumerate(per_rank):
+            (stage,) = run["stages"]
+            assert run["beyond"] == PIPELINE_OWN_1F1B[stage], \
+                (f"rank {rank} (stage {stage}) moves beyond its stage's TSP passes "
+                 f"{run['beyond']}, not the hand-written {PIPELINE_OWN_1F1B[stage]}")

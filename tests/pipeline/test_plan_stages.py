@@ -30,6 +30,45 @@ def test_stage_view_and_pipeline_cost():
     assert bubble(16, 64) == pytest.approx(15 / 79)
 
 
+def test_an_uneven_cut_written_out_by_hand():
+    """Llama-3.1-8B (32 layers, h 4096) in 4 stages on 4 nodes of 8 H100s, 16 micro-batches of one
+    8192-token row, the stage at tsp D = 8: every expected number written out from the sizes
+    (the test above checks the same quantities as formulas of the planner's own figures)."""
+    import types
+
+    from tsp_core.pipeline import split_layers
+    from tsp_core.pipeline.split import suggest_split
+    from tsp_core.tools.cli import in_flight_bytes
+
+    # 32 layers + the embedding + the head = 34 units; 34 = 4 x 8 + 2: 9, 9, 8, 8 units, the
+    # first and the last stage a decoder layer fewer: 8, 9, 8, 7 layers, the busiest 9
+    assert suggest_split(32, 4) == [8, 9, 8, 7]
+    with pytest.raises(ValueError, match=r"= 34 units do not divide into 4 equal stages; pass "
+                                         r"layer_split, e.g. \[8, 9, 8, 7\]"):
+        split_layers(32, 4)
+    assert split_layers(32, 4, [8, 9, 8, 7]) == [range(0, 8), range(8, 17), range(17, 25),
+                                                 range(25, 32)]
+    shape = model_shape("llama-3.1-8b", None)
+    stage, stage_cluster, layers = stage_view(shape, Cluster(DEVICES["h100"], 8, 4), 4)
+    assert (layers, stage.num_layers, stage_cluster.gpus) == (9, 9, 8)  # 32 GPUs / 4 stages
+    ranked, _ = plan(stage, 8192, stage_cluster)
+    c = next(c for c in ranked if c.layout == "tsp" and c.degree == 8)
+    p = with_pipeline(c, stage, 8192, 1, 4, 16, 80e9 * 0.9, 1 << 22)
+    # 1F1B's first stage holds min(16, 4) - 1 = 3 micro-batches more of checkpointed layer
+    # inputs: 3 x 9 layers x 8192 / 8 = 1024 tokens a rank x 4096 x 2 bytes (bf16)
+    in_flight = 226_492_416  # 3 x 9 x 1024 x 4096 x 2
+    assert (p.memory_gib - c.memory_gib) * 2 ** 30 == pytest.approx(in_flight)
+    record = types.SimpleNamespace(name="tsp", tp=8, cp=1, seq=8192, batch=1, layers=9,
+                                   dtype="bfloat16")
+    assert in_flight_bytes(record, 4096, 4, 16) == in_flight
+    # 16 micro-batches through 4 stages take 16 + 4 - 1 = 19 stage steps, 3 of them idle; one
+    # replica (8 GPUs a stage at D = 8) trains 16 x 8192 = 131072 tokens a step
+    assert p.step_s == pytest.approx(19 * c.step_s)
+    assert bubble(4, 16) == pytest.approx(3 / 19)
+    assert (c.replicas, p.active_replicas) == (1, 1)
+    assert p.tokens_per_s * p.step_s == pytest.approx(131_072)
+
+
 def test_plan_command_takes_pp(capsys):
     from tsp_core.plan.command import main
 
