@@ -2,8 +2,8 @@
 ``strategy="tsp_deepspeed"`` (ZeRO-2) and Accelerate's DeepSpeed path with ``TSPAccelerator``
 (``accelerate launch --use_deepspeed --zero_stage 2``, also dp 2 x tsp 2 on 4 processes) match
 one process (float32, 1e-5), with 1 key/value head, clipping done by DeepSpeed and active
-(gradient norms above the threshold) and plain SGD: DeepSpeed's norm on every rank, losses,
-final weights."""
+(gradient norms above the threshold) and plain SGD: DeepSpeed's norm, losses and final weights
+on every rank (each rank's own, gathered over its TSP group)."""
 
 from __future__ import annotations
 
@@ -79,5 +79,6 @@ def test_accelerate_deepspeed_zero2_matches_one_process(tmp_path, procs):
     assert min(ref["norms"]) > 1.0, ref["norms"]
     runs = job_run(str(tmp_path), 1)
     assert len(runs) == procs
-    for r, rank_run in enumerate(runs):
-        assert_matches_reference(rank_run, ref, 1e-5, what=f"rank {r}: ")
+    for r, rank_run in enumerate(runs):  # every rank's own weights
+        assert_matches_reference(rank_run, ref, 1e-5, what=f"rank {r}: ",
+                                 keys=("losses", "norms", "weights"))

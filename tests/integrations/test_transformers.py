@@ -1,14 +1,16 @@
 """Transformers: TSPTrainer on torchrun processes matches one process in float64 with
 ``max_grad_norm`` clipping active and plain SGD: the logged losses and grad_norm, the first
-step's gradients and the final weights, at tsp 2, dp 2 x tsp 2 (also with FSDP2 over dp_shard 2,
-each rank holding 1/4 of the model) and tsp 4 with 1 and 2 key/value heads (a tiny Llama saved
-with save_pretrained); what the Trainer reports (total_flos, the steps and samples behind
-``*_per_second``, the training arithmetic, the model card, the saved config.json) is what the
-plain Trainer reports for the same global batch; the degree tsp_size="auto" chose is said under
-run_clm.py's logging; packed batches; resuming from a checkpoint is exact; a Qwen2 checkpoint
-(with biases) loads shard-on-read into a TSP model with the plain model's logits; bf16=True (with
-and without gradient checkpointing) matches the plain Trainer in bf16 on one process within
-bf16's bounds; fp16=True on the CPU is refused."""
+step's gradients and the final weights of every rank (each data-parallel replica's own), at
+tsp 2, dp 2 x tsp 2 (also with FSDP2 over dp_shard 2, each rank holding 1/4 of the model) and
+tsp 4 with 1 and 2 key/value heads (a tiny Llama saved with save_pretrained); what the Trainer
+reports (total_flos, the steps and samples behind ``*_per_second``, the training arithmetic, the
+model card, the saved config.json) is what the plain Trainer reports for the same global batch;
+the degree tsp_size="auto" chose is said under run_clm.py's logging; packed batches
+(DataCollatorWithFlattening: 4 float64 steps, every rank's losses, first gradients and weights
+against the unmodified model run on each document alone); resuming from a checkpoint is exact;
+a Qwen2 checkpoint (with biases) loads shard-on-read into a TSP model with the plain model's
+logits; bf16=True (with and without gradient checkpointing) matches the plain Trainer in bf16 on
+one process within bf16's bounds; fp16=True on the CPU is refused."""
 
 from __future__ import annotations
 
@@ -31,19 +33,16 @@ def torchrun(*args: str, procs: int = 2) -> None:
     launch.run(launch.torchrun(procs, launch.EXIT_CLEANLY, JOB, *args), procs, timeout=400)
 
 
-def result(out) -> tuple[dict, dict]:
-    with open(os.path.join(out, "rank0.json")) as f:
-        return json.load(f), torch.load(os.path.join(out, "weights.pt"))
-
-
 def full_run(out) -> list[dict]:
-    """Every rank's logged values; rank 0's also with the final weights and first gradients."""
+    """Every rank's logged values, final full weights and first gradients (each rank wrote its
+    own: every data-parallel replica's are checked)."""
     runs = []
-    for fn in sorted(glob.glob(os.path.join(out, "rank*.json"))):
-        with open(fn) as f:
-            runs.append(json.load(f))
-    runs[0]["weights"] = torch.load(os.path.join(out, "weights.pt"))
-    runs[0]["grads0"] = torch.load(os.path.join(out, "grads0.pt"))
+    for r in range(len(glob.glob(os.path.join(out, "rank*.json")))):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            run = json.load(f)
+        run["weights"] = torch.load(os.path.join(out, f"rank{r}_weights.pt"))
+        run["grads0"] = torch.load(os.path.join(out, f"rank{r}_grads0.pt"))
+        runs.append(run)
     return runs
 
 
@@ -115,10 +114,9 @@ def assert_offload_exact(runs: list[dict], ref: dict, what: str) -> None:
     for r, run in enumerate(runs):
         assert run["offload"] == {"offloaded": layers * steps, "brought_back": layers * steps,
                                   "prefetched": (layers - 1) * steps}, (what, r, run["offload"])
-        hf_models.assert_matches_reference({"losses": run["exact_losses"]}, ref, 1e-10,
-                                           what=f"{what} rank {r}: ")
-    hf_models.assert_matches_reference({"grads0": runs[0]["grads0"]}, ref, 1e-10,
-                                       what=f"{what} rank 0: ")
+        hf_models.assert_matches_reference({"losses": run["exact_losses"],
+                                            "grads0": run["grads0"]}, ref, 1e-10,
+                                           what=f"{what} rank {r}: ", keys=("losses", "grads0"))
 
 
 # what the Trainer derives from the number of processes, on every rank, and rank 0's model card
@@ -133,6 +131,11 @@ DP2 = ("--rows 16 --eval_strategy steps --eval_steps 2 --save_strategy steps --s
        + " ".join(REPORTING))
 
 
+# DataCollatorWithFlattening: each step's 2 documents (of 15, 16 | 23, 31 | 3, 17 | 32, 12
+# tokens) flattened into one row, position_ids restarting at 0 per document; evaluated on the
+# first 4 documents in one row
+PACKED = f"--packed true --num_docs {2 * 4}"
+PACKED_DP2 = f"--packed true --num_docs {4 * 4}"  # dp 2: each step's 4 documents, 2 a replica
 REBALANCE = "--train_sampling_strategy batch_rebalance"  # the Trainer's sampler splits by rank
 # mixed precision as a GPU user runs it: float32 weights, bf16 autocast (Accelerate's wrappers
 # around the model's forward), SGD's steps otherwise as above
@@ -146,7 +149,7 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
     (planned for 24 tokens x 2 rows in 0.6 MB: 0.94 MB at D=1 does not fit 0.9 x 0.6 MB, 0.46 MB
     at D=2 does), one step; TSPTrainer given a plain TrainingArguments (the one switch);
     tsp_activation_offload with gradient checkpointing; bf16 (mixed precision), with and without
-    gradient checkpointing."""
+    gradient checkpointing; packed batches (DataCollatorWithFlattening, 2 documents a step)."""
     out = tmp_path_factory.mktemp("two_processes")
     proc = launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"),
                                       *SGD, "--out", str(out), "--case",
@@ -161,7 +164,8 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
                                       "--gradient_checkpointing true",
                                       f"bf16 --tsp_size 2 {BF16}",
                                       f"bf16_gc --tsp_size 2 {BF16} --gradient_checkpointing "
-                                      "true"),
+                                      "true",
+                                      f"packed --tsp_size 2 {PACKED}"),
                       2, timeout=400)
     with open(out / "output.txt", "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -260,7 +264,6 @@ def test_bf16_matches_one_process_in_bf16(two_processes, one_process):
         runs = full_run(os.path.join(two_processes, name))
         assert len(runs) == 2, name
         for r, run in enumerate(runs):
-            run.update({k: runs[0][k] for k in ("grads0", "weights")})  # gathered on rank 0
             precision.assert_within_bf16(run, plain, init, f"{name}, tsp 2, rank {r}",
                                          exact=exact)
             assert abs(run["eval_loss"] - plain["eval_loss"]) <= 2 * precision.G * \
@@ -282,13 +285,15 @@ def test_auto_choice_is_said_under_run_clm_logging(two_processes):
 
 def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama, saved_qwen3,
                                                   two_processes):
-    # one torchrun launch of 4 processes, six Trainer runs: dp 2 x tsp 2 (each data-parallel
+    # one torchrun launch of 4 processes, seven Trainer runs: dp 2 x tsp 2 (each data-parallel
     # replica its own rows) with 1 key/value head, reporting what the plain Trainer on 2 processes
     # reports, and again with batch_rebalance; tsp 4 with 1 and with 2, a Qwen3 (per-head
-    # q/k norms, head_dim 24, biases, a sliding layer) at tsp 4, and (last: Accelerate's state
-    # stays FSDP for the process) FSDP2 dp_shard 2 x tsp 2 from TSPTrainingArguments(fsdp=
-    # "full_shard", fsdp_config={"fsdp_version": 2}), evaluated before training too (the Trainer
-    # then prepares the model without its optimizer), with 2 accumulated micro-batches of 1 row
+    # q/k norms, head_dim 24, biases, a sliding layer) at tsp 4, packed rows at dp 2 x tsp 2
+    # (DataCollatorWithFlattening: each replica flattens its 2 documents), and (last:
+    # Accelerate's state stays FSDP for the process) FSDP2 dp_shard 2 x tsp 2 from
+    # TSPTrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}), evaluated before
+    # training too (the Trainer then prepares the model without its optimizer), with 2
+    # accumulated micro-batches of 1 row
     # per step (FSDP2's gradient sync off for the first: Accelerate's no_sync) for dp2's batches
     torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--out", str(tmp_path), "--case",
              # TSP's logged figures, with an evaluation after step 2 and a checkpoint after
@@ -298,17 +303,25 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_lla
              "tsp4_kv1 --tsp_size 4",
              f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama} --tsp_metrics false",
              f"qwen3 --tsp_size 4 --model_path {saved_qwen3}",
+             f"packed_dp2 --tsp_size 2 {PACKED_DP2}",
              "fsdp --tsp_size 2 --rows 16 --fsdp full_shard --fsdp_config "
              "'{\"fsdp_version\": 2}' --eval_first true --per_device_train_batch_size 1 "
              "--gradient_accumulation_steps 2", procs=4)
+    from tests.jobs.trainer_job import packed_documents
+
     dp2 = reference(kv_heads=1, dp=2, rows=16)
+    packed = packed_reference(packed_documents(96, 16), steps=4, per_step=4)
     cases = {"dp2": dp2, "tsp4_kv1": reference(kv_heads=1, dp=1),
              "tsp4_kv2": reference(kv_heads=2, dp=1),
-             "qwen3": reference(kv_heads=None, dp=1, family="qwen3"), "fsdp": dp2}
+             "qwen3": reference(kv_heads=None, dp=1, family="qwen3"), "fsdp": dp2,
+             "packed_dp2": packed}
     for name, ref in cases.items():
         runs = full_run(tmp_path / name)
         assert len(runs) == 4, name
         assert_every_rank(runs, ref, name)
+    for r, run in enumerate(full_run(tmp_path / "packed_dp2")):
+        assert abs(run["eval_loss"] - packed["eval_loss"]) <= 1e-8 * packed["eval_loss"], \
+            f"packed rows at dp 2 x tsp 2, rank {r}: {run['eval_loss']} vs {packed['eval_loss']}"
     # FSDP2: each rank holds 1/(tsp x dp_shard) = 1/4 of the model (the norms, which TSP
     # replicates and FSDP2 halves, add 0.4%), in TSP's units (each decoder layer and the root);
     # eval_loss before and after training is one process's
@@ -341,28 +354,58 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_lla
         assert run["metric_rows"] == [], (f"tsp_metrics false, rank {r}", run["metric_rows"][:1])
 
 
-def test_packed_batches_with_data_collator_with_flattening(tmp_path, saved_llama):
-    # one step on one flattened row of 2 documents: the logged loss is the loss of the unmodified
-    # model run on each document alone (the HF model on the packed row would let them mix)
+def document_loss(model, docs: list[list[int]]) -> tuple[torch.Tensor, int]:
+    """The summed float64 cross-entropy of the unmodified model run on each document alone (HF's
+    model on the flattened row would let them attend to each other) and the tokens scored."""
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
 
+    total, count = 0.0, 0
+    for d in docs:
+        t = torch.tensor(d)[None]
+        total = total + F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:],
+                                        reduction="sum")
+        count += len(d) - 1
+    return total, count
+
+
+def packed_reference(docs: list[list[int]], steps: int, per_step: int) -> dict:
+    """One process, float64, SGD's arguments: each step's documents (in order) scored alone, the
+    loss their tokens' mean (the Trainer's count of the flattened row's labels), clipped plain
+    SGD; the evaluation loss over the first 4 documents after training."""
+    model = hf_models.build("llama", torch.float64, kv_heads=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    out: dict = {"losses": [], "norms": [], "grads0": None}
+    for step in range(steps):
+        total, count = document_loss(model, docs[per_step * step: per_step * (step + 1)])
+        (total / count).backward()
+        if out["grads0"] is None:
+            out["grads0"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append((total / count).item())
+    out["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        total, count = document_loss(model, docs[:4])
+    out["eval_loss"] = (total / count).item()
+    return out
+
+
+def test_packed_batches_with_data_collator_with_flattening(two_processes):
+    # 4 float64 steps of clipped SGD on packed rows at tsp 2: every rank's logged losses and
+    # grad_norm, first gradients and final weights, and eval_loss, against the unmodified model
+    # run on each document alone (a backward-only error on packed rows shows in the gradients)
     from tests.jobs.trainer_job import packed_documents
 
-    args = [*common(saved_llama, tmp_path / "o"), "--packed", "true", "--num_docs", "2",
-            "--save_strategy", "no", "--tsp_size", "2", "--out", str(tmp_path / "tsp")]
-    args[args.index("--max_steps") + 1] = "1"
-    torchrun(*args)
-    res, _ = result(tmp_path / "tsp")
-    model = AutoModelForCausalLM.from_pretrained(saved_llama)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for d in packed_documents(model.config.vocab_size, 2):
-            t = torch.tensor(d)[None]
-            total += F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:],
-                                     reduction="sum").item()
-            count += len(d) - 1
-    assert abs(res["losses"][0] - total / count) <= 1e-5 * total / count, (res, total / count)
+    docs = packed_documents(96, 8)
+    assert [len(d) for d in docs] == [15, 16, 23, 31, 3, 17, 32, 12], [len(d) for d in docs]
+    ref = packed_reference(docs, steps=4, per_step=2)
+    runs = full_run(os.path.join(two_processes, "packed"))
+    assert len(runs) == 2
+    assert_every_rank(runs, ref, "packed rows, tsp 2")
+    for r, run in enumerate(runs):
+        assert abs(run["eval_loss"] - ref["eval_loss"]) <= 1e-8 * ref["eval_loss"], \
+            f"packed rows, rank {r}: eval_loss {run['eval_loss']} vs {ref['eval_loss']}"
 
 
 def test_resume_from_checkpoint_is_exact(tmp_path, saved_llama):
@@ -373,10 +416,13 @@ def test_resume_from_checkpoint_is_exact(tmp_path, saved_llama):
     assert (ckpt / "model.safetensors").exists() and (ckpt / "optimizer_dcp").is_dir()
     torchrun(*common(saved_llama, tmp_path / "b"), *args, "--save_strategy", "no",
              "--resume", str(ckpt), "--out", str(tmp_path / "rb"))
-    (full, full_w), (resumed, resumed_w) = result(tmp_path / "ra"), result(tmp_path / "rb")
-    assert resumed["losses"] == full["losses"][2:]
-    for name, t in full_w.items():
-        assert torch.equal(resumed_w[name], t), name
+    full, resumed = full_run(tmp_path / "ra"), full_run(tmp_path / "rb")
+    assert len(full) == len(resumed) == 2
+    for r, (a, b) in enumerate(zip(full, resumed)):  # every rank's losses and final weights
+        assert b["losses"] == a["losses"][2:], (r, a["losses"], b["losses"])
+        assert sorted(b["weights"]) == sorted(a["weights"]), r
+        for name, t in a["weights"].items():
+            assert torch.equal(b["weights"][name], t), (r, name)
 
 
 def shard_on_read(tsp: int, path: str) -> int:

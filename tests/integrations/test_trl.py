@@ -1,11 +1,14 @@
 """TRL under TSP (tsp_trl): ``TSPSFTConfig`` keeps SFTConfig's defaults in either composition order;
 ``TSPSFTTrainer`` at tsp 2 matches TRL's own ``SFTTrainer`` on one process on the same global batch
 (plain SGD at a constant lr, clipping acting at every step): the loss per step, grad_norm,
-``mean_token_accuracy``, ``entropy``, ``num_tokens`` and the final weights, on padded rows,
+``mean_token_accuracy``, ``entropy``, ``num_tokens``, and every rank's first gradients and final
+weights (each data-parallel replica's own), on padded rows,
 completion-only rows (labels -100 on the prompt, and a prompt/completion dataset TRL masks itself)
 and TRL's padding-free packed rows, with gradient accumulation, at dp 2 x tsp 2 on padded,
 prompt/completion and packed rows, and in float64 against the math itself (grad_norm, entropy and
-weights to 1e-10); ``trainer.evaluate()`` at tsp 2 and dp 2 x tsp 2 matches one process's. With
+weights to 1e-10); ``trainer.evaluate()`` at tsp 2 and dp 2 x tsp 2 matches one process's (at
+dp 2 x tsp 2 the entropy and token accuracy, per step over the global batch with the repeated
+row ignored, the math's in float64). With
 ``average_tokens_across_devices=False`` it matches one process at tsp 2 and, at dp 2 x tsp 2, TRL's
 own SFTTrainer under DDP on 2 replicas (each replica's loss its own tokens' mean). With TRL's
 own precision defaults (bf16=True, gradient_checkpointing=True) TSPSFTTrainer and TSPDPOTrainer
@@ -13,9 +16,10 @@ at tsp 2 match SFTTrainer and DPOTrainer with those defaults on one process with
 bounds.
 ``TSPDPOTrainer`` (its reference model a TSP model too) at tsp 2 and dp 2 x tsp 2 matches
 ``DPOTrainer`` on one process: the loss, rewards (chosen, rejected, margins, accuracies),
-log-probs, mean logits, entropy, token accuracy and count per step, grad_norm and the final
-weights; its ``evaluate()`` at tsp 2 matches ``DPOTrainer.evaluate()`` on one process (the loss,
-rewards, log-probs, mean logits, entropy, token accuracy and count). The natural composition
+log-probs, mean logits, entropy, token accuracy and count per step, grad_norm, the first
+gradients and the final weights; its ``evaluate()`` at tsp 2 matches ``DPOTrainer.evaluate()`` on
+one process (the loss, rewards, log-probs, mean logits, entropy, token accuracy and count), and
+at dp 2 x tsp 2 DPOTrainer's under DDP on 2 replicas. The natural composition
 ``class (TSPTrainer, SFTTrainer)`` refuses on every rank, naming the class and the supported
 trainers, before any step, and so does TSPTrainer mixed into a Trainer whose loss does not come
 from the TSP model's forward."""
@@ -134,8 +138,9 @@ def two_processes(tmp_path_factory, saved) -> str:
     evaluated), with gradient accumulation, DPO (then evaluated), both with TRL's precision
     defaults, with
     ``average_tokens_across_devices=False``, float64, TRL's own SFTTrainer under DDP on 2
-    replicas of 2 rows with that setting (the reference of dp 2 x tsp 2), then the natural
-    composition and a Trainer whose loss is built from the logits."""
+    replicas of 2 rows with that setting (the reference of dp 2 x tsp 2), TRL's DPOTrainer under
+    DDP on 2 replicas then evaluated (the reference of dp 2 x tsp 2's DPO eval metrics), then the
+    natural composition and a Trainer whose loss is built from the logits."""
     out = tmp_path_factory.mktemp("sft_tsp2")
     launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                                "--output_dir", str(out / "o"), "--out", str(out), "--case",
@@ -149,6 +154,7 @@ def two_processes(tmp_path_factory, saved) -> str:
                                f"no_avg --mode tsp --tsp_size 2 {NO_AVG}",
                                f"no_avg_accum --mode tsp --tsp_size 2 {ACCUM} {NO_AVG}",
                                f"ddp_no_avg --mode plain --per_device_train_batch_size 2 {NO_AVG}",
+                               f"dpo_ddp --mode dpo_plain --per_device_train_batch_size 2 {EVAL}",
                                "float64 --mode tsp --tsp_size 2 --dtype float64",
                                f"defaults --mode tsp --tsp_size 2 {DEFAULTS}",
                                f"dpo_defaults --mode dpo_tsp --tsp_size 2 {DEFAULTS}",
@@ -165,14 +171,51 @@ def runs(out: str, ranks: int) -> list[dict]:
     return found
 
 
+def tensors(out: str, rank: int) -> dict:
+    """The final full weights and first gradients ``rank`` wrote (every rank writes its own:
+    each data-parallel replica's are checked)."""
+    return {key: torch.load(os.path.join(out, f"rank{rank}_{key}.pt"))
+            for key in ("weights", "grads0")}
+
+
+# float32's unit roundoff u. The first gradients of two float32 runs that sum in different orders
+# (TSP's sequence and vocabulary slices against one process's whole matrices) differ by
+# independent roundings: about k = 20 matmuls per gradient (tests/support/precision.py's count),
+# each a float32 sum of up to n ~ 100 terms whose rounding grows as sqrt(n) u, in both runs:
+# sqrt(2 k n) u = 63 u = 3.8e-6 norm-wise over all gradients (measured 3.5 to 6 u). A gradient
+# of the wrong scale (2, 1/D) or from the wrong rows is off by 10% to 100%
+U32 = 2.0 ** -24
+G32 = (2 * 20 * 100) ** 0.5 * U32
+
+
+def assert_tensors_as_one_process(got: dict, want: dict, what: str,
+                                  weights_tol: float = 1e-5) -> None:
+    """A rank's final weights (to ``weights_tol`` of max(1, |w|)) and first gradients (within
+    G32 norm-wise, :data:`G32`) against one process's."""
+    for key in ("grads0", "weights"):
+        assert sorted(got[key]) == sorted(want[key]), \
+            (what, key, sorted(set(got[key]) ^ set(want[key])))
+    off = precision.relative_error(got["grads0"], want["grads0"])
+    worst = max(want["grads0"], key=lambda n: precision.relative_error(
+        {n: got["grads0"][n]}, {n: want["grads0"][n]}))
+    assert off <= G32, f"{what}: first gradients {off:.2e} from one process's (> G32 " \
+                       f"{G32:.2e}; worst {worst})"
+    for name, w in want["weights"].items():
+        assert_close(got["weights"][name], w, weights_tol, f"{what}: {name}")
+
+
 def assert_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None:
-    """Every rank's log rows and rank 0's final weights against one process: loss, grad_norm
-    and entropy to 1e-5 relative (float32, the two heads sum in different orders), the accuracy
-    and token count exactly, the weights to 1e-5 (of max(1, |w|))."""
+    """Every rank's log rows, final weights and first gradients against one process: loss,
+    grad_norm and entropy to 1e-5 relative (float32, the two heads sum in different orders), the
+    accuracy and token count exactly, the weights to 1e-5 (of max(1, |w|)), the first gradients
+    within :data:`G32`."""
     (ref,) = runs(ref_out, 1)
     assert len(ref["rows"]) == STEPS, ref
     assert min(row["grad_norm"] for row in ref["rows"]) > 0.5, ("clipping must act", ref)
     assert any(row["mean_token_accuracy"] > 0 for row in ref["rows"]), ref
+    want = tensors(ref_out, 0)
+    for r in range(ranks):  # the first gradients first: the cause of any later difference
+        assert_tensors_as_one_process(tensors(out, r), want, f"{what} rank {r}")
     for r, run in enumerate(runs(out, ranks)):
         assert len(run["rows"]) == STEPS, (what, r, run)
         for step, (got, want) in enumerate(zip(run["rows"], ref["rows"])):
@@ -183,17 +226,12 @@ def assert_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> None
             for key in ("mean_token_accuracy", "num_tokens"):
                 assert got[key] == want[key], \
                     f"{what} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
-    weights = torch.load(os.path.join(out, "weights.pt"))
-    ref_weights = torch.load(os.path.join(ref_out, "weights.pt"))
-    assert set(weights) == set(ref_weights), (what, sorted(set(weights) ^ set(ref_weights)))
-    for name, w in ref_weights.items():
-        assert_close(weights[name], w, 1e-5, f"{what}: {name}")
 
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory, saved) -> str:
     """dp 2 x tsp 2: each data-parallel replica takes 2 of each step's 4 rows (pairs, packed
-    rows); the plain run then evaluated; with ``average_tokens_across_devices=False``."""
+    rows); the plain and DPO runs then evaluated; with ``average_tokens_across_devices=False``."""
     out = tmp_path_factory.mktemp("sft_dp2")
     launch.run(launch.torchrun(4, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON,
                                "--per_device_train_batch_size", "2", "--output_dir",
@@ -203,7 +241,7 @@ def four_processes(tmp_path_factory, saved) -> str:
                                "prompt_completion",
                                f"packed_dp --mode tsp --tsp_size 2 {PACKED_DP}",
                                f"no_avg --mode tsp --tsp_size 2 {NO_AVG}",
-                               "dpo --mode dpo_tsp --tsp_size 2"),
+                               f"dpo --mode dpo_tsp --tsp_size 2 {EVAL}"),
                4, timeout=400)
     return str(out)
 
@@ -241,14 +279,53 @@ def test_sft_evaluate_tsp2_matches_one_process(two_processes, one_process):
         ("eval_mean_token_accuracy", "eval_num_tokens"))
 
 
-def test_sft_evaluate_dp2_tsp2_matches_one_process(four_processes, one_process):
+def eval_metrics_reference(weights: dict, steps: list[list[int]]) -> dict:
+    """SFT's eval entropy and token accuracy from the math, in float64: the unmodified model
+    with ``weights``, each step's entropy and top-1 summed over its rows' labelled tokens and
+    divided by their count, averaged over the steps (``steps``: the eval rows of each step)."""
+    from tests.jobs.trl_job import sft_rows
+
+    model = hf_models.build("llama", torch.float32).double()
+    model.load_state_dict({k: v.double() for k, v in weights.items()})
+    rows = [r["input_ids"] for r in sft_rows(model.config.vocab_size, 5, False, 7)]
+    entropy, accuracy = [], []
+    with torch.no_grad():
+        for step in steps:
+            ent = top1 = count = 0
+            for k in step:
+                ids = torch.tensor(rows[k])
+                logits = model(input_ids=ids[None]).logits[0, :-1]
+                logp = torch.log_softmax(logits, -1)
+                ent += -(logp.exp() * logp).sum().item()
+                top1 += (logits.argmax(-1) == ids[1:]).sum().item()
+                count += len(ids) - 1
+            entropy.append(ent / count)
+            accuracy.append(top1 / count)
+    return {"eval_entropy": sum(entropy) / len(steps),
+            "eval_mean_token_accuracy": sum(accuracy) / len(steps)}
+
+
+def test_sft_evaluate_dp2_tsp2_matches_one_process_and_the_math(four_processes, one_process):
     # each replica's batch of 2 is one process's batch of 2 (rows 0-1 | 2-3, then 4 and a
     # repeated row the TSP loss ignores), so eval_loss is one process's. SFT's eval entropy and
-    # accuracy are per step over every replica's rows (the repeated ones too, as under DDP):
-    # not one process's by construction, so not compared
-    assert_evaluate_as_one_process(
-        os.path.join(four_processes, "plain"), os.path.join(one_process, "plain"), 4,
-        "evaluate at dp 2 x tsp 2", ("eval_loss",), ("eval_num_tokens",))
+    # accuracy are per step over the global batch: rows 0-3, then row 4 (the repeated row
+    # ignored there too), not one process's steps (rows 0-1, 2-3, 4) nor DDP's (which counts the
+    # repeated row: measured 3e-5 higher entropy): from the math in float64 on one process's
+    # final weights (dp 2 x tsp 2's are within 1e-5 of them), the entropy to 1e-6 relative
+    # (measured 1e-8), the accuracy to 1e-7 (float32's division of equal counts)
+    one = os.path.join(one_process, "plain")
+    out = os.path.join(four_processes, "plain")
+    assert_evaluate_as_one_process(out, one, 4, "evaluate at dp 2 x tsp 2", ("eval_loss",),
+                                   ("eval_num_tokens",))
+    want = eval_metrics_reference(tensors(one, 0)["weights"], [[0, 1, 2, 3], [4]])
+    (one_run,) = runs(one, 1)
+    assert abs(one_run["eval"]["eval_entropy"] - want["eval_entropy"]) > \
+        1e-6 * want["eval_entropy"], ("the steps must matter", one_run["eval"], want)
+    for r, run in enumerate(runs(out, 4)):
+        for key, tol in (("eval_entropy", 1e-6), ("eval_mean_token_accuracy", 1e-7)):
+            got = run["eval"][key]
+            assert abs(got - want[key]) <= tol * want[key], \
+                f"evaluate at dp 2 x tsp 2, rank {r}: {key} {got} vs {want[key]}"
 
 
 def assert_refused_on_every_rank(found: list[dict], message: str) -> None:
@@ -320,6 +397,9 @@ def assert_dpo_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> 
     assert len(ref["rows"]) == STEPS, ref
     assert min(row["grad_norm"] for row in ref["rows"]) > 0.5, ("clipping must act", ref)
     assert ref["rows"][-1]["rewards/margins"] > 0.05, ("the preference must be learnt", ref)
+    want = tensors(ref_out, 0)
+    for r in range(ranks):
+        assert_tensors_as_one_process(tensors(out, r), want, f"{what} rank {r}")
     for r, run in enumerate(runs(out, ranks)):
         assert run["ref_is_tsp"], (what, r, "the reference model must be a TSP model")
         assert len(run["rows"]) == STEPS, (what, r, run)
@@ -335,9 +415,6 @@ def assert_dpo_as_one_process(out: str, ref_out: str, ranks: int, what: str) -> 
             for key in DPO_EXACT:
                 assert got[key] == want[key], \
                     f"{what} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
-    weights = torch.load(os.path.join(out, "weights.pt"))
-    for name, w in torch.load(os.path.join(ref_out, "weights.pt")).items():
-        assert_close(weights[name], w, 1e-5, f"{what}: {name}")
 
 
 def test_dpo_tsp2_matches_one_process(two_processes, one_process):
@@ -350,16 +427,16 @@ def test_dpo_dp2_tsp2_matches_one_process(four_processes, one_process):
                               os.path.join(one_process, "dpo"), 4, "DPO at dp 2 x tsp 2")
 
 
-def test_dpo_evaluate_tsp2_matches_one_process(two_processes, one_process):
-    # trainer.evaluate() after training, on 5 other pairs, 2 a batch (the last one uneven):
-    # eval_loss and DPO's eval metrics against DPOTrainer.evaluate() on one process, with the
-    # training rows' tolerances
-    (ref,) = runs(os.path.join(one_process, "dpo"), 1)
+def assert_dpo_evaluate_as(out: str, ref_out: str, ranks: int, what: str) -> None:
+    """``trainer.evaluate()`` after training, on 5 other pairs, 2 a batch (the last one
+    uneven): eval_loss and DPO's eval metrics of every rank against the reference run's, with
+    the training rows' tolerances."""
+    (ref,) = [run for r, run in enumerate(runs(ref_out, 1)) if r == 0]
     keys = {f"eval_{k}" for k in (*DPO_RELATIVE, *DPO_ABSOLUTE, *DPO_EXACT) if k != "grad_norm"}
     want = {k: v for k, v in ref["eval"].items() if "runtime" not in k and "per_second" not in k}
     assert set(want) == keys, sorted(set(want) ^ keys)
     assert 0 < want["eval_rewards/accuracies"] < 1, want
-    for r, run in enumerate(runs(os.path.join(two_processes, "dpo"), 2)):
+    for r, run in enumerate(runs(out, ranks)):
         got = {k: v for k, v in run["eval"].items() if k in want}
         assert set(got) == keys, (r, run["eval"])
         for key in want:
@@ -367,18 +444,33 @@ def test_dpo_evaluate_tsp2_matches_one_process(two_processes, one_process):
             tol = (0 if bare in DPO_EXACT else 1e-6 if bare in DPO_ABSOLUTE
                    else 1e-5 * abs(want[key]))
             assert abs(got[key] - want[key]) <= tol, \
-                f"DPO evaluate at tsp 2, rank {r}: {key} {got[key]} vs {want[key]}"
+                f"{what}, rank {r}: {key} {got[key]} vs {want[key]}"
+
+
+def test_dpo_evaluate_tsp2_matches_one_process(two_processes, one_process):
+    assert_dpo_evaluate_as(os.path.join(two_processes, "dpo"), os.path.join(one_process, "dpo"),
+                           2, "DPO evaluate at tsp 2")
+
+
+def test_dpo_evaluate_dp2_tsp2_matches_ddp(four_processes, two_processes, one_process):
+    # at dp 2 DPO's eval metrics gather every replica's pairs per step (the last step's
+    # repeated pair too): DPOTrainer under DDP on 2 replicas, trained on the same global batches
+    # (its weights one process's), is the reference
+    ddp = os.path.join(two_processes, "dpo_ddp")
+    for r in range(2):
+        assert_tensors_as_one_process(tensors(ddp, r), tensors(os.path.join(one_process, "dpo"),
+                                                               0), f"DPO DDP rank {r}")
+    assert_dpo_evaluate_as(os.path.join(four_processes, "dpo"), ddp, 4,
+                           "DPO evaluate at dp 2 x tsp 2")
 
 
 def as_run(out: str, rank: int = 0) -> dict:
     """A rank's log rows as losses and norms per step, with the first gradients and final
-    weights rank 0 gathered (tests/support/precision.py's form)."""
+    weights it gathered (tests/support/precision.py's form)."""
     (found,) = [run for r, run in enumerate(runs(out, rank + 1)) if r == rank]
     return {"losses": [row["loss"] for row in found["rows"]],
             "norms": [row["grad_norm"] for row in found["rows"]], "rows": found["rows"],
-            "precision": found["precision"],
-            "grads0": torch.load(os.path.join(out, "grads0.pt")),
-            "weights": torch.load(os.path.join(out, "weights.pt"))}
+            "precision": found["precision"], **tensors(out, rank)}
 
 
 # bf16 runs' figures beyond losses and norms: those of one sign, relative (2 G); DPO's rewards
@@ -462,7 +554,7 @@ def float64_reference() -> dict:
     model = hf_models.build("llama", torch.float32).double()
     rows = [r["input_ids"] for r in sft_rows(model.config.vocab_size, 12, False)]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    out, tokens = [], 0
+    out, tokens, grads0 = [], 0, None
     for step in range(STEPS):
         batch = rows[4 * step: 4 * step + 4]
         width = max(map(len, batch))
@@ -473,6 +565,8 @@ def float64_reference() -> dict:
         logp = torch.log_softmax(logits, -1)
         loss = F.nll_loss(logp[keep], labels[keep])
         loss.backward()
+        if grads0 is None:
+            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
@@ -482,13 +576,15 @@ def float64_reference() -> dict:
             top1 = (logits.argmax(-1) == labels)[keep].double().mean()
         out.append({"loss": loss.item(), "grad_norm": norm.item(), "entropy": entropy.item(),
                     "mean_token_accuracy": top1.item(), "num_tokens": float(tokens)})
-    return {"rows": out, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"rows": out, "grads0": grads0,
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def test_sft_tsp2_float64_matches_exact_math(two_processes):
     # TRL's own kernel accumulates in float32 even for a float64 model, so the float64 reference
     # is the math itself. The logged loss to 1e-7 (the Trainer sums it in float32), the token
-    # accuracy to 1e-7 (SFT divides two integer counts in float32: the counts are equal)
+    # accuracy to 1e-7 (SFT divides two integer counts in float32: the counts are equal); every
+    # rank's first gradients and final weights to 1e-10
     ref = float64_reference()
     assert min(row["grad_norm"] for row in ref["rows"]) > 0.5, ("clipping must act", ref["rows"])
     out = os.path.join(two_processes, "float64")
@@ -499,6 +595,9 @@ def test_sft_tsp2_float64_matches_exact_math(two_processes):
                              ("mean_token_accuracy", 1e-7), ("num_tokens", 0)):
                 assert abs(got[key] - want[key]) <= tol * abs(want[key]), \
                     f"float64 rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
-    weights = torch.load(os.path.join(out, "weights.pt"))
-    for name, w in ref["weights"].items():
-        assert_close(weights[name], w, 1e-10, f"float64: {name}")
+    for r in range(2):
+        got = tensors(out, r)
+        for key in ("grads0", "weights"):
+            assert sorted(got[key]) == sorted(ref[key]), (r, key)
+            for name, w in ref[key].items():
+                assert_close(got[key][name], w, 1e-10, f"float64 rank {r}: {key} {name}")

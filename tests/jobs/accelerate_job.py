@@ -24,9 +24,10 @@ launcher's environment with the script unchanged. Under --case the launcher's FS
 ``--multi_gpu`` launch. With FSDP2 every rank also records the bytes of parameter
 storage it holds and how its FSDP2 units were configured (``fsdp`` in ``rank<R>.json``).
 
-Every rank writes its losses and norms per model (``rank<R>.json``); rank 0 the final full
-weights and (not under DeepSpeed, whose gradients live in its buffers) the first step's full
-gradients before clipping (``weights_kv<N>.pt``, ``grads0_kv<N>.pt``).
+Every rank writes its losses and norms per model (``rank<R>.json``), the final full weights it
+holds and (not under DeepSpeed, whose gradients live in its buffers) the first step's full
+gradients before clipping (``rank<R>_weights_kv<N>.pt``, ``rank<R>_grads0_kv<N>.pt``: each
+data-parallel replica's own, gathered over its TSP group, so a replica that diverged shows).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.utils.data import DataLoader
 
 import tsp_core
-from tests.support.hf_models import build, full_grads, storage_bytes
+from tests.support.gather import full_grads, storage_bytes
+from tests.support.hf_models import build
 from tests.support.metrics_check import StepCounters
 from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 from tsp_core.distributed.model_state import find_model_state
@@ -214,12 +216,11 @@ def train(a) -> Accelerator:
         unwrapped = accelerator.unwrap_model(model)
         if a.plain:
             weights = {n: v.detach() for n, v in unwrapped.state_dict().items()}
-        else:
-            weights = tsp_core.full_state_dict(unwrapped, rank0_only=True)
-        if rank == 0:
-            torch.save(weights, os.path.join(a.out, f"weights_kv{k}.pt"))
-            if k in grads0:
-                torch.save(grads0[k], os.path.join(a.out, f"grads0_kv{k}.pt"))
+        else:  # a collective: every rank gathers, and keeps, its TSP group's full weights
+            weights = tsp_core.full_state_dict(unwrapped)
+        torch.save(weights, os.path.join(a.out, f"rank{rank}_weights_kv{k}.pt"))
+        if k in grads0:
+            torch.save(grads0[k], os.path.join(a.out, f"rank{rank}_grads0_kv{k}.pt"))
     if accelerator.is_main_process:
         print(f"processes {accelerator.num_processes}, distributed {accelerator.distributed_type}, "
               f"TSP degree {getattr(getattr(accelerator, 'tsp_mesh', None), 'size', 1)}")

@@ -1,10 +1,12 @@
 """A DeepSpeed training job with tsp_deepspeed on a tiny Llama (run with torchrun,
 DS_ACCELERATOR=cpu). Each data-parallel replica takes its rows of the global batch. Every rank
 writes its losses and DeepSpeed's gradient norm per step (``get_global_grad_norm``, the norm it
-clips by) and its optimizer-state bytes (measured by MemTracker) to ``rank<R>.json`` in --out;
-rank 0 also the final full weights. ``--kv-heads 1``: MQA (at tsp 2 and 4 each rank holds a
-slice of the key/value rows); ``--optimizer sgd``: plain SGD (the update is lr x the clipped
-gradient); ``--bf16``: DeepSpeed's ``"bf16": {"enabled": true}`` (it stores the module in bf16);
+clips by) and its optimizer-state bytes (measured by MemTracker) to ``rank<R>.json`` in --out,
+and the final full weights it holds (``rank<R>_weights.pt``: each data-parallel replica's own,
+gathered over its TSP group, so a replica that diverged shows); rank 0 also ``result.json``.
+``--kv-heads 1``: MQA (at tsp 2 and 4 each rank holds a slice of the key/value rows);
+``--optimizer sgd``: plain SGD (the update is lr x the clipped gradient); ``--bf16``:
+DeepSpeed's ``"bf16": {"enabled": true}`` (it stores the module in bf16);
 ``--micro-batch N``: rows per data-parallel replica and step (the global batch is N x dp rows);
 ``--plain``: the same configuration without TSP, for comparison: ``deepspeed.initialize`` of the
 unmodified model, every process a data-parallel replica taking its rows by ``dist.get_rank()``,
@@ -110,13 +112,14 @@ def case_parser() -> argparse.ArgumentParser:
 def tsp_engine(model, cfg: dict, tsp: int):
     """tsp_deepspeed's engine (the config's "tsp" section works like tsp_size), this rank's
     data-parallel size and rank, how a batch enters it (sharded over the TSP group) and its final
-    full weights (rank 0's)."""
+    full weights (the engine's module gathered over the TSP group: a collective every rank calls,
+    each keeping the result)."""
     engine, *_ = tsp_deepspeed.initialize(model=model, config={**cfg, "tsp": {"size": tsp}},
                                           model_parameters=model.parameters())
     mesh = tsp_core.get_mesh(engine.module)
     return (engine, (mesh.dp_size, mesh.device_mesh.get_coordinate()[0]),
             lambda batch: tsp_core.shard_batch(batch, mesh),
-            lambda: tsp_core.full_state_dict(engine.module, rank0_only=True))
+            lambda: tsp_core.full_state_dict(engine.module))
 
 
 def plain_engine(model, cfg: dict):
@@ -177,8 +180,8 @@ def run_case(a: argparse.Namespace, out: str) -> None:
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "optimizer_bytes": opt_bytes,
                    "dp_shard_refusal": refusal}, f)
+    torch.save(weights, os.path.join(out, f"rank{dist.get_rank()}_weights.pt"))
     if dist.get_rank() == 0:
-        torch.save(weights, os.path.join(out, "weights.pt"))
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"losses": losses, "norms": norms, "optimizer_bytes": opt_bytes}, f)
 

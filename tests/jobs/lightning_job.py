@@ -2,8 +2,9 @@
 that Lightning starts its own processes (or under torchrun, which several runs can share: each
 ``--case "NAME ARGS..."`` is one more Trainer or Fabric run in the same processes, its results in
 ``--out``/NAME). Every rank writes its per-step losses, logged losses and gradient norms
-(``rank<R>.json``); rank 0 also the final full weights and, with ``--record-grads``, the first
-step's full gradients before clipping (``weights.pt``, ``grads0.pt``).
+(``rank<R>.json``), the final full weights it holds and, with ``--record-grads``, the first
+step's full gradients before clipping (``rank<R>_weights.pt``, ``rank<R>_grads0.pt``: each
+data-parallel replica's own, gathered over its TSP group, so a replica that diverged shows).
 
 The gradient norm is the one Lightning clips with: ``torch.nn.utils.clip_grad_norm_`` is wrapped
 to record what it returns (Trainer: Lightning's precision plugin calls it; Fabric:
@@ -24,7 +25,8 @@ from transformers import DataCollatorWithFlattening
 
 import tsp_core
 import tsp_lightning  # registers strategy="tsp"
-from tests.support.hf_models import build, full_grads
+from tests.support.gather import full_grads
+from tests.support.hf_models import build
 from tests.support.metrics_check import StepCounters
 from tsp_core.distributed.model_state import find_model_state
 from tsp_core.models import TSPCausalLM
@@ -250,8 +252,10 @@ def offload_stats(model) -> dict | None:
 
 
 def full_weights(model) -> dict:
+    """This rank's full weights: of a TSP model gathered over its group (a collective: every
+    rank calls it, and every rank keeps the result, so each replica's are compared)."""
     if isinstance(model, TSPCausalLM):
-        return tsp_core.full_state_dict(model, rank0_only=True)
+        return tsp_core.full_state_dict(model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -390,10 +394,10 @@ def write(res: dict, out: str) -> None:
     weights, grads0 = res.pop("weights"), res.pop("grads0")
     with open(os.path.join(out, f"rank{res['rank']}.json"), "w") as f:
         json.dump(res, f)
-    if res["rank"] == 0:
-        torch.save(weights, os.path.join(out, "weights.pt"))
-        if grads0 is not None:
-            torch.save(grads0, os.path.join(out, "grads0.pt"))
+    rank = res["rank"]
+    torch.save(weights, os.path.join(out, f"rank{rank}_weights.pt"))
+    if grads0 is not None:
+        torch.save(grads0, os.path.join(out, f"rank{rank}_grads0.pt"))
 
 
 def main() -> None:

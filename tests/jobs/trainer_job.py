@@ -1,8 +1,9 @@
 """A transformers Trainer job (plain Trainer, or TSPTrainer with --tsp_size) on a tiny Llama
 saved with save_pretrained; run with python (1 process) or torchrun. Every rank writes what the
-Trainer logged (loss, grad_norm per step) to ``rank<R>.json`` in --out; rank 0 also the final full
-weights (``weights.pt``) and, with clipping on, the full gradients of the first step before
-clipping (``grads0.pt``).
+Trainer logged (loss, grad_norm per step) to ``rank<R>.json`` in --out, the final full weights
+it holds (``rank<R>_weights.pt``: each data-parallel replica's own, gathered over its TSP group)
+and, with clipping on, the full gradients of the first step before clipping
+(``rank<R>_grads0.pt``), so that every replica's are checked, not only replica 0's.
 
 ``--case "NAME ARGS..."`` (repeatable, under torchrun): one more Trainer run in the same processes
 with ARGS added to the command line's, results in --out/NAME, output_dir/NAME.
@@ -48,7 +49,7 @@ from transformers import (
 
 import tsp_core
 from tests.jobs.accelerate_job import fsdp_units
-from tests.support.hf_models import full_grads, storage_bytes
+from tests.support.gather import full_grads, storage_bytes
 from tests.support.metrics_check import StepCounters
 from tsp_core.distributed.mesh import get_mesh
 from tsp_core.distributed.model_state import find_model_state
@@ -268,7 +269,7 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
     model = trainer.model
     if trainer.accelerator.is_fsdp2:
         extra["fsdp"] = {"storage": storage_bytes(model), "full": full_bytes, **fsdp_units(model)}
-    weights = (tsp_core.full_state_dict(model, rank0_only=True) if isinstance(model, TSPCausalLM)
+    weights = (tsp_core.full_state_dict(model) if isinstance(model, TSPCausalLM)
                else {k: v.detach().clone() for k, v in model.state_dict().items()})
     rank = trainer.args.process_index
     os.makedirs(job.out, exist_ok=True)
@@ -278,10 +279,15 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
                    "tsp_size": get_mesh(model).size if isinstance(model, TSPCausalLM) else 1,
                    "mesh_timeouts": mesh_timeouts(model), "exact_losses": exact_losses,
                    "offload": offload_stats(model), **extra}, f)
-    if rank == 0:
-        torch.save(weights, os.path.join(job.out, "weights.pt"))
-        if first:
-            torch.save(first["grads"], os.path.join(job.out, "grads0.pt"))
+    save_tensors(job.out, rank, weights, first.get("grads"))
+
+
+def save_tensors(out: str, rank: int, weights: dict, grads: dict | None) -> None:
+    """This rank's final full weights and first gradients (``rank<R>_weights.pt``,
+    ``rank<R>_grads0.pt``): every rank writes its own, so a replica that diverged shows."""
+    torch.save(weights, os.path.join(out, f"rank{rank}_weights.pt"))
+    if grads is not None:
+        torch.save(grads, os.path.join(out, f"rank{rank}_grads0.pt"))
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ composition a user would write,
 ``TSPTrainer`` mixed into a Trainer whose loss is built from the logits (``--mode logits_loss``: it
 must refuse at the first step). Every rank writes every training log row (loss, grad_norm,
 mean_token_accuracy, entropy, num_tokens, DPO's rewards, log-probs and mean logits) to
-``rank<R>.json`` in --out, or the error it raised; rank 0 the final full weights (``weights.pt``).
+``rank<R>.json`` in --out, or the error it raised, and the final full weights it holds
+(``rank<R>_weights.pt``: each data-parallel replica's own, gathered over its TSP group).
 
 ``--mode dpo_plain`` / ``dpo_tsp``: TRL's ``DPOTrainer`` / ``tsp_trl.TSPDPOTrainer`` on preference
 pairs (the reference model built by the trainer from the policy's path).
@@ -25,7 +26,8 @@ the same kind (another seed); its metrics go to ``rank<R>.json`` under "eval".
 (``bf16``, ``gradient_checkpointing``), whatever the command line before ``--case`` set them to;
 every rank records what the trainer ran with (``precision``).
 
-Rank 0 also writes the full gradients of the first step before clipping (``grads0.pt``)."""
+Every rank also writes the full gradients of the first step before clipping
+(``rank<R>_grads0.pt``)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ from trl import DPOTrainer, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import tsp_core
-from tests.jobs.trainer_job import record_first_gradients
+from tests.jobs.trainer_job import record_first_gradients, save_tensors
 from tsp_core.models import TSPCausalLM
 from tsp_transformers import TSPTrainer
 from tsp_trl import TSPDPOConfig, TSPDPOTrainer, TSPSFTConfig, TSPSFTTrainer
@@ -185,15 +187,13 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
             json.dump({"error": str(e), "steps": len(log.rows)}, f)
         return
     model = trainer.model
-    weights = (tsp_core.full_state_dict(model, rank0_only=True) if isinstance(model, TSPCausalLM)
+    weights = (tsp_core.full_state_dict(model) if isinstance(model, TSPCausalLM)
                else {k: v.detach().clone() for k, v in model.state_dict().items()})
     if getattr(trainer, "ref_model", None) is not None:
         extra["ref_is_tsp"] = isinstance(trainer.ref_model, TSPCausalLM)
     with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
         json.dump({"rows": log.rows, "precision": precision, **extra}, f)
-    if rank == 0:
-        torch.save(weights, os.path.join(job.out, "weights.pt"))
-        torch.save(first["grads"], os.path.join(job.out, "grads0.pt"))
+    save_tensors(job.out, rank, weights, first["grads"])
 
 
 def parse(argv: list[str]):
