@@ -1,6 +1,7 @@
 """TSP x pipeline parallelism (tsp_core.pipeline) against the unmodified Hugging Face Llama on one
 process, float64: pp 2 x tsp 2 under 1F1B, Interleaved1F1B and InterleavedZeroBubble (2 stages
-per rank), an explicit uneven layer_split (its layers on the ranks it names), Qwen3 (q/k norms)
+per rank), an explicit uneven layer_split (its layers on the ranks it names), the default cut of
+a 4-layer Llama whose 6 units do not divide into Interleaved1F1B's 4 stages, Qwen3 (q/k norms)
 and Mistral (sliding window) at pp 2 x tsp 2 with plain SGD, and pp 2 x dp 2 x tsp 1 (FSDP2 over
 dp_shard 2, and plain replicas; why not with tsp 2 is written above that test), 4
 micro-batches whose labelled-token counts differ (so a mean of micro-batch means would be
@@ -28,12 +29,12 @@ ROWS, SEQ = 8, 16
 _MESHES: dict[tuple, object] = {}
 
 
-def tiny_llama(seed: int = 0):
+def tiny_llama(seed: int = 0, layers: int = 6):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, rms_norm_eps=1e-6)
     return LlamaForCausalLM(config).to(torch.float64)
 
@@ -51,15 +52,16 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def family_model(family: str, seed: int = 0):
-    """``tiny_llama``, or the zoo's Qwen3 or Mistral (tests/support/hf_models.py, float64, 2
-    decoder layers, h 64, vocabulary 96): Qwen3 with per-head q/k norms (weights spread off their
-    ones, so a norm gradient summed over the wrong ranks changes the update), q/k/v biases,
-    head_dim 24 and a sliding window of 9 on layer 1 (the second stage's); Mistral with a
-    sliding window of 7 on both layers. SEQ 16 is longer than both windows
-    (:func:`window_acts` checks that they change the loss)."""
+def family_model(family: str, seed: int = 0, layers: int = 6):
+    """``tiny_llama`` of ``layers`` decoder layers, or the zoo's Qwen3 or Mistral
+    (tests/support/hf_models.py, float64, 2 decoder layers, h 64, vocabulary 96): Qwen3 with
+    per-head q/k norms (weights spread off their ones, so a norm gradient summed over the wrong
+    ranks changes the update), q/k/v biases, head_dim 24 and a sliding window of 9 on layer 1
+    (the second stage's); Mistral with a sliding window of 7 on both layers. SEQ 16 is longer
+    than both windows (:func:`window_acts` checks that they change the loss)."""
     if family == "llama":
-        return tiny_llama(seed)
+        return tiny_llama(seed, layers)
+    assert layers == 6, f"{family}: the zoo's model has its own layers"
     from tests.support.hf_models import build
 
     return build(family, torch.float64, seed)
@@ -95,10 +97,10 @@ def window_acts(family: str) -> None:
         f"{family}: the window does not act at SEQ {SEQ}: loss {windowed} vs {wide} unwindowed"
 
 
-def reference(family: str = "llama") -> dict:
+def reference(family: str = "llama", layers: int = 6) -> dict:
     """One process: loss (float64 cross-entropy from HF's logits), gradients, clip, the
     optimizer of :func:`training`."""
-    model = family_model(family)
+    model = family_model(family, layers=layers)
     opt, clip = training(family, model.parameters())
     losses, norms, grads0 = [], [], None
     for batch in batches():
@@ -133,15 +135,22 @@ def _full(pipe, grads: bool) -> dict[str, torch.Tensor]:
 
 
 def pipeline_run(schedule: str, tsp: int, dp_shard: int | None, family: str = "llama",
-                 layer_split: list[int] | None = None) -> dict:
+                 layer_split: list[int] | None = None, layers: int = 6) -> dict:
     """:func:`reference`'s training on a pp 2 pipeline; also the names of the parameters this
-    rank holds (``owned``) and its pipeline rank."""
+    rank holds (``owned``), its pipeline rank and the ``[tsp] pipeline:`` lines it printed on
+    stderr while the pipeline was built (``said``)."""
+    import contextlib
+    import io
+
     import tsp_core
     from tsp_core import comm
 
     mesh = _mesh(tsp, 2, dp_shard)
-    pipe = tsp_core.pipeline(family_model(family), mesh, microbatches=M, schedule=schedule,
-                             layer_split=layer_split)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        pipe = tsp_core.pipeline(family_model(family, layers=layers), mesh, microbatches=M,
+                                 schedule=schedule, layer_split=layer_split)
+    said = [line for line in err.getvalue().splitlines() if line.startswith("[tsp] pipeline:")]
     opt, clip = training(family, pipe.parameters())
     losses, norms, grads0, counts = [], [], None, None
     for step, batch in enumerate(batches()):
@@ -157,7 +166,8 @@ def pipeline_run(schedule: str, tsp: int, dp_shard: int | None, family: str = "l
         losses.append(float(loss))
     return dict(losses=losses, norms=norms, grads0=grads0, weights=_full(pipe, grads=False),
                 counts=counts, stages=pipe.stage_indices, split=[list(r) for r in pipe.layer_split],
-                owned=sorted(n for n, _ in pipe.named_parameters()), pp_rank=mesh.pp_rank)
+                owned=sorted(n for n, _ in pipe.named_parameters()), pp_rank=mesh.pp_rank,
+                said=said)
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +191,8 @@ def _check(per_rank: list[dict], ref: dict, what: str) -> None:
     assert seen == set(ref["grads0"]), f"{what}: grads {sorted(set(ref['grads0']) ^ seen)}"
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
-def test_pp2_tsp2_matches_one_process(pool, ref, schedule):
-    per_rank = pool.run(pipeline_run, schedule, 2, None)
-    _check(per_rank, ref, f"pp2 x tsp2 {schedule}")
-    stages = 2 if schedule == "1F1B" else 4
+def _check_sends(per_rank: list[dict], stages: int) -> None:
+    """Each rank's sends and receives of a step (pp 2 x tsp 2), as docs/pipeline.md counts them."""
     shard = (ROWS // M) * (SEQ // 2) * 32 * 8  # [b, S/D, h] float64 bytes of one micro-batch
     for rank, run in enumerate(per_rank):
         # docs/pipeline.md: each stage but the last sends M shards forward, each but the first
@@ -195,6 +202,15 @@ def test_pp2_tsp2_matches_one_process(pool, ref, schedule):
             (rank, run["counts"])
     total = sum(run["counts"]["send"][0] for run in per_rank)
     assert total == 2 * (stages - 1) * M * 2  # 2 x (stages - 1) x M per TSP position, 2 of them
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
+def test_pp2_tsp2_matches_one_process(pool, ref, schedule):
+    per_rank = pool.run(pipeline_run, schedule, 2, None)
+    _check(per_rank, ref, f"pp2 x tsp2 {schedule}")
+    _check_sends(per_rank, 2 if schedule == "1F1B" else 4)
+    # 6 layers + 2 = 8 units divide into 2 stages and into 4: the even cut, and nothing said
+    assert [run["said"] for run in per_rank] == [[]] * 4, [run["said"] for run in per_rank]
 
 
 # Data parallelism is checked at tsp 1 (pp 2 x dp 2 on the pool of 4), TSP inside stages at dp 1
@@ -225,11 +241,12 @@ def test_pp2_tsp2_qwen3_and_mistral_match_one_process(pool, family):
 SPLIT, HELD = [1, 5], {0: {0}, 1: {1, 2, 3, 4, 5}}
 
 
-def held_by(pp_rank: int, names: list[str]) -> list[str]:
-    """The names of ``names`` (the unmodified model's) that HELD places on ``pp_rank``."""
+def held_by(pp_rank: int, names: list[str], held: dict[int, set[int]] = HELD) -> list[str]:
+    """The names of ``names`` (the unmodified model's) that ``held`` (the decoder layers of each
+    pipeline rank) places on ``pp_rank``: pp 2, the embedding on rank 0, the head on rank 1."""
     ends = ("model.embed_tokens.",) if pp_rank == 0 else ("model.norm.", "lm_head.")
     return sorted(n for n in names if n.startswith(ends) or (
-        n.startswith("model.layers.") and int(n.split(".")[2]) in HELD[pp_rank]))
+        n.startswith("model.layers.") and int(n.split(".")[2]) in held[pp_rank]))
 
 
 def test_explicit_uneven_layer_split_trains_and_places_its_layers(pool, ref):
@@ -244,6 +261,36 @@ def test_explicit_uneven_layer_split_trains_and_places_its_layers(pool, ref):
         assert sorted(run["grads0"]) == want, (rank, sorted(set(run["grads0"]) ^ set(want)))
         assert run["split"] == [[0], [1, 2, 3, 4, 5]], (rank, run["split"])
     _check(per_rank, ref, f"pp2 x tsp2 layer_split {SPLIT}")
+    assert [run["said"] for run in per_rank] == [[]] * 4  # a cut of one's own goes unsaid
+
+
+# A 4-layer Llama under Interleaved1F1B at pp 2 (4 stages) and no layer_split: 4 decoder layers +
+# the embedding + the head = 6 units, which do not divide into 4 stages. The default cut
+# (tsp_core.pipeline.balanced_split) is one decoder layer a stage, [1, 1, 1, 1], units
+# 2, 1, 1, 2 (every stage holds a decoder layer, so no cut's busiest stage holds fewer than 2);
+# stages 0 and 2 are pipeline rank 0's (the embedding, layers 0 and 2), 1 and 3 rank 1's
+# (layers 1 and 3, the final norm and the head). Global rank 0 alone says the cut, one line.
+UNEVEN_HELD = {0: {0, 2}, 1: {1, 3}}
+UNEVEN_SAID = ("[tsp] pipeline: 4 decoder layers + the embedding + the head = 6 units do not "
+               "divide into 4 stages; the most balanced cut is layer_split=[1, 1, 1, 1] (units "
+               "per stage [2, 1, 1, 2]); pass layer_split for another")
+
+
+def test_uneven_default_cut_interleaved_matches_one_process(pool):
+    per_rank = pool.run(pipeline_run, "Interleaved1F1B", 2, None, layers=4)
+    four = reference(layers=4)
+    names = list(four["grads0"])
+    for rank, run in enumerate(per_rank):
+        assert run["split"] == [[0], [1], [2], [3]], (rank, run["split"])
+        assert run["stages"] == [run["pp_rank"], run["pp_rank"] + 2], (rank, run["stages"])
+        want = held_by(run["pp_rank"], names, UNEVEN_HELD)
+        assert run["owned"] == want, \
+            f"rank {rank} (pp {run['pp_rank']}) holds {sorted(set(run['owned']) ^ set(want))}"
+        assert sorted(run["grads0"]) == want, (rank, sorted(set(run["grads0"]) ^ set(want)))
+    assert [run["said"] for run in per_rank] == [[UNEVEN_SAID], [], [], []], \
+        [run["said"] for run in per_rank]
+    _check(per_rank, four, "pp2 x tsp2 Interleaved1F1B, 4 layers, default cut")
+    _check_sends(per_rank, 4)
 
 
 def _refused(fn, pattern: str) -> str:
@@ -271,9 +318,6 @@ def refusals() -> list[str]:
                                         num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2, tie_word_embeddings=True))
     msgs = [
-        _refused(build(schedule="Interleaved1F1B", stages_per_rank=3, microbatches=6),
-                 r"6 decoder layers \+ the embedding \+ the head = 8 units do not divide into 6 "
-                 r"equal stages; pass layer_split, e.g. \[1, 1, 1, 1, 1, 1\]"),
         _refused(build(schedule="Interleaved1F1B", stages_per_rank=4, microbatches=8),
                  r"the model has 6 decoder layers, fewer than the 8 pipeline stages asked for"),
         _refused(build(layer_split=[2, 3]), r"layer_split \[2, 3\] must give 2 stages of at "
@@ -288,6 +332,12 @@ def refusals() -> list[str]:
         _refused(lambda: tsp_core.pipeline(model, dist_pool.mesh(2), microbatches=M),
                  r"the mesh has no pipeline dim"),
     ]
+    # 8 units do not divide into 6 stages: no longer refused, the default cut is one layer each
+    from tsp_core.pipeline.pipeline import check_pipeline_args
+
+    with comm.track() as stats:
+        cut = check_pipeline_args(model, mesh, 6, "Interleaved1F1B", 3, None)
+    assert not stats.calls and cut == (6, [range(i, i + 1) for i in range(6)]), cut
     pipe = tsp_core.pipeline(model, mesh, microbatches=M, layer_split=[2, 4])
     assert [list(r) for r in pipe.layer_split] == [[0, 1], [2, 3, 4, 5]]
     bad = batches()[0]

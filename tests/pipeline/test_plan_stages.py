@@ -36,18 +36,15 @@ def test_an_uneven_cut_written_out_by_hand():
     (the test above checks the same quantities as formulas of the planner's own figures)."""
     import types
 
-    from tsp_core.pipeline import split_layers
-    from tsp_core.pipeline.split import suggest_split
+    from tsp_core.pipeline import balanced_split, split_layers
     from tsp_core.tools.cli import in_flight_bytes
 
     # 32 layers + the embedding + the head = 34 units; 34 = 4 x 8 + 2: 9, 9, 8, 8 units, the
-    # first and the last stage a decoder layer fewer: 8, 9, 8, 7 layers, the busiest 9
-    assert suggest_split(32, 4) == [8, 9, 8, 7]
-    with pytest.raises(ValueError, match=r"= 34 units do not divide into 4 equal stages; pass "
-                                         r"layer_split, e.g. \[8, 9, 8, 7\]"):
-        split_layers(32, 4)
-    assert split_layers(32, 4, [8, 9, 8, 7]) == [range(0, 8), range(8, 17), range(17, 25),
-                                                 range(25, 32)]
+    # first and the last stage a decoder layer fewer: 8, 9, 8, 7 layers, the busiest 9; the
+    # pipeline's default cut and the planner's are the same
+    assert balanced_split(32, 4) == [8, 9, 8, 7]
+    assert split_layers(32, 4) == split_layers(32, 4, [8, 9, 8, 7]) == [
+        range(0, 8), range(8, 17), range(17, 25), range(25, 32)]
     shape = model_shape("llama-3.1-8b", None)
     stage, stage_cluster, layers = stage_view(shape, Cluster(DEVICES["h100"], 8, 4), 4)
     assert (layers, stage.num_layers, stage_cluster.gpus) == (9, 9, 8)  # 32 GPUs / 4 stages
@@ -67,6 +64,111 @@ def test_an_uneven_cut_written_out_by_hand():
     assert bubble(4, 16) == pytest.approx(3 / 19)
     assert (c.replicas, p.active_replicas) == (1, 1)
     assert p.tokens_per_s * p.step_s == pytest.approx(131_072)
+
+
+# (decoder layers, stages) -> the default cut, written out by hand from the units (layers + 2):
+# every stage ceil(units / stages) units or one fewer, the stages holding one fewer the last ones
+# that keep a decoder layer so. Units per stage in the comments.
+BY_HAND = {
+    (6, 2): [3, 3],              # 8 units divide: 4, 4 (unchanged from the even cut)
+    (6, 4): [1, 2, 2, 1],        # 8 divide: 2, 2, 2, 2
+    (126, 16): [7] + [8] * 14 + [7],  # 128 divide: 8 each (Llama-3.1-405B)
+    (3, 1): [3],                 # one stage holds everything: 5
+    (32, 4): [8, 9, 8, 7],       # 34: 9, 9, 8, 8 (torchtitan's cut)
+    (7, 4): [2, 2, 2, 1],        # 9: 3, 2, 2, 2
+    (4, 4): [1, 1, 1, 1],        # 6: 2, 1, 1, 2 (the ends keep a layer; no other cut)
+    (5, 4): [1, 2, 1, 1],        # 7: 2, 2, 1, 2 (the last keeps its layer: stage 2 is lighter)
+    (6, 6): [1, 1, 1, 1, 1, 1],  # 8: 2, 1, 1, 1, 1, 2
+    (9, 4): [2, 3, 3, 1],        # 11: 3, 3, 3, 2
+    (10, 3): [3, 4, 3],          # 12 divide: 4, 4, 4
+    (11, 3): [4, 4, 3],          # 13: 5, 4, 4
+}
+
+
+def cuts(layers: int, stages: int):
+    """Every cut of ``layers`` decoder layers into ``stages`` stages of at least one each."""
+    if stages == 1:
+        yield [layers]
+        return
+    for first in range(1, layers - stages + 2):
+        for rest in cuts(layers - first, stages - 1):
+            yield [first, *rest]
+
+
+def test_default_cut_by_hand_and_the_most_balanced():
+    """The default cut (tsp_core.pipeline.balanced_split) against the table written out by hand,
+    and against every cut of up to 12 layers: no cut has a cheaper busiest stage, nor fewer
+    stages at that cost (its sorted costs are the smallest, largest first), and of the cuts as
+    balanced it is the one whose earlier stages hold the units (the largest costs, first stage
+    first: torchtitan's order). The pipeline and the planner both take it."""
+    from tsp_core.pipeline import balanced_split, split_layers
+    from tsp_core.pipeline.split import stage_costs
+
+    for (layers, stages), want in BY_HAND.items():
+        assert balanced_split(layers, stages) == want, (layers, stages)
+        assert [len(r) for r in split_layers(layers, stages)] == want, (layers, stages)
+        if (layers + 2) % stages == 0:  # an even case: every stage the same units
+            assert stage_costs(want) == [(layers + 2) // stages] * stages, (layers, stages)
+    for layers in range(1, 13):
+        for stages in range(1, layers + 1):
+            got = balanced_split(layers, stages)
+            assert sum(got) == layers and min(got) >= 1, (layers, stages, got)
+            every = list(cuts(layers, stages))
+            balance = min(sorted(stage_costs(c), reverse=True) for c in every)
+            assert sorted(stage_costs(got), reverse=True) == balance, (layers, stages, got)
+            best = max((c for c in every if sorted(stage_costs(c), reverse=True) == balance),
+                       key=stage_costs)
+            assert got == best, (layers, stages, got, best)
+            assert max(stage_costs(got)) == -(-(layers + 2) // stages)  # ceil(units / stages)
+    # the planner's busiest stage is the default cut's
+    shape = model_shape("llama-3.1-8b", None)
+    for pp in (2, 4, 8):
+        _, _, busiest = stage_view(shape, Cluster(DEVICES["h100"], 8, 8), pp)
+        assert busiest == max(balanced_split(32, pp)), pp
+    # impossible requests are still refused, with the numbers and the fix
+    with pytest.raises(ValueError, match=r"the model has 3 decoder layers, fewer than the 4 "
+                                         r"pipeline stages asked for \(every stage holds at least "
+                                         r"one\); use fewer stages \(pp_size x stages_per_rank\)"):
+        split_layers(3, 4)
+    with pytest.raises(ValueError, match=r"the pipeline needs at least one stage, got 0"):
+        split_layers(3, 0)
+    with pytest.raises(ValueError, match=r"layer_split \[1, 3\] must give 2 stages of at least "
+                                         r"one decoder layer each, 5 layers in all \(it gives 2 "
+                                         r"stages, 4 layers\)"):
+        split_layers(5, 2, [1, 3])
+    with pytest.raises(ValueError, match=r"the model has 32 decoder layers, fewer than --pp "
+                                         r"\(64\) stages"):
+        stage_view(shape, Cluster(DEVICES["h100"], 8, 64), 64)
+
+
+def test_an_uneven_default_cut_is_said_once_on_rank_0(caplog, capsys):
+    """One line on global rank 0 where the units do not divide (a warning of the
+    tsp_core.pipeline logger when logging has a handler, as under pytest, else a [tsp] line on
+    stderr); nothing on other ranks, nothing for an even cut."""
+    import logging
+
+    from tsp_core.pipeline.split import logger, report_split
+
+    with caplog.at_level(logging.WARNING, logger="tsp_core.pipeline"):
+        report_split(5, 4, rank=0)
+        report_split(5, 4, rank=1)
+        report_split(6, 4, rank=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "pipeline: 5 decoder layers + the embedding + the head = 7 units do not divide into 4 "
+        "stages; the most balanced cut is layer_split=[1, 2, 1, 1] (units per stage "
+        "[2, 2, 1, 2]); pass layer_split for another"]
+    handlers, propagate = logger.handlers, logger.propagate
+    try:  # no handler anywhere: stderr
+        logger.handlers, logger.propagate = [], False
+        assert not logger.hasHandlers()
+        report_split(32, 4, rank=0)
+        report_split(32, 4, rank=3)
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+    assert capsys.readouterr().err.splitlines() == [
+        "[tsp] pipeline: 32 decoder layers + the embedding + the head = 34 units do not divide "
+        "into 4 stages; the most balanced cut is layer_split=[8, 9, 8, 7] (units per stage "
+        "[9, 9, 8, 8]); pass layer_split for another"]
 
 
 def test_plan_command_takes_pp(capsys):

@@ -3,6 +3,7 @@ causal LM into stages of whole decoder layers, each a TSP model on its own TSP g
 torch.distributed.pipelining's schedules."""
 
 from .pipeline import SCHEDULES, TSPPipeline, pipeline
-from .split import split_layers, stage_ranks
+from .split import balanced_split, split_layers, stage_ranks
 
-__all__ = ["SCHEDULES", "TSPPipeline", "pipeline", "split_layers", "stage_ranks"]
+__all__ = ["SCHEDULES", "TSPPipeline", "balanced_split", "pipeline", "split_layers",
+           "stage_ranks"]

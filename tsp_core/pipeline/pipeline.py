@@ -24,7 +24,7 @@ from ..distributed.model_state import TSPModelState, attach_model_state
 from ..distributed.params import local
 from ..models.policies import find_policy
 from ..sequence.layout import IGNORE_INDEX, shard_batch
-from .split import split_layers, stage_ranks
+from .split import report_split, split_layers, stage_ranks
 from .stage import StageModule, build_stage_module
 
 # schedule name -> stages per pipeline rank (None means "at least 2, default 2"); each is the
@@ -105,6 +105,8 @@ class TSPPipeline(nn.Module):
                              "tsp_core.init_mesh(tsp_size, pp_size=P)")
         self.num_stages, self.layer_split = check_pipeline_args(
             model, mesh, microbatches, schedule, stages_per_rank, layer_split)
+        if layer_split is None:  # an uneven default cut is said once, on global rank 0
+            report_split(self.layer_split[-1].stop, self.num_stages, dist.get_rank())
         self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
         self.stage_mesh = mesh.stage_mesh()
         policy = find_policy(model)
@@ -326,8 +328,10 @@ def pipeline(model: nn.Module, mesh: TSPMesh, *, microbatches: int, schedule: st
     ``schedule``: one of torch.distributed.pipelining's, by name: "1F1B", "GPipe" (one stage per
     rank), "Interleaved1F1B", "InterleavedZeroBubble" (``stages_per_rank`` stages per rank, 2 by
     default, stage s on pipeline rank s mod pp_size). ``layer_split``: decoder layers per stage;
-    by default ``layers + 2`` units (the embedding and the head count as one layer each) shared
-    evenly. Bad arguments raise ``ValueError`` naming the numbers, on every rank, before any
+    by default :func:`tsp_core.pipeline.split.balanced_split`'s cut: ``layers + 2`` units (the
+    embedding and the head count as one layer each) shared as evenly as whole layers allow, the
+    first stages taking one more where they do not divide (global rank 0 then prints the cut,
+    one line). Bad arguments raise ``ValueError`` naming the numbers, on every rank, before any
     collective."""
     return TSPPipeline(model, mesh, microbatches, schedule, stages_per_rank, layer_split,
                        **parallelize_options)

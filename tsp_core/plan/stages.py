@@ -1,9 +1,10 @@
 """``tsp plan --pp P``: the ranking for one pipeline stage, then the pipeline's cost.
 
 A stage is ranked like a whole model on ``gpus / P`` GPUs with the busiest stage's decoder layers
-(:func:`tsp_core.pipeline.split_layers`'s cut: the embedding and the head count as one layer each;
-the embedding, head and loss stay in the stage's estimate, an upper bound for every stage). The
-pipeline then adds, per layout, what a stage alone does not see:
+in the pipeline's own default cut (:func:`tsp_core.pipeline.balanced_split`, the one
+``tsp_core.pipeline`` takes without ``layer_split``: the embedding and the head count as one
+layer each; the embedding, head and loss stay in the stage's estimate, an upper bound for every
+stage). The pipeline then adds, per layout, what a stage alone does not see:
 
 - memory: under 1F1B the first stage holds the checkpointed layer inputs of ``min(M, P)``
   micro-batches (the stage estimate counts one), each ``tokens per rank x h x 2`` bytes a layer;
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..baselines.layouts import LayoutSpec
-from ..pipeline.split import suggest_split
+from ..pipeline.split import balanced_split
 from .cost import Candidate
 from .hardware import Cluster
 from .memory import tokens
@@ -25,17 +26,16 @@ from .traffic import ModelShape
 
 def stage_view(shape: ModelShape, cluster: Cluster, pp: int) -> tuple[ModelShape, Cluster, int]:
     """(the busiest stage's shape, the cluster of one stage, its decoder layers); raises naming
-    the numbers when the GPUs or the layers do not divide into ``pp`` stages."""
+    the numbers when the GPUs do not divide into ``pp`` stages or the layers are fewer."""
     if pp < 1:
         raise ValueError(f"--pp ({pp}) must be at least 1")
     if cluster.nodes % pp:
         raise ValueError(f"--pp ({pp}) must divide the nodes ({cluster.nodes}): each stage takes "
                          f"whole nodes; pass --gpus a multiple of {pp} x --gpus-per-node")
-    split = suggest_split(shape.num_layers, pp)
-    if not split:
+    if shape.num_layers < pp:
         raise ValueError(f"the model has {shape.num_layers} decoder layers, fewer than --pp "
                          f"({pp}) stages")
-    layers = max(split)
+    layers = max(balanced_split(shape.num_layers, pp))
     stage = dataclasses.replace(shape, num_layers=layers)
     return stage, dataclasses.replace(cluster, nodes=cluster.nodes // pp), layers
 
