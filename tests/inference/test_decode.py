@@ -100,20 +100,29 @@ def held_bytes(make) -> tuple[int, int]:
         obj = make()
         gc.collect()  # garbage from building it (reference cycles) is not the object's
         with_it = sum(s["Total"] for s in tracker.get_tracker_snapshot().values())
-        storages, seen, todo = {}, set(), [obj]
-        while todo:
-            o = todo.pop()
-            if id(o) in seen or isinstance(o, (torch.nn.Module, type)):
-                continue
-            seen.add(id(o))
-            if isinstance(o, torch.Tensor):
-                storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
-            else:
-                todo += gc.get_referents(o)
-        del obj, todo, o
+        reachable = reachable_bytes(obj)
+        del obj
         gc.collect()
         without = sum(s["Total"] for s in tracker.get_tracker_snapshot().values())
-    return with_it - without, sum(storages.values())
+    return with_it - without, reachable
+
+
+def reachable_bytes(obj) -> int:
+    """Bytes of the distinct tensor storages reachable from ``obj`` (a view into a larger buffer
+    counts the whole buffer; modules and classes are not followed)."""
+    import gc
+
+    storages, seen, todo = {}, set(), [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (torch.nn.Module, type)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        else:
+            todo += gc.get_referents(o)
+    return sum(storages.values())
 
 
 def kv_cache_bytes(tsp: int) -> dict:
@@ -347,3 +356,63 @@ def test_decode_with_sinks_and_chunks(pools, tsp):
     slots, the chunk hiding the slots of earlier chunks."""
     pools.of(tsp).run(attention_decode_steps, tsp, [(True, None, 5), (False, 6, None),
                                                     (True, 6, None)])
+
+
+def kv_shared_cache_bytes(tsp: int, steps: int) -> list[int]:
+    """hf_models' Gemma 4 (4 layers, the last 2 KV-shared: layer 2 reuses sliding layer 0's K/V,
+    layer 3 full layer 1's) after a prefill of two left-padded prompts of 64 and 40 tokens and
+    ``steps`` decode steps (room reserved first, as generate does): the bytes this rank's cache
+    holds, as the cache counts them (``nbytes``) and as the distinct tensor storages reachable
+    from it (positions and row lengths included); each step's logits are HF's float64 ones to
+    1e-8 (the reused K/V are still read)."""
+    mesh = dist_pool.mesh(tsp)
+    ref = hf_models.build("gemma4", torch.float64)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids, mask = left_padded(ref.config.vocab_size, [64, 40])
+    new = torch.randint(3, ref.config.vocab_size, (2, steps + 1),
+                        generator=torch.Generator().manual_seed(7))
+    want = [None]
+    if dist.get_rank() == 0:  # one process's reference, sent to every rank
+        want = [reference_logits(ref, torch.cat([ids, new], 1), mask, ids.shape[1]).detach()]
+    dist.broadcast_object_list(want, src=0)
+
+    logits, cache = prefill(model, ids, mask)
+    out = [cache.nbytes(), reachable_bytes(cache)]
+    assert_close(logits, want[0][0], 1e-8, f"tsp {tsp} prefill logits")
+    cache.reserve(steps)
+    for t in range(steps):
+        logits = decode_step(model, cache, new[:, t], cache.lengths + t)
+        assert_close(logits, want[0][t + 1], 1e-8, f"tsp {tsp} step {t} logits")
+    return out + [cache.nbytes(), reachable_bytes(cache)]
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_kv_shared_layers_hold_no_cache(pools, tsp):
+    """A layer that reuses another's K/V (KVSharing "reuse": Gemma 4's num_kv_shared_layers)
+    keeps nothing in the decode cache: decode reads the storing layer's entry, so every rank's
+    cache is the storing layers' K/V of its own slots, and no more."""
+    steps = 5
+    out = pools.of(tsp).run(kv_shared_cache_bytes, tsp, steps)
+    c = hf_models.build("gemma4", torch.float64).config
+    # the zoo's Gemma 4, written out: layers 0, 1 store (sliding: 2 key/value heads of 24
+    # channels; full: 1 of 32, attention_k_eq_v), layers 2, 3 reuse them
+    assert (c.num_hidden_layers, c.num_kv_shared_layers, c.layer_types) == (
+        4, 2, ["sliding_attention", "full_attention"] * 2)
+    layers = [(c.per_layer_config[i].num_key_value_heads, c.per_layer_config[i].head_dim)
+              for i in range(4)]
+    assert layers == [(2, 24), (1, 32)] * 2 and c.attention_k_eq_v, layers
+    # the decode cache is split by tokens (prefill leaves each rank its own tokens' K/V of every
+    # key/value head; each decoded token goes to the rank with the fewest slots, lowest first),
+    # not by heads. Per slot of a row: K and V, float64, of the storing layers only, every slot
+    # kept (the sliding layer's window hides old slots, it frees none); the 64-slot prompt
+    # (rows padded to the longest) gives each rank 64 / D slots, step t goes to rank t mod D
+    B, prompt = 2, 64
+    per_slot = 2 * 8 * (2 * 24 + 1 * 32)        # K and V x float64 x (layer 0 + layer 1)
+    for rank, (pre, pre_held, post, post_held) in enumerate(out):
+        slots = prompt // tsp
+        mine = slots + len(range(rank, steps, tsp))
+        assert pre == B * slots * per_slot, (rank, pre, B * slots * per_slot)
+        # reachable storages: the K/V above, an int64 position per slot, a length per row
+        assert pre_held == pre + B * slots * 8 + B * 8, (rank, pre_held)
+        assert post == B * mine * per_slot, (rank, post, B * mine * per_slot)
+        assert post_held == post + B * mine * 8 + B * 8, (rank, post_held)

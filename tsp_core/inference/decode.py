@@ -63,7 +63,9 @@ from .latent_decode import latent_step
 class ShardedKVCache:
     """This rank's part of the KV cache: K/V of every head for the tokens this rank holds.
 
-    ``keys[l]``/``values[l]``: [B, num_kv_heads, capacity, head_dim] of layer l; ``positions``
+    ``keys[l]``/``values[l]``: [B, num_kv_heads, capacity, head_dim] of layer l (a layer that
+    reuses another's K/V, KVSharing "reuse", holds an empty [B, 0, capacity, head_dim] and reads
+    its ``kv_source`` layer's entry); ``positions``
     [B, capacity]: each slot's global position in its row, -1 for an empty slot (padding, or
     capacity not used yet); ``length``: slots used; ``counts``: slots used on every rank of the
     group (every rank knows them, so all agree whose turn the next token is)."""
@@ -153,6 +155,12 @@ def _token_mixer(layer: nn.Module, policy: Any) -> nn.Module:
     if names.linear_attention and hasattr(layer, names.linear_attention):
         return getattr(layer, names.linear_attention)
     return getattr(layer, names.attention)
+
+
+def _takes_kv(module: nn.Module) -> bool:
+    """Whether a token mixer attends with K/V another layer stores (``AttentionParts.takes_kv``)
+    and so keeps no decode cache of its own."""
+    return isinstance(module, TSPAttention) and module.parts.takes_kv
 
 
 @contextlib.contextmanager
@@ -312,8 +320,17 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
               for r in range(D)]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
+    # a layer that reuses another's K/V (KVSharing "reuse": Gemma 4's KV-shared layers) is handed
+    # the storing layer's kv_all; decode reads the storing layer's entry (``kv_source``), so the
+    # reusing layer keeps an empty entry, not a copy of the prompt's K/V
+    reusing = {i for i, layer in enumerate(parts.layers) if _takes_kv(layer.attn)}
 
     def sink(kv_all: torch.Tensor) -> None:
+        if len(keys) in reusing:  # [B, 0 heads, slots, head_dim]: nothing of its own
+            empty = kv_all.new_zeros(kv_all.shape[2], 0, int(keep.sum()), kv_all.shape[-1])
+            keys.append(empty)
+            values.append(empty.clone())
+            return
         if kv_all.dim() == 3:  # a latent attention's own tokens' latent [B, L, C] (MLA): the
             keys.append(kv_all[:, None][:, :, keep].clone())          # keys; no value channel
             values.append(kv_all.new_zeros(kv_all.shape[0], 1, int(keep.sum()), 0))
