@@ -9,7 +9,9 @@ Routing follows the Hugging Face family exactly (``MoESpec``): softmax of the ro
 float32, top-k, the top-k weights renormalised (Mixtral always, Qwen3-MoE with
 ``norm_topk_prob``) and, for Qwen3-MoE, cast back to the logits' dtype. Each call keeps its
 router logits (``router_logits``, local tokens only) for the load-balancing loss, which
-:func:`load_balancing_loss` computes over the global batch as one process does.
+:func:`load_balancing_loss` computes over the global batch as one process does, and for the
+model's output with ``output_router_logits`` (:mod:`.logits`: this rank's tokens, in Hugging
+Face's shapes; :func:`gather_router_logits` gathers the TSP group's into the original order).
 
 Gemma 4 calls its router and experts apart, beside the layer's dense MLP: :class:`TSPRouter`
 (the "normed_softmax" router, replicated) routes, and a :class:`TSPMoE` with ``router_apart``
@@ -42,6 +44,7 @@ more [k T, h] buffers while they run.
 from .choice import SCHEDULES, MoEScheduleBytes, choose_schedule, moe_bytes
 from .dispatch import dispatch_combine
 from .experts import expert_views, glu, glu_backward
+from .logits import gather_router_logits, kept_router_logits, router_modules
 from .module import TSPMoE
 from .router import TSPRouter
 from .routing import (
@@ -63,6 +66,6 @@ from .spec import (
 
 __all__ = ["EXPERT_ACTIVATIONS", "LAYOUTS", "ROUTERS", "SCHEDULES", "MoEScheduleBytes", "MoESpec",
            "TSPMoE", "TSPRouter", "check_moe_shape", "check_router", "choose_schedule",
-           "dense_weights", "dispatch_combine", "expert_views", "glu", "glu_backward",
-           "load_balancing_loss", "moe_bytes", "recomputing", "route", "route_tokens",
-           "router_logits"]
+           "dense_weights", "dispatch_combine", "expert_views", "gather_router_logits", "glu",
+           "glu_backward", "kept_router_logits", "load_balancing_loss", "moe_bytes",
+           "recomputing", "route", "route_tokens", "router_logits", "router_modules"]

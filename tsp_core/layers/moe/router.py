@@ -8,7 +8,7 @@ import torch
 
 from ...distributed.mesh import TSPMesh
 from ...distributed.params import REPLICATED, ShardedModule, ShardSpec, init_full, local_replicated
-from .routing import route_tokens
+from .routing import recomputing, route_tokens
 from .spec import MoESpec, check_router
 
 
@@ -26,6 +26,8 @@ class TSPRouter(ShardedModule):
         check_router(spec)
         self.mesh, self.spec = mesh, spec
         self.full_shapes = spec.router_shapes()
+        # the last forward's probabilities of this rank's tokens, Hugging Face's router_logits
+        self.router_logits: torch.Tensor | None = None
         self._create(init_full(self.full_shapes, init_seed, dtype, device))
 
     def extra_repr(self) -> str:
@@ -38,7 +40,11 @@ class TSPRouter(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Hugging Face's router outputs for tokens x [N, h]: (the softmax of the router's
-        logits [N, E] in float32, the top-k weights [N, k], the experts [N, k])."""
+        logits [N, E] in float32, the top-k weights [N, k], the experts [N, k]). The
+        probabilities are kept as ``router_logits`` (outside an activation checkpoint's
+        recompute), what Hugging Face's ``output_router_logits`` records of this router."""
         router = {n: local_replicated(self.get_parameter(n), self.mesh) for n in self.full_shapes}
-        logits, weights, experts = route_tokens(x, router, self.spec)
-        return torch.softmax(logits, dim=-1, dtype=torch.float32), weights, experts
+        probs, weights, experts = route_tokens(x, router, self.spec, probabilities=True)
+        if not recomputing():  # Hugging Face's output records these (output_router_logits)
+            self.router_logits = probs
+        return probs, weights, experts

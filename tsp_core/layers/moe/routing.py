@@ -38,17 +38,25 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, spec: MoESpec,
 
 
 def route_tokens(x: torch.Tensor, router: Mapping[str, torch.Tensor], spec: MoESpec,
-                 choice_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                 choice_bias: torch.Tensor | None = None, probabilities: bool = False
+                 ) -> tuple[torch.Tensor, ...]:
     """(logits, top-k weights, experts) of tokens x [N, h] by the router's tensors ``router``,
     named as :meth:`MoESpec.router_shapes` names them (``choice_bias``: GLM-4.5's correction
-    bias)."""
+    bias). With ``probabilities`` the first is instead the logits' softmax in float32, the very
+    tensor the softmax routers choose from (Gemma 4's router returns it: a loss built from it
+    and the routing then sum their gradients in it, in float32, as Hugging Face's do)."""
     weight = router["proj.weight" if spec.router == "normed_softmax" else "weight"]
     logits = router_logits(x, weight, spec, router.get("bias"), router.get("scale"))
-    return (logits, *route(logits, spec, choice_bias, router.get("per_expert_scale")))
+    scale = router.get("per_expert_scale")
+    if not probabilities:
+        return (logits, *route(logits, spec, choice_bias, scale))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return (probs, *route(logits, spec, choice_bias, scale, probs))
 
 
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None,
-          expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          expert_scale: torch.Tensor | None = None, probs: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, expert indices) [N, k] of router logits [N, E], Hugging Face's numerics.
     "softmax" (Mixtral, Qwen3-MoE): softmax in float32, top-k, renormalised, and cast back for
     Qwen3-MoE. "sigmoid" (GLM-4.5): scores sigmoid(logits); the choice ranks scores + ``bias``
@@ -58,9 +66,11 @@ def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None,
     top-k logits, softmax over them in the logits' dtype. "topk_sigmoid" (Llama 4): the top-k
     logits, the sigmoid of each in float32 at least, cast back. "normed_softmax" (Gemma 4):
     "softmax"'s, then each weight times its expert's ``expert_scale`` [E] (its per_expert_scale).
-    All: times ``routed_scaling``."""
+    All: times ``routed_scaling``. ``probs``: the softmax routers' float32 softmax of the logits,
+    if the caller has it."""
     if spec.router in ("softmax", "normed_softmax"):
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if probs is None:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, spec.top_k, dim=-1)
         if spec.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
