@@ -190,8 +190,8 @@ def check_fsdp_plugin(plugin: FullyShardedDataParallelPlugin) -> None:
     if plugin.activation_checkpointing:
         refused.append("activation_checkpointing (fsdp_activation_checkpointing): Accelerate "
                        "would wrap the decoder layers after TSP sharded them; set it to false "
-                       "and, for recompute, call model.gradient_checkpointing_enable("
-                       "gradient_checkpointing_kwargs={'use_reentrant': False}) before the "
+                       "and, for recompute, call model.activation_checkpointing_enable("
+                       "activation_checkpointing_kwargs={'use_reentrant': False}) before the "
                        "model is converted (before prepare, or before creating the TSPTrainer)")
     if plugin.ignored_modules is not None:
         refused.append(f"ignored_modules ({plugin.ignored_modules!r}): TSP shards every "
@@ -268,7 +268,7 @@ class TSPAccelerator(Accelerator):
     (docs/long-context.md): ``tile_tokens`` and ``activation_offload`` go to
     ``tsp_core.parallelize``; ``activation_offload=True`` keeps each checkpointed decoder layer's
     input in host memory between its forward and its backward, and needs activation
-    checkpointing (``model.gradient_checkpointing_enable()``)."""
+    checkpointing (``model.activation_checkpointing_enable()``)."""
 
     def __init__(self, *args: Any, tsp_size: int | str | None = None, layout: str = "zigzag",
                  tsp_model_config: Any = None, tsp_seq_len: int | None = None,

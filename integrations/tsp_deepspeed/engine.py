@@ -157,7 +157,7 @@ def initialize(model: nn.Module, config: dict | str | None = None, tsp_size: int
     ``config_params``); default: every process of the node; ``"auto"``: :func:`resolve_tsp_size`.
     ``tile_tokens`` and ``activation_offload`` (also ``"tsp": {"tile_tokens": T,
     "activation_offload": true}``) are ``tsp_core.parallelize``'s (docs/long-context.md;
-    offload needs activation checkpointing: ``model.gradient_checkpointing_enable()``).
+    offload needs activation checkpointing: ``model.activation_checkpointing_enable()``).
     ``model_parameters`` (parameters or param groups of the model as built) and the param groups
     of an ``optimizer`` built on them are mapped to the converted model's parameters by name."""
     if config is None:

@@ -51,7 +51,7 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     (docs/long-context.md): ``tile_tokens`` and ``activation_offload`` go to
     ``tsp_core.parallelize``; ``activation_offload=True`` keeps each checkpointed decoder layer's
     input in host memory between its forward and its backward, and needs activation
-    checkpointing (``model.gradient_checkpointing_enable()`` in ``configure_model``)."""
+    checkpointing (``model.activation_checkpointing_enable()`` in ``configure_model``)."""
 
     strategy_name = "tsp"
 

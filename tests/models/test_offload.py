@@ -97,9 +97,8 @@ def test_refused_without_checkpointing_on_every_rank(pool):
         assert msg == (
             f"activation_offload moves each checkpointed decoder layer's saved input to host "
             f"memory, but none of this model's {LAYERS} decoder layers is checkpointed ({LAYERS} "
-            f"in training mode, grad enabled): call model.gradient_checkpointing_enable() (or "
-            f"activation_checkpointing_enable()) before training, or parallelize with "
-            f"activation_offload=False")
+            f"in training mode, grad enabled): call model.activation_checkpointing_enable() "
+            f"before training, or parallelize with activation_offload=False")
 
 
 def deepspeed_switch() -> dict[str, bool]:

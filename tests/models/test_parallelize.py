@@ -209,27 +209,28 @@ def bad_models() -> list[str]:
         model(input_ids=ids[:, :4])
     with pytest.raises(ValueError, match="was not parallelized"):
         tsp_core.get_mesh(hf_models.build("llama", torch.float64))
-    # a plain model built from the config object a parallelized model shares (parallelize set
-    # "tsp" on it): its attention module says what happened and what to do instead
+    # a plain model built from a TSP model's config, which says "tsp" (the config it was built
+    # from does not: tests/models/test_config_copy.py): its attention module says what happened
+    # and what to do instead
     from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(vocab_size=96, **hf_models.COMMON)
-    plain = LlamaForCausalLM(config)
-    tsp_core.parallelize(LlamaForCausalLM(config), mesh)
+    tsp_model = tsp_core.parallelize(LlamaForCausalLM(LlamaConfig(vocab_size=96,
+                                                                  **hf_models.COMMON)), mesh)
+    plain = LlamaForCausalLM(tsp_model.config)
     with tsp_core.comm.track() as stats, pytest.raises(
             RuntimeError, match=r'LlamaAttention called the "tsp" attention implementation, which '
                                 r"only tsp_core\.parallelize's attention modules "
                                 r"\(HFTSPAttention\) "
                                 r"run: this LlamaAttention belongs to a model that was not "
-                                r"parallelized.* built from the same config object as a model "
-                                r"later given to tsp_core\.parallelize .*AutoModelForCausalLM\."
-                                r'from_config\(copy\.deepcopy\(config\), attn_implementation='
-                                r'"sdpa"\)') as e:
+                                r"parallelized.* built from a TSP model's config "
+                                r'\(tsp_model\.config says "tsp".*AutoModelForCausalLM\.'
+                                r"from_config\(copy\.deepcopy\(tsp_model\.config\), "
+                                r'attn_implementation="sdpa"\)') as e:
         plain(input_ids=ids[:, :4])
     assert not stats.calls
     msgs.append(str(e.value))
     # and the fix it names runs
-    AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")(
+    AutoModelForCausalLM.from_config(copy.deepcopy(tsp_model.config), attn_implementation="sdpa")(
         input_ids=ids[:, :4])
     return msgs
 

@@ -54,7 +54,7 @@ class HFTSPAttention(TSPAttention):
                 and any(p.requires_grad for p in self.parameters())):
             raise RuntimeError("a KV-shared layer got K/V without their gradient path: reentrant "
                                "activation checkpointing recomputes the storing layer after this "
-                               "one; use gradient_checkpointing_enable(gradient_checkpointing_"
-                               "kwargs={'use_reentrant': False})")
+                               "one; use activation_checkpointing_enable(activation_"
+                               "checkpointing_kwargs={'use_reentrant': False})")
         return kv_all
 

@@ -179,8 +179,8 @@ class ActivationOffload:
                 f"activation_offload moves each checkpointed decoder layer's saved input to host "
                 f"memory, but none of this model's {len(self.layers)} decoder layers is "
                 f"checkpointed ({len(training)} in training mode, grad enabled): call "
-                f"model.gradient_checkpointing_enable() (or activation_checkpointing_enable()) "
-                f"before training, or parallelize with activation_offload=False")
+                f"model.activation_checkpointing_enable() before training, or parallelize with "
+                f"activation_offload=False")
 
     # ------------------------------------------------------------------------------ layer hooks
 
@@ -229,7 +229,7 @@ def installed_offload(model: nn.Module) -> ActivationOffload | None:
 
 def install_activation_offload(model: nn.Module, layers: list[nn.Module]) -> ActivationOffload:
     """Keep each decoder layer's saved input in host memory between its forward and its
-    backward, when activation checkpointing (``model.gradient_checkpointing_enable()``) is on;
+    backward, when activation checkpointing (``model.activation_checkpointing_enable()``) is on;
     the copy back of layer i-1's input starts when layer i's backward begins, so the device holds
     two layer inputs at most, whatever the layer count. Layers that Hugging Face does not
     checkpoint (``every_n_layers``) keep their activations as usual; a training forward with grad

@@ -55,7 +55,7 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     set stays under :data:`tsp_core.layers.tiles.TILE_BYTES`); ``activation_offload`` keeps each
     checkpointed decoder layer's saved input in host memory between its forward and its backward
     (:mod:`tsp_core.models.offload`; needs activation checkpointing:
-    ``model.gradient_checkpointing_enable()``)."""
+    ``model.activation_checkpointing_enable()``)."""
     check_options(mesh, mp_policy, tile_tokens, moe_schedule)
     policy = policy or find_policy(model)
     moe_schedule = moe_schedule_for(model, mesh, policy, moe_schedule, moe_tokens_per_rank)

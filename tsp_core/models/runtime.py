@@ -2,7 +2,8 @@
 class by :func:`tsp_core.parallelize` (stage 4, :mod:`.wrap`). Its forward runs the Hugging Face
 base model on this rank's tokens and computes the loss with the vocabulary-parallel head: the
 global mean over the whole mesh (:func:`loss_output`), TRL's fused-head fields
-(:func:`fused_output`) and the MoE load-balancing loss over the global batch (:func:`aux_loss`).
+(:func:`fused_output`) and the MoE load-balancing loss over the global batch with the router
+logits of this rank's tokens (:func:`moe_outputs`).
 What the runtime knows about the model is its
 :class:`~tsp_core.distributed.model_state.TSPModelState`."""
 
@@ -18,7 +19,7 @@ from ..distributed.model_state import model_state
 from ..inference.generation import hf_generate
 from ..inference.logits import token_index
 from ..layers import rope
-from ..layers.moe import TSPMoE, load_balancing_loss
+from ..layers.moe import kept_router_logits, load_balancing_loss, router_modules
 from ..layers.vocab import TSPLMHead
 from ..sequence.gather import gather_tokens
 from ..sequence.layout import IGNORE_INDEX
@@ -58,7 +59,10 @@ class TSPCausalLM:
         maximum is the length the unmodified model's rotary embedding sees on the whole batch
         (required when its frequencies depend on the length: dynamic NTK, longrope);
         ``tsp_fingerprint`` a hash of each full row, compared over the group so that ranks fed
-        different batches raise."""
+        different batches raise. ``output_router_logits`` (else the config's): the MoE aux loss
+        and ``router_logits``, one ``[B * L, E]`` tensor per MoE layer of this rank's ``[B, L]``
+        tokens (:func:`moe_outputs`; ``tsp_core.layers.moe.gather_router_logits`` gathers the
+        whole sequence's)."""
         refuse_unsharded(labels, use_cache, cache, position_ids, kwargs)
         state = model_state(self)
         if tsp_docs is not None:  # one host transfer per step, not per layer
@@ -79,17 +83,19 @@ class TSPCausalLM:
             out = getattr(self, state.policy.modules.base_model)(
                 input_ids=input_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
                 use_cache=False, **kwargs)
-        aux = aux_loss(self, router, attention_mask)
+        aux, router_logits = moe_outputs(self, router, attention_mask)
         head: TSPLMHead = getattr(self, state.policy.modules.lm_head)
         hidden = head.scale_input(out.last_hidden_state)
         if shift_labels is None:
-            return causal_lm_output(logits=head(hidden), aux_loss=aux)
+            return causal_lm_output(logits=head(hidden), aux_loss=aux,
+                                    router_logits=router_logits)
         state.loss_calls += 1  # TSPTrainer's guard
         if fused:
             return fused_output(self, head, hidden, shift_labels, num_items_in_batch, aux,
                                 None if full_docs is None else (tsp_docs, full_docs))
         return causal_lm_output(loss=loss_output(self, head, hidden, shift_labels,
-                                                 num_items_in_batch, aux), aux_loss=aux)
+                                                 num_items_in_batch, aux), aux_loss=aux,
+                                router_logits=router_logits)
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None,
                  **kwargs: Any):
@@ -120,12 +126,15 @@ def refuse_unsharded(labels: Any, use_cache: Any, cache: Any, position_ids: Any,
                          "pass the batch through tsp_core.shard_batch")
 
 
-def causal_lm_output(aux_loss: torch.Tensor | None = None, **fields: Any):
-    """Hugging Face's output of a causal LM (its MoE variant when there is an aux loss)."""
-    if aux_loss is not None:
+def causal_lm_output(aux_loss: torch.Tensor | None = None,
+                     router_logits: tuple[torch.Tensor, ...] | None = None, **fields: Any):
+    """Hugging Face's output of a causal LM (its MoE variant when there is an aux loss or router
+    logits)."""
+    if aux_loss is not None or router_logits is not None:
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-        return MoeCausalLMOutputWithPast(aux_loss=aux_loss, **fields)
+        return MoeCausalLMOutputWithPast(aux_loss=aux_loss, router_logits=router_logits,
+                                         **fields)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(**fields)
@@ -200,26 +209,32 @@ def fused_output(model: nn.Module, head: TSPLMHead, hidden: torch.Tensor,
                          mean_logits=mean_logits, is_top1=top1, label_mask=mask, aux_loss=aux)
 
 
-def aux_loss(model: nn.Module, output_router_logits: bool | None,
-             attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The MoE load-balancing loss of the forward that just ran, over the global batch
-    (:func:`tsp_core.layers.moe.load_balancing_loss`), when ``output_router_logits`` (else the
-    config's) asks for it, as Hugging Face computes it; None for a dense model. The layers'
-    router logits are released either way."""
-    layers = [m for m in model.modules() if isinstance(m, TSPMoE)]
+def moe_outputs(model: nn.Module, output_router_logits: bool | None,
+                attention_mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+    """(aux loss, router logits) of the forward that just ran, when ``output_router_logits``
+    (else the config's) asks for them, as Hugging Face returns them; (None, None) otherwise and
+    for a dense model. The aux loss is the MoE load-balancing loss over the global batch
+    (:func:`tsp_core.layers.moe.load_balancing_loss`; None for a family without one, GLM-4.5,
+    Llama 4, Gemma 4). The router logits are Hugging Face's ``router_logits`` of this rank's
+    tokens, one ``[B * L, E]`` tensor per MoE layer (:mod:`tsp_core.layers.moe.logits`;
+    ``gather_router_logits`` gathers the TSP group's). The layers' references to them are
+    released either way (the output holds them when asked)."""
+    layers = router_modules(model)
     if not layers:
-        return None
+        return None, None
     wanted = (output_router_logits if output_router_logits is not None
               else getattr(model.config, "output_router_logits", False))
     state = model_state(model)
     try:
-        if not wanted or not state.policy.ffn.moe.aux_loss:  # GLM-4.5 has none
-            return None
-        if any(m.router_logits is None for m in layers):
-            raise ValueError("an MoE layer has no router logits: it did not run forward")
+        if not wanted:
+            return None, None
+        logits = kept_router_logits(layers)
+        if not state.policy.ffn.moe.aux_loss:  # GLM-4.5 has none
+            return None, logits
         s = layers[0].spec
-        return load_balancing_loss([m.router_logits for m in layers], s.num_experts,
-                                   s.top_k, state.mesh.all_groups, attention_mask)
+        return load_balancing_loss(logits, s.num_experts, s.top_k, state.mesh.all_groups,
+                                   attention_mask), logits
     finally:
         for m in layers:
             m.router_logits = None
@@ -239,20 +254,21 @@ def tsp_class(cls: type) -> type:
 def unreplaced_attention_message(module: Any) -> str:
     """Why a Hugging Face attention module called the "tsp" implementation, and the fix. Only a
     model that ``parallelize`` did not convert does: ``parallelize`` replaces every attention
-    module and sets ``config._attn_implementation = "tsp"`` on the model's config object, which
-    every model built from that same object shares (transformers keeps it, it does not copy
-    it), and on which a model built from ``tsp_model.config`` starts."""
+    module and sets ``attn_implementation="tsp"`` on the converted model's own copy of its config
+    (:func:`.wrap.own_config`; the config object the model was built from is left as it was), so
+    a plain model says "tsp" when built from ``tsp_model.config`` (transformers keeps the config
+    object it is given, it does not copy it) or given ``attn_implementation="tsp"``."""
     name = type(module).__name__
     return (f"{name} called the \"{ATTN_IMPLEMENTATION}\" attention implementation, which only "
             f"tsp_core.parallelize's attention modules (HFTSPAttention) run: this {name} belongs "
             f"to a model that was not parallelized, whose config says "
             f"attn_implementation=\"{ATTN_IMPLEMENTATION}\". That happens when a plain model is "
-            f"built from the same config object as a model later given to tsp_core.parallelize "
-            f"(parallelize sets config._attn_implementation = \"{ATTN_IMPLEMENTATION}\" on it) "
-            f"or from a TSP model's config, or given attn_implementation=\""
-            f"{ATTN_IMPLEMENTATION}\". Give the plain model a config of its own, e.g. "
-            f"AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="
-            f"\"sdpa\"); to run this model with TSP, call tsp_core.parallelize(model, mesh)")
+            f"built from a TSP model's config (tsp_model.config says \"{ATTN_IMPLEMENTATION}\"; "
+            f"the config a model had before tsp_core.parallelize is left as it was) or given "
+            f"attn_implementation=\"{ATTN_IMPLEMENTATION}\". Give the plain model a config of its "
+            f"own, e.g. AutoModelForCausalLM.from_config(copy.deepcopy(tsp_model.config), "
+            f"attn_implementation=\"sdpa\"); to run this model with TSP, call "
+            f"tsp_core.parallelize(model, mesh)")
 
 
 def register_attention_implementation() -> None:

@@ -1,11 +1,13 @@
 """Stage 4 of :func:`tsp_core.parallelize`: change the model, once every replacement is built
 and checked. :func:`apply_plan` checks that the data-parallel replicas agree and swaps the
 modules in; :func:`wrap_model` makes it a TSP causal LM (:class:`.runtime.TSPCausalLM` and
-its :class:`~tsp_core.distributed.model_state.TSPModelState`), with the long-context options,
-and hands data-parallel gradients to FSDP2 or to the gradient sync."""
+its :class:`~tsp_core.distributed.model_state.TSPModelState`) with a config of its own
+(:func:`own_config`), with the long-context options, and hands data-parallel gradients to FSDP2
+or to the gradient sync."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import nn
@@ -42,10 +44,27 @@ def apply_plan(model: nn.Module, plan: ModulePlan) -> None:
     head.logits_softcap = softcap(policy.head.logits_softcap, c)
 
 
+def own_config(model: nn.Module) -> None:
+    """Give ``model`` a deep copy of its config, so that what the conversion sets on it
+    (``attn_implementation="tsp"``) stays off the caller's config object, which transformers
+    shares, uncopied, with every model built from it. Every module holding the config or one of
+    its sub-configs (Hugging Face's attention, MLP and rotary modules keep ``self.config``) is
+    given the copy's."""
+    from transformers import PretrainedConfig
+
+    memo: dict[int, Any] = {}  # id of each original object -> its copy
+    copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig) and id(value) in memo:
+                setattr(module, name, memo[id(value)])
+
+
 def wrap_model(model: nn.Module, plan: ModulePlan, tile_tokens: int | None,
                activation_offload: bool, mp_policy: Any, reshard_after_forward: bool) -> None:
-    """The converted model's class, state and attention implementation; tiles and activation
-    offload (docs/long-context.md); FSDP2 or the data-parallel gradient sync."""
+    """The converted model's class, state, config (a copy: :func:`own_config`) and attention
+    implementation; tiles and activation offload (docs/long-context.md); FSDP2 or the
+    data-parallel gradient sync."""
     mesh, policy = plan.mesh, plan.policy
     state = attach_model_state(model, TSPModelState(
         mesh, policy, type(model), tile_tokens=tile_tokens,
@@ -54,6 +73,7 @@ def wrap_model(model: nn.Module, plan: ModulePlan, tile_tokens: int | None,
     # rotaries whose frequencies depend on the length take the global one (tsp_rope_len)
     state.ropes = rope.length_dependent_rotaries(model)
     rope.use_global_length(state.ropes)
+    own_config(model)  # before it says "tsp": a plain model sharing the old one keeps its own
     register_attention_implementation()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for module in model.modules():  # the MLPs, the experts and the loss

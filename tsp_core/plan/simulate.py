@@ -285,7 +285,7 @@ def model_config(name: str, layers: int | None = None, seq: int = 4096):
 
 
 def recompute_kwargs(recompute: str) -> dict | None:
-    """``gradient_checkpointing_kwargs`` for every decoder layer, the same for every layout:
+    """``activation_checkpointing_kwargs`` for every decoder layer, the same for every layout:
     ``full`` keeps only each layer's input; ``selective`` (PyTorch's selective activation
     checkpointing) keeps matmul and attention-kernel outputs and recomputes the rest (norms,
     activations, RoPE, elementwise ops)."""
@@ -419,7 +419,7 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
                     if p.dtype != dtype:
                         p.data = p.data.to(dtype)
             if ckpt is not None:  # before build: activation offload needs it
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
             # TSP: parallelize applies FSDP2 on a dp_shard mesh
             pm = build(model, spec, mesh, tile_tokens=req.tile_tokens,
                        activation_offload=req.activation_offload)
