@@ -37,10 +37,15 @@ def check_parity(family: str, layouts: str, recompute: str = "none") -> list[str
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     done = []
     for spec in parse_layouts(layouts, dist.get_world_size()):
-        pm = build(hf_models.build(family, torch.float64), spec)
+        model = hf_models.build(family, torch.float64)
+        config, before = model.config, (model.config.to_dict(), model.config._attn_implementation)
+        pm = build(model, spec)
+        # the caller's config object is untouched: the layout's model runs on its own copy
+        assert (config.to_dict(), config._attn_implementation) == before, spec.label
+        assert pm.model.config is not config, spec.label
         if recompute != "none":
-            pm.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=recompute_kwargs(recompute))
+            pm.model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=recompute_kwargs(recompute))
             pm.model.train()
         loss = pm.step(data)
         assert_close(loss, ref_loss.detach(), 1e-10, f"{family} {spec.label} loss")

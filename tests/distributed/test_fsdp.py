@@ -69,7 +69,8 @@ def adamw_matches_one_process(replicas: int, shard: int, tsp: int, recompute: st
     if recompute != "none":
         from tsp_core.plan.simulate import recompute_kwargs
 
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=recompute_kwargs(recompute))
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=recompute_kwargs(recompute))
     model = tsp_core.parallelize(model, mesh)
     want = hf_models.sgd_reference(ref, batches, LR, CLIP, optimizer=torch.optim.AdamW)
     assert min(want["norms"]) > 2 * CLIP, want["norms"]  # clipping is active at every step

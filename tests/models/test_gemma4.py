@@ -27,7 +27,8 @@ def checkpointed_step(reentrant: bool) -> str:
     mesh = dist_pool.mesh(2)
     ref = hf_models.build("gemma4", torch.float64)
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": reentrant})
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=gen)
     data, sgd = [(ids, ids)], partial(torch.optim.SGD, lr=0.5)

@@ -54,7 +54,7 @@ def long_context_parity(case: str, tsp: int) -> float:
     what = f"{case} dp {dp} x tsp {tsp} rank {dist.get_rank()}"
     ref, reference_loss, kwargs = build(case)
     model = copy.deepcopy(ref)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model = tsp_core.parallelize(model, mesh, tile_tokens=TILE, activation_offload=True,
                                  **kwargs)
     assert SEQ // tsp >= 4 * TILE, f"{what}: a tile ({TILE}) is not several times smaller " \

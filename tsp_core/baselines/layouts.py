@@ -28,6 +28,7 @@ from ..layers.rope import length_dependent_types
 from ..models.offload import install_activation_offload
 from ..models.parallelize import parallelize
 from ..models.policies import find_policy
+from ..models.wrap import own_config
 from ..sequence.layout import IGNORE_INDEX, shard_batch
 from . import context_parallel
 from .moe import TensorParallelMoE, check_moe
@@ -290,6 +291,7 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None, *,
     if spec.name == "tsp":
         return ParallelModel(parallelize(model, mesh, tile_tokens=tile_tokens,
                                          activation_offload=activation_offload), spec, mesh)
+    own_config(model)  # the attention implementation set below stays off the caller's config
     policy = find_policy(model)
     dm = mesh.device_mesh
     names = policy.modules
