@@ -138,11 +138,12 @@ def logits_memory(tsp: int, batch: int, seq: int, hidden_size: int, vocab: int) 
 
     from tsp_core.inference import logits as L
     from tsp_core.layers.vocab import TSPLMHead
+    from tsp_core.sequence.gather import token_index
 
     mesh = dist_pool.mesh(tsp)
     head = TSPLMHead(mesh, vocab, hidden_size, dtype=torch.float32)
     hidden = torch.randn(batch, seq // tsp, hidden_size)
-    index = L.token_index(torch.full((batch, 1), seq), tsp, mesh.layout)
+    index = token_index(torch.full((batch, 1), seq), tsp, mesh.layout)
 
     def peak(fn) -> int:
         tracker = MemTracker()

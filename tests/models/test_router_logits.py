@@ -194,26 +194,3 @@ def test_router_logits_match_hf(pools, family, world, tsp, seq):
 def test_router_logits_ring_schedule(pools):
     """The ring schedule keeps its logits as the expert schedule does."""
     pools.of(2).run(router_logits_case, "qwen3_moe", 2, 16, "ring")
-
-
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("size", [1, 2, 4])
-def test_token_index_is_full_logits_rule(size, layout):
-    """gather_router_logits's token order (tsp_core.layers.moe.logits.token_index, below the
-    inference package) is full_logits's (tsp_core.inference.logits.token_index): for unpacked,
-    packed and padded rows, with and without the original documents."""
-    from tsp_core.distributed.chunks import num_chunks
-    from tsp_core.inference.logits import token_index as full_logits_index
-    from tsp_core.layers.moe.logits import token_index
-
-    n = num_chunks(size, layout)
-    for original in ([[16], [16]], [[5, 9, 2], [14, 2]], [[3], [11, 4, 1]], [[7]]):
-        padded = [[-(-d // n) * n for d in row] for row in original]
-        total = max(sum(row) for row in padded)
-        padded = [row + ([total - sum(row)] if sum(row) < total else []) for row in padded]
-        width = max(len(row) for row in padded)
-        tsp_docs = torch.tensor([row + [0] * (width - len(row)) for row in padded])
-        lengths = {sum(row) for row in original}
-        for docs in (None, original) if len(lengths) == 1 else (None,):
-            want = full_logits_index(tsp_docs, size, layout, docs)
-            assert torch.equal(token_index(padded, size, layout, docs), want), (original, docs)

@@ -34,13 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import comm
-from ..distributed.chunks import row_segments
 from ..distributed.fsdp import root_unsharded
 from ..distributed.mesh import TSPMesh, get_mesh
 from ..distributed.model_state import find_model_state, model_state
 from ..distributed.params import schedule_inputs
 from ..layers.vocab import LOSS_CHUNK_ELEMENTS, TSPLMHead, vocab_spec
-from ..sequence.gather import gather_tokens
+from ..sequence.gather import gather_tokens, token_index
 from ..sequence.layout import BATCH_KEYS, document_lengths, shard_batch
 
 
@@ -86,30 +85,6 @@ def _final_hidden(model: nn.Module, skip_head: bool) -> Iterator[list[torch.Tens
     finally:
         for h in handles:
             h.remove()
-
-
-def token_index(tsp_docs: torch.Tensor, size: int, layout: str,
-                original_docs: list[list[int]] | None = None) -> torch.Tensor:
-    """``[B, S]``: for each position of the result, where its token sits in the rank-order
-    concatenation of every rank's local tokens (what an all-gather returns), from each row's
-    padded document lengths ``tsp_docs`` (``shard_batch``'s). With ``original_docs`` (each row's
-    unpadded document lengths) the positions are the original tokens only, in their order;
-    without, every padded position."""
-    rows = []
-    for r, row in enumerate(tsp_docs.tolist()):
-        padded = [n for n in row if n]
-        slot_of = torch.empty(sum(padded), dtype=torch.long)
-        slot = 0
-        for rank in range(size):
-            for a, b, _ in row_segments(padded, rank, size, layout):
-                slot_of[a:b] = torch.arange(slot, slot + b - a)
-                slot += b - a
-        if original_docs is None:
-            rows.append(slot_of)
-            continue
-        starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
-        rows.append(torch.cat([slot_of[s:s + n] for s, n in zip(starts, original_docs[r])]))
-    return torch.stack(rows).to(tsp_docs.device)
 
 
 def _logits(head: TSPLMHead, hidden: torch.Tensor) -> torch.Tensor:

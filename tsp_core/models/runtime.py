@@ -17,11 +17,10 @@ from torch import nn
 from ..distributed import comm
 from ..distributed.model_state import model_state
 from ..inference.generation import hf_generate
-from ..inference.logits import token_index
 from ..layers import rope
 from ..layers.moe import kept_router_logits, load_balancing_loss, router_modules
 from ..layers.vocab import TSPLMHead
-from ..sequence.gather import gather_tokens
+from ..sequence.gather import gather_tokens, token_index
 from ..sequence.layout import IGNORE_INDEX
 from ..state.checkpoint import save_pretrained
 from .input_checks import check_model_inputs

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed import comm
+from ..distributed.chunks import row_segments
 
 
 class GatherTokens(torch.autograd.Function):
@@ -33,7 +34,33 @@ class GatherTokens(torch.autograd.Function):
 def gather_tokens(x: torch.Tensor, index: torch.Tensor, group) -> torch.Tensor:
     """:class:`GatherTokens` (a bool tensor travels as uint8). ``index`` [B, S]: where each
     position's token sits in the rank-order concatenation of the ranks' local tokens
-    (:func:`tsp_core.inference.logits.token_index`)."""
+    (:func:`token_index`)."""
     if x.dtype == torch.bool:
         return GatherTokens.apply(x.to(torch.uint8), index, group).bool()
     return GatherTokens.apply(x, index, group)
+
+
+def token_index(tsp_docs: torch.Tensor | list[list[int]], size: int, layout: str,
+                original_docs: list[list[int]] | None = None) -> torch.Tensor:
+    """``[B, S]``: for each position of the result, where its token sits in the rank-order
+    concatenation of every rank's local tokens (what an all-gather returns), from each row's
+    padded document lengths ``tsp_docs`` (``shard_batch``'s; zeros, its row padding, are
+    skipped). With ``original_docs`` (each row's unpadded document lengths) the positions are the
+    original tokens only, in their order; without, every padded position."""
+    docs = tsp_docs.tolist() if isinstance(tsp_docs, torch.Tensor) else tsp_docs
+    rows = []
+    for r, row in enumerate(docs):
+        padded = [n for n in row if n]
+        slot_of = torch.empty(sum(padded), dtype=torch.long)
+        slot = 0
+        for rank in range(size):
+            for a, b, _ in row_segments(padded, rank, size, layout):
+                slot_of[a:b] = torch.arange(slot, slot + b - a)
+                slot += b - a
+        if original_docs is None:
+            rows.append(slot_of)
+            continue
+        starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
+        rows.append(torch.cat([slot_of[s:s + n] for s, n in zip(starts, original_docs[r])]))
+    index = torch.stack(rows)
+    return index.to(tsp_docs.device) if isinstance(tsp_docs, torch.Tensor) else index

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...distributed.chunks import num_chunks, row_segments
+from ...distributed.chunks import num_chunks
 from ...distributed.mesh import TSPMesh
-from ...sequence.gather import gather_tokens
+from ...sequence.gather import gather_tokens, token_index
 from ...sequence.layout import document_lengths
 from .module import TSPMoE
 from .router import TSPRouter
@@ -99,23 +99,3 @@ def _documents(batch: Mapping[str, Any], mesh: TSPMesh
     padded = [[-(-d // n) * n for d in row] for row in docs]
     total = max(sum(row) for row in padded)
     return [row + ([total - sum(row)] if sum(row) < total else []) for row in padded], docs
-
-
-def token_index(padded: list[list[int]], size: int, layout: str,
-                original: list[list[int]] | None = None) -> torch.Tensor:
-    """``[B, S]``: for each result position, where its token sits in the rank-order concatenation
-    of every rank's local tokens (what the all-gather returns), from each row's ``padded``
-    document lengths; with ``original`` (each row's unpadded ones) the original tokens only, in
-    their order. The rule of ``tsp_core.inference.logits.token_index``, which sits above this
-    package (tests/models/test_router_logits.py checks that they agree)."""
-    out = []
-    for r, row in enumerate(padded):
-        ranges = [range(a, b) for rank in range(size)
-                  for a, b, _ in row_segments(row, rank, size, layout)]
-        slot_of = torch.empty(sum(row), dtype=torch.long)
-        slot_of[torch.tensor([i for part in ranges for i in part])] = torch.arange(sum(row))
-        if original is not None:
-            starts = [sum(row[:j]) for j in range(len(original[r]))]
-            slot_of = torch.cat([slot_of[s:s + n] for s, n in zip(starts, original[r])])
-        out.append(slot_of)
-    return torch.stack(out)
