@@ -127,7 +127,7 @@ def check_args(a: argparse.Namespace, world: int) -> argparse.Namespace:
     if a.pp > 1:
         from tsp_core.pipeline import split_layers
 
-        split_layers(a.layers, a.pp)  # a layer count the stages cannot share raises here
+        split_layers(a.layers, a.pp)  # fewer layers than stages raises here
     a.microbatches = (2 * a.pp if a.pp > 1 else 1) if a.microbatches is None else a.microbatches
     if a.microbatches < a.pp:
         raise ValueError(f"--microbatches ({a.microbatches}) must be at least --pp ({a.pp})")

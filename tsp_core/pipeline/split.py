@@ -71,11 +71,6 @@ def balanced_split(num_layers: int, num_stages: int) -> list[int]:
     return [c - e for c, e in zip(costs, ends)]
 
 
-# the name tsp_core.tools.cli imports (it was the split suggested in the error for a count that
-# did not divide); the same function
-suggest_split = balanced_split
-
-
 def report_split(num_layers: int, num_stages: int, rank: int) -> None:
     """Say the default cut on global rank 0 (``rank``) when the units do not divide into the
     stages (an even cut goes unsaid): one line, a warning of the ``tsp_core.pipeline`` logger

@@ -79,7 +79,7 @@ def simulation_requests(args: argparse.Namespace) -> tuple[Any, list]:
     pp = args.pp
     args.microbatches = micro = args.microbatches or 4 * pp
     if pp > 1:  # before any process starts
-        from ..pipeline.split import split_layers, suggest_split
+        from ..pipeline.split import balanced_split, split_layers
 
         if args.layers is not None or args.activation_offload or micro < pp:
             raise SystemExit(f"--pp ({pp}) simulates the busiest stage of the whole model: pass "
@@ -87,10 +87,10 @@ def simulation_requests(args: argparse.Namespace) -> tuple[Any, list]:
                              f"--microbatches ({micro}) at least --pp")
         try:
             total = model_config(args.model, None).num_hidden_layers
-            split_layers(total, pp, suggest_split(total, pp))
+            split_layers(total, pp, balanced_split(total, pp))
         except (ValueError, OSError) as e:
             raise SystemExit(str(e)) from e
-        args.layers = max(suggest_split(total, pp))
+        args.layers = max(balanced_split(total, pp))
     try:
         config = model_config(args.model, args.layers)
     except (ValueError, OSError) as e:
