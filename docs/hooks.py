@@ -8,12 +8,15 @@
   (``../examples/train_llama.py``, ``LICENSE``) at a copy of it under ``files/``. Links to files
   that do not exist, and to other .md files outside docs/, are left as written, so
   ``mkdocs build --strict`` fails on them.
+- The figures drawn from docs/records (docs/scripts/render_records.py, ``FIGURES``) are drawn
+  again into the site at every build, so the site never shows a figure older than its records.
 - The code's docstrings cite names the Sphinx way (``:func:`parallelize` ``); the API reference
   shows them as plain code (``parallelize``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import posixpath
 import re
@@ -96,8 +99,31 @@ def _rewrite(text: str, base: Path, page_uri: str, config) -> str:
     return "".join(out)
 
 
+def _render_records(docs: Path):
+    spec = importlib.util.spec_from_file_location("render_records",
+                                                  docs / "scripts" / "render_records.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _draw_figures(files, config) -> None:
+    """Each figure of docs/records, drawn now from the records, in place of any copy in docs/."""
+    docs, _ = _paths(config)
+    records = _render_records(docs)
+    load = records.loader(docs / "records")
+    for name, make in records.FIGURES.items():
+        uri = f"{records.FIGURES_DIR}/{name}.png"
+        old = files.get_file_from_path(uri)
+        if old is not None:
+            files.remove(old)
+        files.append(File.generated(config, uri, content=records.draw(make(load))))
+
+
 def on_files(files, config):
-    """Copy into the site every repository file outside docs/ that a page links to."""
+    """Copy into the site every repository file outside docs/ that a page links to, and draw
+    the figures of docs/records."""
+    _draw_figures(files, config)
     docs, root = _paths(config)
     for page in sorted(docs.glob("*.md")):
         text, base = _source(page.read_text(encoding="utf-8"), config)

@@ -8,7 +8,10 @@ command that produced it and the JSON that command wrote with ``--json`` (``tsp 
     ...
     <!-- /record -->
 
-lines, where BLOCK names one of the renderers below; what lies between them is generated.
+lines, where BLOCK names one of the renderers below; what lies between them is generated. The
+figures of :data:`FIGURES` are drawn from the records too, into docs/img/records/NAME.png, each
+PNG carrying the numbers it was drawn from; ``--check`` compares those numbers with the records,
+and the docs build (docs/hooks.py) draws them again into the site.
 
     python docs/scripts/render_records.py            # rewrite every block from the records
     python docs/scripts/render_records.py --check    # exit 1 and print the diff where they differ
@@ -443,20 +446,25 @@ def bench_small_d2(load: Loader) -> str:
                 f"({100 * peak:.0f}%)."))
 
 
+def llama8b_fit(r: dict, gpu_gb: int) -> tuple[float, bool, float, bool]:
+    """(the GPU limit, offloaded, host bytes per node, fits) of a Llama-3.1-8B row: a GPU peak of
+    at most 90% of the GPU's memory and at most 1.5 TiB of host memory per 8-GPU node."""
+    limit = 0.9 * gpu_gb * GB
+    offload = bool(r.get("activation_offload"))
+    host = r.get("host_bytes", 0) * min(8, r["degree"])
+    return limit, offload, host, r["peak_bytes"] <= limit and host <= 1.5 * 2**40
+
+
 def long_context_llama8b(load: Loader) -> str:
     """long-context.md: TSP's measured rows for Llama-3.1-8B (whole model, full recompute, bf16
     AdamW), each against 90% of its GPU's memory and 1.5 TiB of host memory per 8-GPU node."""
-    host_node = 1.5 * 2**40
     lines = ["| GPUs | tokens | offload | GPU peak GiB | of the limit (90% of the GPU) | "
              "host GiB per node | fits |",
              "|---|---|---|---|---|---|---|"]
     cmds = []
     for name, gpu_gb in LONG_CONTEXT_RECORDS:
         (r,) = sim_rows(load, name)
-        limit = 0.9 * gpu_gb * GB
-        offload = bool(r.get("activation_offload"))
-        host = r.get("host_bytes", 0) * min(8, r["degree"])
-        fits = r["peak_bytes"] <= limit and host <= host_node
+        limit, offload, host, fits = llama8b_fit(r, gpu_gb)
         lines.append(f"| {r['degree']} x {gpu_gb} GB | {r['seq']:,} | "
                      f"{'yes' if offload else 'no'} | {gib(r):.2f} | "
                      f"{r['peak_bytes'] / limit:.1%} | {host / GIB:.0f} | "
@@ -493,6 +501,152 @@ RENDERERS: dict[str, Callable[[Loader], str]] = {
     "long-context-llama8b": long_context_llama8b,
     "simulate-deepseek-v3-128k": simulate_deepseek_v3_128k,
 }
+
+
+# ------------------------------------------------------------------ figures
+
+# What other systems publish for Llama-3.1-8B on H100 80 GB GPUs, all with activation checkpoints
+# offloaded to host memory: (system, source, ((GPUs, tokens), ...)), as docs/long-context.md cites
+# them. UPipe is not here: no number with a public source was found for this setting.
+PUBLISHED = (("ALST", "arXiv 2506.13996", ((8, 3_700_000), (32, 15_000_000))),
+             ("TRL", "TRL documentation, context parallelism", ((8, 1_000_000),)))
+FIGURES_DIR = "img/records"  # under docs/: each figure is FIGURES_DIR/NAME.png
+
+
+def memory_7b_d8(load: Loader) -> dict:
+    """memory.md: every layout's per-rank peak against the sequence length (7B, D = 8)."""
+    rows = sim_rows(load, "simulate-7b")
+    series = [{"label": label, "kind": "ours",
+               "points": [[r["seq"], gib(r)] for r in sorted(
+                   (r for r in rows if r["layout"] == label), key=lambda r: r["seq"])]}
+              for label in dict.fromkeys(r["layout"] for r in rows)]
+    return {"title": "7B, D = 8, full recompute, bf16 AdamW: per-rank peak (tsp simulate; "
+                     "lines join the simulated lengths)",
+            "xlabel": "sequence length (tokens)", "ylabel": "peak GiB per rank",
+            "records": ["simulate-7b"], "series": series}
+
+
+def longest_context_llama8b(load: Loader) -> dict:
+    """long-context.md: TSP's longest fitting Llama-3.1-8B sequence on 80 GB GPUs against the GPU
+    count (tsp simulate), beside the points ALST and TRL publish (labelled as theirs)."""
+    best: dict[bool, dict[int, int]] = {}
+    names = [name for name, gpu_gb in LONG_CONTEXT_RECORDS if gpu_gb == 80]
+    for name in names:
+        (r,) = sim_rows(load, name)
+        _, offload, _, fits = llama8b_fit(r, 80)
+        if fits:
+            at = best.setdefault(offload, {})
+            at[r["degree"]] = max(at.get(r["degree"], 0), r["seq"])
+    series = [{"label": f"TSP, {'with' if off else 'without'} offload (tsp simulate)",
+               "kind": "ours", "points": [[g, q] for g, q in sorted(best[off].items())]}
+              for off in sorted(best, reverse=True)]
+    series += [{"label": f"published by {system} ({source}), with offload", "kind": "published",
+                "points": [list(p) for p in points]} for system, source, points in PUBLISHED]
+    return {"title": "Llama-3.1-8B on H100 80 GB: the longest sequence that fits",
+            "xlabel": "GPUs", "ylabel": "tokens", "xlog": 2, "ylog": 2, "records": names,
+            "series": series}
+
+
+def crossover(a: list[list[float]], b: list[list[float]]) -> float | None:
+    """The first length where ``a`` stops being above ``b`` (piecewise linear between the shared
+    lengths), or None when it never does."""
+    pts = [(x, ya - yb) for (x, ya), (_, yb) in zip(a, b)]
+    for (x0, d0), (x1, d1) in zip(pts, pts[1:]):
+        if d0 > 0 >= d1:
+            return x0 + (x1 - x0) * d0 / (d0 - d1)
+    return None
+
+
+def layer_bytes_small_d2(load: Loader) -> dict:
+    """benchmarks.md: bytes moved per layer forward against the sequence length, TSP vs tp-sp,
+    measured by tsp bench, and the length where TSP starts moving fewer."""
+    recs = load("bench-small-d2")["output"]["records"]
+    series = [{"label": f"{label} (tsp bench)", "kind": "ours",
+               "points": [[r["seq"], r["layer_forward_bytes"] / MIB] for r in sorted(
+                   (r for r in recs if r["layout"] == label), key=lambda r: r["seq"])]}
+              for label in ("tsp", "tp-sp")]
+    return {"title": "small Llama, D = 2: bytes moved per layer forward (tsp bench)",
+            "xlabel": "sequence length (tokens)", "ylabel": "MiB per layer forward", "xlog": 2,
+            "records": ["bench-small-d2"], "series": series,
+            "crossover": crossover(series[0]["points"], series[1]["points"])}
+
+
+FIGURES: dict[str, Callable[[Loader], dict]] = {
+    "memory-7b-d8": memory_7b_d8,
+    "longest-context-llama8b": longest_context_llama8b,
+    "layer-bytes-small-d2": layer_bytes_small_d2,
+}
+
+
+def draw(data: dict) -> bytes:
+    """The PNG of a figure's data; the data rides in its ``Description`` text, so a test (and
+    ``--check``) can compare a PNG with its records without comparing pixels."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for s in data["series"]:
+        xs, ys = zip(*s["points"])
+        ours = s["kind"] == "ours"
+        ax.plot(xs, ys, marker="o" if ours else "D", linestyle="-" if ours else ":",
+                markersize=6 if ours else 8, fillstyle="full" if ours else "none",
+                label=s["label"])
+    if data.get("crossover"):
+        ax.axvline(data["crossover"], color="grey", linestyle="--", linewidth=1,
+                   label=f"crossover: {data['crossover']:.0f} tokens")
+    if data.get("xlog"):
+        ax.set_xscale("log", base=data["xlog"])
+    if data.get("ylog"):
+        ax.set_yscale("log", base=data["ylog"])
+    ax.set(title=data["title"], xlabel=data["xlabel"], ylabel=data["ylabel"])
+    ax.title.set_fontsize(10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=100,
+                metadata={"Software": None, "Description": json.dumps(data, sort_keys=True)})
+    plt.close(fig)
+    return out.getvalue()
+
+
+def figure_data(png: Path) -> dict | None:
+    """The data a PNG written by :func:`draw` was drawn from (None for any other file)."""
+    from PIL import Image
+
+    with Image.open(png) as im:
+        text = getattr(im, "text", {}).get("Description")
+    return json.loads(text) if text else None
+
+
+def figure_path(name: str, root: Path = ROOT) -> Path:
+    return root / "docs" / FIGURES_DIR / f"{name}.png"
+
+
+def check_figures(load: Loader, root: Path = ROOT) -> list[str]:
+    """The figures whose PNG is missing or was drawn from other numbers than the records hold."""
+    stale = []
+    for name, make in FIGURES.items():
+        path = figure_path(name, root)
+        now = json.loads(json.dumps(make(load), sort_keys=True))
+        if not path.exists() or figure_data(path) != now:
+            stale.append(f"{path.relative_to(root)} differs from what docs/records draw")
+    return stale
+
+
+def draw_figures(load: Loader, root: Path = ROOT) -> list[Path]:
+    """Write every figure whose PNG differs from what the records draw."""
+    changed = []
+    for name in [s.split(" ")[0] for s in check_figures(load, root)]:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(draw(FIGURES[path.stem](load)))
+        changed.append(path)
+    return changed
 
 
 # ------------------------------------------------------------------ rendering and checking
@@ -565,11 +719,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {cmd}", file=sys.stderr)
         write_record(name, cmd, run_command(cmd))
     if args.check:
-        diffs = check(pages(), loader())
+        diffs = check(pages(), loader()) + check_figures(loader())
         for d in diffs:
             print(d)
         return 1 if diffs else 0
-    for path in render(pages(), loader()):
+    for path in render(pages(), loader()) + draw_figures(loader()):
         print(f"rendered {path.relative_to(ROOT)}")
     return 0
 

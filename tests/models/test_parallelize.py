@@ -87,7 +87,7 @@ def bad_models() -> list[str]:
          r"'glm4_moe', 'gpt_oss', 'granite', 'hunyuan_v1_dense', 'llama', 'llama4_text', "
          r"'mistral', 'mixtral', 'olmo2', 'olmo3', 'phi3', "
          r"'qwen2', 'qwen3', 'qwen3_5', "
-         r"'qwen3_moe', 'seed_oss', 'smollm3'\]\. "
+         r"'qwen3_moe', 'qwen3_next', 'seed_oss', 'smollm3'\]\. "
          r"Describe its module names"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=6,
@@ -101,8 +101,8 @@ def bad_models() -> list[str]:
          r"this model: 1, 2$"),
         (LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=4, attention_dropout=0.1)),
-         r"attention_dropout \(0\.1\) is not supported"),
+                                      num_key_value_heads=4, attention_dropout=1.0)),
+         r"attention_dropout \(1\.0\) must be in \[0, 1\)"),
     ]
     # what a family uses and TSP does not implement is refused by its config field and value
     # (Gemma 2's soft-capping, once refused here, is implemented: test_training_parity_float64)
@@ -125,13 +125,14 @@ def bad_models() -> list[str]:
     cases.append((Gemma4ForCausalLM(Gemma4TextConfig(use_bidirectional_attention="all", **g4)),
                   r"Gemma4ForCausalLM: config\.use_bidirectional_attention='all' \(bidirectional "
                   r"attention\) not implemented by TSP"))
-    # Seed-OSS's dropout on the attention output (on by default) is not applied by TSP attention
-    from transformers import SeedOssConfig, SeedOssForCausalLM
+    # attention dropout: HFTSPAttention refuses it in training (tests/models/test_dropout.py);
+    # a family's own attention module (DeepSeek-V3's latent attention) at parallelize
+    from tests.models import test_deepseek_v3
 
-    cases.append((SeedOssForCausalLM(SeedOssConfig(attention_dropout=0.0, residual_dropout=0.1,
-                                                   **small)),
-                  r"SeedOssForCausalLM: config\.residual_dropout=0\.1 \(dropout on the attention "
-                  r"output\) not implemented by TSP"))
+    deepseek = test_deepseek_v3.build()
+    deepseek.config.attention_dropout = 0.1
+    cases.append((deepseek, r"attention_dropout \(0\.1\) is not supported by deepseek_v3's TSP "
+                            r"attention; set it to 0\.0"))
     # an ungated MLP (Apertus's) takes the activations TSPPlainMLP implements, and says which
     from transformers import ApertusConfig, ApertusForCausalLM
 

@@ -125,6 +125,18 @@ def test_zoo_norms_are_hugging_face_in_float32(family):
     _assert_same_bits(*runs, f"{family} in float32")
 
 
+def test_qwen3_next_copies_are_hugging_face_in_float32():
+    """The zoo's Qwen3-Next with its faithful norms and Gated DeltaNet (the forward, with the
+    fused in_proj_qkvz and in_proj_ba, and the gated norm: tests/support/delta_net_reference.py)
+    gives the unmodified model bit for bit in float32: logits and every gradient."""
+    ours = hf_models.build("qwen3_next", torch.float32)
+    theirs = _hf_twin(ours, (*norm_reference.FORWARDS, "Qwen3NextGatedDeltaNet",
+                             "Qwen3NextRMSNormGated"))
+    ids = torch.randint(0, ours.config.vocab_size, (2, 12), generator=_draws(3))
+    runs = [_run_with_grads(m, input_ids=ids) for m in (ours, theirs)]
+    _assert_same_bits(*runs, "qwen3_next in float32")
+
+
 # ---------------------------------------------------------------------------------- Llama 4
 
 LLAMA4_CLASSES = ("Llama4TextAttention", "Llama4TextL2Norm", "Llama4Router")

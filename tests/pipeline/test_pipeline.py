@@ -9,7 +9,9 @@ wrong). Each step's loss to 1e-10, the first step's gradients (before clipping) 
 gradient norm the clipping sees and the weights after 3 AdamW steps with clipping active (Qwen3,
 Mistral: 3 unclipped plain SGD steps) to 1e-8, on every rank; the point-to-point counts of a step
 are those of docs/pipeline.md; a checkpoint saved at pp 2 x tsp 2 resumes elsewhere exactly; bad
-configurations are refused on every rank before any collective."""
+configurations are refused on every rank before any collective. A Llama with tied embeddings (the
+embedding on the first stage, a copy as the head on the last, their gradients summed) is held to
+the same tolerances, and its checkpoints move between pp 2 and pp 1."""
 
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ ROWS, SEQ = 8, 16
 _MESHES: dict[tuple, object] = {}
 
 
-def tiny_llama(seed: int = 0, layers: int = 6):
+def tiny_llama(seed: int = 0, layers: int = 6, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, rms_norm_eps=1e-6)
+                         max_position_embeddings=256, rms_norm_eps=1e-6,
+                         tie_word_embeddings=tied)
     return LlamaForCausalLM(config).to(torch.float64)
 
 
@@ -59,8 +62,8 @@ def family_model(family: str, seed: int = 0, layers: int = 6):
     ranks changes the update), q/k/v biases, head_dim 24 and a sliding window of 9 on layer 1
     (the second stage's); Mistral with a sliding window of 7 on both layers. SEQ 16 is longer
     than both windows (:func:`window_acts` checks that they change the loss)."""
-    if family == "llama":
-        return tiny_llama(seed, layers)
+    if family in ("llama", "llama-tied"):
+        return tiny_llama(seed, layers, tied=family == "llama-tied")
     assert layers == 6, f"{family}: the zoo's model has its own layers"
     from tests.support.hf_models import build
 
@@ -71,7 +74,7 @@ def training(family: str, params) -> tuple[torch.optim.Optimizer, float]:
     """(optimizer, clipping threshold): Llama AdamW clipped at CLIP; Qwen3 and Mistral plain SGD
     unclipped (the norm still measured), so the update is SGD_LR times the gradient and a
     gradient of the wrong scale shows in the weights (AdamW's update would hide it)."""
-    if family == "llama":
+    if family in ("llama", "llama-tied"):
         return torch.optim.AdamW(params, lr=LR), CLIP
     return torch.optim.SGD(params, lr=SGD_LR), float("inf")
 
@@ -135,8 +138,8 @@ def _full(pipe, grads: bool) -> dict[str, torch.Tensor]:
 
 
 def pipeline_run(schedule: str, tsp: int, dp_shard: int | None, family: str = "llama",
-                 layer_split: list[int] | None = None, layers: int = 6) -> dict:
-    """:func:`reference`'s training on a pp 2 pipeline; also the names of the parameters this
+                 layer_split: list[int] | None = None, layers: int = 6, pp: int = 2) -> dict:
+    """:func:`reference`'s training on a pp ``pp`` pipeline; also the names of the parameters this
     rank holds (``owned``), its pipeline rank and the ``[tsp] pipeline:`` lines it printed on
     stderr while the pipeline was built (``said``)."""
     import contextlib
@@ -145,19 +148,20 @@ def pipeline_run(schedule: str, tsp: int, dp_shard: int | None, family: str = "l
     import tsp_core
     from tsp_core import comm
 
-    mesh = _mesh(tsp, 2, dp_shard)
+    mesh = _mesh(tsp, pp, dp_shard)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         pipe = tsp_core.pipeline(family_model(family, layers=layers), mesh, microbatches=M,
                                  schedule=schedule, layer_split=layer_split)
     said = [line for line in err.getvalue().splitlines() if line.startswith("[tsp] pipeline:")]
     opt, clip = training(family, pipe.parameters())
-    losses, norms, grads0, counts = [], [], None, None
+    losses, norms, grads0, counts, reduces = [], [], None, None, None
     for step, batch in enumerate(batches()):
         with comm.track() as stats:
             loss = pipe.step(batch)
         if step == 1:  # the first step also runs torch's one-time warm-up handshake
             counts = {k: (stats.calls[k], stats.bytes[k]) for k in ("send", "recv")}
+            reduces = (stats.calls["all_reduce"], stats.bytes["all_reduce"])
         if grads0 is None:
             grads0 = _full(pipe, grads=True)
         norms.append(float(pipe.clip_grad_norm_(clip)))
@@ -165,7 +169,8 @@ def pipeline_run(schedule: str, tsp: int, dp_shard: int | None, family: str = "l
         opt.zero_grad()
         losses.append(float(loss))
     return dict(losses=losses, norms=norms, grads0=grads0, weights=_full(pipe, grads=False),
-                counts=counts, stages=pipe.stage_indices, split=[list(r) for r in pipe.layer_split],
+                counts=counts, reduces=reduces, stages=pipe.stage_indices,
+                split=[list(r) for r in pipe.layer_split],
                 owned=sorted(n for n, _ in pipe.named_parameters()), pp_rank=mesh.pp_rank,
                 said=said)
 
@@ -293,6 +298,38 @@ def test_uneven_default_cut_interleaved_matches_one_process(pool):
     _check_sends(per_rank, 4)
 
 
+def tied_reference(layers: int = 4) -> dict:
+    """:func:`reference` of the tied Llama, the one tied weight (``named_parameters`` names it
+    ``model.embed_tokens.weight`` only) also under ``lm_head.weight``, the name the pipeline's
+    last stage holds its copy by and ``state_dict`` gives it."""
+    model = family_model("llama-tied", layers=layers)
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "the reference is not tied"
+    ref = reference("llama-tied", layers)
+    for key in ("grads0", "weights"):
+        ref[key]["lm_head.weight"] = ref[key]["model.embed_tokens.weight"]
+    return ref
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_tied_embedding_matches_one_process(pool, schedule):
+    """The first stage holds the embedding, the last the head, a copy of the same weight; their
+    gradients are summed (each copy's gradient alone is off), the norm counts the weight once."""
+    per_rank = pool.run(pipeline_run, schedule, 2, None, family="llama-tied", layers=4)
+    untied = pool.run(pipeline_run, schedule, 2, None, layers=4)
+    ref = tied_reference()
+    # docs/pipeline.md: one all-reduce more per step on every rank (each holds a copy at pp 2),
+    # of its vocabulary rows of the gradient over the pair, 2 (2 - 1) / 2 x V/D x h x 8 bytes
+    shard = 96 // 2 * 32 * 8
+    for rank, (run, plain) in enumerate(zip(per_rank, untied, strict=True)):
+        calls, sent = plain["reduces"]
+        assert run["reduces"] == (calls + 1, sent + shard), (rank, run["reduces"], plain["reduces"])
+    for rank, run in enumerate(per_rank):
+        holds = {n for n in run["owned"] if n in ("model.embed_tokens.weight", "lm_head.weight")}
+        want = {0: {"model.embed_tokens.weight"}, 1: {"lm_head.weight"}}[run["pp_rank"]]
+        assert holds == want, (rank, run["pp_rank"], holds)
+    _check(per_rank, ref, f"tied pp2 x tsp2 {schedule}")
+
+
 def _refused(fn, pattern: str) -> str:
     from tsp_core import comm
 
@@ -304,8 +341,6 @@ def _refused(fn, pattern: str) -> str:
 
 
 def refusals() -> list[str]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import tsp_core
     from tsp_core import comm
 
@@ -314,9 +349,6 @@ def refusals() -> list[str]:
     def build(**kw):
         return lambda: tsp_core.pipeline(model, mesh, **{"microbatches": M, **kw})
 
-    tied = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, tie_word_embeddings=True))
     msgs = [
         _refused(build(schedule="Interleaved1F1B", stages_per_rank=4, microbatches=8),
                  r"the model has 6 decoder layers, fewer than the 8 pipeline stages asked for"),
@@ -326,9 +358,6 @@ def refusals() -> list[str]:
         _refused(build(schedule="ZBVZeroBubble"), r"schedule 'ZBVZeroBubble' is not one of"),
         _refused(build(schedule="1F1B", stages_per_rank=2), r"schedule '1F1B' runs 1 stage per "
                                                             r"pipeline rank"),
-        _refused(lambda: tsp_core.pipeline(tied, mesh, microbatches=M),
-                 r"the model ties its embedding and LM head \(tie_word_embeddings=True\), which "
-                 r"would sit on the first and last of 2 stages"),
         _refused(lambda: tsp_core.pipeline(model, dist_pool.mesh(2), microbatches=M),
                  r"the mesh has no pipeline dim"),
     ]
@@ -456,3 +485,100 @@ def test_saved_at_pp2_tsp2_resumes_interleaved_at_tsp2_tsp4_and_one_process(pool
             f"rank {rank} full_state_dict names {sorted(run['final'].keys() ^ want.keys())}"
         for name, t in want.items():
             assert_close(run["final"][name], t, 1e-10, f"rank {rank} full_state_dict: {name}")
+
+
+def test_tied_embedding_fsdp2_matches_one_process(pool):
+    """pp 2 x dp_shard 2 x tsp 1: each copy's gradient is FSDP2-sharded alike; the pair sums
+    its data-parallel slice."""
+    per_rank = pool.run(pipeline_run, "1F1B", 1, 2, family="llama-tied", layers=4)
+    _check(per_rank, tied_reference(), "tied pp2 x dp_shard2 1F1B")
+
+
+def test_tied_embedding_pp4_matches_one_process(pool):
+    """pp 4 x tsp 1: the copies on pipeline ranks 0 and 3 sum their gradients on a group of the
+    two (ranks 1 and 2, holding neither, take no part)."""
+    per_rank = pool.run(pipeline_run, "1F1B", 1, None, family="llama-tied", layers=4, pp=4)
+    _check(per_rank, tied_reference(), "tied pp4 x tsp1 1F1B")
+
+
+def tied_checkpoint_run(root: str) -> dict:
+    """A tied Llama saved at pp 2 x tsp 2 after step 1, then resumed at pp 1 (tsp 2, dp 2) from
+    another seed's weights: its losses and weights follow the uninterrupted pipeline's."""
+    import tsp_core
+
+    pipe = tsp_core.pipeline(tiny_llama(layers=4, tied=True), _mesh(2, 2), microbatches=M)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    train(pipe, opt, range(1))
+    path = os.path.join(root, "tied_pp2_tsp2_step1")
+    tsp_core.save_checkpoint(path, pipe, opt, step=1)
+    losses = train(pipe, opt, range(1, STEPS))
+    final = tsp_core.full_state_dict(pipe)
+    # into a pipeline again, Interleaved1F1B (the head's optimizer state read back by its name)
+    again = tsp_core.pipeline(tiny_llama(seed=7, layers=4, tied=True), _mesh(2, 2),
+                              microbatches=M, schedule="Interleaved1F1B")
+    again_opt = torch.optim.AdamW(again.parameters(), lr=LR)
+    assert tsp_core.load_checkpoint(path, again, again_opt) == {"step": 1}
+    resumed = train(again, again_opt, range(1, STEPS))
+    assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(resumed, losses, strict=True)), \
+        f"pipeline resumed losses {resumed} vs {losses}"
+    mesh = dist_pool.mesh(2)
+    model = tsp_core.parallelize(tiny_llama(seed=7, layers=4, tied=True), mesh)
+    model_opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert tsp_core.load_checkpoint(path, model, model_opt) == {"step": 1}
+    resumed = train(model, model_opt, range(1, STEPS), mesh)
+    for step, (a, b) in enumerate(zip(resumed, losses, strict=True)):
+        assert abs(a - b) <= 1e-10 * abs(b), f"pp 1 resumed loss, step {step + 1}: {a} vs {b}"
+    got = tsp_core.full_state_dict(model)
+    assert got.keys() == final.keys(), sorted(got.keys() ^ final.keys())
+    for name, t in final.items():
+        assert_close(got[name], t, 1e-10, f"pp 1 resumed: {name} after step {STEPS}")
+    # and back: saved at pp 1, loaded into a pipeline (its head's optimizer state by its name)
+    back = os.path.join(root, "tied_pp1_tsp2_step3")
+    tsp_core.save_checkpoint(back, model, model_opt, step=STEPS)
+    pipe = tsp_core.pipeline(tiny_llama(seed=7, layers=4, tied=True), _mesh(2, 2), microbatches=M)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    assert tsp_core.load_checkpoint(back, pipe, opt) == {"step": STEPS}
+    # one more step on both (batch 0 again): the same weights, optimizer state included
+    assert train(pipe, opt, range(1)) == pytest.approx(train(model, model_opt, range(1), mesh),
+                                                       rel=1e-10)
+    got, want = tsp_core.full_state_dict(pipe), tsp_core.full_state_dict(model)
+    for name, t in want.items():
+        assert_close(got[name], t, 1e-10, f"loaded from pp 1, one step on: {name}")
+    dist.barrier()
+    return dict(losses=losses, final=final)
+
+
+def test_tied_saved_at_pp2_resumes_at_pp1_and_one_process(pool, tmp_path):
+    """The checkpoint holds the model under a plain Hugging Face state dict's names (the tied
+    weight under both, as ``state_dict()`` gives it) and resumes at pp 1 and in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    import tsp_core
+
+    per_rank = pool.run(tied_checkpoint_run, str(tmp_path))
+    path = str(tmp_path / "tied_pp2_tsp2_step1")
+    model = tiny_llama(seed=7, layers=4, tied=True)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    names = {k[len("model."):] for k in saved if k.startswith("model.")}
+    assert names == set(model.state_dict()), sorted(names ^ set(model.state_dict()))
+    # the optimizer state of the tied weight once, under the embedding's name, as one process's
+    states = {k.split(".weight.")[0] + ".weight" for k in saved if k.startswith("optimizer.state.")}
+    want = {f"optimizer.state.{n}" for n, _ in model.named_parameters()}
+    assert states == want, sorted(states ^ want)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert tsp_core.load_checkpoint(path, model, opt) == {"step": 1}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    losses = []
+    for batch in batches()[1:]:
+        loss = reference_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for rank, run in enumerate(per_rank):
+        for step, (a, b) in enumerate(zip(losses, run["losses"], strict=True)):
+            assert abs(a - b) <= 1e-10 * abs(b), \
+                f"rank {rank}: one process resumed loss, step {step + 1}: {a} vs {b}"
+        for name, t in model.state_dict().items():
+            assert_close(run["final"][name], t, 1e-10, f"rank {rank} one process: {name}")

@@ -6,6 +6,8 @@ from the code under test, in the session's two spawned simulation workers (tests
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 
@@ -78,3 +80,39 @@ def test_max_seq_is_the_longest_that_fits(pool, tmp_path, capsys):
         assert (at.peak_bytes, at.host_bytes) == (f["peak_bytes"], f["host_bytes"])
         assert f"{name:<15} {2:>3} {f['seq']:>10}" in printed, printed
     assert {f["bound"] for f in fits.values()} == {"GPU", "host"}, fits
+
+
+def test_max_seq_prints_a_line_as_each_simulation_finishes(monkeypatch, capsys):
+    """A round of the search runs several simulations at once, each taking minutes at full size:
+    a progress line, ``[done/asked so far, seconds]``, follows each as it finishes, not the whole
+    round. The simulations are stood in for (a peak affine in the length: 1 MB + 1 kB a token)."""
+    from tsp_core.plan import simulate
+
+    def fake(requests, jobs=2, progress=None, fresh=True):
+        out = []
+        for q in requests:
+            rec = simulate.MemoryRecord(q.layout, q.layout, q.tp, q.cp, q.tp * q.cp, q.seq, 1,
+                                        q.model, LAYERS, "full", "adamw", "bfloat16",
+                                        10**6 + 1000 * q.seq, {}, 0.0)
+            print(f"finished {q.seq}", file=sys.stderr)
+            if progress is not None:
+                progress(rec)
+            out.append(rec)
+        return out
+
+    monkeypatch.setattr(simulate, "simulate_many", fake)
+    assert cli.main(["plan", "--max-seq", "--model", "tiny", "--layers", str(LAYERS), "--seq",
+                     "1024", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "h100",
+                     "--memory-gb", "0.01", "--layouts", "tsp"]) == 0
+    printed = capsys.readouterr()
+    err = printed.err.splitlines()
+    done = [i for i, line in enumerate(err) if line.startswith("finished ")]
+    assert len(done) >= 3, err  # the two probes, then at least one more round
+    asked = 2
+    for n, i in enumerate(done, 1):
+        asked = max(asked, n)  # the rounds after the probes ask one length at a time
+        assert re.fullmatch(rf"\[{n}/{asked} \d+s\] simulated tsp at {err[i][9:]} tokens: "
+                            r"GPU \d+\.\d\d GiB, host 0\.00 GiB per rank \(0s\)",
+                            err[i + 1] if i + 1 < len(err) else ""), err
+    # 0.009 GB usable: (9e6 - 1e6) / 1000 tokens, a multiple of 2D = 4
+    assert f"{'tsp':<15} {2:>3} {8000:>10}" in printed.out, printed.out

@@ -1,5 +1,6 @@
-"""A float64-faithful Hugging Face Gated DeltaNet (Qwen3.5's linear-attention layer) for the
-references of tests/layers/test_linear_attention.py and tests/models/test_qwen3_5.py.
+"""A float64-faithful Hugging Face Gated DeltaNet (Qwen3.5's and Qwen3-Next's linear-attention
+layer) for the references of tests/layers/test_linear_attention.py, tests/models/test_qwen3_5.py
+and tests/models/test_qwen3_next.py.
 
 Hugging Face's ``Qwen3_5GatedDeltaNet`` keeps float32 islands inside a float64 model: its torch
 fallback of the gated delta rule (``torch_chunk_gated_delta_rule``) casts every input to float32,
@@ -20,48 +21,58 @@ import types
 import torch
 
 
-def _faithful(source_of, casts: dict[str, str]):
+def _faithful(source_of, casts: dict[str, str], m, faithful: dict):
     """Hugging Face's function or method (its source, decorators off) compiled again in its
-    module's namespace with each cast in ``casts`` (text -> replacement, each present) changed:
-    the float32 islands in the input's dtype when that is wider; float32 inputs give exactly the
-    original."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
+    module ``m``'s namespace (with the copies already in ``faithful``) with each cast in
+    ``casts`` (text -> replacement, each present) changed: the float32 islands in the input's
+    dtype when that is wider; float32 inputs give exactly the original."""
     src = textwrap.dedent(inspect.getsource(source_of))
     src = src[src.index("def "):]  # the hub-kernel and deprecation decorators off
     for old, new in casts.items():
         assert old in src, f"Hugging Face's {source_of.__qualname__} changed: re-check the copy"
         src = src.replace(old, new)
     namespace = dict(vars(m))
-    namespace.update(_FAITHFUL)  # the copies call each other
+    namespace.update(faithful)  # the copies call each other
     exec(compile(src, m.__file__, "exec"), namespace)
     return namespace[source_of.__name__]
 
 
-_FAITHFUL: dict = {}
+# the faithful copies by Hugging Face's layer class: Qwen3.5's, and Qwen3-Next's (the same code
+# but for its fused in_proj_qkvz and in_proj_ba)
+_FAITHFUL: dict[str, dict] = {}
+LAYERS = {"Qwen3_5GatedDeltaNet": ("qwen3_5", "Qwen3_5RMSNormGated"),
+          "Qwen3NextGatedDeltaNet": ("qwen3_next", "Qwen3NextRMSNormGated")}
 
 
-def _build() -> None:
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+def _build(layer: str) -> dict:
+    import importlib
 
+    family, norm = LAYERS[layer]
+    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     wide = "torch.promote_types({}, torch.float32)"
+    out: dict = {}
     for rule in (m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule):
-        _FAITHFUL[rule.__name__] = _faithful(rule, {"torch.float32": wide.format("initial_dtype")})
-    _FAITHFUL["norm"] = _faithful(m.Qwen3_5RMSNormGated.forward,
-                                  {"torch.float32": wide.format("input_dtype")})
-    _FAITHFUL["forward"] = _faithful(m.Qwen3_5GatedDeltaNet.forward,
-                                     {".float()": f".to({wide.format('hidden_states.dtype')})"})
+        out[rule.__name__] = _faithful(rule, {"torch.float32": wide.format("initial_dtype")}, m,
+                                       out)
+    out["norm"] = _faithful(getattr(m, norm).forward,
+                            {"torch.float32": wide.format("input_dtype")}, m, out)
+    out["forward"] = _faithful(getattr(m, layer).forward,
+                               {".float()": f".to({wide.format('hidden_states.dtype')})"}, m, out)
+    return out
 
 
 def float64_delta_nets(module: torch.nn.Module) -> None:
-    """Patch every ``Qwen3_5GatedDeltaNet`` in ``module`` (itself included) with the faithful
-    forward (with and without a cache: prefill and decode) and its gated norm."""
-    if not _FAITHFUL:
-        _build()
+    """Patch every ``Qwen3_5GatedDeltaNet`` and ``Qwen3NextGatedDeltaNet`` in ``module`` (itself
+    included) with the faithful forward (with and without a cache: prefill and decode) and its
+    gated norm."""
     for sub in module.modules():
-        if type(sub).__name__ == "Qwen3_5GatedDeltaNet":
-            sub.forward = types.MethodType(_FAITHFUL["forward"], sub)
-            sub.norm.forward = types.MethodType(_FAITHFUL["norm"], sub.norm)
+        name = type(sub).__name__
+        if name in LAYERS:
+            if name not in _FAITHFUL:
+                _FAITHFUL[name] = _build(name)
+            copies = _FAITHFUL[name]
+            sub.forward = types.MethodType(copies["forward"], sub)
+            sub.norm.forward = types.MethodType(copies["norm"], sub.norm)
 
 
 def hf_layer(config_kwargs: dict, dtype: torch.dtype = torch.float64, faithful: bool = True):

@@ -17,8 +17,8 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 FAMILIES = ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-            "granite", "olmo2", "phi3", "olmo3", "seed_oss", "exaone4", "smollm3", "glm4",
-            "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text", "gemma4")
+            "granite", "olmo2", "phi3", "olmo3", "seed_oss", "seed_oss-defaults", "exaone4",
+            "smollm3", "glm4", "ernie4_5", "apertus", "hunyuan_v1_dense", "llama4_text", "gemma4")
 # every family runs Hugging Face's SDPA attention, float64 throughout: the eager attention of
 # OLMo 3, Seed-OSS, EXAONE 4 and SmolLM3 computes its softmax in float32 even in a float64 model
 # (only Gemma 2, whose soft-capping exists only in eager, runs a float64 copy: use_exact_eager;
@@ -184,6 +184,18 @@ def gemma4_experts_and_scalars(model: nn.Module) -> None:
             layer.router.per_expert_scale.add_(0.3 * torch.randn(4))
 
 
+def qwen3_next_parts(model: nn.Module) -> None:
+    """Qwen3-Next's (1 + w) RMSNorms in float64 (as Qwen3.5's), its experts in eager (grouped_mm
+    takes no float64), routers that prefer some experts and shared-expert gates far from 0
+    (sigmoid ~0.5 otherwise hides a gate applied wrongly)."""
+    _faithful_norms(model, lambda name: name == "Qwen3NextRMSNorm")
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0, 0.5)
+
+
 GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
 GEMMA2_SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
 SLIDING_FULL = ["sliding_attention", "full_attention"]
@@ -243,6 +255,10 @@ ZOO: dict[str, ZooModel] = {
     "seed_oss": ZooModel("SeedOssForCausalLM", "SeedOssConfig", dict(
         **HEAD_24, attention_bias=True, attention_out_bias=True, attention_dropout=0.0,
         residual_dropout=0.0), SPREAD),
+    # Seed-OSS's shipped dropouts (SeedOssConfig(): attention_dropout and residual_dropout 0.1)
+    # in eval mode: no dropout runs, exactly the p = 0 path
+    "seed_oss-defaults": ZooModel("SeedOssForCausalLM", "SeedOssConfig", dict(
+        **HEAD_24, attention_bias=True, attention_out_bias=True), (*SPREAD, nn.Module.eval)),
     # per-head q/k norms, norms after attention and MLP, head_dim 24, the hybrid layout: a
     # sliding layer with RoPE and a full one without (global NoPE)
     "exaone4": ZooModel("Exaone4ForCausalLM", "Exaone4Config", dict(
@@ -312,6 +328,20 @@ ZOO: dict[str, ZooModel] = {
          delta_net_reference.spread_delta_nets))
        for family, second in (("qwen3_5-linear", "linear_attention"),
                               ("qwen3_5-mixed", "full_attention"))},
+    # Qwen3-Next: Qwen3.5's mix (a Gated DeltaNet layer, then a full-attention one with the
+    # output gate, partial rotary, q/k/v/o biases) with the fused, per-key-head interleaved
+    # in_proj_qkvz and in_proj_ba, and a sparse MoE in both layers (4 experts of 16 channels, top
+    # 2, renormalised) with a shared expert of 32 channels behind its sigmoid gate; the
+    # load-balancing loss (coefficient 0.3) in the loss; "qwen3_next-generate" without it
+    # (Hugging Face's generate fails computing it under a padding mask)
+    **{family: ZooModel("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        **HEAD_24, attention_bias=True, layer_types=["linear_attention", "full_attention"],
+        **delta_net_reference.DELTA_NET, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=32, norm_topk_prob=True,
+        output_router_logits=aux, router_aux_loss_coef=0.3),
+        (qwen3_next_parts, delta_net_reference.float64_delta_nets,
+         delta_net_reference.spread_delta_nets, spread_norms_and_biases))
+       for family, aux in (("qwen3_next", True), ("qwen3_next-generate", False))},
 }
 
 

@@ -1,5 +1,5 @@
-"""Float64-faithful copies of Hugging Face's Gemma 1-4 and Qwen3.5 RMSNorms, for the references
-of tests/support/hf_models.py.
+"""Float64-faithful copies of Hugging Face's Gemma 1-4, Qwen3.5 and Qwen3-Next RMSNorms, for the
+references of tests/support/hf_models.py.
 
 Hugging Face's norms compute in float32 whatever the model's dtype (``x.float()``,
 ``weight.float()``): in a float64 model their outputs and weight gradients round to float32,
@@ -24,8 +24,8 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def one_plus_weight_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``GemmaRMSNorm.forward`` (Gemma 1-3, Qwen3.5's ``Qwen3_5RMSNorm``): normalised with
-    ``rsqrt(mean(x^2) + eps)``, scaled by ``1 + weight`` before the cast back."""
+    """``GemmaRMSNorm.forward`` (Gemma 1-3, ``Qwen3_5RMSNorm``, ``Qwen3NextRMSNorm``): normalised
+    with ``rsqrt(mean(x^2) + eps)``, scaled by ``1 + weight`` before the cast back."""
     xw = x.to(_wide(x.dtype))
     output = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
     output = output * (1.0 + self.weight.to(_wide(self.weight.dtype)))
@@ -47,6 +47,7 @@ def gemma4_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 # Hugging Face's norm classes (by name) and their faithful forwards
 FORWARDS = {"GemmaRMSNorm": one_plus_weight_forward, "Gemma2RMSNorm": one_plus_weight_forward,
             "Gemma3RMSNorm": one_plus_weight_forward, "Qwen3_5RMSNorm": one_plus_weight_forward,
+            "Qwen3NextRMSNorm": one_plus_weight_forward,
             "Gemma4RMSNorm": gemma4_forward}
 
 

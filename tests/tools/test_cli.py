@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -75,6 +76,8 @@ def test_bench(tmp_path):
     assert rec["layer_forward_bytes"] == elements * 4, rec
     assert rec["tokens_per_s"] > 0 and len(rec["peak_bytes"]) == 2 and min(rec["peak_bytes"]) > 0
     assert f"{'tsp':<15} {seq:>6}" in proc.stdout, proc.stdout
+    # the progress line on stderr as the case finishes: [done/cases, seconds since the start]
+    assert re.search(rf"^\[1/1 \d+s\] {'tsp':<15} {seq:>6} ", proc.stderr, re.M), proc.stderr
 
 
 def test_simulate_a_config_json(tmp_path):

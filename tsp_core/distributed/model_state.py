@@ -42,6 +42,9 @@ class TSPModelState:
     partial: bool = False  # a pipeline rank: it holds some stages only
     # a pipeline's gather of every rank's stages into one full state dict
     gather_stages: Callable[..., Any] | None = None
+    # a parameter whose optimizer state checkpoints keep under another name (a pipeline's
+    # last-stage copy of a tied embedding: the embedding's)
+    optimizer_names: dict[str, str] = field(default_factory=dict)
     shards_inputs: bool = False  # shard_full_batches installed its hook
     forward_calls: int = 0  # forwards run (input errors name the call)
     loss_calls: int = 0  # forwards that computed the loss (TSPTrainer's bypass guard reads it)

@@ -253,7 +253,7 @@ class ShardedModule(nn.Module):
                 out[name] = self.gather_full(name, t)
         for fused, parts in self.fused_names().items():  # Hugging Face's fused tensors
             if all(n in out for n, _ in parts):
-                out[fused] = torch.cat([out.pop(n) for n, _ in parts], dim=self.fused_dim(fused))
+                out[fused] = self.join_fused(fused, [out.pop(n) for n, _ in parts])
         return out
 
     def gather_full(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -292,11 +292,14 @@ class ShardedModule(nn.Module):
                 raise ValueError(f"{fused}: some of {tuple(parts)} have a bias and some not")
         self.fused = {f: tuple(parts) for f, parts in groups.items()}
 
-    def fuse_tensors(self, fused: str, parts: Sequence[str], dim: int) -> None:
+    def fuse_tensors(self, fused: str, parts: Sequence[str], dim: int, groups: int = 1) -> None:
         """Name parameters ``parts`` (full names, e.g. ``experts.gate_proj``) as one Hugging Face
         tensor ``fused``, their concatenation along ``dim`` (along which each part must be
         sharded): a mixture-of-experts ring keeps every expert's gate and up channels as two
-        parameters, Hugging Face stores them as ``experts.gate_up_proj`` [E, 2F, h]."""
+        parameters, Hugging Face stores them as ``experts.gate_up_proj`` [E, 2F, h]. With
+        ``groups`` > 1 the fused tensor is ``groups`` blocks along ``dim``, block g the parts'
+        g-th slices (1/groups of each) concatenated: Qwen3-Next's ``in_proj_qkvz`` holds per key
+        head [q | k | v | z] (:meth:`join_fused`)."""
         for part in parts:
             if part not in self.full_shapes:
                 raise ValueError(f"{type(self).__name__} has no {part} to fuse into {fused}; "
@@ -304,10 +307,15 @@ class ShardedModule(nn.Module):
             if self.shard_spec(part, 0).dim != dim:
                 raise ValueError(f"{type(self).__name__}.{part} is not sharded along dim {dim}, "
                                  f"the dim it is fused along into {fused}")
+            if self.full_shapes[part][dim] % groups:
+                raise ValueError(f"{fused}: {part}'s {self.full_shapes[part][dim]} rows do not "
+                                 f"split into {groups} groups")
         self.fused_tensors = {**self.fused_tensors, fused: (tuple(parts), dim)}
+        self.fused_groups = {**self.fused_groups, fused: groups}
 
     fused: dict[str, tuple[str, ...]] = {}
     fused_tensors: dict[str, tuple[tuple[str, ...], int]] = {}
+    fused_groups: dict[str, int] = {}  # fuse_tensors' groups, where more than one
 
     def fused_names(self) -> dict[str, list[tuple[str, int]]]:
         """Fused Hugging Face name -> [(part parameter name, its size along the fused dim)], in
@@ -325,6 +333,16 @@ class ShardedModule(nn.Module):
     def fused_dim(self, fused: str) -> int:
         """The dim along which the parts of fused tensor ``fused`` are concatenated."""
         return self.fused_tensors[fused][1] if fused in self.fused_tensors else 0
+
+    def join_fused(self, fused: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The Hugging Face tensor ``fused`` from its parts' full tensors, in order: their
+        concatenation along :meth:`fused_dim`, or, with ``groups`` (:meth:`fuse_tensors`), per
+        group the parts' slices of that group concatenated, the groups one after another."""
+        dim, groups = self.fused_dim(fused), self.fused_groups.get(fused, 1)
+        if groups == 1:
+            return torch.cat(list(parts), dim=dim)
+        split = [p.unflatten(dim, (groups, p.shape[dim] // groups)) for p in parts]
+        return torch.cat(split, dim=dim + 1).flatten(dim, dim + 1)
 
     def hf_name(self, name: str) -> str:
         """The Hugging Face name of parameter ``name``: the fused tensor it is in, or itself."""
@@ -355,11 +373,16 @@ class Unfused:
     def __init__(self, source: FullSource, module: ShardedModule) -> None:
         self.source = source
         self.where: dict[str, tuple[str, int, int, int]] = {}
+        self.groups: dict[str, tuple[int, int]] = {}  # grouped parts: (groups, group's rows)
         for fused, parts in module.fused_names().items():
             offset, along = 0, module.fused_dim(fused)
+            groups = module.fused_groups.get(fused, 1)
+            block = sum(rows for _, rows in parts) // groups
             for name, rows in parts:
-                self.where[name] = (fused, along, offset, rows)
+                self.where[name] = (fused, along, offset // groups, rows)
                 offset += rows
+                if groups > 1:
+                    self.groups[name] = (groups, block)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         if name not in self.where:
@@ -376,10 +399,29 @@ class Unfused:
         if name not in self.where:
             return self.source.read(name, dim, start, length)
         fused, along, offset, rows = self.where[name]
+        if name in self.groups:
+            return self._read_grouped(name, dim, start, length)
         if dim == along:
             return self.source.read(fused, along, offset + start, length)
         whole = self.source.read(fused, along, offset, rows)
         return whole if dim is None else whole.narrow(dim, start, length)
+
+    def _read_grouped(self, name: str, dim: int | None, start: int, length: int
+                      ) -> torch.Tensor:
+        """A slice of a part of a grouped fused tensor: the fused tensor's whole groups that hold
+        it (only those: a rank owning whole key heads reads its own groups), the part's rows of
+        each."""
+        fused, along, offset, rows = self.where[name]
+        groups, block = self.groups[name]
+        per = rows // groups  # the part's rows in one group
+        first, last = (start // per, (start + length - 1) // per + 1) if dim == along else \
+            (0, groups)
+        held = self.source.read(fused, along, first * block, (last - first) * block)
+        held = held.unflatten(along, (last - first, block)).narrow(along + 1, offset, per)
+        held = held.flatten(along, along + 1)
+        if dim == along:
+            return held.narrow(along, start - first * per, length)
+        return held if dim is None else held.narrow(dim, start, length)
 
 
 def schedule_inputs(module: nn.Module, names: list[str], x: torch.Tensor):

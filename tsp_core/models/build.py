@@ -17,6 +17,7 @@ from torch import nn
 
 from ..distributed.mesh import TSPMesh
 from ..layers.attention import AttentionShape, TSPAttention
+from ..layers.dropout import RankDropout
 from ..layers.mlp import TSPGatedMLP, TSPPlainMLP
 from ..layers.moe import TSPMoE, TSPRouter
 from ..layers.norm import TSPRMSNorm
@@ -125,11 +126,14 @@ def plan_layer(layer: LayerSpec, plan: ModulePlan) -> None:
     replicated modules."""
     policy, c = plan.policy, plan.spec.config
     if layer.delta_net is not None:  # Qwen3.5's Gated DeltaNet: no softmax attention here
-        plan.replace(layer.module, policy.modules.linear_attention,
-                     tsp_delta_net(plan.mesh, c, layer.delta_net, plan.opts))
+        mixer = tsp_delta_net(plan.mesh, c, layer.delta_net, plan.opts)
+        plan.replace(layer.module, policy.modules.linear_attention, mixer)
     else:
-        plan.replace(layer.module, policy.modules.attention, build_attention(layer, plan))
-    plan.replace(layer.module, policy.modules.mlp, build_mlp(layer, plan))
+        mixer = build_attention(layer, plan)
+        plan.replace(layer.module, policy.modules.attention, mixer)
+    mlp = build_mlp(layer, plan)
+    plan.replace(layer.module, policy.modules.mlp, mlp)
+    add_output_dropout(plan, (mixer, mlp))
     if layer.moe_beside:  # Gemma 4: the layer calls its router and experts itself
         moe = plan.spec.moe
         plan.replace(layer.module, policy.ffn.moe.router,
@@ -138,6 +142,16 @@ def plan_layer(layer: LayerSpec, plan: ModulePlan) -> None:
     for norm in policy.modules.layer_norms:
         plan.replace(layer.module, norm, rms_norm(plan, getattr(layer.module, norm)))
     plan.replicate(layer.module, policy.modules.layer_replicated)
+
+
+def add_output_dropout(plan: ModulePlan, modules: tuple[nn.Module, ...]) -> None:
+    """The policy's ``output_dropout`` (a config field; Seed-OSS's ``residual_dropout``) as a
+    :class:`~tsp_core.layers.dropout.RankDropout` hook on a layer's new attention and MLP: each
+    rank drops its own tokens with masks of its own. No hook for a field that is absent or 0."""
+    name = plan.policy.output_dropout
+    p = float(getattr(plan.spec.config, name, 0.0) or 0.0) if name else 0.0
+    for module in modules if p else ():
+        module.register_forward_hook(RankDropout(p))
 
 
 def build_attention(layer: LayerSpec, plan: ModulePlan) -> nn.Module:
@@ -154,6 +168,7 @@ def build_attention(layer: LayerSpec, plan: ModulePlan) -> nn.Module:
                            qkv_bias=bias, o_bias=attn.o_proj.bias is not None)
     parts = attention_parts(layer, c, policy)
     new = HFTSPAttention(mesh, shape, parts, init_seed=None, **plan.opts)
+    new.attention_dropout = float(getattr(c, "attention_dropout", 0.0) or 0.0)
     sharing = parts.kv_sharing
     if sharing is not None and sharing.reuses:  # the last layer before it storing under its key
         new.kv_source = plan.kv_stores.get(sharing.key)

@@ -121,8 +121,11 @@ def check_config(model: nn.Module, policy: DecoderPolicy, spec: ModelSpec) -> No
         raise ValueError(f"hidden_act {act!r} is not supported by "
                          f"{'TSPPlainMLP' if plain else 'TSPGatedMLP'}; supported: "
                          f"{sorted(n for n, k in ACTIVATIONS.items() if k in kinds)}")
-    if getattr(c, "attention_dropout", 0.0):
-        raise ValueError(f"attention_dropout ({c.attention_dropout}) is not supported by TSP "
+    p = getattr(c, "attention_dropout", 0.0) or 0.0
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"attention_dropout ({p}) must be in [0, 1)")
+    if p and policy.attn.module is not None:  # HFTSPAttention refuses it in training only
+        raise ValueError(f"attention_dropout ({p}) is not supported by {policy.name}'s TSP "
                          f"attention; set it to 0.0")
 
 

@@ -1,7 +1,7 @@
-"""Qwen3.5's Gated DeltaNet layers in a Hugging Face model under TSP: the Hugging Face module
-read into a :class:`~tsp_core.layers.linear_attention.TSPGatedDeltaNet` with its call signature
-(the policy's ``modules.linear_attention`` names the module; a decoder layer that has it has no
-softmax attention)."""
+"""Qwen3.5's and Qwen3-Next's Gated DeltaNet layers in a Hugging Face model under TSP: the
+Hugging Face module read into a :class:`~tsp_core.layers.linear_attention.TSPGatedDeltaNet` with
+its call signature (the policy's ``modules.linear_attention`` names the module; a decoder layer
+that has it has no softmax attention), its tensors named as that model names them."""
 
 from __future__ import annotations
 
@@ -63,5 +63,23 @@ def tsp_delta_net(mesh: TSPMesh, config: Any, hf: nn.Module, opts: dict) -> HFTS
     if hf.conv1d.bias is not None:
         raise ValueError("a Gated DeltaNet conv1d with a bias: Qwen3.5's has none, and TSP's "
                          "schedule carries none")
-    return HFTSPGatedDeltaNet(mesh, config.hidden_size, nk, nv, dk, dv, kernel,
-                              hf.layer_norm_epsilon, init_seed=None, **opts)
+    new = HFTSPGatedDeltaNet(mesh, config.hidden_size, nk, nv, dk, dv, kernel,
+                             hf.layer_norm_epsilon, init_seed=None, **opts)
+    if hasattr(hf, "in_proj_qkvz"):  # Qwen3-Next's fused projections
+        fuse_per_key_head(new, nk)
+    return new
+
+
+def fuse_per_key_head(module: TSPGatedDeltaNet, num_k_heads: int) -> None:
+    """Name ``module``'s projections as Qwen3-Next does: ``in_proj_qkvz.weight`` holds, per key
+    head h, [q_h (d_k rows) | k_h (d_k) | v (r d_v: the r = nv/nk value heads that repeat h) |
+    z (r d_v)], and ``in_proj_ba.weight`` per key head [b (r rows) | a (r)]. A rank owns whole
+    key heads, so its rows of every part are its own heads' groups, one contiguous block of
+    each fused tensor; the module keeps q, k, v, z, b and a apart, as for Qwen3.5 (the
+    convolution's channels are [q | k | v] over all heads in both models)."""
+    module.fuse({})
+    parts = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z")
+    module.fuse_tensors("in_proj_qkvz.weight", tuple(f"{p}.weight" for p in parts), 0,
+                        num_k_heads)
+    module.fuse_tensors("in_proj_ba.weight", ("in_proj_b.weight", "in_proj_a.weight"), 0,
+                        num_k_heads)

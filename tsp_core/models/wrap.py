@@ -36,6 +36,7 @@ def apply_plan(model: nn.Module, plan: ModulePlan) -> None:
     for r in plan.replacements:  # every replacement checked: the model changes now
         if r.state is not None:
             r.new.load_full(r.state)
+        r.new.train(r.parent.training)  # a model in eval() stays there (no dropout runs)
         setattr(r.parent, r.name, r.new)
     policy, c = plan.policy, plan.spec.config
     head = getattr(model, policy.modules.lm_head)

@@ -26,6 +26,7 @@ from ..models.policies import find_policy
 from ..sequence.layout import IGNORE_INDEX, shard_batch
 from .split import report_split, split_layers, stage_ranks
 from .stage import StageModule, build_stage_module
+from .tied import TiedCopies, pair_group, ties_embedding
 
 # schedule name -> stages per pipeline rank (None means "at least 2, default 2"); each is the
 # torch.distributed.pipelining.schedules class of the name Schedule<name>, imported when a
@@ -69,13 +70,7 @@ def check_pipeline_args(model: nn.Module, mesh: TSPMesh, microbatches: int, sche
         raise ValueError(f"tsp_core.pipeline supports the families {FAMILIES}; {policy.name!r} "
                          f"is not tested under pipeline parallelism (train it with "
                          f"tsp_core.parallelize, pp_size 1)")
-    config = model.config
     base = getattr(model, policy.modules.base_model)
-    head = getattr(model, policy.modules.lm_head)
-    if num_stages > 1 and head.weight is getattr(base, policy.modules.embed).weight:
-        raise ValueError(f"the model ties its embedding and LM head (tie_word_embeddings="
-                         f"{getattr(config, 'tie_word_embeddings', None)}), which would sit on the "
-                         f"first and last of {num_stages} stages; untie them or use one stage")
     layers = split_layers(len(getattr(base, policy.modules.layers)), num_stages, layer_split)
     return num_stages, layers
 
@@ -89,7 +84,8 @@ class TSPPipeline(nn.Module):
     rank's stages (the embedding on the first stage's ranks, the decoder layers under their global
     indices, the final norm and head on the last's): ``parameters()`` go to the optimizer, and
     :func:`tsp_core.save_checkpoint` writes the whole model (every rank its stages' tensors under
-    their Hugging Face names), which loads at any TSP degree, with or without pipeline stages, or
+    their Hugging Face names; a tied embedding's optimizer state once, under the embedding's name:
+    :mod:`.tied`), which loads at any TSP degree, with or without pipeline stages, or
     into a plain model; :func:`tsp_core.load_checkpoint` into a pipeline reads this rank's stages'
     tensors from any such checkpoint. :func:`tsp_core.full_state_dict` gives the whole model's
     state dict, Hugging Face names and full shapes, on every rank (each stage's tensors broadcast
@@ -124,11 +120,13 @@ class TSPPipeline(nn.Module):
                                s == self.num_stages - 1, **parallelize_options)
             for s in self.stage_indices]
         self._hf_view(policy)
+        self._tied = self._tie(model, policy)
         self.dtype = next(model.parameters()).dtype
         # checkpoints and generation read it: the marker names the model's class, loads take
         # this rank's stages' tensors (partial), full_state_dict gathers every rank's stages
-        attach_model_state(self, TSPModelState(mesh, policy, type(model), partial=True,
-                                               gather_stages=self.gather_stages))
+        attach_model_state(self, TSPModelState(
+            mesh, policy, type(model), partial=True, gather_stages=self.gather_stages,
+            optimizer_names=self._tied.aliases if self._tied is not None else {}))
         self._schedules: dict[tuple, Any] = {}
         self._count: torch.Tensor | None = None
 
@@ -148,6 +146,25 @@ class TSPPipeline(nn.Module):
         setattr(base, names.layers, layers)
         setattr(self, names.base_model, base)
 
+    def _tie(self, model: nn.Module, policy) -> TiedCopies | None:
+        """A tied embedding's copies (the first stage's embedding, the last stage's head) and
+        the group that sums their gradients (:mod:`.tied`); None for an untied model."""
+        if not ties_embedding(model, policy):
+            return None
+        group = pair_group(self.mesh)
+        copy, duplicate, names = None, False, policy.modules
+        for module in self.stage_modules:
+            if module.first:
+                copy = getattr(module.base, policy.modules.embed).weight
+            if module.last:
+                head = getattr(module.model, policy.modules.lm_head)
+                head.tied = False  # its own copy here: loads lm_head.weight, not the embedding's
+                copy, duplicate = head.weight, True
+        # its optimizer state is checkpointed under the embedding's name, as one process has it
+        aliases = ({f"{names.lm_head}.weight": f"{names.base_model}.{names.embed}.weight"}
+                   if duplicate else {})
+        return TiedCopies(copy, duplicate, group, aliases)
+
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of the global ``batch`` (``input_ids`` and ``labels`` of shape
         [batch, seq], optionally ``attention_mask``/``position_ids``; the same on every rank) over
@@ -164,6 +181,8 @@ class TSPPipeline(nn.Module):
         schedule = self._schedule(tuple(ids.shape))
         losses: list[torch.Tensor] = []
         schedule.step(ids, target=labels, losses=losses, return_outputs=False, **sharded)
+        if self._tied is not None:  # the first and last stage's copies take the summed gradient
+            self._tied.sync_grads()
         total = torch.zeros((), dtype=self._loss_dtype)
         if losses:
             total = torch.stack([loss.detach() for loss in losses]).sum().to(self._loss_dtype)
@@ -174,9 +193,12 @@ class TSPPipeline(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every stage's gradients: this rank's stages'
         norm (DTensor shards reduced over their mesh as torch does), combined over the pipeline
-        group, then the same clipping on every rank. Returns the total norm."""
+        group, then the same clipping on every rank (a tied embedding counted once, on the first
+        stage). Returns the total norm."""
         params = [p for p in self.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        # a tied weight counts once, on the first stage (its last-stage copy holds the same grad)
+        twin = None if self._tied is None else self._tied.duplicate
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p is not twin], norm_type)
         norm = local(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         norm = norm.to(torch.float64)
         if norm_type == float("inf"):

@@ -247,15 +247,19 @@ def max_seq_main(args, shape, found) -> int:
         check_request(request(spec, 2 * spec.degree))
     every: list = []
     start = time.perf_counter()
+    asked = [0]  # simulations asked for so far, over every round of the search
+
+    def progress(r: MemoryRecord) -> None:
+        """One line as each simulation finishes (a round's can take many minutes), counted over
+        what has been asked so far, as ``tsp simulate`` counts its runs."""
+        print(f"[{len(every) + 1}/{asked[0]} {time.perf_counter() - start:.0f}s] simulated "
+              f"{r.layout} at {r.seq} tokens: GPU {r.peak_gib:.2f} GiB, host {r.host_gib:.2f} "
+              f"GiB per rank ({r.seconds:.0f}s)", file=sys.stderr, flush=True)
+        every.append(r)
 
     def measure(asks: list[tuple[LayoutSpec, int]]) -> list[MemoryRecord]:
-        recs = simulate_many([request(s, q) for s, q in asks], args.jobs, fresh=False)
-        for r in recs:
-            print(f"[{time.perf_counter() - start:.0f}s] simulated {r.layout} at "
-                  f"{r.seq} tokens: GPU {r.peak_gib:.2f} GiB, host {r.host_gib:.2f} GiB per rank "
-                  f"({r.seconds:.0f}s)", file=sys.stderr, flush=True)
-        every.extend(recs)
-        return recs
+        asked[0] += len(asks)
+        return simulate_many([request(s, q) for s, q in asks], args.jobs, progress, fresh=False)
 
     print(f"cluster: {cl.nodes} x {cl.gpus_per_node} {cl.device.name} "
           f"({cl.device.memory_gb:.0f} GB); sources: {found.sources}")

@@ -127,8 +127,8 @@ class _Fused:
 
     def export(self, parts: list[torch.Tensor]) -> DTensor:
         """The checkpoint tensor from the parts (parameters or optimizer state)."""
-        full = torch.cat([self.module.gather_full(n, t) for n, t in zip(self.parts, parts)],
-                         dim=self.along)
+        full = self.module.join_fused(
+            self.name, [self.module.gather_full(n, t) for n, t in zip(self.parts, parts)])
         return self._dtensor(full.narrow(0, self.spec.start, self.spec.length).clone())
 
     def target(self, like: torch.Tensor) -> tuple[DTensor, Callable[[], list[torch.Tensor]]]:
@@ -255,6 +255,27 @@ def _map_optimizer(osd: dict, fn: Callable[[str, torch.Tensor], Any]) -> dict:
     return {"state": state, "param_groups": osd["param_groups"]}
 
 
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the name a checkpoint keeps its optimizer state under, where the two
+    differ: a pipeline's last-stage copy of a tied embedding is kept under the embedding's name,
+    once, as one process's optimizer names the one tied weight (the model's tensors keep their
+    own names)."""
+    state = find_model_state(model)
+    return {} if state is None else dict(state.optimizer_names)
+
+
+def _rename_groups(groups: list[dict], names: dict[str, str]) -> list[dict]:
+    return [{**g, "params": [names.get(n, n) for n in g["params"]]} for g in groups]
+
+
+def _renamed(osd: dict, names: dict[str, str]) -> dict:
+    """``osd`` with its parameter names (state keys and param groups) mapped through ``names``."""
+    if not names:
+        return osd
+    return {"state": {names.get(k, k): v for k, v in osd["state"].items()},
+            "param_groups": _rename_groups(osd["param_groups"], names)}
+
+
 def _optimizer_fn(layouts: dict[str, _Layout], model_sd: dict[str, torch.Tensor], make):
     def fn(fqn: str, v: torch.Tensor):
         p = model_sd.get(fqn)
@@ -328,7 +349,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
         if fusions:
             osd = {"state": _fuse_entries(fusions, osd["state"], _fused_state),
                    "param_groups": _fuse_param_groups(fusions, osd["param_groups"])}
-        state["optimizer"] = _map_optimizer(osd, _optimizer_fn(layouts, model_sd, _export))
+        state["optimizer"] = _renamed(_map_optimizer(osd, _optimizer_fn(layouts, model_sd,
+                                                                        _export)), _aliases(model))
     if _rank0() and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a save that died earlier
     _barrier()
@@ -502,7 +524,10 @@ def _load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers, mode
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer)
         make = _optimizer_fn(layouts, model_sd, _fresh)
-        state["optimizer"] = {"param_groups": _fuse_param_groups(fusions, osd["param_groups"]),
+        aliases = _aliases(model)
+        own_names = {saved: own for own, saved in aliases.items()}
+        state["optimizer"] = {"param_groups": _rename_groups(
+                                  _fuse_param_groups(fusions, osd["param_groups"]), aliases),
                               "state": {}}
         for f in fusions:
             if not all(n in osd["state"] for n in f.part_fqns):
@@ -525,14 +550,15 @@ def _load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers, mode
                 if torch.is_tensor(v):
                     flat[f"optimizer.state.{f.fqn}.{k}"] = fused[k]
         for fqn, s in osd["state"].items():
-            state["optimizer"]["state"][fqn] = {}
+            saved = aliases.get(fqn, fqn)
+            state["optimizer"]["state"][saved] = {}
             for k, v in s.items():
                 if torch.is_tensor(v):
                     target, opt_finish[(fqn, k)] = make(fqn, v)
-                    state["optimizer"]["state"][fqn][k] = target
-                    flat[f"optimizer.state.{fqn}.{k}"] = target
+                    state["optimizer"]["state"][saved][k] = target
+                    flat[f"optimizer.state.{saved}.{k}"] = target
                 else:
-                    state["optimizer"]["state"][fqn][k] = v
+                    state["optimizer"]["state"][saved][k] = v
     _check_against(path, flat, marker, model, model_state)
     if check_only:
         return extra
@@ -541,10 +567,10 @@ def _load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers, mode
     # still refuse, and then nothing has changed
     loaded_model = {k: finish[k]() for k in model_sd} if model_state else {}
     if optimizer is not None:
-        loaded = {n: s for fqn, s in state["optimizer"]["state"].items()
+        loaded = {own_names.get(n, n): s for fqn, s in state["optimizer"]["state"].items()
                   for n in next((f.part_fqns for f in fusions if f.fqn == fqn), [fqn])}
-        osd = {"param_groups": _fuse_param_groups(fusions, state["optimizer"]["param_groups"],
-                                                  split=True),
+        groups = _rename_groups(state["optimizer"]["param_groups"], own_names)
+        osd = {"param_groups": _fuse_param_groups(fusions, groups, split=True),
                "state": {fqn: {k: opt_finish[(fqn, k)]() if (fqn, k) in opt_finish else v
                                for k, v in s.items()}
                          for fqn, s in loaded.items()}}

@@ -192,6 +192,7 @@ def run_on_processes(degree: int, cases: list, measure: Callable, describe: Call
         p.start()
     records: list = []
     done, errors = 0, []
+    start = time.perf_counter()  # the progress lines say the time since, as tsp simulate's do
     try:
         while done < degree and not errors:
             try:
@@ -203,7 +204,8 @@ def run_on_processes(degree: int, cases: list, measure: Callable, describe: Call
                 continue
             if kind == "record":
                 records.append(payload)
-                progress(f"[{len(records)}/{len(cases)}] {describe(payload)}")
+                progress(f"[{len(records)}/{len(cases)} {time.perf_counter() - start:.0f}s] "
+                         f"{describe(payload)}")
             elif kind == "error":
                 errors.append(f"rank {rank}: {payload}")
             else:

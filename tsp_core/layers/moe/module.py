@@ -73,6 +73,9 @@ class TSPMoE(TokenTiled, ShardedModule):
                                     f"the shared experts' intermediate size {fs}")
             raise ValueError(f"tsp_size ({mesh.size}) must divide the shared experts' "
                              f"intermediate size ({fs}): they run as the dense TSP MLP; {hint}")
+        if s.shared_gate is not None and not fs:
+            raise ValueError(f"a shared-expert gate ({s.shared_gate}) needs shared experts: "
+                             f"shared_intermediate_size is 0")
         if s.expert_bias and s.layout != "interleaved":
             raise ValueError(f"expert biases are implemented for the \"interleaved\" layout "
                              f"(gpt-oss), not {s.layout!r}")
@@ -103,7 +106,10 @@ class TSPMoE(TokenTiled, ShardedModule):
         shapes.update({self.shared[0]: (fs, h), self.shared[1]: (fs, h), self.shared[2]: (h, fs)})
         self.names = (*self.router_names, *self.expert_names, *self.down_bias,
                       *(self.shared if fs else ()))
-        self.full_shapes = {n: shapes[n] for n in self.names}
+        # the shared experts' gate (Qwen3-Next): replicated, its gradient summed over the group
+        self.shared_gate = (f"{s.shared_gate}.weight",) if s.shared_gate is not None else ()
+        shapes.update({n: (1, h) for n in self.shared_gate})
+        self.full_shapes = {n: shapes[n] for n in (*self.names, *self.shared_gate)}
         self.router_logits: torch.Tensor | None = None
         full = init_full(self.full_shapes, init_seed, dtype, device)
         if router_dtype is not None and self.router_names:  # GLM-4.5's router weight stays
@@ -150,7 +156,7 @@ class TSPMoE(TokenTiled, ShardedModule):
 
     def shard_spec(self, name: str, rank: int) -> ShardSpec:
         s = self.spec
-        if name in self.router_names or name in self.down_bias:
+        if name in self.router_names or name in self.down_bias or name in self.shared_gate:
             return REPLICATED
         if name in self.shared:  # the dense TSP MLP's slices of intermediate channels
             return even_spec(s.shared_intermediate_size, rank, s.tsp_size,
@@ -224,8 +230,20 @@ class TSPMoE(TokenTiled, ShardedModule):
                                s.activation)
                 tile = self.tile_tokens or mlp_tile_tokens(
                     s.shared_intermediate_size // s.tsp_size, x.dtype)
-                y = y + TSPGatedMLPFn.apply(x, spec, self.mesh.group, tile, *shared)
+                y = y + self._shared_gate(x) * TSPGatedMLPFn.apply(x, spec, self.mesh.group,
+                                                                   tile, *shared)
         return y, logits
+
+    def _shared_gate(self, x: torch.Tensor, sync: bool = True) -> torch.Tensor | float:
+        """The shared experts' scale per token of x [..., h]: ``sigmoid(x @ gate^T)`` [..., 1]
+        (Qwen3-Next), or 1 without a gate; ``sync``: the gate's gradient summed over the group
+        (each rank's tokens add to it)."""
+        if not self.shared_gate:
+            return 1.0
+        gate = local(self.get_parameter(self.shared_gate[0])).to(x.dtype)
+        if sync:
+            gate = comm.sum_grad(gate, self.mesh.group)
+        return torch.sigmoid(F.linear(x, gate))
 
     def decode_step(self, x: torch.Tensor,
                     routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -258,6 +276,7 @@ class TSPMoE(TokenTiled, ShardedModule):
         if s.shared_intermediate_size:  # this rank's channels of the shared experts: summed
             wg, wu, wd = (local(self.get_parameter(n)) for n in self.shared)  # apart, added
             shared = (activate(F.linear(x2, wg), s.activation) * F.linear(x2, wu)) @ wd.t()  # after
+            shared = self._shared_gate(x2, sync=False) * shared  # per token: before the sum
             both = torch.stack([y, shared])
             comm.all_reduce(both, self.mesh.group)  # one all-reduce for both
             y = both[0] + both[1]

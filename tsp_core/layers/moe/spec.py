@@ -30,6 +30,9 @@ class MoESpec:
     # a dense gated MLP beside the routed experts on every token (0: none), its module's name
     shared_intermediate_size: int = 0
     shared_name: str = "shared_experts"
+    # a Linear [1, h] without bias whose sigmoid scales the shared experts' output per token
+    # (Qwen3-Next's ``shared_expert_gate``), its module's name; None: none
+    shared_gate: str | None = None
     router_name: str = "gate"           # the router module's name (gpt-oss, Llama 4: "router")
     router_bias: bool = False           # the router's logits have a bias (gpt-oss)
     weight_input: bool = False          # the weights scale the experts' input (Llama 4)

@@ -25,6 +25,7 @@ from . import (  # noqa: F401  (each registers its family)
     qwen3,
     qwen3_5,
     qwen3_moe,
+    qwen3_next,
     seed_oss,
     smollm3,
 )

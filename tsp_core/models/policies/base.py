@@ -46,6 +46,9 @@ class DecoderPolicy:
     norm: str = "llama"                        # every RMSNorm's numerics (layers.norm.NORMS)
     # config fields TSP does not implement: (name, what it is); a truthy value is refused
     unsupported: tuple[tuple[str, str], ...] = ()
+    # the config field of a dropout on each attention's and MLP's output (Seed-OSS's
+    # residual_dropout): applied on this rank's own tokens by tsp_core.layers.dropout.RankDropout
+    output_dropout: str | None = None
     # generation: Hugging Face's generate drops the KV cache and runs the whole sequence again
     # when it first reaches this many tokens + 1 (Phi-3: original_max_position_embeddings, where
     # longrope switches factors); tsp_core.generate does the same

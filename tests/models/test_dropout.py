@@ -1,0 +1,142 @@
+"""Dropout under TSP (tsp_core/layers/dropout.py), on Seed-OSS, whose config turns it on by
+default: its ``residual_dropout`` on the attention's and MLP's outputs of each rank's own tokens
+(the drop rate and the 1/(1-p) scaling measured on every rank, masks that differ between ranks
+and repeat with the seed, an exact recompute under activation checkpointing), and its
+``attention_dropout``, which TSP's attention does not apply: refused in training, nothing in
+eval. Exact parity at p = 0 and in eval mode with the shipped defaults is the common family
+tests' (tests/support/hf_models.py "seed_oss" and "seed_oss-defaults"). All at dp 2 x tsp 2, so
+ranks differ by TSP rank and by data-parallel rank."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tsp_core
+from tests.support import dist_pool
+
+P = 0.1  # SeedOssConfig()'s residual_dropout and attention_dropout
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+             max_position_embeddings=256)
+
+
+def seed_oss(**fields) -> nn.Module:
+    """A small Seed-OSS in float64 with SeedOssConfig()'s dropouts unless ``fields`` say."""
+    from transformers import SeedOssConfig, SeedOssForCausalLM
+
+    torch.manual_seed(0)
+    return SeedOssForCausalLM(SeedOssConfig(**{**SMALL, **fields})).double()
+
+
+def parallel(model: nn.Module) -> nn.Module:
+    return tsp_core.parallelize(copy.deepcopy(model), dist_pool.mesh(2))
+
+
+def batch(model: nn.Module) -> dict:
+    """This rank's share of two rows of 64 tokens (the same global batch on every rank)."""
+    mesh = tsp_core.get_mesh(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SMALL["vocab_size"], (4, 64), generator=g)
+    dp_rank = mesh.device_mesh.get_coordinate()[0]
+    mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+    return tsp_core.shard_batch({"input_ids": ids[mine], "labels": ids[mine]}, mesh)
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def recorded(model: nn.Module, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One training forward from ``torch.manual_seed(seed)``: each attention's and MLP's output
+    before and after its dropout (a hook before and one after the dropout's)."""
+    pairs, handles = [], []
+    for layer in model.model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            raw: list[torch.Tensor] = []
+            handles.append(module.register_forward_hook(
+                lambda m, i, o, raw=raw: raw.append(first(o).detach()), prepend=True))
+            handles.append(module.register_forward_hook(
+                lambda m, i, o, raw=raw: pairs.append((raw.pop(), first(o).detach()))))
+    torch.manual_seed(seed)
+    model(**batch(model))
+    for h in handles:
+        h.remove()
+    return pairs
+
+
+def keep_masks(pairs) -> torch.Tensor:
+    return torch.cat([(after != 0).flatten() for _, after in pairs])
+
+
+def statistics_and_masks() -> None:
+    model = parallel(seed_oss(attention_dropout=0.0)).train()
+    pairs = recorded(model, seed=5)
+    rank = dist.get_rank()
+    for before, after in pairs:
+        assert before.ne(0).all()  # a zero after the dropout is a dropped element
+        kept = after != 0
+        want = before * kept / (1 - P)  # plain math: kept elements scaled by 1/(1-p)
+        assert torch.allclose(after, want, rtol=1e-15, atol=0), f"rank {rank}: not 1/(1-p)"
+    keep = keep_masks(pairs)
+    sigma = (P * (1 - P) / keep.numel()) ** 0.5
+    rate = 1 - keep.double().mean().item()
+    assert abs(rate - P) < 5 * sigma, f"rank {rank}: drop rate {rate:.4f}, p {P} (sigma {sigma})"
+    # the same seed gives the same masks; another seed other masks
+    assert torch.equal(keep_masks(recorded(model, seed=5)), keep), f"rank {rank}: not repeated"
+    assert not torch.equal(keep_masks(recorded(model, seed=6)), keep)
+    # every rank (TSP and data-parallel) draws its own: both-dropped as often as independent
+    # masks would (p^2), not as often as one shared mask would (p)
+    every = [torch.empty_like(keep) for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, keep)
+    for other in range(dist.get_world_size()):
+        if other != rank:
+            both = (~keep & ~every[other]).double().mean().item()
+            assert abs(both - P * P) < 5 * (P * P / keep.numel()) ** 0.5, \
+                f"ranks {rank} and {other}: both dropped {both:.4f}, independent {P * P}"
+
+
+def test_drop_rate_scaling_and_masks_per_rank(pools):
+    pools.of(4).run(statistics_and_masks)
+
+
+def grads(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model.zero_grad()
+    loss = model(**batch(model)).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def trains_and_recomputes_exactly() -> None:
+    model = parallel(seed_oss(attention_dropout=0.0)).train()
+    plain = grads(model, seed=3)
+    assert any(not torch.equal(plain[n], g) for n, g in grads(model, seed=4).items())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    again = grads(model, seed=3)  # the recompute must draw the forward's masks
+    for name, g in plain.items():
+        assert torch.equal(again[name], g), f"rank {dist.get_rank()}: {name} under checkpointing"
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def test_trains_with_residual_dropout_and_recomputes_exactly(pools):
+    pools.of(4).run(trains_and_recomputes_exactly)
+
+
+def attention_dropout_in_training_is_refused() -> None:
+    model = parallel(seed_oss())  # SeedOssConfig()'s attention_dropout 0.1
+    model.eval()(**batch(model))  # eval: no dropout runs, nothing refused
+    try:
+        model.train()(**batch(model))
+    except NotImplementedError as e:
+        assert "attention_dropout (0.1) is not applied by TSP attention" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {dist.get_rank()}: attention dropout ran in training")
+
+
+def test_attention_dropout_refused_in_training_only(pools):
+    pools.of(4).run(attention_dropout_in_training_is_refused)
