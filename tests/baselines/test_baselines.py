@@ -243,6 +243,6 @@ def test_moe_memory_simulation(tmp_path):
     attention = 2 * h * h + 2 * h * (h // 2)   # q, o; k, v of 2 of 4 heads
     per_layer = (attention + 3 * e * f * h) / 2 + e * h + 2 * h   # split; router, norms whole
     elements = layers * per_layer + 2 * vocab * h / 2 + h   # vocabulary-sharded embedding, head
-    for rec in simulate_many(reqs, jobs=1, fresh=False):
+    for rec in simulate_many(reqs, jobs=1):
         assert rec.breakdown["parameters"] == elements * 2, rec.layout   # bfloat16
         assert rec.phases["mlp_forward"]["activations"] > 0, rec.layout

@@ -88,7 +88,7 @@ def test_max_seq_prints_a_line_as_each_simulation_finishes(monkeypatch, capsys):
     round. The simulations are stood in for (a peak affine in the length: 1 MB + 1 kB a token)."""
     from tsp_core.plan import simulate
 
-    def fake(requests, jobs=2, progress=None, fresh=True):
+    def fake(requests, jobs=2, progress=None):
         out = []
         for q in requests:
             rec = simulate.MemoryRecord(q.layout, q.layout, q.tp, q.cp, q.tp * q.cp, q.seq, 1,

@@ -44,7 +44,7 @@ SLACK_PER_TOKEN = 64
 
 
 def simulate(tmp_path, *args: str) -> list[dict]:
-    # each simulation owns the default process group (fake backend) of a fresh process
+    # `tsp simulate` as users run it: its own process and workers, the records as JSON
     out = tmp_path / "sim.json"
     subprocess.run([sys.executable, "-m", "tsp_core.tools.cli", "simulate", "--json", str(out),
                     *args], check=True, capture_output=True, text=True, timeout=600)
@@ -263,6 +263,20 @@ def test_every_layout_keeps_its_share_of_the_model(tmp_path):
         assert params[name] == (matrices // t + norms) * 2, (name, params)
     for r in recs:  # the peak is the sum of what was alive at that moment, by category
         assert r["peak_bytes"] == sum(r["breakdown"].values()), r
+
+
+def test_a_reused_worker_gives_what_a_fresh_process_gives():
+    """``simulate_many`` runs its records one after another in each worker: in one worker, tp's
+    record taken after tp's and tsp's equals its first one, taken by the new process, in every
+    field but the seconds."""
+    from tsp_core.plan.simulate import SimulationRequest, record_dict, simulate_many
+
+    tsp, tp = (SimulationRequest(name, 4, 1, 512, "tiny", recompute="none")
+               for name in ("tsp", "tp"))
+    first, _, again = (record_dict(r) for r in simulate_many([tp, tsp, tp], jobs=1))
+    for rec in (first, again):
+        rec.pop("seconds")
+    assert again == first
 
 
 @pytest.mark.parametrize("bad,message", [(["--layouts", "tp+cp", "--degree", "3"], "3 has none"),

@@ -3,7 +3,7 @@
 A spawned worker pays about 4 s of CPU to start and import torch, transformers and tsp_core, and
 the planner tests ran a pool of two per test; tests/conftest.py's ``simulations`` fixture starts
 one pool of two for the session instead. Reusing a worker is what
-``tsp_core.plan.simulate.simulate_many(fresh=False)`` already does between records: each record
+``tsp_core.plan.simulate.simulate_many`` already does between records: each record
 builds its own fake process group, fake tensor mode and tracker. A function that changes a
 worker's modules for good (as tests/plan/test_simulate_tracker.py swaps the tracker) must keep a
 pool of its own.

@@ -259,7 +259,7 @@ def max_seq_main(args, shape, found) -> int:
 
     def measure(asks: list[tuple[LayoutSpec, int]]) -> list[MemoryRecord]:
         asked[0] += len(asks)
-        return simulate_many([request(s, q) for s, q in asks], args.jobs, progress, fresh=False)
+        return simulate_many([request(s, q) for s, q in asks], args.jobs, progress)
 
     print(f"cluster: {cl.nodes} x {cl.gpus_per_node} {cl.device.name} "
           f"({cl.device.memory_gb:.0f} GB); sources: {found.sources}")

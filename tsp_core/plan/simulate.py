@@ -25,8 +25,11 @@ decoder): the offloaded copies land on the fake ``meta`` device (:data:`HOST`), 
 stays the simulated GPU's peak and ``host_bytes`` is the host's, apart. ``tile_tokens`` is TSP's
 (its MLP, experts and loss run a tile of tokens at a time); the baselines' are not tiled.
 
-Each record owns the default process group of its process; :func:`simulate_many` runs records in
-fresh worker processes, ``jobs`` at a time.
+Each record owns the default process group of its process while it runs; :func:`simulate_many`
+runs records in ``jobs`` worker processes, each worker taking one record after another: every
+record builds its own process group, fake tensor mode and tracker, so a worker's second record
+equals what a fresh process gives (tests/plan/test_memory.py checks), without a process start and
+its imports (about 5 s of CPU) per record.
 """
 
 from __future__ import annotations
@@ -475,14 +478,11 @@ def _run_one(req: SimulationRequest) -> MemoryRecord:
 
 
 def simulate_many(requests: list[SimulationRequest], jobs: int = 2,
-                  progress=None, fresh: bool = True) -> list[MemoryRecord]:
-    """Run every request in a fresh process, ``jobs`` at a time; results in request order.
-    ``progress(record)`` is called as each finishes. ``fresh=False`` reuses the ``jobs`` worker
-    processes (each record still builds its own process group, fake mode and tracker), saving
-    a process start and the imports per record: what a test with many small records wants."""
+                  progress=None) -> list[MemoryRecord]:
+    """Run every request in ``jobs`` spawned worker processes (module docstring); results in
+    request order. ``progress(record)`` is called as each finishes."""
     ctx = get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx,
-                             max_tasks_per_child=1 if fresh else None) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
         futures = [pool.submit(_run_one, r) for r in requests]
         out = []
         for f in futures:
