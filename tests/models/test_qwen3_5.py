@@ -20,7 +20,6 @@ import torch.distributed as dist
 import tsp_core
 from tests.inference.test_decode import greedy_parity
 from tests.support import dist_pool, hf_models, parity
-from tsp_core import comm
 
 
 def test_text_rotary_is_plain_rope():
@@ -99,16 +98,10 @@ def test_round_trips_bit_for_bit(pools, tmp_path, tsp):
 def delta_net_heads_refused() -> str:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    mesh = dist_pool.mesh(2)
     config = Qwen3_5TextConfig(vocab_size=96, head_dim=24, **hf_models.COMMON,
                                layer_types=["linear_attention", "full_attention"],
                                linear_num_key_heads=3, linear_num_value_heads=6)
-    model = Qwen3_5ForCausalLM(config)
-    with comm.track() as stats, pytest.raises(ValueError) as err:
-        tsp_core.parallelize(model, mesh)
-    assert not dict(stats.calls), dict(stats.calls)  # before any collective
-    dist.barrier()
-    return str(err.value)
+    return parity.parallelize_refusal(Qwen3_5ForCausalLM(config), 2)
 
 
 def test_delta_net_heads_that_do_not_split_are_refused(pools):

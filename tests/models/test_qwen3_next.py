@@ -22,7 +22,6 @@ from tests.inference.test_decode import greedy_parity
 from tests.layers.test_moe import aux_loss_present
 from tests.layers.test_moe import reference_loss as moe_reference_loss
 from tests.support import dist_pool, hf_models, parity
-from tsp_core import comm
 
 
 def sgd_parity(tsp: int, schedule: str | None = None) -> parity.Parity:
@@ -52,14 +51,9 @@ def test_training_parity_float64_each_moe_schedule(pools, schedule):
 def empty_shared_expert_refused() -> str:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    mesh = dist_pool.mesh(2)
     fields = {**hf_models.ZOO["qwen3_next"].fields, "shared_expert_intermediate_size": 0}
     model = Qwen3NextForCausalLM(Qwen3NextConfig(**{**hf_models.COMMON, **fields}))
-    with comm.track() as stats, pytest.raises(ValueError) as err:
-        tsp_core.parallelize(model, mesh)
-    assert not dict(stats.calls), dict(stats.calls)  # before any collective
-    dist.barrier()
-    return str(err.value)
+    return parity.parallelize_refusal(model, 2)
 
 
 def test_empty_shared_expert_is_refused(pools):

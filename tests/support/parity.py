@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -265,6 +266,19 @@ def check_moe_schedule(model: nn.Module, schedule: str) -> None:
 
     got = {m.schedule for m in model.modules() if isinstance(m, TSPMoE)}
     assert got == {schedule}, f"the expert layers run {sorted(got)}, not {schedule!r}"
+
+
+def parallelize_refusal(model: nn.Module, tsp: int) -> str:
+    """Run on every rank of a pool: ``tsp_core.parallelize`` of ``model`` at TSP degree ``tsp``
+    must raise ``ValueError`` on this rank before any collective. Its message, once every rank
+    got there."""
+    import tsp_core
+
+    with tsp_core.comm.track() as stats, pytest.raises(ValueError) as err:
+        tsp_core.parallelize(model, dist_pool.mesh(tsp))
+    assert not dict(stats.calls), dict(stats.calls)  # before any collective
+    dist.barrier()
+    return str(err.value)
 
 
 def train_parity(case: Parity) -> dict:
