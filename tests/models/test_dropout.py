@@ -1,9 +1,11 @@
 """Dropout under TSP (tsp_core/layers/dropout.py), on Seed-OSS, whose config turns it on by
 default: its ``residual_dropout`` on the attention's and MLP's outputs of each rank's own tokens
 (the drop rate and the 1/(1-p) scaling measured on every rank, masks that differ between ranks
-and repeat with the seed, an exact recompute under activation checkpointing), and its
-``attention_dropout``, which TSP's attention does not apply: refused in training, nothing in
-eval. Exact parity at p = 0 and in eval mode with the shipped defaults is the common family
+and repeat with the seed, an exact recompute under activation checkpointing; the same statistics
+for Phi-3's ``resid_pdrop``, which Hugging Face applies with the layer's own ``nn.Dropout``), and
+Seed-OSS's ``attention_dropout``, which TSP's attention does not apply: refused in training,
+nothing in eval. Exact parity at p = 0 and in eval mode with the shipped defaults is the common
+family
 tests' (tests/support/hf_models.py "seed_oss" and "seed_oss-defaults"). All at dp 2 x tsp 2, so
 ranks differ by TSP rank and by data-parallel rank."""
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,6 +33,18 @@ def seed_oss(**fields) -> nn.Module:
 
     torch.manual_seed(0)
     return SeedOssForCausalLM(SeedOssConfig(**{**SMALL, **fields})).double()
+
+
+def phi3(**fields) -> nn.Module:
+    """A small Phi-3 in float64 with ``resid_pdrop`` p."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    small = {k: v for k, v in SMALL.items() if k != "head_dim"}
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(Phi3Config(**small, pad_token_id=0, resid_pdrop=P, **fields)).double()
+
+
+FAMILIES = {"seed_oss": lambda: seed_oss(attention_dropout=0.0), "phi3": phi3}
 
 
 def parallel(model: nn.Module) -> nn.Module:
@@ -72,8 +87,8 @@ def keep_masks(pairs) -> torch.Tensor:
     return torch.cat([(after != 0).flatten() for _, after in pairs])
 
 
-def statistics_and_masks() -> None:
-    model = parallel(seed_oss(attention_dropout=0.0)).train()
+def statistics_and_masks(family: str) -> None:
+    model = parallel(FAMILIES[family]()).train()
     pairs = recorded(model, seed=5)
     rank = dist.get_rank()
     for before, after in pairs:
@@ -99,8 +114,9 @@ def statistics_and_masks() -> None:
                 f"ranks {rank} and {other}: both dropped {both:.4f}, independent {P * P}"
 
 
-def test_drop_rate_scaling_and_masks_per_rank(pools):
-    pools.of(4).run(statistics_and_masks)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_drop_rate_scaling_and_masks_per_rank(pools, family):
+    pools.of(4).run(statistics_and_masks, family)
 
 
 def grads(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:

@@ -41,7 +41,8 @@ from .reading import (
 @dataclass
 class Replacement:
     """One Hugging Face module to replace: ``parent.name = new``, loading ``state`` (the replaced
-    module's, None for a model on the meta device or a tied head)."""
+    module's, None for a model on the meta device, a tied head or a stateless module: a layer's
+    own dropout made an identity)."""
 
     parent: nn.Module
     name: str
@@ -133,7 +134,7 @@ def plan_layer(layer: LayerSpec, plan: ModulePlan) -> None:
         plan.replace(layer.module, policy.modules.attention, mixer)
     mlp = build_mlp(layer, plan)
     plan.replace(layer.module, policy.modules.mlp, mlp)
-    add_output_dropout(plan, (mixer, mlp))
+    add_output_dropout(plan, layer.module, (mixer, mlp))
     if layer.moe_beside:  # Gemma 4: the layer calls its router and experts itself
         moe = plan.spec.moe
         plan.replace(layer.module, policy.ffn.moe.router,
@@ -144,11 +145,15 @@ def plan_layer(layer: LayerSpec, plan: ModulePlan) -> None:
     plan.replicate(layer.module, policy.modules.layer_replicated)
 
 
-def add_output_dropout(plan: ModulePlan, modules: tuple[nn.Module, ...]) -> None:
-    """The policy's ``output_dropout`` (a config field; Seed-OSS's ``residual_dropout``) as a
-    :class:`~tsp_core.layers.dropout.RankDropout` hook on a layer's new attention and MLP: each
-    rank drops its own tokens with masks of its own. No hook for a field that is absent or 0."""
+def add_output_dropout(plan: ModulePlan, layer: nn.Module, modules: tuple[nn.Module, ...]) -> None:
+    """The policy's ``output_dropout`` (a config field; Seed-OSS's ``residual_dropout``, Phi-3's
+    ``resid_pdrop``) as a :class:`~tsp_core.layers.dropout.RankDropout` hook on a layer's new
+    attention and MLP: each rank drops its own tokens with masks of its own. The layer's own
+    dropout modules on those outputs (``ModuleNames.layer_dropouts``) become identities: they
+    would draw one mask for every rank. No hook for a field that is absent or 0."""
     name = plan.policy.output_dropout
+    for dropout in plan.policy.modules.layer_dropouts:
+        plan.replacements.append(Replacement(layer, dropout, nn.Identity(), None))
     p = float(getattr(plan.spec.config, name, 0.0) or 0.0) if name else 0.0
     for module in modules if p else ():
         module.register_forward_hook(RankDropout(p))
