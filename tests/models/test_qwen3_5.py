@@ -20,6 +20,7 @@ import torch.distributed as dist
 import tsp_core
 from tests.inference.test_decode import greedy_parity
 from tests.support import dist_pool, hf_models, parity
+from tests.support.reference import assert_same_state
 
 
 def test_text_rotary_is_plain_rope():
@@ -74,9 +75,7 @@ def round_trips(tsp: int, root: str) -> None:
     want = ref.state_dict()
 
     def same(got: dict, what: str) -> None:
-        assert sorted(got) == sorted(want), f"{what}: {sorted(set(got) ^ set(want))}"
-        for name, t in want.items():
-            assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{what}: {name}"
+        assert_same_state(got, want, what)
 
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     same(tsp_core.full_state_dict(model), "full_state_dict")

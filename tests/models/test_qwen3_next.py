@@ -22,6 +22,7 @@ from tests.inference.test_decode import greedy_parity
 from tests.layers.test_moe import aux_loss_present
 from tests.layers.test_moe import reference_loss as moe_reference_loss
 from tests.support import dist_pool, hf_models, parity
+from tests.support.reference import assert_same_state
 
 
 def sgd_parity(tsp: int, schedule: str | None = None) -> parity.Parity:
@@ -119,9 +120,7 @@ def round_trips(tsp: int, root: str) -> None:
     assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in want
 
     def same(got: dict, what: str) -> None:
-        assert sorted(got) == sorted(want), f"{what}: {sorted(set(got) ^ set(want))}"
-        for name, t in want.items():
-            assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{what}: {name}"
+        assert_same_state(got, want, what)
 
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
     same(tsp_core.full_state_dict(model), "full_state_dict")

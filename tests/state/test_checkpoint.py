@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import tsp_core
 from tests.support import dist_pool, gather, hf_models
-from tests.support.reference import assert_close
+from tests.support.reference import assert_close, assert_same_state
 from tsp_core.distributed.params import local
 from tsp_core.sequence.layout import shard_sequence
 
@@ -171,9 +171,7 @@ def phi3_fused_tensors(tsp: int, root: str) -> None:
     model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
 
     def same(got: dict, what: str) -> None:
-        assert sorted(got) == sorted(want), f"{what}: {sorted(set(got) ^ set(want))}"
-        for name, t in want.items():
-            assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{what}: {name}"
+        assert_same_state(got, want, what)
 
     assert "model.layers.0.self_attn.qkv_proj.weight" in want
     same(tsp_core.full_state_dict(model), "full_state_dict")
@@ -268,14 +266,9 @@ def families_bit_identical(tsp: int, root: str) -> None:
             else set()
         model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
 
-        def same(got: dict, what: str, skip: set = frozenset(), *,
+        def same(got: dict, what: str, skip: frozenset = frozenset(), *,
                  want: dict = want, family: str = family) -> None:
-            names = sorted(set(want) - skip)
-            assert sorted(got) == names, f"{family} {what}: {sorted(set(got) ^ set(names))}"
-            for name in names:
-                t = want[name]
-                assert got[name].dtype == t.dtype and torch.equal(got[name], t), \
-                    f"{family} {what}: {name}"
+            assert_same_state(got, want, f"{family} {what}", skip)
 
         same(tsp_core.full_state_dict(model), "full_state_dict")
         path = os.path.join(root, family)

@@ -93,6 +93,15 @@ def gated_mlp(x: torch.Tensor, w: dict[str, torch.Tensor],
     return F.linear(act * up, w["down_proj.weight"], w.get("down_proj.bias"))
 
 
+def assert_same_state(got: dict, want: dict, what: str, skip: frozenset = frozenset()) -> None:
+    """Bit for bit: ``got`` has ``want``'s names (all but ``skip``), dtypes and values."""
+    names = sorted(set(want) - skip)
+    assert sorted(got) == names, f"{what}: {sorted(set(got) ^ set(names))}"
+    for name in names:
+        t = want[name]
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{what}: {name}"
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
     """Fail loudly unless max|actual - expected| <= tol * max(1, max|expected|)."""
     assert actual.shape == expected.shape, \
