@@ -13,6 +13,7 @@ import torch
 from tests.support.reference import assert_close
 from tsp_core.distributed.chunks import local_segments, row_segments
 from tsp_core.layers import flash
+from tsp_core.layers.dropout import AttentionDropout, rank_seed
 from tsp_core.layers.flash import attention_backward, attention_forward, plan_pieces
 
 
@@ -35,11 +36,12 @@ def visible_pairs(rows, S, causal, window, doc_of=None, chunk=None) -> torch.Ten
 
 
 def explicit(q, k, v, rows, causal, window, scale, doc_of=None, cap=None, chunk=None,
-             sinks=None):
+             sinks=None, keep=None, p=0.0):
     """Plain float64 math: the full score matrix times the scale, with ``cap`` soft-capped
     (``tanh(s / cap) * cap``, Gemma 2: HF's eager order), then the mask and softmax; with
     ``sinks`` [Hq] (gpt-oss, HF's eager order) one more column per head holding its sink logit,
-    dropped after the softmax."""
+    dropped after the softmax; with ``keep`` [B, Hq, rows, S] the probabilities then dropped
+    where it is False and the rest scaled by 1/(1-p) (HF's eager attention dropout)."""
     S = k.shape[2]
     visible = visible_pairs(rows, S, causal, window, doc_of, chunk)
     g = q.shape[1] // k.shape[1]
@@ -48,25 +50,29 @@ def explicit(q, k, v, rows, causal, window, scale, doc_of=None, cap=None, chunk=
         s = torch.tanh(s / cap) * cap
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is None:
-        return torch.softmax(s, -1) @ v.repeat_interleave(g, 1)
-    column = sinks.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)
-    p = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
-    return p @ v.repeat_interleave(g, 1)
+        probs = torch.softmax(s, -1)
+    else:
+        column = sinks.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        probs = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
+    if keep is not None:
+        probs = probs * keep / (1 - p)
+    return probs @ v.repeat_interleave(g, 1)
 
 
-def check(ref, q, k, v, pieces, scale, gen, cap=None, sinks=None) -> None:
+def check(ref, q, k, v, pieces, scale, gen, cap=None, sinks=None, dropout=None) -> None:
     """The pieces' forward and backward (soft-capped by ``cap``, with ``sinks``: a leaf whose
-    gradient :func:`flash.sink_backward` gives) against the explicit-mask reference ``ref``."""
+    gradient :func:`flash.sink_backward` gives, with attention ``dropout``) against the
+    explicit-mask reference ``ref``."""
     sink_values = None if sinks is None else sinks.detach()
     out, lse = attention_forward(q.detach(), k.detach(), v.detach(), pieces, scale, softcap=cap,
-                                 sinks=sink_values)
+                                 sinks=sink_values, dropout=dropout)
     assert lse.dtype == torch.float64 and lse.shape == q.shape[:3]
     assert_close(out, ref.detach(), 1e-12, "output")
     do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
     expected = torch.autograd.grad(ref, leaves, do)
     dq, dkv = attention_backward(do, q.detach(), torch.stack([k, v]).detach(), out, lse, pieces,
-                                 scale, softcap=cap)
+                                 scale, softcap=cap, dropout=dropout)
     for name, a, b in zip("qkv", (dq, dkv[0], dkv[1]), expected):
         assert_close(a, b, 1e-12, f"d{name} (cap {cap})")
     if sinks is not None:
@@ -254,7 +260,7 @@ def test_kv_heads_expanded_per_piece(monkeypatch, kv_heads, size, window):
 @pytest.mark.parametrize("size,causal,window", [(1, False, None), (4, True, None), (2, True, 5)])
 def test_math_kernel_without_cap(monkeypatch, size, causal, window):
     """The tiled math kernel, uncapped (what float64 runs off the CPU), against the math."""
-    monkeypatch.setattr(flash, "kernel_for", lambda q, softcap=None: flash.MATH)
+    monkeypatch.setattr(flash, "kernel_for", lambda q, softcap=None, dropout=None: flash.MATH)
     monkeypatch.setattr(flash, "MATH_TILE", 5)
     gen = torch.Generator().manual_seed(6)
     for p in range(size):
@@ -439,3 +445,64 @@ def test_sinks_bf16_native_kernel(chunk):
         expected = torch.autograd.grad(ref, (qr, kr, vr, sr), do.double())
         for name, a, b in zip(["dq", "dk", "dv", "dsinks"], (dq, dkv[0], dkv[1], ds), expected):
             assert_close(a.double(), b, 3e-2, f"bf16 {name}")
+
+
+# ------------------------------------------------------------------ attention dropout
+
+@pytest.mark.parametrize("tile", [512, 5])
+@pytest.mark.parametrize("size,window,docs,cap,sinks", [
+    (1, None, None, None, False), (2, None, None, None, False), (4, None, None, None, False),
+    (4, 5, None, None, False), (2, None, [8, 24, 16], None, False), (2, 7, None, 1.5, False),
+    (4, None, None, None, True)])
+def test_dropout_pieces_match_math(monkeypatch, tile, size, window, docs, cap, sinks):
+    """Attention dropout (Seed-OSS's attention_dropout): every rank's pieces, merged by the
+    undropped LSE, forward and backward (the backward's key blocks cut the pieces otherwise)
+    against HF's eager order in float64 (softmax, keep mask, 1/(1-p), times V) with the same
+    keep mask, read from AttentionDropout.keep over the whole (query row, key) grid."""
+    monkeypatch.setattr(flash, "MATH_TILE", tile)
+    seq, scale, p = 48, 8 ** -0.5, 0.3
+    doc_of = None if docs is None else \
+        torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+    gen = torch.Generator().manual_seed(11)
+    for rank in range(size):
+        if docs is None:
+            segs = local_segments(seq, rank, size, "zigzag")
+            rows = [t for a, b in segs for t in range(a, b)]
+            pieces = plan_pieces(segs, seq, True, window)
+        else:
+            rows, pieces = packed(docs, rank, size, window)
+        dropout = AttentionDropout(p, rank_seed(1234, rank)).at(rank, 0)
+        keep = dropout.keep(2, 4, (0, len(rows)), (0, seq), "cpu")
+        q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        sink = (torch.randn(4, generator=gen, dtype=torch.float64).requires_grad_()
+                if sinks else None)
+        ref = explicit(q, k, v, rows, True, window, scale, doc_of, cap, sinks=sink, keep=keep,
+                       p=p)
+        plain = explicit(q, k, v, rows, True, window, scale, doc_of, cap, sinks=sink)
+        assert (plain - ref).abs().max() > 1e-2  # the dropout changes the result measurably
+        check(ref, q, k, v, pieces, scale, gen, cap, sink, dropout)
+
+
+def test_dropout_masks_rate_and_independence():
+    """The keep masks: dropped at rate p (within 5 sigma); independent between ranks (both
+    dropped at p^2) and between calls of one rank (``at``); the same for the same seed; a block
+    of the grid is that block of the whole grid (forward pieces and backward blocks agree)."""
+    p = 0.1
+    masks = [AttentionDropout(p, rank_seed(77, r)).at(0, 0).keep(2, 4, (0, 96), (0, 256), "cpu")
+             for r in range(4)]
+    n = masks[0].numel()
+    for m in masks:
+        assert abs((1 - m.double().mean().item()) - p) < 5 * (p * (1 - p) / n) ** 0.5
+    other_call = AttentionDropout(p, rank_seed(77, 0)).at(1, 0).keep(2, 4, (0, 96), (0, 256),
+                                                                       "cpu")
+    for a, b in [(masks[0], masks[1]), (masks[2], masks[3]), (masks[0], other_call)]:
+        both = (~a & ~b).double().mean().item()
+        assert abs(both - p * p) < 5 * (p * p / n) ** 0.5, both
+    again = AttentionDropout(p, rank_seed(77, 0)).at(0, 0)
+    assert torch.equal(again.keep(2, 4, (0, 96), (0, 256), "cpu"), masks[0])
+    assert torch.equal(again.keep(2, 4, (30, 41), (7, 100), "cpu"), masks[0][:, :, 30:41, 7:100])
+    with pytest.raises(ValueError, match=r"probability 0\.0 must be in \(0, 1\)"):
+        AttentionDropout(0.0, 1)
+    assert flash.kernel_for(torch.empty(1, 2, 4, 8), None, again) == flash.MATH

@@ -3,11 +3,12 @@ default: its ``residual_dropout`` on the attention's and MLP's outputs of each r
 (the drop rate and the 1/(1-p) scaling measured on every rank, masks that differ between ranks
 and repeat with the seed, an exact recompute under activation checkpointing; the same statistics
 for Phi-3's ``resid_pdrop``, which Hugging Face applies with the layer's own ``nn.Dropout``), and
-Seed-OSS's ``attention_dropout``, which TSP's attention does not apply: refused in training,
-nothing in eval. Exact parity at p = 0 and in eval mode with the shipped defaults is the common
-family
-tests' (tests/support/hf_models.py "seed_oss" and "seed_oss-defaults"). All at dp 2 x tsp 2, so
-ranks differ by TSP rank and by data-parallel rank."""
+Seed-OSS's ``attention_dropout`` on the attention probabilities of each rank's queries (the
+drop rate of the masks the attention applied, per rank, repeated with the seed, independent
+between ranks; the pieces' exactness against plain math with those masks is
+tests/layers/test_flash.py's). Exact parity at p = 0 and in eval mode with the shipped defaults
+is the common family tests' (tests/support/hf_models.py "seed_oss" and "seed_oss-defaults").
+All at dp 2 x tsp 2, so ranks differ by TSP rank and by data-parallel rank."""
 
 from __future__ import annotations
 
@@ -143,16 +144,69 @@ def test_trains_with_residual_dropout_and_recomputes_exactly(pools):
     pools.of(4).run(trains_and_recomputes_exactly)
 
 
-def attention_dropout_in_training_is_refused() -> None:
-    model = parallel(seed_oss())  # SeedOssConfig()'s attention_dropout 0.1
-    model.eval()(**batch(model))  # eval: no dropout runs, nothing refused
+def attention_masks(model: nn.Module, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training forward from ``torch.manual_seed(seed)``: its loss and the keep masks of the
+    attention probabilities, every element the layers' calls asked for, in order (a spy on
+    AttentionDropout.keep: the masks the pieces applied)."""
+    from tsp_core.layers import dropout as dropout_module
+
+    seen: list[torch.Tensor] = []
+    keep = dropout_module.AttentionDropout.keep
+
+    def spy(self, *args, **kwargs):
+        mask = keep(self, *args, **kwargs)
+        seen.append(mask.flatten())
+        return mask
+
+    dropout_module.AttentionDropout.keep = spy
     try:
-        model.train()(**batch(model))
-    except NotImplementedError as e:
-        assert "attention_dropout (0.1) is not applied by TSP attention" in str(e), str(e)
-    else:
-        raise AssertionError(f"rank {dist.get_rank()}: attention dropout ran in training")
+        torch.manual_seed(seed)
+        loss = model(**batch(model)).loss.detach()
+    finally:
+        dropout_module.AttentionDropout.keep = keep
+    assert seen, f"rank {dist.get_rank()}: no attention dropout ran"
+    return loss, torch.cat(seen)
 
 
-def test_attention_dropout_refused_in_training_only(pools):
-    pools.of(4).run(attention_dropout_in_training_is_refused)
+def trains_with_attention_dropout() -> None:
+    """SeedOssConfig()'s defaults (residual and attention dropout 0.1) train: finite gradients
+    that repeat with the seed (recomputed exactly under activation checkpointing); the attention
+    masks dropped at rate p on every rank, repeated with the seed, independent between ranks;
+    eval mode runs no mask."""
+    model = parallel(seed_oss()).train()
+    plain = grads(model, seed=3)
+    assert all(torch.isfinite(g).all() for g in plain.values())
+    loss, keep = attention_masks(model, seed=3)
+    rank = dist.get_rank()
+    sigma = (P * (1 - P) / keep.numel()) ** 0.5
+    rate = 1 - keep.double().mean().item()
+    assert abs(rate - P) < 5 * sigma, f"rank {rank}: attention drop rate {rate:.4f}, p {P}"
+    again, keep_again = attention_masks(model, seed=3)
+    assert torch.equal(keep_again, keep) and torch.equal(again, loss), f"rank {rank}: not repeated"
+    assert not torch.equal(attention_masks(model, seed=4)[1], keep)
+    every = [torch.empty_like(keep) for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, keep)
+    for other in range(dist.get_world_size()):
+        if other != rank:
+            n = min(keep.numel(), every[other].numel())
+            both = (~keep[:n] & ~every[other][:n]).double().mean().item()
+            assert abs(both - P * P) < 5 * (P * P / n) ** 0.5, \
+                f"ranks {rank} and {other}: attention masks both dropped {both:.4f}"
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    recomputed = grads(model, seed=3)
+    for name, g in plain.items():
+        assert torch.equal(recomputed[name], g), f"rank {rank}: {name} under checkpointing"
+    model.gradient_checkpointing_disable()
+    model.eval()
+    with torch.no_grad():
+        try:
+            attention_masks(model, seed=3)
+        except AssertionError as e:
+            assert "no attention dropout ran" in str(e)
+        else:
+            raise AssertionError(f"rank {rank}: attention dropout ran in eval mode")
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def test_trains_with_seed_oss_default_dropouts(pools):
+    pools.of(4).run(trains_with_attention_dropout)

@@ -20,6 +20,14 @@ without a value) enter once per query row, after the pieces are merged: the merg
 scaled by ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sink)``; the pieces' backward, given
 that output and ``lse'``, is then already the backward of the softmax with the sink, and the sink's
 own gradient is :func:`sink_backward`.
+
+Dropout of the attention probabilities (:class:`~tsp_core.layers.dropout.AttentionDropout`, in
+training with a config's ``attention_dropout``) runs every piece on the tiled math kernel: the
+native kernels draw their masks from their own generators, which a piece's backward (cut into
+other blocks) could not replay. Each tile's probabilities exp(s - lse_tile) are masked and scaled
+by 1/(1-p); the merge by log-sum-exp stays exact because the LSE is that of the undropped
+scores (Hugging Face drops after the softmax), and the backward's rowsum(dO O) is taken with the
+dropped output, which is what the softmax's gradient needs.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from .dropout import AttentionDropout
 
 Mask = Literal["full", "causal", "anticausal"]
 
@@ -184,12 +194,31 @@ KERNELS = {
 MATH = "math"  # the tiled pure-torch kernel below: soft-capped scores, float64 off the CPU
 
 
-def kernel_for(q: torch.Tensor, softcap: float | None = None) -> str:
+@dataclass(frozen=True)
+class PieceDropout:
+    """Attention dropout for one piece: the layer call's :class:`AttentionDropout` and where the
+    piece's first query row and key sit, so that a tile's mask is that of its coordinates in the
+    whole call, whichever piece or block asks (the forward's pieces and the backward's
+    key blocks differ)."""
+
+    dropout: AttentionDropout
+    q0: int
+    k0: int
+
+    def keep(self, batch: int, heads: int, rows: tuple[int, int], keys: tuple[int, int],
+             device: torch.device) -> torch.Tensor:
+        return self.dropout.keep(batch, heads, (self.q0 + rows[0], self.q0 + rows[1]),
+                                 (self.k0 + keys[0], self.k0 + keys[1]), device)
+
+
+def kernel_for(q: torch.Tensor, softcap: float | None = None,
+               dropout: AttentionDropout | None = None) -> str:
     """The kernel that runs a piece of ``q``'s dtype, device and head size: the CPU flash kernel
     on CPU; on CUDA FlashAttention-2 for bf16/fp16 with a head size it takes (a multiple of 8, at
     most 256), the memory-efficient kernel for float32 and other head sizes; the tiled math
-    kernel for soft-capped scores (no native kernel caps) and for float64 off the CPU."""
-    if softcap is not None:
+    kernel for soft-capped scores (no native kernel caps), with attention dropout (a mask the
+    backward can replay) and for float64 off the CPU."""
+    if softcap is not None or dropout is not None:
         return MATH
     if q.device.type == "cpu":
         return "cpu"
@@ -265,10 +294,26 @@ def _math_scores(qt, kt, scale: float, softcap: float | None, visible):
     return t, s
 
 
-def _math_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None):
+def _tile_keep(drop: PieceDropout | None, q: torch.Tensor, g: int, rows: tuple[int, int],
+               keys: tuple[int, int]) -> torch.Tensor | None:
+    """A tile's keep mask as the math kernel's [B, Hkv, g, tq, tk] (None without dropout)."""
+    if drop is None:
+        return None
+    B, Hq = q.shape[:2]
+    keep = drop.keep(B, Hq, rows, keys, q.device)
+    return keep.view(B, Hq // g, g, *keep.shape[2:])
+
+
+def _dropped(p: torch.Tensor, drop: PieceDropout | None, keep: torch.Tensor | None):
+    return p if drop is None else drop.dropout.apply(p, keep)
+
+
+def _math_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None,
+              drop: PieceDropout | None = None):
     """(out, lse) of one piece by the tiled math kernel, the conventions of the native kernels:
     q [B, Hq, Lq, d], k, v [B, Hkv, Lk, d] (Hkv divides Hq); out in q's dtype, lse [B, Hq, Lq]
-    natural-log, float32 (float64 for float64 input)."""
+    natural-log, float32 (float64 for float64 input). With ``drop`` the probabilities are
+    dropped (the LSE is the undropped one's)."""
     B, Hq, Lq, d = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -286,8 +331,11 @@ def _math_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None):
                 continue
             _, s = _math_scores(qt, k[:, :, None, b:b1].to(acc), scale, softcap, visible)
             l_t = torch.logsumexp(s, -1)
-            o_t = torch.matmul(torch.exp(s - l_t.unsqueeze(-1)), v[:, :, None, b:b1].to(acc))
+            p = _dropped(torch.exp(s - l_t.unsqueeze(-1)), drop,
+                         _tile_keep(drop, q, g, (a, a1), (b, b1)))
             del s
+            o_t = torch.matmul(p, v[:, :, None, b:b1].to(acc))
+            del p
             l_new = torch.logaddexp(l_acc, l_t)
             o_acc.mul_(torch.exp(l_acc - l_new).unsqueeze(-1))
             o_acc.add_(o_t * torch.exp(l_t - l_new).unsqueeze(-1))
@@ -295,10 +343,13 @@ def _math_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None):
     return out.view(B, Hq, Lq, d).to(q.dtype), lse.view(B, Hq, Lq)
 
 
-def _math_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None):
+def _math_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None,
+              drop: PieceDropout | None = None):
     """dq, dk, dv of one piece from the *merged* output and LSE of its rows, tile by tile:
     P = exp(s - lse), dP = dO V^T, dS = P (dP - rowsum(dO O)), times the cap's derivative
-    1 - tanh^2 when capped, then dQ = dS K scale, dK = dS^T Q scale, dV = P^T dO."""
+    1 - tanh^2 when capped, then dQ = dS K scale, dK = dS^T Q scale, dV = P^T dO. With ``drop``
+    (M the keep mask): dV = (M P / (1-p))^T dO and dP = M dO V^T / (1-p); rowsum(dO O) with the
+    dropped output O is still sum_j P_j dP_j."""
     B, Hq, Lq, d = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -320,9 +371,11 @@ def _math_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | 
             t, s = _math_scores(qt, kt, scale, softcap, visible)
             p = torch.exp(s - lseg[:, :, :, a:a1].unsqueeze(-1))
             del s
-            dv[:, :, b:b1] += torch.matmul(p.transpose(-1, -2), dot).sum(2)
-            ds = p * (torch.matmul(dot, vt.transpose(-1, -2)) - delta[:, :, :, a:a1].unsqueeze(-1))
-            del p
+            keep = _tile_keep(drop, q, g, (a, a1), (b, b1))
+            dv[:, :, b:b1] += torch.matmul(_dropped(p, drop, keep).transpose(-1, -2), dot).sum(2)
+            dp = _dropped(torch.matmul(dot, vt.transpose(-1, -2)), drop, keep)
+            ds = p * (dp - delta[:, :, :, a:a1].unsqueeze(-1))
+            del p, dp, keep
             if t is not None:
                 ds.mul_(1 - t * t)
                 del t
@@ -332,11 +385,12 @@ def _math_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | 
     return dq.view(B, Hq, Lq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _piece_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None = None):
-    name = kernel_for(q, softcap)
+def _piece_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None = None,
+               drop: PieceDropout | None = None):
+    name = kernel_for(q, softcap, None if drop is None else drop.dropout)
     if name == MATH:  # scores in float32/float64 even under autocast, as a flash kernel's
         with torch.autocast(q.device.type, enabled=False):
-            return _math_fwd(q, k, v, mask, scale, softcap)
+            return _math_fwd(q, k, v, mask, scale, softcap, drop)
     kernel = KERNELS[name]
     if mask == "anticausal":
         out, lse = _kernel_fwd(kernel, q.flip(2), k.flip(2), v.flip(2), True, scale)
@@ -344,11 +398,12 @@ def _piece_fwd(q, k, v, mask: Mask, scale: float, softcap: float | None = None):
     return _kernel_fwd(kernel, q, k, v, mask == "causal", scale)
 
 
-def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None = None):
-    name = kernel_for(q, softcap)
+def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float | None = None,
+               drop: PieceDropout | None = None):
+    name = kernel_for(q, softcap, None if drop is None else drop.dropout)
     if name == MATH:
         with torch.autocast(q.device.type, enabled=False):
-            return _math_bwd(do, q, k, v, out, lse, mask, scale, softcap)
+            return _math_bwd(do, q, k, v, out, lse, mask, scale, softcap, drop)
     kernel = KERNELS[name]
     if mask == "anticausal":
         grads = _kernel_bwd(kernel, do.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2),
@@ -361,20 +416,24 @@ def _piece_bwd(do, q, k, v, out, lse, mask: Mask, scale: float, softcap: float |
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece],
                       scale: float, *, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      sinks: torch.Tensor | None = None,
+                      dropout: AttentionDropout | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, L, d] local queries; k, v [B, Hkv, S, d] full sequence (Hkv divides Hq).
     Returns the attention output [B, Hq, L, d] and its log-sum-exp [B, Hq, L]. ``softcap``:
     scores become ``tanh(s / softcap) * softcap`` before the mask and softmax (Gemma 2's
     attention logit soft-capping; the tiled math kernel instead of the native one). ``sinks``
     [Hq]: each query head's sink logit (gpt-oss), one more softmax column without a value, added
-    once per row after the pieces are merged (:func:`add_sinks`); the LSE returned includes it."""
+    once per row after the pieces are merged (:func:`add_sinks`); the LSE returned includes it.
+    ``dropout``: the probabilities (never the sink's) dropped as it says, on the math kernel; the
+    LSE returned is the undropped one's, which the backward needs."""
     B, H, L, d = q.shape
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, H, L, d, dtype=acc_dtype, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc_dtype, device=q.device)
     for p in pieces:
         o_p, l_p = _piece_fwd(q[:, :, p.q0:p.q1], k[:, :, p.k0:p.k1], v[:, :, p.k0:p.k1],
-                              p.mask, scale, softcap)
+                              p.mask, scale, softcap, _piece_dropout(dropout, p))
         o_acc, l_acc = out[:, :, p.q0:p.q1], lse[:, :, p.q0:p.q1]
         l_new = torch.logaddexp(l_acc, l_p.to(acc_dtype))
         o_acc.mul_(torch.exp(l_acc - l_new).unsqueeze(-1))
@@ -384,6 +443,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces:
         lse = add_sinks(out, lse, sinks)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def _piece_dropout(dropout: AttentionDropout | None, piece: Piece) -> PieceDropout | None:
+    return None if dropout is None else PieceDropout(dropout, piece.q0, piece.k0)
 
 
 def _check_sinks(sinks: torch.Tensor, heads: int) -> None:
@@ -435,11 +498,13 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out:
                        lse: torch.Tensor, pieces: list[Piece],
                        scale: float, *, softcap: float | None = None,
                        dkv: torch.Tensor | None = None,
-                       halfway: Callable[[], None] | None = None
+                       halfway: Callable[[], None] | None = None,
+                       dropout: AttentionDropout | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`attention_forward` (with the same ``softcap``) w.r.t. q (local) and
-    the packed full-sequence ``kv`` [2, B, Hkv, S, d] (with sinks, ``out`` and ``lse`` are the
-    forward's, sink included, and the sinks' own gradient is :func:`sink_backward`). Every
+    """Gradients of :func:`attention_forward` (with the same ``softcap`` and ``dropout``) w.r.t.
+    q (local) and the packed full-sequence ``kv`` [2, B, Hkv, S, d] (with sinks, ``out`` and
+    ``lse`` are the forward's, sink included, and the sinks' own gradient is
+    :func:`sink_backward`). Every
     piece's gradients are summed in float32 (float64 for float64 input) whatever the input dtype,
     as the forward merges its outputs: dQ comes back in q's dtype, dK/dV as that float32
     accumulator, packed like ``kv`` (added into ``dkv`` when given: a key/value head shared by
@@ -461,7 +526,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out:
         rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
         g_q, g_k, g_v = _piece_bwd(do[:, :, rows].contiguous(), q[:, :, rows], kv[0, :, :, keys],
                                    kv[1, :, :, keys], out[:, :, rows].contiguous(),
-                                   lse[:, :, rows].contiguous(), p.mask, scale, softcap)
+                                   lse[:, :, rows].contiguous(), p.mask, scale, softcap,
+                                   _piece_dropout(dropout, p))
         dq[:, :, rows] += g_q
         dkv[0, :, :, keys] += g_k
         dkv[1, :, :, keys] += g_v

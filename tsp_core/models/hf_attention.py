@@ -17,8 +17,6 @@ class HFTSPAttention(TSPAttention):
     that reuses K/V, the index of the layer that stores them (its decode cache)."""
 
     kv_source: int | None = None
-    attention_dropout: float = 0.0  # the config's; not applied by TSP: refused in training
-
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 cache=None, **kwargs: Any):
@@ -27,12 +25,6 @@ class HFTSPAttention(TSPAttention):
                                       "model.generate(...) or tsp_core.generate "
                                       "(tsp_core.inference.decode keeps its own "
                                       "sequence-sharded cache)")
-        if self.training and self.attention_dropout:  # the same on every rank: all raise here
-            raise NotImplementedError(
-                f"attention_dropout ({self.attention_dropout}) is not applied by TSP attention "
-                f"(its rounds run flash attention without a dropout of the probabilities); "
-                f"train with config.attention_dropout=0.0 before parallelize, or run the model "
-                f"in eval() (no dropout runs there)")
         state = self.tsp_decode  # tsp_core.inference.decode: a decode step, or prefill's K/V sink
         if state is not None and state.decoding:
             rotation = rotary_inputs(position_embeddings, self.parts.rotary)

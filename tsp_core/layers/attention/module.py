@@ -21,6 +21,7 @@ from ...distributed.params import (
     schedule_inputs,
 )
 from .. import rope
+from ..dropout import AttentionDropout
 from ..inputs import check_local_input, checked_docs
 from .parts import AttentionParts, AttentionShape, QKNorm, Rotary, Values
 from .per_group import PerGroupAttentionFn
@@ -90,7 +91,14 @@ class TSPAttention(ShardedModule):
     ``forward(x, position_ids)`` takes this rank's tokens [B, S/D, hidden] and their *global*
     positions [B, S/D] and returns this rank's output tokens. A model that computes its own rotary
     cos/sin passes ``position_embeddings=(cos, sin)`` instead.
+
+    ``attention_dropout`` (a config's, 0 by default): in training, the attention probabilities of
+    this rank's queries are dropped with this probability, each rank its own masks
+    (:class:`~tsp_core.layers.dropout.AttentionDropout`; the pieces then run the tiled math
+    kernel: tsp_core/layers/flash.py); in eval mode and at 0 nothing changes.
     """
+
+    attention_dropout: float = 0.0
 
     def __init__(self, mesh: TSPMesh, shape: AttentionShape, parts: AttentionParts | None = None,
                  *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
@@ -216,8 +224,10 @@ class TSPAttention(ShardedModule):
             weights = [shared_kv, *weights]
         cos, sin = rope.rotation_inputs(position_embeddings, x.dtype)
         fn = PhasedAttentionFn if p.over_token else PerGroupAttentionFn
+        dropout = (AttentionDropout.drawn(self.attention_dropout)
+                   if self.training and self.attention_dropout else None)
         with context:
-            y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, *weights)
+            y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, dropout, *weights)
         y, kv_all = y if p.gives_kv else (y, None)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)

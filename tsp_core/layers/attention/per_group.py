@@ -48,7 +48,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
     backward's floor")."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
+    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, dropout, *weights):
         B, L, _ = x.shape
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
         D, R = spec.tsp_size, spec.kv_replicas
@@ -88,7 +88,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
 
         def attend(r: int, wo: torch.Tensor, sinks: torch.Tensor | None,
                    gate: torch.Tensor | None) -> None:
-            attend_round(r, q_all, out_all, lse_all, kvs, sinks)
+            attend_round(r, q_all, out_all, lse_all, kvs, sinks, dropout)
             y.view(B * L, -1).addmm_(gated(join_heads(out_all[r]), gate).reshape(B * L, -1), wo.t())
 
         previous = None
@@ -100,7 +100,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
         attend(*previous)
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
-        ctx.spec, ctx.group, ctx.groups = spec, group, groups
+        ctx.spec, ctx.group, ctx.groups, ctx.dropout = spec, group, groups, dropout
         ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights)
         if spec.parts.gives_kv:  # for the layers that reuse these K/V; their gradient comes back
             ctx.set_materialize_grads(False)
@@ -164,7 +164,8 @@ class PerGroupAttentionFn(torch.autograd.Function):
                          if qn is not None or spec.parts.output_gate else (None, None))
             do, dgate = gated_backward(F.linear(dy, wo.t()), join_heads(o), gate)
             do = split_heads(do, nq).contiguous()
-            dq = attend_round_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum)
+            dq = attend_round_backward(r, do, q_all, out_all, lse_all, kvs, dkv_sum,
+                                       ctx.dropout)
             sinks_grad = (None if shards.sinks is None else
                           flash.sink_backward(do, o, lse_all[r], shards.round_sinks(buf)))
             del do
@@ -188,4 +189,4 @@ class PerGroupAttentionFn(torch.autograd.Function):
             grads = [*grads, *(norm_grads[:1] if spec.parts.takes_kv else norm_grads)]
         if spec.parts.takes_kv:
             grads = [shared_grad, *grads]
-        return (dx, None, None, None, None, None, None, *grads)
+        return (dx, None, None, None, None, None, None, None, *grads)

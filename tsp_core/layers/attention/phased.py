@@ -72,7 +72,7 @@ class PhasedAttentionFn(torch.autograd.Function):
     ``Mask.sinks`` the sinks follow the projection weights (before the q/k norm weights)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, *weights):
+    def forward(ctx, x, cos, sin, spec: AttentionSpec, group, docs, kv_sink, dropout, *weights):
         B, L, _ = x.shape
         nq, nkv, d = spec.local_heads, spec.local_kv_heads, spec.head_dim
         D, R = spec.tsp_size, spec.kv_replicas
@@ -99,7 +99,7 @@ class PhasedAttentionFn(torch.autograd.Function):
             if r % R == R - 1:
                 kvs.start(r // R + 1)  # the next head's K/V arrive while this round attends
             sinks = None if sinks_all is None else sinks_all[r]
-            attend_round(r, q_all, out_all, lse_all, kvs, sinks)
+            attend_round(r, q_all, out_all, lse_all, kvs, sinks, dropout)
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
         del q_all, kv_all
@@ -108,6 +108,7 @@ class PhasedAttentionFn(torch.autograd.Function):
             (wo,) = shards.out_pack.unpack(buf)
             y.view(B * L, -1).addmm_(join_heads(out_all[r]).reshape(B * L, -1), wo.t())
         ctx.spec, ctx.group, ctx.groups, ctx.sinks_all = spec, group, groups, sinks_all
+        ctx.dropout = dropout
         ctx.save_for_backward(x, cos, sin, q_raw, kv_raw, out_all, lse_all, *weights)
         return y
 
@@ -144,7 +145,8 @@ class PhasedAttentionFn(torch.autograd.Function):
         kvs.start(0)
         sinks_grad = None if sinks_all is None else torch.empty_like(sinks_all)
         for r in range(D):                                 # attention, no weights move
-            dq_all[r] = attend_round_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs, dkv_sum)
+            dq_all[r] = attend_round_backward(r, do_all[r], q_fixed, out_all, lse_all, kvs, dkv_sum,
+                                              ctx.dropout)
             if sinks_grad is not None:
                 sinks_grad[r] = flash.sink_backward(do_all[r], out_all[r], lse_all[r],
                                                     sinks_all[r])
@@ -172,7 +174,7 @@ class PhasedAttentionFn(torch.autograd.Function):
             round_sinks_grad = None if sinks_grad is None else sinks_grad[r]
             reduces.send(r, shards.round_pack.pack(shards.round_grads(grads, round_sinks_grad)))
         grads = shards.own_grads(shards.round_pack.unpack(reduces.finish()), kv_grads, go)
-        return (dx, None, None, None, None, None, None, *grads, *norm_grads)
+        return (dx, None, None, None, None, None, None, None, *grads, *norm_grads)
 
 
 def _normed(q_raw: torch.Tensor, kv_raw: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor,

@@ -19,6 +19,7 @@ from ...distributed import comm
 from ...distributed.chunks import row_segments
 from ...distributed.flat_pack import FlatPack
 from .. import flash, rope
+from ..dropout import AttentionDropout
 from ..norm import NORMS
 from .parts import AttentionParts
 
@@ -465,29 +466,36 @@ def _check_round_sinks(spec: AttentionSpec, sinks: torch.Tensor | None) -> None:
                            "round's attention: TSPAttention runs sinks on the phased schedule")
 
 
+def _call_dropout(dropout: AttentionDropout | None, r: int, i: int
+                  ) -> AttentionDropout | None:
+    """The attention dropout of round ``r``'s row group ``i``: a mask of its own per call."""
+    return None if dropout is None else dropout.at(r, i)
+
+
 def attend_round(r: int, q_all: torch.Tensor, out_all: torch.Tensor, lse_all: torch.Tensor,
-            kvs: KVGathers, sinks: torch.Tensor | None = None) -> None:
+            kvs: KVGathers, sinks: torch.Tensor | None = None,
+            dropout: AttentionDropout | None = None) -> None:
     """Round ``r``'s attention: the local queries of head group r against the whole sequence's
     K/V of its key/value head j (from ``kvs``, dropped after j's last round); writes
     ``out_all[r]`` and ``lse_all[r]`` (with ``sinks``, the group's sink logits, both include the
-    sink: flash.add_sinks)."""
+    sink: flash.add_sinks). ``dropout``: the layer call's attention dropout (flash.py)."""
     spec = kvs.spec
     _check_round_sinks(spec, sinks)
     R = spec.kv_replicas
     j = r // R
-    for g, kv in zip(kvs.groups, kvs.get(j)):
+    for i, (g, kv) in enumerate(zip(kvs.groups, kvs.get(j))):
         q = scale_queries(q_all[r][g.rows], _group_scale(g, spec, q_all))
         o, lse = flash.attention_forward(q, kv[0], kv[1], g.pieces,
                                          spec.softmax_scale, softcap=spec.parts.mask.softcap,
-                                         sinks=sinks)
+                                         sinks=sinks, dropout=_call_dropout(dropout, r, i))
         out_all[r][g.rows], lse_all[r][g.rows] = o, lse
     if r % R == R - 1:
         kvs.drop(j)
 
 
 def attend_round_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all: torch.Tensor,
-                     lse_all: torch.Tensor, kvs: KVGathers, dkv_sum: dict[int, torch.Tensor]
-                     ) -> torch.Tensor:
+                     lse_all: torch.Tensor, kvs: KVGathers, dkv_sum: dict[int, torch.Tensor],
+                     dropout: AttentionDropout | None = None) -> torch.Tensor:
     """Backward of :func:`attend_round` for round ``r`` given its output gradient ``do``: returns dQ
     of the round (before RoPE's backward). The dK/dV of key/value head j are summed in float32
     over j's rounds and pieces (``dkv_sum``, one accumulator per row group); halfway through the
@@ -506,7 +514,8 @@ def attend_round_backward(r: int, do: torch.Tensor, q_all: torch.Tensor, out_all
             do[g.rows], scale_queries(q_all[r][g.rows], scale), kv, out_all[r][g.rows],
             lse_all[r][g.rows], g.pieces, spec.softmax_scale, softcap=spec.parts.mask.softcap,
             dkv=None if first else dkv_sum[i],
-            halfway=(lambda: kvs.halfway(j)) if i == 0 else None)
+            halfway=(lambda: kvs.halfway(j)) if i == 0 else None,
+            dropout=_call_dropout(dropout, r, i))
         dq_parts.append((g.rows, scale_queries(dq_g, scale)))
     del kv  # the loop's last K/V: dropped below after j's last round
     dq = by_rows(dq_parts, q_all[r])
