@@ -8,7 +8,9 @@ drop rate of the masks the attention applied, per rank, repeated with the seed, 
 between ranks; the pieces' exactness against plain math with those masks is
 tests/layers/test_flash.py's). Exact parity at p = 0 and in eval mode with the shipped defaults
 is the common family tests' (tests/support/hf_models.py "seed_oss" and "seed_oss-defaults").
-All at dp 2 x tsp 2, so ranks differ by TSP rank and by data-parallel rank."""
+TRL's ``disable_dropout_in_model`` turns off what it turns off on one process (Phi-3's modules),
+and leaves on what it leaves on (Seed-OSS's functional dropout). All at dp 2 x tsp 2, so ranks
+differ by TSP rank and by data-parallel rank."""
 
 from __future__ import annotations
 
@@ -68,10 +70,15 @@ def first(out):
 
 def recorded(model: nn.Module, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One training forward from ``torch.manual_seed(seed)``: each attention's and MLP's output
-    before and after its dropout (a hook before and one after the dropout's)."""
+    before and after its dropout: the layer's own dropout modules' input and output where it has
+    them (Phi-3), else a hook before and one after the dropout's on the attention and MLP."""
     pairs, handles = [], []
     for layer in model.model.layers:
-        for module in (layer.self_attn, layer.mlp):
+        own = [m for m in layer.children() if isinstance(m, nn.Dropout)]
+        for module in own:
+            handles.append(module.register_forward_hook(
+                lambda m, i, o: pairs.append((i[0].detach(), o.detach()))))
+        for module in () if own else (layer.self_attn, layer.mlp):
             raw: list[torch.Tensor] = []
             handles.append(module.register_forward_hook(
                 lambda m, i, o, raw=raw: raw.append(first(o).detach()), prepend=True))
@@ -91,6 +98,7 @@ def keep_masks(pairs) -> torch.Tensor:
 def statistics_and_masks(family: str) -> None:
     model = parallel(FAMILIES[family]()).train()
     pairs = recorded(model, seed=5)
+    assert len(pairs) == 2 * SMALL["num_hidden_layers"], len(pairs)
     rank = dist.get_rank()
     for before, after in pairs:
         assert before.ne(0).all()  # a zero after the dropout is a dropped element
@@ -138,6 +146,32 @@ def trains_and_recomputes_exactly() -> None:
     for name, g in plain.items():
         assert torch.equal(again[name], g), f"rank {dist.get_rank()}: {name} under checkpointing"
     torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def disabled_like_trl(family: str) -> None:
+    """TRL's ``disable_dropout_in_model`` (its DPO trainer's default) sets ``p = 0`` on every
+    ``nn.Dropout``: on plain Phi-3 that turns its residual dropout off, so a training forward
+    gives the eval loss; the TSP model must follow (Seed-OSS's functional dropout is not an
+    ``nn.Dropout`` and stays on, as on one process)."""
+    from trl.trainer.utils import disable_dropout_in_model
+
+    plain = FAMILIES[family]()
+    model = parallel(plain)
+    disable_dropout_in_model(plain)
+    disable_dropout_in_model(model)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(1))
+    for m, kwargs in ((plain, {"input_ids": ids, "labels": ids}), (model, batch(model))):
+        torch.manual_seed(3)
+        train = m.train()(**kwargs).loss
+        evaluated = m.eval()(**kwargs).loss
+        off = torch.equal(train, evaluated)
+        assert off == (family == "phi3"), \
+            f"rank {dist.get_rank()}: {type(m).__name__} dropout off after TRL's disable: {off}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_trl_disable_dropout_acts_as_on_one_process(pools, family):
+    pools.of(4).run(disabled_like_trl, family)
 
 
 def test_trains_with_residual_dropout_and_recomputes_exactly(pools):

@@ -56,21 +56,51 @@ class RankDropout:
         self.rank = global_rank() if rank is None else rank
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def mask(self, like: torch.Tensor) -> torch.Tensor:
-        """The keep mask for ``like``: True where an element is kept."""
+    def mask(self, like: torch.Tensor, p: float | None = None) -> torch.Tensor:
+        """The keep mask for ``like``: True where an element is kept (with probability 1 - p;
+        ``p`` defaults to this hook's)."""
         gen = self._generators.get(like.device)
         if gen is None:
             gen = self._generators[like.device] = torch.Generator(device=like.device)
         gen.manual_seed(drawn_seed(self.rank))
         noise = torch.rand(like.shape, generator=gen, device=like.device, dtype=torch.float32)
-        return noise >= self.p
+        return noise >= (self.p if p is None else p)
+
+    def drop(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        """``x`` with elements zeroed with probability ``p`` and the rest scaled by 1/(1-p)."""
+        return x * self.mask(x, p).to(x.dtype) / (1.0 - p)
 
     def __call__(self, module: nn.Module, inputs, output):
         if not module.training or self.p == 0.0:
             return output
         first = output[0] if isinstance(output, tuple) else output
-        dropped = first * self.mask(first).to(first.dtype) / (1.0 - self.p)
+        dropped = self.drop(first, self.p)
         return (dropped, *output[1:]) if isinstance(output, tuple) else dropped
+
+
+class RankDropoutModule(nn.Dropout):
+    """An ``nn.Dropout`` that drops each rank's own tokens with masks of the rank's own (as
+    :class:`RankDropout`), in place of a decoder layer's own dropout module (Phi-3's
+    ``resid_attn_dropout``), which would draw the same mask positions on every rank. Still an
+    ``nn.Dropout`` whose ``p`` is read at each call, so what turns a model's dropout modules off
+    acts on it as on the module it replaced (TRL's ``disable_dropout_in_model`` sets ``p = 0``,
+    the default of its DPO trainer); ``inplace`` is not supported."""
+
+    def __init__(self, p: float, rank: int | None = None):
+        super().__init__(p)
+        self.masks = RankDropout(p, rank)
+
+    @classmethod
+    def replacing(cls, module: nn.Dropout) -> RankDropoutModule:
+        if module.inplace:
+            raise ValueError(f"{module!r}: an in-place dropout module cannot take each rank's "
+                             f"own masks; build the model with inplace=False")
+        return cls(module.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        return self.masks.drop(x, self.p)
 
 
 # splitmix64's finaliser, on int64 tensors (their products wrap modulo 2**64): a bijection that

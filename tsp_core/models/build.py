@@ -17,7 +17,7 @@ from torch import nn
 
 from ..distributed.mesh import TSPMesh
 from ..layers.attention import AttentionShape, TSPAttention
-from ..layers.dropout import RankDropout
+from ..layers.dropout import RankDropout, RankDropoutModule
 from ..layers.mlp import TSPGatedMLP, TSPPlainMLP
 from ..layers.moe import TSPMoE, TSPRouter
 from ..layers.norm import TSPRMSNorm
@@ -146,14 +146,17 @@ def plan_layer(layer: LayerSpec, plan: ModulePlan) -> None:
 
 
 def add_output_dropout(plan: ModulePlan, layer: nn.Module, modules: tuple[nn.Module, ...]) -> None:
-    """The policy's ``output_dropout`` (a config field; Seed-OSS's ``residual_dropout``, Phi-3's
-    ``resid_pdrop``) as a :class:`~tsp_core.layers.dropout.RankDropout` hook on a layer's new
-    attention and MLP: each rank drops its own tokens with masks of its own. The layer's own
-    dropout modules on those outputs (``ModuleNames.layer_dropouts``) become identities: they
-    would draw one mask for every rank. No hook for a field that is absent or 0."""
+    """The policy's ``output_dropout`` (a config field; Seed-OSS's ``residual_dropout``, which
+    Hugging Face applies inside the attention and MLP that TSP replaces) as a
+    :class:`~tsp_core.layers.dropout.RankDropout` hook on a layer's new attention and MLP: each
+    rank drops its own tokens with masks of its own. No hook for a field that is absent or 0.
+    The layer's own dropout modules (``ModuleNames.layer_dropouts``, Phi-3's) become
+    :class:`~tsp_core.layers.dropout.RankDropoutModule`: the same place and ``p``, each rank's own
+    masks (left as they are, they would draw one mask for every rank)."""
     name = plan.policy.output_dropout
     for dropout in plan.policy.modules.layer_dropouts:
-        plan.replacements.append(Replacement(layer, dropout, nn.Identity(), None))
+        new = RankDropoutModule.replacing(getattr(layer, dropout))
+        plan.replacements.append(Replacement(layer, dropout, new, None))
     p = float(getattr(plan.spec.config, name, 0.0) or 0.0) if name else 0.0
     for module in modules if p else ():
         module.register_forward_hook(RankDropout(p))

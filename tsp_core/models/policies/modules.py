@@ -44,8 +44,8 @@ class ModuleNames:
     # parts in row order), role "attention" or "mlp"; the TSP module keeps the parts and names
     # them by the fused tensor in every full state dict and checkpoint (ShardedModule.fuse)
     fused: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
-    # the decoder layer's own dropout modules on the attention's and MLP's outputs (Phi-3's
-    # resid_attn_dropout / resid_mlp_dropout): the policy's output_dropout takes their place
+    # the decoder layer's own nn.Dropout modules (Phi-3's resid_attn_dropout / resid_mlp_dropout):
+    # each becomes a tsp_core.layers.dropout.RankDropoutModule of the same p, each rank's own masks
     layer_dropouts: tuple[str, ...] = ()
 
     def fused_in(self, role: str) -> dict[str, tuple[str, ...]]:
