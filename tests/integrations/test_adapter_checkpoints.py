@@ -21,13 +21,14 @@ TSP. The plain-model resume gets the same sampler explicitly. Fabric: batches bu
 Accelerate: ``split_batches=True``, 2 rows per step in order. Trainer: its seeded sampler, 2 rows
 per step (``per_device_train_batch_size`` 2 / dp), the batches already done skipped on resume.
 
-Broken variants (``TSP_TEST_BREAK`` in the environment, read by the job; see its
-``break_on_purpose``) run in three more launches, and the same comparisons must fail on them:
-``drop-optimizer`` (resumes at one process with a fresh optimizer: every directory checkpoint's
-run diverges, the one-file ones, which do not use that loader, still match), ``local-layout`` (the
-old local-layout saves, written by a broken save launch, do not resume at one process) and
-``best-model`` (the best checkpoint not loaded at the end; in the same broken save launch: it
-touches only TSPTrainer, local-layout only the others).
+Broken variants (the job's ``--broken`` passes; see its ``break_on_purpose``) run in the save and
+the one-process launches, each framework's after its good runs and put back before the next
+framework runs, and the same comparisons must fail on them: ``drop-optimizer`` (resumes at one
+process with a fresh optimizer: every directory checkpoint's run diverges, the one-file ones,
+which do not use that loader, still match), ``local-layout`` (the old local-layout saves, written
+by a broken save pass, do not resume at one process) and ``best-model`` (the best checkpoint not
+loaded at the end; in the same broken save pass: it touches only TSPTrainer, local-layout only
+the others).
 
 In the shared 2-process pool: the Lightning strategies' one-file resume (weights, then each
 optimizer's state) refuses a file whose last optimizer tensor, or last weight, has the wrong shape
@@ -57,12 +58,10 @@ LIT_KEYS = ACC_KEYS = ("losses", "norms", "lrs")
 FABRIC_KEYS = ("losses", "norms")
 
 
-def run_job(processes: int, *args: str, **env: str) -> list[tuple[dict, dict]]:
-    """Launch the job; every rank's (results, weights), in rank order."""
+def run_job(processes: int, *args: str) -> None:
+    """Launch the job (it must end cleanly on every rank)."""
     launcher = [sys.executable] if processes == 1 else launch.torchrun(processes)
-    launch.run([*launcher, launch.EXIT_CLEANLY, JOB, *args], processes, timeout=600, **env)
-    out = args[args.index("--out") + 1]
-    return [results(out, r) for r in range(processes)]
+    launch.run([*launcher, launch.EXIT_CLEANLY, JOB, *args], processes, timeout=600)
 
 
 def results(out: str, rank: int) -> tuple[dict, dict]:
@@ -70,36 +69,49 @@ def results(out: str, rank: int) -> tuple[dict, dict]:
         return json.load(f), torch.load(os.path.join(out, f"weights-{rank}.pt"))
 
 
+def every_rank(out: str, processes: int) -> list[tuple[dict, dict]]:
+    """Every rank's (results, weights) of one pass, in rank order."""
+    return [results(out, r) for r in range(processes)]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def launches(tmp_path_factory) -> str:
     """The three launches: 'save' (tsp 2, dp 1), 'tsp1' (one process), 'tsp2dp2' (4 processes),
-    each a list of every rank's (results, weights); and the checkpoint directory."""
+    each writing its good pass in ROOT/NAME (the checkpoints in ROOT/ckpt); the save and the
+    one-process launch also run the broken variants' passes after each framework's good one
+    (see :func:`broken`). Returns ROOT."""
     root = tmp_path_factory.mktemp("adapter_ckpt")
-    ckpt = str(root / "ckpt")
-    out = {}
+    ckpt, broken_ckpt = str(root / "ckpt"), str(root / "broken" / "ckpt")
+    extra = {"save": [f"local-layout,best-model --ckpt {broken_ckpt} --out {root / 'broken'}"
+                      f"/save"],
+             "tsp1": [f"local-layout --ckpt {broken_ckpt} --out {root / 'broken'}/local "
+                      f"--only accelerate,lightning,fabric",
+                      f"drop-optimizer --ckpt {ckpt} --out {root / 'broken'}/drop"]}
     for name, processes, phase in (("save", 2, "save"), ("tsp1", 1, "resume"),
                                    ("tsp2dp2", 4, "resume")):
-        out[name] = run_job(processes, "--phase", phase, "--ckpt", ckpt, "--out", str(root / name))
-    out["ckpt"] = ckpt
-    return out
+        run_job(processes, "--phase", phase, "--ckpt", ckpt, "--out", str(root / name),
+                *[arg for spec in extra.get(name, []) for arg in ("--broken", spec)])
+    return str(root)
 
 
 @pytest.fixture(scope="module")
-def broken(runs, tmp_path_factory) -> dict:
-    """The broken variants' launches, laid out like ``runs``: 'save' (local-layout and best-model,
+def runs(launches) -> dict:
+    """The good passes: 'save', 'tsp1', 'tsp2dp2', each a list of every rank's (results,
+    weights); and the checkpoint directory."""
+    out = {name: every_rank(os.path.join(launches, name), processes)
+           for name, processes in (("save", 2), ("tsp1", 1), ("tsp2dp2", 4))}
+    return {**out, "ckpt": os.path.join(launches, "ckpt")}
+
+
+@pytest.fixture(scope="module")
+def broken(launches) -> dict:
+    """The broken variants' passes, laid out like ``runs``: 'save' (local-layout and best-model,
     2 processes, its own checkpoint directory), 'local-layout' (those checkpoints resumed at one
     process), 'drop-optimizer' (the good checkpoints resumed at one process)."""
-    root = tmp_path_factory.mktemp("adapter_ckpt_broken")
-    ckpt = str(root / "ckpt")
-    return dict(
-        ckpt=ckpt,
-        save=run_job(2, "--phase", "save", "--ckpt", ckpt, "--out", str(root / "save"),
-                     TSP_TEST_BREAK="local-layout,best-model"),
-        **{"local-layout": run_job(1, "--phase", "resume", "--ckpt", ckpt, "--out",
-                                   str(root / "local"), "--only", "accelerate,lightning,fabric",
-                                   TSP_TEST_BREAK="local-layout")},
-        **{"drop-optimizer": run_job(1, "--phase", "resume", "--ckpt", runs["ckpt"], "--out",
-                                     str(root / "drop"), TSP_TEST_BREAK="drop-optimizer")})
+    root = os.path.join(launches, "broken")
+    return {"ckpt": os.path.join(root, "ckpt"), "save": every_rank(os.path.join(root, "save"), 2),
+            "local-layout": every_rank(os.path.join(root, "local"), 1),
+            "drop-optimizer": every_rank(os.path.join(root, "drop"), 1)}
 
 
 def assert_continues(runs: dict, base: str, resumed: list[tuple[str, str]],
@@ -204,10 +216,13 @@ def test_tsp_trainer_load_best_model_at_end(runs):
 
 
 def fails(check, *args, **kwargs) -> str:
-    """The assertion ``check`` fails with (it must fail)."""
-    with pytest.raises(AssertionError) as info:
+    """The assertion ``check`` fails with (it must fail: if it passes, the test fails naming the
+    check and the case)."""
+    try:
         check(*args, **kwargs)
-    return str(info.value).splitlines()[0]
+    except AssertionError as err:
+        return str(err).splitlines()[0]
+    pytest.fail(f"{check.__name__} passed on a broken variant: {args[1:]}")
 
 
 def test_broken_variants_fail(runs, broken):

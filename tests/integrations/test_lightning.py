@@ -284,15 +284,41 @@ def assert_logged_metrics(out: str, dp: int) -> None:
     assert written == runs[0]["metric_rows"], (written, runs[0]["metric_rows"])
 
 
-def test_bf16_precisions_train(tmp_path):
-    # bf16-mixed and bf16-true at tsp 2 (one torchrun launch), against float32 on one process:
-    # 8 SGD steps clipped at 0.5 (lr 0.5: each step moves the weights by 0.25; unclipped SGD on
-    # this model is erratic, gradient norms jump to 15) on rows of a repeated pattern, which a
-    # model can learn
+# bad configurations: each a case of the 2-process launch below that must raise on every rank
+BAD = {"tsp3": (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size \(2\)"),
+       "gpt2": (["--bad-model"],
+                r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported"),
+       "fp16": (["--precision", "16-true"],
+                r"precision='16-true' is not supported by the TSP strategy")}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> str:
+    """One torchrun launch of 2 processes: bf16-mixed and bf16-true at tsp 2, 8 SGD steps clipped
+    at 0.5 (lr 0.5: each step moves the weights by 0.25; unclipped SGD on this model is erratic,
+    gradient norms jump to 15) on rows of a repeated pattern, which a model can learn; the
+    uninterrupted and the resumed run of :func:`test_resume_is_exact`; the packed batches of
+    :func:`test_packed_batches`; then every bad configuration of :data:`BAD`, each raising in the
+    same processes (the launch still ends cleanly on both ranks). Returns the output folder (a
+    subfolder per case)."""
+    out = tmp_path_factory.mktemp("lightning_2")
     common = ("--devices", "2", "--tsp-size", "2", "--optimizer", "sgd", "--lr", "0.5",
               "--clip", "0.5", "--steps", "8", "--pattern", "--record-grads")
-    run_job(str(tmp_path), "--case", " ".join(["mixed", *common, "--precision", "bf16-mixed"]),
-            "--case", " ".join(["true", *common, "--precision", "bf16-true"]), torchrun=2)
+    bad = [arg for name, (args, _) in BAD.items()
+           for arg in ("--case", " ".join([name, "--devices", "2", "--fails", *args]))]
+    resume = ("--devices", "2", "--clip", "0.5", "--rows", "2")
+    ckpts = str(out / "ckpts")
+    run_job(str(out), "--case", " ".join(["mixed", *common, "--precision", "bf16-mixed"]),
+            "--case", " ".join(["true", *common, "--precision", "bf16-true"]),
+            "--case", " ".join(["uninterrupted", *resume, "--ckpt-dir", ckpts]),
+            "--case", " ".join(["resumed", *resume, "--resume",
+                                os.path.join(ckpts, "epoch=1.ckpt")]),
+            "--case", "packed --devices 2 --packed --rows 2 --steps 1", *bad, torchrun=2)
+    return str(out)
+
+
+def test_bf16_precisions_train(two_processes):
+    # bf16-mixed and bf16-true at tsp 2, against float32 on one process (see two_processes)
     ref = reference(kv_heads=2, rows=4, dp=1, shuffle=True, dtype=torch.float32, steps=8,
                     pattern=True)
     init = hf_models.build("llama", torch.float32).state_dict()
@@ -305,7 +331,7 @@ def test_bf16_precisions_train(tmp_path):
     assert ref["losses"][-1] < ref["losses"][0] * 2 / 3, ref["losses"]
     moved = relative_error(ref["weights"], init, names)  # float32's movement, relative to |w|
     for precision in ("mixed", "true"):
-        runs = full_run(str(tmp_path / precision))
+        runs = full_run(os.path.join(two_processes, precision))
         run = runs[0]
         assert run["losses"][-1] < run["losses"][0] * 2 / 3, (precision, run["losses"])
         for r, rank_run in enumerate(runs):  # every rank's own gathered gradients and weights
@@ -331,19 +357,20 @@ def test_bf16_precisions_train(tmp_path):
               f"({weights / moved / G:.2f} G of the movement {moved:.2e})")
 
 
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(two_processes):
     # One batch per epoch (2 sequences), so Lightning's own data-loader resume semantics (it
     # does not replay a shuffled, non-stateful sampler mid-run) cannot change what steps 3-4 see;
-    # what is tested is the sharded weights and optimizer state through the DCP checkpoint.
-    ckpts = tmp_path / "ckpts"
-    common = ("--devices", "2", "--clip", "0.5", "--rows", "2")
-    run_job(str(tmp_path / "a"), *common, "--ckpt-dir", str(ckpts))
-    uninterrupted = result(str(tmp_path / "a"))
+    # what is tested is the sharded weights and optimizer state through the DCP checkpoint. The
+    # resumed run is a later case of the same 2 processes (see two_processes), with a new
+    # Trainer, model and optimizer
+    from pathlib import Path
+
+    ckpts = Path(two_processes) / "ckpts"
+    uninterrupted = result(os.path.join(two_processes, "uninterrupted"))
     step2 = ckpts / "epoch=1.ckpt"
     assert step2.is_dir(), \
         f"a sharded (torch.distributed.checkpoint) folder: {sorted(ckpts.iterdir())}"
-    run_job(str(tmp_path / "b"), *common, "--resume", str(step2))
-    res, weights = result(str(tmp_path / "b"))
+    res, weights = result(os.path.join(two_processes, "resumed"))
     assert len(res["losses"]) == 2, res
     assert_same(({"losses": res["losses"]}, weights),
                 ({"losses": uninterrupted[0]["losses"][2:]}, uninterrupted[1]), tol=1e-6)
@@ -364,12 +391,12 @@ def doc_by_doc_loss(docs: list[list[int]], model) -> float:
     return total / count
 
 
-def test_packed_batches(tmp_path):
-    # one step on one DataCollatorWithFlattening row of 2 documents (order does not matter)
+def test_packed_batches(two_processes):
+    # one step on one DataCollatorWithFlattening row of 2 documents (order does not matter), a
+    # case of the 2-process launch (see two_processes)
     from tests.jobs.lightning_job import Documents, build_llama
 
-    run_job(str(tmp_path), "--devices", "2", "--packed", "--rows", "2", "--steps", "1")
-    res, _ = result(str(tmp_path))
+    res, _ = result(os.path.join(two_processes, "packed"))
     want = doc_by_doc_loss(Documents(2).docs, build_llama())
     assert abs(res["losses"][0] - want) <= 1e-5 * want, (res["losses"], want)
 
@@ -428,14 +455,13 @@ def test_fsdp_options_fail_before_processes():
             strategy._setup_tsp_environment("32-true", setup_environment)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size \(2\)"),
-    (["--bad-model"], r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported"),
-    (["--precision", "16-true"], r"precision='16-true' is not supported by the TSP strategy"),
-])
-def test_bad_configuration_fails_fast(tmp_path, args, message):
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_configuration_fails_fast(two_processes, case):
+    # each rank raised the error that names the problem (and none ran the case: no results)
     import re
 
-    proc = run_job(str(tmp_path), "--devices", "2", *args, expect_ok=False)
-    assert proc.returncode != 0
-    assert re.search(message, proc.stderr), proc.stderr[-3000:]
+    runs = ranks(os.path.join(two_processes, case))
+    assert len(runs) == 2, runs
+    for r, run in enumerate(runs):
+        assert run["rank"] == r, run
+        assert re.search(BAD[case][1], run.get("error", "")), f"rank {r}: {run}"

@@ -8,9 +8,12 @@ Global batches are the same at every data-parallel size (each replica takes its 
 rows; see tests/integrations/test_adapter_checkpoints.py for how each framework's sampler gives
 that). Every rank writes, per run, its per-step losses, full-gradient norms (and learning rates)
 and its final full weights to ``--out`` (``result-<rank>.json``, ``weights-<rank>.pt``), so the
-test checks every rank's. ``TSP_TEST_BREAK`` (comma-separated, see :func:`break_on_purpose`) runs
-deliberately broken variants; the test launches them and expects its own comparisons to fail. A
-broken run that raises records the error (``errors``, by framework) instead of its results.
+test checks every rank's. Each ``--broken "KINDS --ckpt DIR --out DIR"`` is one more pass of the
+phase in the same processes with deliberately broken variants applied (comma-separated KINDS, see
+:func:`break_on_purpose`), its results in its own ``--out``; the test expects its own comparisons
+to fail on them. A broken run that raises records the error (``errors``, by framework) instead of
+its results. Each framework's broken runs follow its good ones and are mended before the next
+framework runs, so a good run never sees a broken variant (and no launch is paid for them).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 
 import torch
 import torch.distributed as dist
@@ -415,20 +419,27 @@ def local_load_state(self, input_dir: str, **kwargs) -> None:
         sched.load_state_dict(sd)
 
 
-def break_on_purpose(kind: str) -> None:
+def break_on_purpose(kind: str) -> list[tuple[object, str, object]]:
     """Broken variants: ``drop-optimizer`` (loads leave the optimizer state fresh), ``local-layout``
     (the Lightning strategies save and load through their base class again, TSPAccelerator as it
     did before: DCP of the padded local DTensors, which load only at the degree that wrote them),
     ``best-model`` (TSPTrainer does not load the best checkpoint at the end: the last weights
-    stay)."""
+    stay). Returns what it replaced, for :func:`mend`: the same process runs good passes too."""
     import tsp_core.state.resharding as resharding
+
+    replaced: list[tuple[object, str, object]] = []
+
+    def replace(owner: object, name: str, value: object) -> None:
+        replaced.append((owner, name, vars(owner).get(name, _INHERITED)))
+        setattr(owner, name, value)
 
     if kind == "drop-optimizer":
         real = resharding.load_checkpoint
 
         def no_optimizer(path, model, optimizer=None, **kw):
             return real(path, model, None, **kw) if kw.get("model_state", True) else {}
-        resharding.load_checkpoint = tsp_core.load_checkpoint = no_optimizer
+        replace(resharding, "load_checkpoint", no_optimizer)
+        replace(tsp_core, "load_checkpoint", no_optimizer)
     elif kind == "local-layout":
         from lightning.fabric.strategies import ModelParallelStrategy as FabricMP
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -438,16 +449,30 @@ def break_on_purpose(kind: str) -> None:
 
         for name in ("save_checkpoint", "load_checkpoint", "lightning_module_state_dict",
                      "optimizer_state"):
-            setattr(TSPStrategy, name, getattr(ModelParallelStrategy, name))
+            replace(TSPStrategy, name, getattr(ModelParallelStrategy, name))
         for name in ("save_checkpoint", "load_checkpoint"):
-            setattr(TSPFabricStrategy, name, getattr(FabricMP, name))
-        TSPAccelerator.save_state, TSPAccelerator.load_state = local_save_state, local_load_state
+            replace(TSPFabricStrategy, name, getattr(FabricMP, name))
+        replace(TSPAccelerator, "save_state", local_save_state)
+        replace(TSPAccelerator, "load_state", local_load_state)
     elif kind == "best-model":
         from tsp_transformers import TSPTrainer
 
-        TSPTrainer._load_best_model = lambda self: None
+        replace(TSPTrainer, "_load_best_model", lambda self: None)
     elif kind:
         raise ValueError(kind)
+    return replaced
+
+
+_INHERITED = object()  # an attribute the owner did not hold itself (a class's inherited one)
+
+
+def mend(replaced: list[tuple[object, str, object]]) -> None:
+    """Put back what :func:`break_on_purpose` replaced, last first."""
+    for owner, name, original in reversed(replaced):
+        if original is _INHERITED:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
 
 
 # Accelerate first: in one process it must not find a process group (it would wrap the model in
@@ -456,33 +481,62 @@ FRAMEWORKS = {"accelerate": accelerate_run, "lightning": lightning_runs, "fabric
               "trainer": trainer_best}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", choices=["save", "resume"], required=True)
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default=",".join(FRAMEWORKS))
+    ap.add_argument("--broken", action="append", default=[],
+                    help='"KINDS --ckpt DIR --out DIR [--only F,G]": one more pass of the same '
+                         "phase in these processes with the broken variants KINDS (comma-"
+                         "separated, see break_on_purpose) applied, its results in its --out")
+    return ap
+
+
+def passes(ap: argparse.ArgumentParser) -> list[argparse.Namespace]:
+    """The good pass (the command line's, ``kinds`` empty) and each ``--broken`` one (``kinds``:
+    its broken variants)."""
     a = ap.parse_args()
-    broken = [k for k in os.environ.get("TSP_TEST_BREAK", "").split(",") if k]
-    for kind in broken:
-        break_on_purpose(kind)
-    results: dict = {}
-    errors: dict[str, str] = {}
-    for name in a.only.split(","):
-        run = trainer_resume if a.phase == "resume" and name == "trainer" else FRAMEWORKS[name]
-        try:
-            run(a, results)
-        # a broken variant may raise (DCP's CheckpointException is no Exception): the test sees
-        # its missing results
-        except (Exception, CheckpointException) as e:
-            if not broken:
-                raise
-            errors[name] = f"{type(e).__name__}: {e}"[-500:]  # the cause is at the end
-    os.makedirs(a.out, exist_ok=True)
-    weights = {k: r.pop("weights") for k, r in results.items() if "weights" in r}
-    torch.save(weights, os.path.join(a.out, f"weights-{rank()}.pt"))
-    with open(os.path.join(a.out, f"result-{rank()}.json"), "w") as f:
-        json.dump({**results, "errors": errors}, f)
+    out = [argparse.Namespace(**vars(a), kinds=[])]
+    for spec in a.broken:
+        kinds, *rest = shlex.split(spec)
+        b = ap.parse_args(["--phase", a.phase, *rest])
+        out.append(argparse.Namespace(**vars(b), kinds=kinds.split(",")))
+    return out
+
+
+def run_pass(a: argparse.Namespace, name: str, results: dict, errors: dict) -> None:
+    """Framework ``name``'s runs of pass ``a``, its broken variants applied and then mended. A
+    broken run may raise (DCP's CheckpointException is no Exception): its error is recorded,
+    and the test sees the missing results; a good run's error ends the job."""
+    run = trainer_resume if a.phase == "resume" and name == "trainer" else FRAMEWORKS[name]
+    replaced = [r for kind in a.kinds for r in break_on_purpose(kind)]
+    try:
+        run(a, results)
+    except (Exception, CheckpointException) as e:
+        if not a.kinds:
+            raise
+        errors[name] = f"{type(e).__name__}: {e}"[-500:]  # the cause is at the end
+    finally:
+        mend(replaced)
+
+
+def main() -> None:
+    todo = passes(parser())
+    outcome = [({}, {}) for _ in todo]  # per pass: results, errors
+    # framework by framework, each one's good pass first (Accelerate's passes before any other
+    # framework's: in one process they must not find a process group)
+    for name in FRAMEWORKS:
+        for a, (results, errors) in zip(todo, outcome):
+            if name in a.only.split(","):
+                run_pass(a, name, results, errors)
+    for a, (results, errors) in zip(todo, outcome):
+        os.makedirs(a.out, exist_ok=True)
+        weights = {k: r.pop("weights") for k, r in results.items() if "weights" in r}
+        torch.save(weights, os.path.join(a.out, f"weights-{rank()}.pt"))
+        with open(os.path.join(a.out, f"result-{rank()}.json"), "w") as f:
+            json.dump({**results, "errors": errors}, f)
     if dist.is_initialized():
         dist.barrier()
 

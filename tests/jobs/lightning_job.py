@@ -1,7 +1,8 @@
 """A Lightning (Trainer or Fabric) training job on a tiny random-init HF Llama, run as a script so
 that Lightning starts its own processes (or under torchrun, which several runs can share: each
 ``--case "NAME ARGS..."`` is one more Trainer or Fabric run in the same processes, its results in
-``--out``/NAME). Every rank writes its per-step losses, logged losses and gradient norms
+``--out``/NAME; a case with ``--fails`` must raise, and each rank records its error instead). Every
+rank writes its per-step losses, logged losses and gradient norms
 (``rank<R>.json``), the final full weights it holds and, with ``--record-grads``, the first
 step's full gradients before clipping (``rank<R>_weights.pt``, ``rank<R>_grads0.pt``: each
 data-parallel replica's own, gathered over its TSP group, so a replica that diverged shows).
@@ -383,6 +384,9 @@ def parser() -> argparse.ArgumentParser:
                     help="TSPStrategy / TSPFabricStrategy(activation_offload=True), the model's "
                          "decoder layers checkpointed")
     ap.add_argument("--bad-model", action="store_true")
+    ap.add_argument("--fails", action="store_true",
+                    help="a case that must raise: each rank records the error (rank<R>.json's "
+                         "'error') and the next case runs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--case", action="append", default=[],
                     help='"NAME ARGS...": one more run in these processes (under torchrun)')
@@ -410,8 +414,22 @@ def main() -> None:
         runs.append((os.path.join(a.out, name),
                      ap.parse_args([*extra, "--out", os.path.join(a.out, name)])))
     for out, args in runs:
+        if args.fails:
+            write_error(args, out)
+            continue
         res = run_trainer(args) if args.mode == "trainer" else run_fabric(args)
         write(res, out)
+
+
+def write_error(a, out: str) -> None:
+    """A case that must fail (``--fails``): its run's error on this rank, or its results if it
+    ran (the test then fails naming them), in ``out``/rank<R>.json; the processes go on."""
+    try:
+        res = run_trainer(a) if a.mode == "trainer" else run_fabric(a)
+    except Exception as e:  # every rank must raise on its own, before any collective
+        res = dict(error=f"{type(e).__name__}: {e}", rank=int(os.environ.get("RANK", "0")),
+                   weights={}, grads0=None)
+    write(res, out)
 
 
 if __name__ == "__main__":

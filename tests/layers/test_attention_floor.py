@@ -6,18 +6,16 @@ group's dK/dV leaving), nothing else that grows with the sequence.
 Measured, not read from the code: one TSP attention layer of the Llama-3.1-8B shape (h 4096,
 32/8 heads, head_dim 128; and with 2 key/value heads) as rank 0 of D ranks, under
 FakeTensorMode with the fake process group and MemTracker (as ``tsp simulate``), at S and at
-4S, in one spawned process. What the backward adds from its start to its peak must grow from S
-to 4S by at most the growth of ``backward_floor_bytes`` (plus SLACK), and by at least the
-growth of its whole-sequence part (the measurement sees the K/V). Each rule broken on purpose
-grows by more and fails."""
+4S, in the session's simulation workers. What the backward adds from its start to its peak
+must grow from S to 4S by at most the growth of ``backward_floor_bytes`` (plus SLACK), and by
+at least the growth of its whole-sequence part (the measurement sees the K/V). Each rule broken
+on purpose grows by more and fails."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 # (hidden, query heads, key/value heads, head_dim, D): the Llama-3.1-8B attention at D = 4 (two
 # key/value heads per rank), and with 2 key/value heads (kv_replicas 2: two rounds share a head,
@@ -133,15 +131,15 @@ def floor_growth(shape: tuple[int, ...]) -> tuple[int, int]:
 VARIANTS = (None, "keep_kv", "fp32_per_block", "gather_beside_scatter")
 
 
-def test_attention_backward_grows_only_by_its_floor():
+def test_attention_backward_grows_only_by_its_floor(simulations):
     """From S to 4S the backward's added peak grows by the floor's growth (within SLACK), and
     at least by its whole-sequence part; keeping every group's K/V, a whole-sequence float32
     dK/dV per kernel call, or a gather started beside a reduce-scatter in flight each grow by
     more than the floor allows."""
     runs = [(name, seq, variant) for name in SHAPES for variant in VARIANTS
             for seq in (SEQ, 4 * SEQ) if variant is None or name == "llama-3.1-8b D4"]
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        added = list(pool.map(backward_adds, *zip(*[(SHAPES[n], s, v) for n, s, v in runs])))
+    # in the session's simulation workers (tests/support/simulations.py)
+    added = list(simulations.map(backward_adds, *zip(*[(SHAPES[n], s, v) for n, s, v in runs])))
     got = dict(zip(runs, added))
     slack = 3 * SEQ * SLACK_PER_TOKEN
     for name, shape in SHAPES.items():

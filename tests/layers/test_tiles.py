@@ -4,7 +4,7 @@ mixture-of-experts ring and the vocabulary-parallel loss take a rank's tokens a 
 - Exactness: in float64, tiles several times smaller than the local tokens give the untiled
   numbers and the plain-math ones (forward and every gradient) at tsp 1 and 2: the MLP (SiLU,
   tanh-GELU with biases), both mixture-of-experts schedules, the loss and the token statistics.
-- Memory, under fake tensors (one spawned process, the fake process group, MemTracker): what the
+- Memory, under fake tensors (a simulation worker, the fake process group, MemTracker): what the
   MLP and the loss add while they run is the same at S and 4S local tokens with a fixed tile, up
   to the [tokens, h] rows of their own outputs and per-token scalars; it grows with S untiled and
   when the tile is ignored (the broken variant, run here); one tile's working set is at most
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 import pytest
 import torch
@@ -361,14 +359,14 @@ def growth_violations(small: dict, large: dict, extra_tokens: int) -> list[str]:
             for k in small if large[k] - small[k] > allow]
 
 
-def test_working_sets_bounded_by_the_tile_not_the_tokens():
+def test_working_sets_bounded_by_the_tile_not_the_tokens(simulations):
     S, t = MEM_S, MEM_TILE
     cases = [(S, t, False), (4 * S, t, False), (4 * S, 2 * t, False),
              (S, UNTILED, False), (4 * S, UNTILED, False),
              (S, t, True), (4 * S, t, True)]
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        small, large, large_2t, untiled_s, untiled_4s, broken_s, broken_4s = \
-            pool.submit(working_sets, cases).result()
+    # in one of the session's simulation workers (tests/support/simulations.py)
+    small, large, large_2t, untiled_s, untiled_4s, broken_s, broken_4s = \
+        simulations.submit(working_sets, cases).result()
 
     # tiled: the same at S and 4S, up to the [tokens, h] rows and per-token scalars
     assert growth_violations(small, large, 3 * S) == [], (small, large)

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import copy
 import os
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial
-from multiprocessing import get_context
 
 import pytest
 import torch
@@ -278,8 +276,8 @@ SLACK_PER_TOKEN = 64     # bytes; the gathered latent is 1152 D bytes per local 
 
 def kept_for_backward(D: int) -> int:
     """Bytes one MLA layer's forward leaves alive besides its output (what autograd keeps for
-    the backward), rank 0 of a fake D-rank world; the backward then runs too. Runs in a spawned
-    process that owns the default process group."""
+    the backward), rank 0 of a fake D-rank world; the backward then runs too. Runs in a
+    session simulation worker (a spawned process), owning the default process group meanwhile."""
     os.environ["OMP_NUM_THREADS"] = "1"
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
@@ -322,9 +320,9 @@ def local_floor_per_token() -> int:
     return schedule + norms
 
 
-def test_the_memory_rule_holds_under_fake_tensors():
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        kept = dict(zip((4, 8), pool.map(kept_for_backward, (4, 8))))
+def test_the_memory_rule_holds_under_fake_tensors(simulations):
+    # in the session's simulation workers (tests/support/simulations.py)
+    kept = dict(zip((4, 8), simulations.map(kept_for_backward, (4, 8))))
     floor = local_floor_per_token() * LOCAL
     slack = SLACK_PER_TOKEN * LOCAL
     what = (f"kept for backward at {LOCAL} local tokens: D=4 {kept[4]}, D=8 {kept[8]} bytes; "
