@@ -18,10 +18,11 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     for prefix, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, ShardedModule):
             pre = f"{prefix}." if prefix else ""
-            owned |= {pre + n for n, _ in m.named_parameters()}
+            # its own parameters (a LoRA adapter inside it gives its own, tsp_core.layers.lora)
+            owned |= {pre + n for n, _ in m.own_parameters()}
             # a tied weight under its first name only, as model.named_parameters() gives it
-            fresh = {m.hf_name(n) for n, p in m.named_parameters() if id(p) not in seen}
-            seen |= {id(p) for _, p in m.named_parameters()}
+            fresh = {m.hf_name(n) for n, p in m.own_parameters() if id(p) not in seen}
+            seen |= {id(p) for _, p in m.own_parameters()}
             if fresh:
                 out.update({pre + n: g for n, g in m.full_tensors(grads=True).items()
                             if n in fresh})

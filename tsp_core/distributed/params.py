@@ -124,6 +124,13 @@ def replicated_parameter(full: torch.Tensor, mesh: TSPMesh) -> nn.Parameter:
     return nn.Parameter(dt)
 
 
+def own_name(name: str) -> str:
+    """A parameter's name in its TSP module's ``full_shapes``: without the ``base_layer.`` that
+    a LoRA adapter (:class:`tsp_core.layers.lora.TSPLoRA`) puts in front of the projection's own
+    weight when it takes the projection's place, as PEFT names it."""
+    return name.replace("base_layer.", "")
+
+
 def local(param: torch.Tensor) -> torch.Tensor:
     """The local tensor of a sharded parameter (differentiable)."""
     return param.to_local() if isinstance(param, DTensor) else param
@@ -210,6 +217,13 @@ class ShardedModule(nn.Module):
     def shard_spec(self, name: str, rank: int) -> ShardSpec:
         raise NotImplementedError
 
+    def own_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name in ``full_shapes``, parameter) of this module's own parameters: an adapter
+        nested in it (:class:`tsp_core.layers.lora.TSPLoRA`) holds and gathers its own, and
+        puts ``base_layer.`` in the name of the projection it wraps (:func:`own_name`)."""
+        return [(own_name(n), p) for n, p in self.named_parameters()
+                if own_name(n) in self.full_shapes]
+
     def _create(self, full: Mapping[str, torch.Tensor]) -> None:
         source = TensorSource(full)
         for name in self.full_shapes:
@@ -239,7 +253,7 @@ class ShardedModule(nn.Module):
                 raise ValueError(f"{type(self).__name__}: {name} has shape {got}, expected "
                                  f"{tuple(expected)} ({self.extra_repr()})")
         source = Unfused(source, self) if self.fused_names() else source
-        for name, param in self.named_parameters():
+        for name, param in self.own_parameters():
             set_tsp_part(param, read_local(source, name, self.shard_spec(name, self.mesh.rank)),
                          self.mesh)
 
@@ -247,7 +261,7 @@ class ShardedModule(nn.Module):
         """Full Hugging Face-shaped parameters (or their gradients), gathered over the group;
         every rank of the group must call it."""
         out = {}
-        for name, p in self.named_parameters():
+        for name, p in self.own_parameters():
             t = p.grad if grads else p
             if t is not None:
                 out[name] = self.gather_full(name, t)

@@ -51,6 +51,7 @@ from ..layers.attention.latent import TSPLatentAttention
 from ..layers.attention.rounds import gated, query_scale, scale_queries, split_gate
 from ..layers.linear_attention.decode import prefill as delta_net_prefill
 from ..layers.linear_attention.decode import step as delta_net_step
+from ..layers.lora import TSPLoRA
 from ..layers.mlp import TSPGatedMLP, activate
 from ..layers.moe import TSPMoE
 from ..layers.norm import NORMS
@@ -139,6 +140,12 @@ def decode_parts(model: nn.Module) -> _Parts:
     if state is None:
         raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize; "
                          f"generation needs a TSP model")
+    adapted = [n for n, m in model.named_modules() if isinstance(m, TSPLoRA)]
+    if adapted:  # the same modules on every rank: all raise here, before any collective
+        raise NotImplementedError(
+            f"generation with LoRA adapters under TSP is not supported yet ({len(adapted)} "
+            f"adapted projections, {adapted[0]} first; docs/lora.md): generate with the "
+            f"PeftModel on one process")
     policy, mesh = state.policy, state.mesh
     names, ffn = policy.modules, policy.ffn
     base = getattr(model, names.base_model)

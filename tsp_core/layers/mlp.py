@@ -12,8 +12,9 @@ one tile loop (:func:`_ring_forward`, :func:`_ring_backward`) with each MLP's ti
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,14 @@ from ..distributed.params import (
     schedule_inputs,
 )
 from .inputs import check_local_input
+from .lora import (
+    LowRank,
+    add_input,
+    input_backward,
+    output_backward,
+    output_part,
+    schedule_adapters,
+)
 from .sizes import valid_sizes_hint, valid_tsp_sizes
 from .tiles import (
     MLP_TILE_TENSORS,
@@ -45,12 +54,13 @@ from .tiles import (
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 # the per-tile hooks of the shared ring loop (_ring_forward, _ring_backward): a tile's
-# intermediate from (xt, input projections, their biases), and its backward from (xt, dyt,
-# input projections, down, biases, down's gradient accumulator) -> the pre-activation gradients
+# intermediate from (xt, input projections, their biases, the shard's owner, the tile's slice of
+# the local tokens), and its backward from (xt, dyt, input projections, down, biases, down's
+# gradient accumulator or None when frozen, owner, slice) -> the pre-activation gradients
 Views = Sequence[torch.Tensor | None]
-TileForward = Callable[[torch.Tensor, Views, Views], torch.Tensor]
-TileBackward = Callable[[torch.Tensor, torch.Tensor, Views, torch.Tensor, Views, torch.Tensor],
-                        list[torch.Tensor]]
+TileForward = Callable[[torch.Tensor, Views, Views, int, slice], torch.Tensor]
+TileBackward = Callable[[torch.Tensor, torch.Tensor, Views, torch.Tensor, Views,
+                         torch.Tensor | None, int, slice], list[torch.Tensor]]
 
 
 def activate(g: torch.Tensor, kind: str) -> torch.Tensor:
@@ -79,6 +89,12 @@ class MLPSpec:
     intermediate_size: int
     tsp_size: int
     activation: str = "silu"
+    lora: LowRank = field(default_factory=LowRank)  # this call's adapters (.lora)
+
+    def channels(self, owner: int) -> slice:
+        """The intermediate channels of ``owner``'s shard."""
+        per = self.intermediate_size // self.tsp_size
+        return slice(owner * per, (owner + 1) * per)
 
 
 def _split(views: list[torch.Tensor], n_in: int):
@@ -100,10 +116,10 @@ def _ring_forward(x: torch.Tensor, group, pack: FlatPack, weights, tile: int, n_
     y = torch.zeros_like(x2)
     tiles = token_tiles(B * L, tile)
 
-    def compute(_owner: int, shard: torch.Tensor) -> None:
+    def compute(owner: int, shard: torch.Tensor) -> None:
         ins, wd, biases = _split(pack.unpack(shard), n_in)
         for sl in tiles:
-            m = intermediate(x2[sl], ins, biases)
+            m = intermediate(x2[sl], ins, biases, owner, sl)
             y[sl].addmm_(m, wd.t())
             del m  # before the next tile's
 
@@ -112,26 +128,34 @@ def _ring_forward(x: torch.Tensor, group, pack: FlatPack, weights, tile: int, n_
 
 
 def _ring_backward(x: torch.Tensor, dy: torch.Tensor, group, pack: FlatPack, weights,
-                   tile: int, n_in: int, tile_backward: TileBackward):
+                   tile: int, n_in: int, tile_backward: TileBackward,
+                   weight_grads: bool = True):
     """The ring schedule's backward, shared by the gated and the plain MLP: the shards circulate
     again (:func:`comm.ring_over_shards_with_grads`); for each tile, ``tile_backward(xt, dyt,
     ins, wd, biases, d_wd)`` recomputes the tile's intermediate (only the input is kept for
     backward), adds its down gradient into ``d_wd`` and returns the input projections'
     pre-activation gradients; from those the tile's input gradient and the projections' weight
     (and bias) gradients, summed over the tiles (:func:`tiles.grad_accumulator`). Returns
-    (dx [B, L, h], the gradient of this rank's own shard, packed)."""
+    (dx [B, L, h], the gradient of this rank's own shard, packed). Without ``weight_grads``
+    (frozen weights) the shards circulate for dx alone: no gradient hop, None for the shard."""
     B, L, h = x.shape
     x2, dy2 = x.reshape(B * L, h), dy.reshape(B * L, h)
     dx = torch.zeros_like(x2)
     tiles = token_tiles(B * L, tile)
 
-    def contribute(_owner: int, shard: torch.Tensor) -> torch.Tensor:
+    def contribute(owner: int, shard: torch.Tensor) -> torch.Tensor | None:
         ins, wd, biases = _split(pack.unpack(shard), n_in)
+        if not weight_grads:
+            for sl in tiles:
+                d_pre = tile_backward(x2[sl], dy2[sl], ins, wd, biases, None, owner, sl)
+                for i, w in enumerate(ins):
+                    dx[sl].addmm_(d_pre[i], w)
+            return None
         grads = grad_accumulator(pack.numel, shard.dtype, shard.device, len(tiles))
         d_ins, d_wd, d_biases = _split(pack.unpack(grads), n_in)
         for sl in tiles:
             xt = x2[sl]
-            d_pre = tile_backward(xt, dy2[sl], ins, wd, biases, d_wd)
+            d_pre = tile_backward(xt, dy2[sl], ins, wd, biases, d_wd, owner, sl)
             for i, w in enumerate(ins):
                 dx[sl].addmm_(d_pre[i], w)
             for i, g in enumerate(d_ins):
@@ -142,6 +166,9 @@ def _ring_backward(x: torch.Tensor, dy: torch.Tensor, group, pack: FlatPack, wei
             del d_pre  # before the next tile's
         return grads.to(shard.dtype)
 
+    if not weight_grads:
+        comm.ring_over_shards(pack.pack(weights), group, contribute)
+        return dx.view(B, L, h), None
     grad = comm.ring_over_shards_with_grads(pack.pack(weights), group, contribute)
     return dx.view(B, L, h), grad
 
@@ -151,42 +178,76 @@ class TSPGatedMLPFn(torch.autograd.Function):
     context"): for each weight shard, one tile's gate, up and activation at a time in the
     forward; the backward recomputes them a tile at a time and sums the shard's weight gradient
     over the tiles, so the working set is a few [tile, F/D] tensors (:mod:`.tiles`), whatever
-    the number of local tokens."""
+    the number of local tokens.
+
+    LoRA (``spec.lora``, :mod:`tsp_core.layers.lora`): a tile's gate and up get ``u @ B[ch]^T``
+    for the shard's channels ``ch``, and the down adapter's ``z`` [B, L, r] (one more output)
+    sums ``m @ A[:, ch]^T``. Frozen weights (none requires grad): no gradient hop."""
 
     @staticmethod
     def forward(ctx, x, spec: MLPSpec, group, tile: int, *weights):
+        weights, low = spec.lora.split(weights)
+        ctx.wgrad = any(ctx.needs_input_grad[4:4 + len(weights)])
         pack = FlatPack([w.shape for w in weights])
+        x2 = x.reshape(-1, x.shape[-1])
+        z = x.new_zeros(x2.shape[0], low["down_proj"][0].shape[0]) if "down_proj" in low else None
 
-        def intermediate(xt, ins, biases):
-            return (activate(F.linear(xt, ins[0], biases[0]), spec.activation)
-                    * F.linear(xt, ins[1], biases[1]))
+        def intermediate(xt, ins, biases, owner, sl):
+            ch = spec.channels(owner)
+            u_g, u_u = (_tokens(low.get(n), sl) for n in ("gate_proj", "up_proj"))
+            m = (activate(add_input(F.linear(xt, ins[0], biases[0]), u_g, ch), spec.activation)
+                 * add_input(F.linear(xt, ins[1], biases[1]), u_u, ch))
+            if z is not None:
+                output_part(z[sl], m, low["down_proj"], ch)
+            return m
 
         y = _ring_forward(x, group, pack, weights, tile, 2, intermediate)
         ctx.spec, ctx.group, ctx.pack, ctx.tile = spec, group, pack, tile
-        ctx.save_for_backward(x, *weights)
-        return y
+        ctx.save_for_backward(x, *weights, *[t for ts in low.values() for t in ts])
+        return y if z is None else (y, z.view(*x.shape[:-1], -1))
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dz=None):
         spec = ctx.spec
-        x, *weights = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
+        weights, low = spec.lora.split(saved)
+        lgrads = spec.lora.zero_grads(low)
+        dz2 = None if dz is None else dz.reshape(-1, dz.shape[-1])
 
-        def tile_backward(xt, dyt, ins, wd, biases, d_wd):
-            g = F.linear(xt, ins[0], biases[0])  # recomputed: only the input is kept
-            u = F.linear(xt, ins[1], biases[1])
+        def tile_backward(xt, dyt, ins, wd, biases, d_wd, owner, sl):
+            ch = spec.channels(owner)
+            u_g, u_u = (_tokens(low.get(n), sl) for n in ("gate_proj", "up_proj"))
+            g = add_input(F.linear(xt, ins[0], biases[0]), u_g, ch)  # recomputed: only the
+            u = add_input(F.linear(xt, ins[1], biases[1]), u_u, ch)  # input is kept
             a = activate(g, spec.activation)
-            d_wd.add_(dyt.t() @ (a * u))
+            if d_wd is not None:
+                d_wd.add_(dyt.t() @ (a * u))
             dm = dyt @ wd
+            if dz2 is not None:  # the down adapter's share of the gradient
+                dm = output_backward(dm, dz2[sl], a * u, low["down_proj"],
+                                     lgrads["down_proj"], ch)
             du = dm * a
             del a
             dg = dm.mul_(u)
             del u
             dg.mul_(activation_grad(g, spec.activation))
+            input_backward(dg, low.get("gate_proj"), lgrads.get("gate_proj"), ch, sl)
+            input_backward(du, low.get("up_proj"), lgrads.get("up_proj"), ch, sl)
             return [dg, du]
 
         dx, grad = _ring_backward(x, dy, ctx.group, ctx.pack, weights, ctx.tile, 2,
-                                  tile_backward)
-        return (dx, None, None, None, *ctx.pack.unpack(grad))
+                                  tile_backward, weight_grads=ctx.wgrad)
+        own = ctx.pack.unpack(grad) if grad is not None else [None] * len(weights)
+        return (dx, None, None, None, *own, *spec.lora.grads(lgrads))
+
+
+def _tokens(low: tuple[torch.Tensor, ...] | None, sl: slice
+            ) -> tuple[torch.Tensor, ...] | None:
+    """An input-side adapter's (u, B) with u cut to the tile ``sl`` of the flat local tokens."""
+    if low is None:
+        return None
+    u, b = low
+    return u.reshape(-1, u.shape[-1])[sl], b
 
 
 class TSPGatedMLP(TokenTiled, ShardedModule):
@@ -239,8 +300,14 @@ class TSPGatedMLP(TokenTiled, ShardedModule):
             names += ["gate_proj.bias", "up_proj.bias"]
         x, weights, context = schedule_inputs(self, names, x)
         tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size, x.dtype)
+        low, tensors, adapters = schedule_adapters(self, ("gate_proj", "up_proj", "down_proj"), x)
+        if low is not None:  # LoRA (tsp_core.layers.lora): the call's adapters join the ring
+            s = dataclasses.replace(s, lora=low)
         with context:
-            y = TSPGatedMLPFn.apply(x, s, self.mesh.group, tile, *weights)
+            y = TSPGatedMLPFn.apply(x, s, self.mesh.group, tile, *weights, *tensors)
+        if "down_proj" in adapters:
+            y, z = y
+            y = y + adapters["down_proj"].output(z)
         if "down_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.down_proj.bias, self.mesh)
         return y
@@ -302,7 +369,7 @@ class _TSPPlainMLPFn(torch.autograd.Function):
         weights, scalars = tensors[:n_weights], list(tensors[n_weights:])
         pack = FlatPack([w.shape for w in weights])
 
-        def intermediate(xt, ins, biases):
+        def intermediate(xt, ins, biases, _owner, _sl):
             return _plain_act(F.linear(xt, ins[0], biases[0]), spec.activation, scalars, consts)
 
         y = _ring_forward(x, group, pack, weights, tile, 1, intermediate)
@@ -320,7 +387,7 @@ class _TSPPlainMLPFn(torch.autograd.Function):
         d_scalars = [torch.zeros(s.shape, dtype=wide, device=s.device) for s in scalars]
         leaves = [s.detach().requires_grad_() for s in scalars]
 
-        def tile_backward(xt, dyt, ins, wd, biases, d_wd):
+        def tile_backward(xt, dyt, ins, wd, biases, d_wd, _owner, _sl):
             with torch.enable_grad():  # up recomputed: only the input is kept for backward
                 u = F.linear(xt, ins[0], biases[0]).requires_grad_()
                 a = _plain_act(u, spec.activation, leaves, consts)

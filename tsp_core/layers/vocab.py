@@ -171,18 +171,20 @@ class _VocabParallelCE(torch.autograd.Function):
         hidden, labels, weight, lse = ctx.saved_tensors
         scale = (labels != IGNORE_INDEX).to(lse.dtype) * g.to(lse.dtype)
         dh, dw = _ring_backward(hidden, labels, weight, lse, scale, ctx.vocab_size, ctx.group,
-                                ctx.cap, ctx.tile)
+                                ctx.cap, ctx.tile, ctx.needs_input_grad[2])
         return dh, None, dw, None, None, None, None
 
 
 def _ring_backward(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
                    lse: torch.Tensor, scale: torch.Tensor, vocab_size: int, group,
-                   cap: float | None, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   cap: float | None, tile: int, weight_grads: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of sum_i scale_i x (lse_i - logit_i[label_i]) with respect to the local hidden
     states and this rank's vocabulary shard (``scale`` zero where the label is ignored): the
     shards circulate again and each one's gradient travels back to its owner. Per tile of
     ``tile`` tokens at most two [tile, V/D] float32 tensors (the softmax and, with a cap, its
-    tanh) and the softmax cast to the model's dtype exist at once."""
+    tanh) and the softmax cast to the model's dtype exist at once. A frozen head
+    (``weight_grads`` False: LoRA) gets no gradient: the shards circulate for dh alone."""
     n, per = hidden.shape[0], weight.shape[0]
     tiles = token_tiles(n, tile)
     dh = torch.zeros_like(hidden)
@@ -205,10 +207,14 @@ def _ring_backward(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Ten
                 del t
             p = p.to(hidden.dtype)
             dh[sl] += p @ shard[:valid]
-            dw[:valid] += p.t() @ hidden[sl]
+            if weight_grads:
+                dw[:valid] += p.t() @ hidden[sl]
             del p  # before the next tile's
         return dw.to(shard.dtype)
 
+    if not weight_grads:
+        comm.ring_over_shards(weight.contiguous(), group, contribute)
+        return dh, None
     dw = comm.ring_over_shards_with_grads(weight.contiguous(), group, contribute)
     return dh, dw
 
@@ -279,7 +285,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         # d log p(label) / d logits = onehot - p: the loss's gradient with scale -g
         scale = -(labels != IGNORE_INDEX).to(lse.dtype) * g.to(lse.dtype)
         dh, dw = _ring_backward(hidden, labels, weight, lse, scale, ctx.vocab_size, ctx.group,
-                                ctx.cap, ctx.tile)
+                                ctx.cap, ctx.tile, ctx.needs_input_grad[2])
         return dh, None, dw, None, None, None, None
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from ..distributed.mesh import TSPMesh
 from .build import ModulePlan, plan_modules
 from .checks import check_model, check_options
+from .lora import PeftAdapters, read_peft
 from .policies import DecoderPolicy, find_policy
 from .reading import moe_schedule_for, placement, read_model
 from .wrap import apply_plan, wrap_model
@@ -55,8 +56,29 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     set stays under :data:`tsp_core.layers.tiles.TILE_BYTES`); ``activation_offload`` keeps each
     checkpointed decoder layer's saved input in host memory between its forward and its backward
     (:mod:`tsp_core.models.offload`; needs activation checkpointing:
-    ``model.activation_checkpointing_enable()``)."""
+    ``model.activation_checkpointing_enable()``).
+
+    A PEFT ``PeftModel`` with LoRA adapters (docs/lora.md) is converted as the Hugging Face model
+    inside it, its adapters replicated on every rank and applied to each rank's own tokens, its
+    base weights frozen; the PeftModel itself is returned."""
     check_options(mesh, mp_policy, tile_tokens, moe_schedule)
+    adapters = read_peft(model, mesh, policy)  # a PeftModel: its LoRA adapters (docs/lora.md)
+    if adapters is None:
+        convert(model, mesh, policy, moe_schedule, moe_tokens_per_rank, mp_policy,
+                reshard_after_forward, tile_tokens, activation_offload)
+        return model
+    with adapters.unwrapped() as hf_model:  # the PEFT layers' base Linears in their place
+        convert(hf_model, mesh, policy, moe_schedule, moe_tokens_per_rank, mp_policy,
+                reshard_after_forward, tile_tokens, activation_offload, adapters)
+    return model
+
+
+def convert(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None, moe_schedule: str,
+            moe_tokens_per_rank: int | None, mp_policy: Any, reshard_after_forward: bool,
+            tile_tokens: int | None, activation_offload: bool,
+            adapters: PeftAdapters | None = None) -> None:
+    """The four stages on a Hugging Face model (with a PeftModel's ``adapters``, their
+    schedules checked before anything changes, attached before the wrap)."""
     policy = policy or find_policy(model)
     moe_schedule = moe_schedule_for(model, mesh, policy, moe_schedule, moe_tokens_per_rank)
     spec = read_model(model, mesh, policy)                               # 1. read
@@ -64,6 +86,8 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
     empty = next(model.parameters()).is_meta  # weights come later, from load_full_state_dict
     plan = plan_modules(model, ModulePlan(mesh, policy, spec, placement(model, mesh), empty,
                                           moe_schedule))                 # 3. build
+    hosts = adapters.check(plan) if adapters is not None else {}
     apply_plan(model, plan)                                              # 4. wrap
+    if adapters is not None:
+        adapters.attach(hosts, mesh)
     wrap_model(model, plan, tile_tokens, activation_offload, mp_policy, reshard_after_forward)
-    return model

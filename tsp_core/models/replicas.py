@@ -27,12 +27,15 @@ def fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[str], tor
     return names, torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
 
 
-def check_replicas_agree(mesh: TSPMesh, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise on every rank when the ranks of a data-parallel dim hold different ``tensors``
-    (the full weights each rank is about to take its slices of). No collective without data
-    parallelism."""
+def check_replicas_agree(mesh: TSPMesh, tensors: list[tuple[str, torch.Tensor]],
+                         with_tsp: bool = False) -> None:
+    """Raise on every rank when the ranks of a data-parallel dim (``with_tsp``: or of the TSP
+    group, for tensors every rank holds whole, LoRA adapters) hold different ``tensors`` (the
+    full weights each rank is about to take its slices of). No collective without data
+    parallelism (or, ``with_tsp``, on one rank)."""
     dm = mesh.device_mesh
-    dims = [(n, dm.size(dm.mesh_dim_names.index(n))) for n in mesh.other_dims]
+    dim_names = [*mesh.other_dims, *([mesh.dim] if with_tsp else [])]
+    dims = [(n, dm.size(dm.mesh_dim_names.index(n))) for n in dim_names]
     dims = [(n, size) for n, size in dims if size > 1]
     if not dims or any(is_fake(t) for _, t in tensors):
         return  # no data parallelism, or the memory simulation (fake tensors hold no values)

@@ -49,6 +49,7 @@ from ..distributed.params import (
     chunk_spec,
     from_tsp_part,
     local,
+    own_name,
     read_local,
     tsp_part,
 )
@@ -224,9 +225,12 @@ def _layouts(model: nn.Module) -> dict[str, _Layout]:
     out = {}
     for prefix, m in sharded_modules(model):
         for name, p in m.named_parameters():
-            spec = m.shard_spec(name, m.mesh.rank)
+            own = own_name(name)  # a LoRA adapter's base_layer: the wrapped projection's
+            if own not in m.full_shapes:
+                continue  # an adapter's own parameter: its module lists it
+            spec = m.shard_spec(own, m.mesh.rank)
             if spec.dim is not None:
-                out[prefix + name] = _Layout(m, name, p)
+                out[prefix + name] = _Layout(m, own, p)
     return out
 
 
@@ -586,7 +590,7 @@ def _load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers, mode
 def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     """id(parameter) -> (its TSP module, its name there), for every sharded or replicated TSP
     parameter."""
-    return {id(p): (m, name) for _, m in sharded_modules(model) for name, p in m.named_parameters()}
+    return {id(p): (m, name) for _, m in sharded_modules(model) for name, p in m.own_parameters()}
 
 
 def _refuse_fused(model: nn.Module, what: str) -> None:

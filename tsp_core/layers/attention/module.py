@@ -4,6 +4,7 @@ head of a token)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,6 +24,7 @@ from ...distributed.params import (
 from .. import rope
 from ..dropout import AttentionDropout
 from ..inputs import check_local_input, checked_docs
+from ..lora import schedule_adapters
 from .parts import AttentionParts, AttentionShape, QKNorm, Rotary, Values
 from .per_group import PerGroupAttentionFn
 from .phased import PhasedAttentionFn
@@ -64,6 +66,9 @@ def unrotated(position_embeddings: tuple[torch.Tensor, torch.Tensor], rotary: Ro
     if rotary.kind != "none":
         return position_embeddings
     return tuple(t[..., :0] for t in position_embeddings)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections LoRA may adapt
 
 
 class TSPAttention(ShardedModule):
@@ -226,9 +231,18 @@ class TSPAttention(ShardedModule):
         fn = PhasedAttentionFn if p.over_token else PerGroupAttentionFn
         dropout = (AttentionDropout.drawn(self.attention_dropout)
                    if self.training and self.attention_dropout else None)
+        low, tensors, adapters = schedule_adapters(self, LORA_TARGETS, x)
+        if low is not None:  # LoRA (tsp_core.layers.lora): the call's adapters join the rounds
+            s = dataclasses.replace(s, lora=low)
         with context:
-            y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, dropout, *weights)
+            y = fn.apply(x, cos, sin, s, self.mesh.group, docs, kv_sink, dropout, *weights,
+                         *tensors)
+        if "o_proj" in adapters:
+            *y, z = y
+            y = y[0] if len(y) == 1 else tuple(y)
         y, kv_all = y if p.gives_kv else (y, None)
+        if "o_proj" in adapters:
+            y = y + adapters["o_proj"].output(z)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
         return (y, kv_all) if p.gives_kv else y

@@ -20,6 +20,7 @@ from ...distributed.chunks import row_segments
 from ...distributed.flat_pack import FlatPack
 from .. import flash, rope
 from ..dropout import AttentionDropout
+from ..lora import LowRank
 from ..norm import NORMS
 from .parts import AttentionParts
 
@@ -37,6 +38,8 @@ class AttentionSpec:
     tsp_size: int
     layout: str = "zigzag"
     parts: AttentionParts = field(default_factory=AttentionParts)
+    # the LoRA adapters of this call (tsp_core.layers.lora): their tensors follow the weights
+    lora: LowRank = field(default_factory=LowRank)
 
     @property
     def local_heads(self) -> int:
@@ -45,6 +48,21 @@ class AttentionSpec:
     @property
     def local_kv_heads(self) -> int:
         return max(1, self.num_kv_heads // self.tsp_size)
+
+    def q_rows(self, r: int) -> slice:
+        """The query projection's output rows of round r's heads ([query | gate] with the gate)."""
+        width = self.local_heads * self.head_dim * (2 if self.parts.output_gate else 1)
+        return slice(r * width, (r + 1) * width)
+
+    def kv_rows(self, j: int) -> slice:
+        """The key (or value) projection's output rows of key/value head group j."""
+        width = self.local_kv_heads * self.head_dim
+        return slice(j * width, (j + 1) * width)
+
+    def o_cols(self, r: int) -> slice:
+        """The output projection's input columns of round r's heads."""
+        width = self.local_heads * self.head_dim
+        return slice(r * width, (r + 1) * width)
 
     @property
     def kv_replicas(self) -> int:

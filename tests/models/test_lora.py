@@ -1,0 +1,394 @@
+"""LoRA under TSP (tsp_core/models/lora.py, tsp_core/layers/lora.py, docs/lora.md): a PEFT
+``PeftModel`` parallelized against the same PeftModel on one process (unmodified PEFT and
+Hugging Face, float64), on every rank: Llama with one key/value head (nkv < D: the sliced
+key/value rows) and Qwen3 with per-head q/k norms, rsLoRA and per-module ranks and alphas, every
+projection adapted, at tsp 1, 2, 4 and dp 2 x tsp 2 (Qwen2's q/k/v biases at dp 2 x tsp 2).
+Losses of 3 SGD steps to 1e-10, the adapters' first gradients to 1e-10 (no base weight has a
+gradient), the adapters after 3 SGD and after 3 AdamW steps (1e-10, 1e-8), the base weights bit
+for bit as they were, optimizer state for the adapters only. Collective bytes and calls of one
+LoRA step against full fine-tuning's, by the formula of docs/design.md "LoRA". Refusals by name
+on every rank before any collective. PEFT's ``print_trainable_parameters``, ``disable_adapter()``,
+``save_pretrained`` (loaded by plain PEFT), ``unload()`` and ``merge_and_unload()`` on the
+converted model; generation refused."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tsp_core
+from tests.support import dist_pool, gather, hf_models, parity
+from tests.support.reference import relative_error
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=256)
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def base_model(family: str):
+    """A small ``family`` model in float64: Llama with one key/value head, Qwen3 with 2,
+    head_dim 16 and per-head q/k norms, Qwen2 with 2 and q/k/v biases."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SMALL, num_key_value_heads=1)).double()
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**SMALL, num_key_value_heads=2)).double()
+    return Qwen3ForCausalLM(Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16)).double()
+
+
+def peft_model(family: str, config: dict | None = None):
+    """:func:`base_model` wrapped by ``get_peft_model``: Llama r 4, alpha 8; Qwen3 r 3, alpha 5,
+    rsLoRA, down_proj r 2 and q_proj alpha 7 (rank_pattern, alpha_pattern); every projection
+    adapted, both LoRA matrices random (init_lora_weights=False: B = 0 would give A no
+    gradient). ``config``: LoraConfig fields instead of these."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = dict(r=4, lora_alpha=8) if family != "qwen3" else dict(
+        r=3, lora_alpha=5, use_rslora=True, rank_pattern={"down_proj": 2},
+        alpha_pattern={"q_proj": 7})
+    lora = dict(target_modules=ALL, init_lora_weights=False, **lora)
+    return get_peft_model(base_model(family), LoraConfig(**(lora if config is None else config)))
+
+
+def hf_name(name: str) -> str:
+    """A PeftModel's parameter name as TSP's full state dict names it (the base's own name)."""
+    return name.replace(".base_layer.", ".")
+
+
+def reference_run(ref, data, optimizer) -> dict:
+    """The PeftModel on one process: losses, the adapters' first gradients, the final state."""
+    opt = optimizer([p for p in ref.parameters() if p.requires_grad])
+    losses, grads0 = [], None
+    for ids, labels in data:
+        loss = hf_models.reference_loss(ref, ids, labels)
+        loss.backward()
+        if grads0 is None:
+            grads0 = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, grads0=grads0,
+                weights={hf_name(n): t.clone() for n, t in ref.state_dict().items()})
+
+
+def tsp_run(model, mesh, data, optimizer, rows: int) -> dict:
+    """The converted PeftModel on this rank's share of the same batches; also checks that no
+    base weight got a gradient and that the optimizer keeps state for the adapters only."""
+    dp_rank = mesh.device_mesh.get_coordinate()[0]
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    opt = optimizer(model.parameters())
+    losses, grads0 = [], None
+    for ids, labels in data:
+        out = model(**tsp_core.shard_batch({"input_ids": ids[mine], "labels": labels[mine]},
+                                           mesh))
+        out.loss.backward()
+        with_grad = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+        assert with_grad and all(".lora_" in n for n in with_grad), with_grad
+        if grads0 is None:
+            grads0 = gather.full_grads(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+    trainable = {id(p) for n, p in model.named_parameters() if ".lora_" in n}
+    assert set(map(id, opt.state)) <= trainable, "optimizer state for a frozen weight"
+    return dict(losses=losses, grads0=grads0, weights=tsp_core.full_state_dict(model))
+
+
+def check_run(run: dict, ref: dict, init: dict, weights_tol: float, what: str) -> None:
+    """``run`` against ``ref`` (losses 1e-10, adapters' first gradients 1e-10, adapters after the
+    steps to ``weights_tol``) and every base weight bit for bit ``init``'s."""
+    rank = dist.get_rank()
+    for step, (a, b) in enumerate(zip(run["losses"], ref["losses"], strict=True)):
+        assert abs(a - b) <= 1e-10 * abs(b), f"rank {rank} {what} step {step}: {a!r} vs {b!r}"
+    assert set(run["grads0"]) == set(ref["grads0"]), (rank, what, sorted(run["grads0"]))
+    for name, g in ref["grads0"].items():
+        err = relative_error(run["grads0"][name], g)
+        assert err <= 1e-10, f"rank {rank} {what}: gradient of {name} off by {err:.2e}"
+    assert set(run["weights"]) == set(ref["weights"]), (rank, what)
+    for name, w in ref["weights"].items():
+        got = run["weights"][name]
+        if ".lora_" in name:
+            err = parity.weight_error(got, w)
+            assert err <= weights_tol, f"rank {rank} {what}: {name} off by {err:.2e}"
+        else:
+            assert torch.equal(got, init[name]), f"rank {rank} {what}: base weight {name} moved"
+
+
+def lora_parity(family: str, tsp: int) -> dict:
+    """Run on every rank: 3 SGD steps (losses, first gradients, adapters to 1e-10) and 3 AdamW
+    steps (adapters to 1e-8) of the converted PeftModel against the reference's; each rank's
+    losses (``losses``)."""
+    mesh = dist_pool.mesh(tsp)
+    rows = 2
+    data = parity.batches(SMALL["vocab_size"], rows * mesh.dp_size, 24, 3, middle_ignored=True)
+    losses = []
+    for optimizer, tol in ((partial(torch.optim.SGD, lr=0.5), 1e-10),
+                           (partial(torch.optim.AdamW, lr=1e-2), 1e-8)):
+        ref = peft_model(family)
+        init = {hf_name(n): t.clone() for n, t in ref.state_dict().items()}
+        model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+        assert type(model) is type(ref) and tsp_core.get_mesh(model) is mesh
+        run = tsp_run(model, mesh, data, optimizer, rows)
+        check_run(run, reference_run(ref, data, optimizer), init, tol,
+                  f"{family} tsp {tsp} {optimizer.func.__name__}")
+        losses += run["losses"]
+    return dict(losses=losses)
+
+
+CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]  # (world size, tsp size); (4, 2): dp 2 x tsp 2
+
+
+@pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_lora_parity_float64(pools, family, world, tsp):
+    parity.assert_same_losses(pools.of(world).run(lora_parity, family, tsp))
+
+
+def test_lora_parity_qwen2_biases(pools):
+    # q/k/v biases in the base projections beside the adapters, at dp 2 x tsp 2
+    parity.assert_same_losses(pools.of(4).run(lora_parity, "qwen2", 2))
+
+
+# ------------------------------------------------------------------------ collective bytes
+
+def one_step(model, mesh) -> tsp_core.comm.CommStats:
+    """The collectives of one forward and backward of ``model`` on 2 rows of 24 tokens."""
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    with tsp_core.comm.track() as stats:
+        model(**batch).loss.backward()
+    return stats
+
+
+def removed_by_lora(family: str, D: int, e: int = 8) -> dict[str, tuple[int, float]]:
+    """docs/design.md "LoRA": per collective kind, the calls and per-rank bytes of one step of
+    full fine-tuning that a frozen base does not issue, for this file's ``family`` model at TSP
+    degree D (e bytes an element), without the embedding's backward all-to-all (data-dependent:
+    the forward's row exchange reversed) and before the adapters' own all-reduces."""
+    h, F_, V, layers, nq = (SMALL[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
+                                               "num_hidden_layers", "num_attention_heads"))
+    nkv, d = (1, h // nq) if family == "llama" else (2, 16)
+    sliced = nkv < D
+    round_pack = (2 * nq * d * h if sliced else (2 * nq + 2 * nkv) * d * h) // D * e
+    kv_slice = 2 * -(-nkv * d // D) * h * e  # one rank's key/value rows, padded (sliced)
+    mlp_pack = 3 * F_ * h // D * e
+    head_pack = -(-V // D) * h * e
+    norms = [h, h] + ([d, d] if family == "qwen3" else [])  # per layer, then the final norm
+    out = {"reduce": (layers * D, layers * (D - 1) * round_pack),  # owner reduces of rounds
+           "ring_pass": (layers * D + D, layers * D * mlp_pack + D * head_pack),  # gradient hops
+           "all_reduce": (layers * len(norms) + 1,
+                          2 * (D - 1) / D * e * (layers * sum(norms) + h))}
+    if sliced:  # the key/value slices' gradients, reduce-scattered once per layer
+        out["reduce_scatter"] = (layers, layers * (D - 1) * kv_slice)
+    return out
+
+
+def adapter_all_reduces(family: str, D: int, e: int = 8) -> tuple[int, float]:
+    """docs/design.md "LoRA": one all-reduce of each adapter matrix's gradient over the group
+    (calls, per-rank bytes) per step, for :func:`peft_model`'s adapters."""
+    h, F_, layers, nq = (SMALL[k] for k in ("hidden_size", "intermediate_size",
+                                            "num_hidden_layers", "num_attention_heads"))
+    nkv, d, r = (1, h // nq, 4) if family == "llama" else (2, 16, 3)
+    shapes = {"q_proj": (h, nq * d), "k_proj": (h, nkv * d), "v_proj": (h, nkv * d),
+              "o_proj": (nq * d, h), "gate_proj": (h, F_), "up_proj": (h, F_),
+              "down_proj": (F_, h)}
+    ranks = {n: 2 if family == "qwen3" and n == "down_proj" else r for n in shapes}
+    elements = layers * sum(ranks[n] * (i + o) for n, (i, o) in shapes.items())
+    return 2 * len(shapes) * layers, 2 * (D - 1) / D * elements * e
+
+
+def lora_bytes(family: str, tsp: int) -> dict:
+    """Run on every rank: one step of full fine-tuning (the base model, every weight trained) and
+    one of LoRA, their collectives by kind, against :func:`removed_by_lora` and
+    :func:`adapter_all_reduces`."""
+    mesh = dist_pool.mesh(tsp)
+    full = tsp_core.parallelize(base_model(family), mesh)  # every weight trained
+    lora = tsp_core.parallelize(peft_model(family), mesh)
+    f, lo = one_step(full, mesh), one_step(lora, mesh)
+    removed = removed_by_lora(family, tsp)
+    calls, nbytes = adapter_all_reduces(family, tsp)
+    embed_rows = [b for k, b in lo.log if k == "all_to_all"][-1]  # the forward's row exchange
+    removed["all_to_all"] = (1, embed_rows)
+    added = {"all_reduce": (calls, nbytes)}
+    for kind in set(f.calls) | set(lo.calls):
+        want_calls = (f.calls[kind] - removed.get(kind, (0, 0))[0]
+                      + added.get(kind, (0, 0))[0])
+        want_bytes = (f.bytes[kind] - removed.get(kind, (0, 0))[1]
+                      + added.get(kind, (0, 0))[1])
+        assert lo.calls[kind] == want_calls, (kind, lo.calls[kind], want_calls, f.calls[kind])
+        assert abs(lo.bytes[kind] - want_bytes) <= 1e-9 * max(1.0, want_bytes), \
+            (kind, lo.bytes[kind], want_bytes, f.bytes[kind])
+    return dict(full=f.total_bytes, lora=lo.total_bytes, full_calls=sum(f.calls.values()),
+                lora_calls=sum(lo.calls.values()))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_lora_step_moves_the_formula_bytes(pools, family):
+    # Llama at tsp 2 has its one key/value head sliced (the slices' reduce-scatter goes too),
+    # Qwen3 two heads, one a rank, and q/k norms
+    # (LoRA issues more calls here: 2 small all-reduces per adapted projection, 14 a layer)
+    figures = pools.of(2).run(lora_bytes, family, 2)
+    assert all(f["lora"] < f["full"] for f in figures), figures
+
+
+# ------------------------------------------------------------------------------- refusals
+
+def two_adapters():
+    """A PeftModel holding a second LoRA adapter beside the default one."""
+    from peft import LoraConfig
+
+    model = peft_model("llama")
+    model.add_adapter("second", LoraConfig(r=2, target_modules=["q_proj"]))
+    return model
+
+
+def refusals() -> list[str]:
+    """Run on every rank: each unsupported PEFT setup raises on this rank, naming it, before any
+    collective. The messages."""
+    from peft import IA3Config, PromptTuningConfig, get_peft_model
+
+    plain = partial(base_model, "llama")
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    cases = [
+        (peft_model("llama", dict(lora, use_dora=True)), "DoRA"),
+        (get_peft_model(plain(), IA3Config(target_modules=["k_proj", "down_proj"],
+                                           feedforward_modules=["down_proj"])), "PEFT type IA3"),
+        (get_peft_model(plain(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)),
+         "PEFT type PROMPT_TUNING"),
+        (peft_model("llama", dict(lora, lora_dropout=0.1)), "lora_dropout=0.1"),
+        (peft_model("llama", dict(lora, bias="lora_only")), "bias='lora_only'"),
+        (peft_model("llama", dict(lora, modules_to_save=["lm_head"])), "modules_to_save"),
+        (peft_model("llama", dict(lora, target_modules=["q_proj", "embed_tokens"])),
+         "LoRA on model.embed_tokens"),
+        (two_adapters(), "the PeftModel has 2 adapters"),
+    ]
+    messages = []
+    for model, name in cases:
+        with tsp_core.comm.track() as stats, pytest.raises(NotImplementedError) as err:
+            tsp_core.parallelize(model, dist_pool.mesh(2))
+        assert not dict(stats.calls), dict(stats.calls)  # before any collective
+        assert name in str(err.value), (name, str(err.value))
+        messages.append(str(err.value))
+    dist.barrier()
+    return messages
+
+
+def test_unsupported_peft_setups_are_refused_by_name(pools):
+    messages = pools.of(2).run(refusals)
+    assert messages[0] == messages[1]
+
+
+# -------------------------------------------------------------------- PeftModel behaviour
+
+def peft_behaviour(path: str) -> None:
+    """Run on every rank: the converted model prints PEFT's trainable-parameter line; its
+    adapter saved by PEFT's ``save_pretrained`` with ``state_dict=tsp_core.full_state_dict``
+    loads into the unmodified base with plain PEFT and
+    gives the reference's logits; under ``disable_adapter()`` it gives the base model's loss (the
+    reference's, adapter disabled), then the adapted one again; generation is refused by name
+    before any collective; ``unload()`` leaves the TSP base
+    model; ``merge_and_unload()`` a TSP model with the adapted loss whose full state is the
+    reference's ``merge_and_unload()`` one (1e-12)."""
+    from peft import PeftModel
+
+    mesh = dist_pool.mesh(2)
+    ref = peft_model("llama")
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    state = tsp_core.full_state_dict(model)  # every rank gathers; rank 0 writes
+    if dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=state)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(base_model("llama"), path)
+    probe = torch.randint(0, SMALL["vocab_size"], (1, 12),
+                          generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        err = relative_error(loaded(input_ids=probe).logits, ref(input_ids=probe).logits)
+    assert err <= 1e-10, f"rank {dist.get_rank()}: the saved adapter's logits off by {err:.2e}"
+    lines = []
+    for m in (ref, model):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            m.print_trainable_parameters()
+        lines.append(out.getvalue())
+    assert lines[0] == lines[1] and "trainable params" in lines[0], lines
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(4))
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+
+    def losses(m, tsp: bool) -> float:
+        if tsp:
+            return m(**batch).loss.item()
+        logits = m(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
+
+    with torch.no_grad():
+        adapted = losses(ref, False)
+        with ref.disable_adapter():
+            base = losses(ref, False)
+        got = [losses(model, True)]
+        with model.disable_adapter():
+            got.append(losses(model, True))
+            assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+        got.append(losses(model, True))
+    assert abs(base - adapted) > 1e-3  # the adapters change the loss
+    for g, want in zip(got, [adapted, base, adapted]):
+        assert abs(g - want) <= 1e-10 * abs(want), (got, adapted, base)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+    with tsp_core.comm.track() as stats, pytest.raises(NotImplementedError,
+                                                       match="generation with LoRA adapters"):
+        tsp_core.generate(model, ids[:, :8], 2)
+    assert not dict(stats.calls), dict(stats.calls)  # refused before any collective
+    plain = model.unload()  # the TSP base model, its projections as before the adapters
+    with torch.no_grad():
+        assert abs(plain(**batch).loss.item() - base) <= 1e-10 * base
+    merged = tsp_core.parallelize(copy.deepcopy(ref), mesh).merge_and_unload()
+    with torch.no_grad():
+        assert abs(merged(**batch).loss.item() - adapted) <= 1e-10 * adapted
+    want = ref.merge_and_unload().state_dict()
+    got = tsp_core.full_state_dict(merged)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for name, w in want.items():
+        assert parity.weight_error(got[name], w) <= 1e-12, name
+
+
+def test_peft_model_behaviour(pools, tmp_path):
+    pools.of(2).run(peft_behaviour, str(tmp_path))
+
+
+def checkpointed_grads() -> None:
+    """Run on every rank: the adapters' gradients under activation checkpointing (reentrant or
+    not: TRL turns it on by default) equal those without, bit for bit."""
+    mesh = dist_pool.mesh(2)
+    ref = peft_model("qwen3")
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    grads = []
+    for reentrant in (None, False, True):
+        model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+        if reentrant is not None:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model(**batch).loss.backward()
+        grads.append({n: p.grad.to_local() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    for got in grads[1:]:
+        assert got.keys() == grads[0].keys() and all(
+            torch.equal(g, grads[0][n]) for n, g in got.items()), f"rank {dist.get_rank()}"
+
+
+def test_activation_checkpointing_gives_the_same_adapter_gradients(pools):
+    pools.of(2).run(checkpointed_grads)

@@ -1,0 +1,218 @@
+"""LoRA adapters on the TSP schedules (docs/lora.md; bytes in docs/design.md "LoRA").
+
+A LoRA projection computes ``W x + s B A x`` (``s`` = lora_alpha / r, or / sqrt(r) with
+rsLoRA). Under TSP the base ``W`` stays a sharded, frozen weight that the rounds and the ring
+move as before; ``A`` [r, in] and ``B`` [out, r] are tiny and replicated on every rank, applied
+to this rank's own tokens, so they move nothing in the forward and their gradients are summed
+over the group once (``local_replicated``: one all-reduce per tensor, like a norm's). The
+schedules take the adapter as low-rank tensors beside the base shards:
+
+- a projection whose input is the layer input (q, k, v, gate, up: :data:`INPUT_SIDE`) gets
+  ``u = s x A^T`` [B, L, r] (computed here, outside the schedule) and ``B``; the schedule adds
+  ``u @ B[rows]^T`` to the rows of the output it computes in a round (the owner's rows) and
+  returns the gradients of ``u`` and ``B``;
+- a projection whose input is computed inside the schedule (o after attention, down after the
+  activation: :data:`OUTPUT_SIDE`) gets ``A``; the schedule returns ``z = in @ A^T`` [B, L, r],
+  summed over the rounds' column slices, and ``s z B^T`` is added here.
+
+:class:`TSPLoRA` is the adapter of one projection: it takes the projection's place in the TSP
+module (the base weight under ``base_layer``, as PEFT names it) and holds ``lora_A`` /
+``lora_B`` under PEFT's names, so a converted PeftModel keeps PEFT's parameter names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..distributed.mesh import TSPMesh
+from ..distributed.params import REPLICATED, ShardedModule, ShardSpec, local, local_replicated
+
+INPUT_SIDE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+OUTPUT_SIDE = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """The adapted projections of one schedule call, in the order their tensors follow the
+    schedule's weights: two per input-side projection (u, B), one per output-side one (A)."""
+
+    names: tuple[str, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return sum(2 if n in INPUT_SIDE else 1 for n in self.names)
+
+    def split(self, tensors: Sequence[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], dict[str, tuple[torch.Tensor, ...]]]:
+        """(the schedule's own tensors, {name: its low-rank tensors}) of ``tensors``, whose last
+        :attr:`count` are the adapters'."""
+        tensors = list(tensors)
+        if not self.names:
+            return tensors, {}
+        own, rest = tensors[:-self.count], tensors[-self.count:]
+        out = {}
+        for name in self.names:
+            k = 2 if name in INPUT_SIDE else 1
+            out[name], rest = tuple(rest[:k]), rest[k:]
+        return own, out
+
+    def zero_grads(self, low: dict[str, tuple[torch.Tensor, ...]]
+                   ) -> dict[str, list[torch.Tensor]]:
+        """Zeroed gradient buffers like each adapter's tensors."""
+        return {n: [torch.zeros_like(t) for t in ts] for n, ts in low.items()}
+
+    def grads(self, grads: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The gradients in the order of the tensors."""
+        return [g for n in self.names for g in grads[n]]
+
+
+def add_input(out: torch.Tensor, low: tuple[torch.Tensor, ...] | None, rows: slice
+              ) -> torch.Tensor:
+    """``out`` [..., rows] plus the adapter's ``u @ B[rows]^T`` (``low`` = (u, B), u shaped
+    like ``out`` but for its last dim); ``out`` as it is without an adapter."""
+    if low is None:
+        return out
+    u, b = low
+    return out + u @ b[rows].t()
+
+
+def input_backward(d_out: torch.Tensor, low: tuple[torch.Tensor, ...] | None,
+                   grads: list[torch.Tensor] | None, rows: slice, tokens: slice = slice(None)
+                   ) -> None:
+    """Add to ``grads`` (du, dB) the gradients of :func:`add_input` for the tokens ``tokens`` of
+    the flat [N, r] ``u``, from ``d_out`` [len(tokens), rows] (nothing without an adapter)."""
+    if low is None:
+        return
+    u, b = low
+    du, db = grads
+    u2, du2 = u.reshape(-1, u.shape[-1]), du.view(-1, du.shape[-1])
+    du2[tokens].addmm_(d_out, b[rows])
+    db[rows].addmm_(d_out.t(), u2[tokens])
+
+
+def output_part(z: torch.Tensor, inp: torch.Tensor, low: tuple[torch.Tensor, ...] | None,
+                cols: slice) -> None:
+    """Add ``inp @ A[:, cols]^T`` into ``z`` (an output-side adapter's low-rank sum)."""
+    if low is not None:
+        z.addmm_(inp, low[0][:, cols].t())
+
+
+def output_backward(d_inp: torch.Tensor, dz: torch.Tensor, inp: torch.Tensor,
+                    low: tuple[torch.Tensor, ...] | None, grads: list[torch.Tensor] | None,
+                    cols: slice) -> torch.Tensor:
+    """The backward of :func:`output_part`: ``d_inp + dz @ A[:, cols]`` (returned), and
+    ``dA[:, cols] += dz^T @ inp``."""
+    if low is None:
+        return d_inp
+    grads[0][:, cols].addmm_(dz.t(), inp)
+    return d_inp + dz @ low[0][:, cols]
+
+
+class TSPLoRA(ShardedModule):
+    """The LoRA adapter ``adapter`` of one projection of a TSP module, in that projection's
+    place: ``base_layer`` is the module holding the projection's own (sharded) weight, so its
+    parameters keep their names with PEFT's ``base_layer.`` in them, and ``weight`` / ``bias``
+    read through to it as PEFT's layers do. ``lora_A[adapter].weight`` [r, in] and
+    ``lora_B[adapter].weight`` [out, r] are replicated over the group. ``scaling``: lora_alpha / r
+    (or / sqrt(r), rsLoRA). Disabled (``enable_adapters(False)``, PEFT's ``disable_adapter()``),
+    the projection is the base alone. ``base_spec``: this rank's slice of the base weight (its
+    host's ShardSpec), which :meth:`merge` adds its share of ``s B A`` to."""
+
+    adapter_layer_names = ("lora_A", "lora_B")
+    other_param_names: tuple[str, ...] = ()
+
+    def __init__(self, mesh: TSPMesh, base_layer: nn.Module, adapter: str, in_features: int,
+                 out_features: int, r: int, scaling: float, *, side: str, base_spec: ShardSpec,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                 ) -> None:
+        super().__init__()
+        self.mesh, self.base_layer, self.side = mesh, base_layer, side
+        self.base_spec = base_spec
+        self.r, self.scaling, self.adapter = r, float(scaling), adapter
+        self.in_features, self.out_features = in_features, out_features
+        self._active_adapter = adapter
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self.full_shapes = {f"lora_A.{adapter}.weight": (r, in_features),
+                            f"lora_B.{adapter}.weight": (out_features, r)}
+        self.lora_A, self.lora_B = nn.ModuleDict(), nn.ModuleDict()
+        full = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in self.full_shapes.items()}
+        self._create(full)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.base_layer, "bias", None)
+
+    def extra_repr(self) -> str:
+        return (f"adapter={self.adapter!r}, r={self.r}, scaling={self.scaling}, "
+                f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"replicated over tsp_size={self.mesh.size}")
+
+    def shard_spec(self, name: str, rank: int) -> ShardSpec:
+        return REPLICATED
+
+    @property
+    def active(self) -> bool:
+        """Whether the adapter adds its term: enabled and not merged into the base."""
+        return not self._disable_adapters and not self.merged_adapters
+
+    def _a(self) -> torch.Tensor:
+        return local_replicated(self.lora_A[self.adapter].weight, self.mesh)
+
+    def _b(self) -> torch.Tensor:
+        return local_replicated(self.lora_B[self.adapter].weight, self.mesh)
+
+    def schedule_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """What the schedule takes: (u = s x A^T, B) for an input-side projection of input
+        ``x``, (A,) for an output-side one; in ``x``'s dtype."""
+        if self.side == "input":
+            return [(x @ self._a().to(x.dtype).t()) * self.scaling, self._b().to(x.dtype)]
+        return [self._a().to(x.dtype)]
+
+    def output(self, z: torch.Tensor) -> torch.Tensor:
+        """An output-side adapter's term ``s z B^T`` from the schedule's ``z``."""
+        return (z @ self._b().to(z.dtype).t()) * self.scaling
+
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False, adapter_names: Sequence[str] | None = None
+              ) -> None:
+        """Add ``s B A`` into the base weight, each rank only its own slice of it (rows of
+        ``B`` or columns of ``A`` by the base's ShardSpec: no collective, no full-size
+        product); the adapter is then inactive (merged). PEFT's signature; ``safe_merge``
+        checks the merged slice for NaN or inf first."""
+        if self.merged_adapters:
+            return
+        spec = self.base_spec
+        a, b = local(self.lora_A[self.adapter].weight), local(self.lora_B[self.adapter].weight)
+        if spec.dim == 0:
+            b = b[spec.start:spec.start + spec.length]
+        elif spec.dim == 1:
+            a = a[:, spec.start:spec.start + spec.length]
+        weight = local(self.base_layer.weight)
+        own = weight if spec.dim is None else weight.narrow(spec.dim, 0, spec.length)
+        merged = own + ((b @ a) * self.scaling).to(own.dtype)
+        if safe_merge and not torch.isfinite(merged).all():
+            raise ValueError(f"merging the adapter {self.adapter!r} gives NaN or inf weights")
+        own.copy_(merged)
+        self.merged_adapters = [self.adapter]
+
+
+def schedule_adapters(module: nn.Module, names: Sequence[str], x: torch.Tensor
+                      ) -> tuple[LowRank | None, list[torch.Tensor], dict[str, TSPLoRA]]:
+    """The active adapters among ``module``'s projections ``names`` (in that order): their
+    :class:`LowRank`, the tensors the schedule takes after its weights, and the adapters by
+    name (an output-side one adds :meth:`TSPLoRA.output` of its ``z``). None and nothing
+    without an active adapter: the schedule runs exactly as without LoRA."""
+    found = {n: m for n in names
+             if isinstance(m := getattr(module, n, None), TSPLoRA) and m.active}
+    if not found:
+        return None, [], {}
+    tensors = [t for m in found.values() for t in m.schedule_tensors(x)]
+    return LowRank(tuple(found)), tensors, found

@@ -1,0 +1,258 @@
+"""PEFT models under :func:`tsp_core.parallelize` (docs/lora.md): a ``PeftModel`` with LoRA
+adapters on the attention's q/k/v/o and the gated MLP's gate/up/down projections.
+
+:func:`read_peft` checks the PEFT configuration and the adapted modules (pure Python, the same on
+every rank, so a refusal raises on every rank before any collective) and records the adapters;
+:meth:`PeftAdapters.unwrapped` shows the Hugging Face model inside with each PEFT layer replaced
+by its base ``nn.Linear``, so the usual stages convert it; :meth:`PeftAdapters.attach` then puts
+a :class:`~tsp_core.layers.lora.TSPLoRA` in each adapted projection's place in the new TSP
+module (the adapter is a part the TSP module finds among its projections, not an option of the
+schedules) and gives every parameter the ``requires_grad`` PEFT gave it: the base frozen.
+
+The converted model stays the ``PeftModel``: its adapters are PEFT tuner layers (the class of
+:func:`tuner_class`), so ``print_trainable_parameters`` and ``disable_adapter()`` work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from torch import nn
+
+from ..distributed.mesh import TSPMesh
+from ..layers.lora import INPUT_SIDE, TSPLoRA
+from .policies import DecoderPolicy, find_policy
+from .replicas import check_replicas_agree
+
+TARGETS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+           "mlp": ("gate_proj", "up_proj", "down_proj")}
+# LoraConfig fields that ask for something TSP's adapters do not do: refused when set
+UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "a LoRA bias (lora_bias=True)",
+               "modules_to_save": "modules_to_save (fully trained copies of modules)",
+               "target_parameters": "target_parameters (LoRA on parameters: MoE experts)",
+               "trainable_token_indices": "trainable_token_indices",
+               "layer_replication": "layer_replication",
+               "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+               "use_qalora": "QALoRA (use_qalora=True)"}
+DOCS = "docs/lora.md"
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a PEFT ``PeftModel`` (told by its class, without importing peft)."""
+    return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft")
+               for c in type(model).__mro__)
+
+
+@dataclass
+class Adapted:
+    """One PEFT LoRA layer: ``parent.name`` in the Hugging Face model (``parent`` the layer's
+    attention or MLP module), its projection ``name`` and its ``role``."""
+
+    path: str
+    parent: nn.Module
+    name: str
+    role: str
+    layer: nn.Module
+
+
+@dataclass
+class PeftAdapters:
+    """The LoRA adapters of a ``PeftModel`` about to be converted."""
+
+    peft_model: nn.Module
+    model: nn.Module  # the Hugging Face model inside (peft_model.base_model.model)
+    adapter: str
+    adapted: list[Adapted]
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def unwrapped(self) -> Iterator[nn.Module]:
+        """The Hugging Face model with each PEFT layer replaced by its base ``nn.Linear``; the
+        PEFT layers are put back if the block raises (a refusal leaves the model as it was)."""
+        for a in self.adapted:
+            setattr(a.parent, a.name, a.layer.base_layer)
+        try:
+            yield self.model
+        except BaseException:
+            for a in self.adapted:
+                setattr(a.parent, a.name, a.layer)
+            raise
+
+    def check(self, plan: Any) -> dict[int, nn.Module]:
+        """The TSP module that replaces each adapted attention or MLP (by the id of the Hugging
+        Face module), refusing one whose schedule does not take adapters; before any
+        collective (``apply_plan`` checks the replicas after this)."""
+        new = {id(getattr(r.parent, r.name)): r.new for r in plan.replacements}
+        for a in self.adapted:
+            module = new.get(id(a.parent))
+            refuse_schedule(a, module)
+        return new
+
+    def attach(self, new: dict[int, nn.Module], mesh: TSPMesh) -> None:
+        """Each adapter in its projection's place in the TSP module, its weights PEFT's (checked
+        to be the same on every rank: they are replicated), then PEFT's ``requires_grad``."""
+        layer_class = tuner_class()
+        tensors = []
+        for a in self.adapted:
+            host = new[id(a.parent)]
+            lora_a = a.layer.lora_A[self.adapter].weight
+            lora_b = a.layer.lora_B[self.adapter].weight
+            adapter = layer_class(mesh, getattr(host, a.name), self.adapter, lora_a.shape[1],
+                                  lora_b.shape[0], lora_a.shape[0],
+                                  a.layer.scaling[self.adapter],
+                                  side="input" if a.name in INPUT_SIDE else "output",
+                                  base_spec=host.shard_spec(f"{a.name}.weight", mesh.rank),
+                                  dtype=lora_a.dtype, device=lora_a.device)
+            full = {f"lora_A.{self.adapter}.weight": lora_a.detach(),
+                    f"lora_B.{self.adapter}.weight": lora_b.detach()}
+            adapter.load_full(full)
+            adapter.train(a.layer.training)
+            setattr(host, a.name, adapter)
+            tensors += [(f"{a.path}.{n}", t) for n, t in full.items()]
+        check_replicas_agree(mesh, tensors, with_tsp=True)
+        self.restore_requires_grad()
+
+    def restore_requires_grad(self) -> None:
+        """Every parameter's ``requires_grad`` as PEFT set it (the TSP modules' parameters are
+        new ones); the names are PEFT's (an adapter keeps ``base_layer.`` in the base's)."""
+        params = dict(self.peft_model.named_parameters())
+        unknown = sorted(set(params) - set(self.requires_grad))
+        if unknown:
+            raise RuntimeError(f"the converted PeftModel has parameters PEFT's had not, "
+                               f"{unknown[:3]} first: a TSP module names them differently")
+        for name, p in params.items():
+            p.requires_grad_(self.requires_grad[name])
+
+
+def refuse_schedule(a: Adapted, module: nn.Module | None) -> None:
+    """Raise unless ``module`` (the TSP module replacing ``a.parent``) runs a schedule that takes
+    LoRA adapters: the per-head-group attention without KV sharing, sinks or fused projections
+    (Llama, Qwen3, ...), or the gated MLP."""
+    from ..layers.attention import TSPAttention
+    from ..layers.mlp import TSPGatedMLP
+
+    if isinstance(module, TSPAttention):
+        p = module.parts
+        why = ("its q/k norms span every head of a token (the phased schedule)" if p.over_token
+               else "it shares K/V between layers" if p.kv_sharing is not None
+               else "it has attention sinks" if p.mask.sinks
+               else "its values come from the keys" if p.values_from_keys
+               else "its projections are fused" if module.fused
+               else None)
+    elif isinstance(module, TSPGatedMLP):
+        why = "its projections are fused" if module.fused else None
+    else:
+        why = f"it becomes a {type(module).__name__}, whose schedule takes no adapter"
+    if why is not None:
+        raise NotImplementedError(f"LoRA on {a.path} is not supported under TSP: {why}; "
+                                  f"adapt the layers of a Llama-like attention and gated MLP "
+                                  f"({DOCS})")
+
+
+def read_peft(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None
+              ) -> PeftAdapters | None:
+    """The adapters of ``model`` if it is a PeftModel (None otherwise), every refusal raised
+    here, on every rank alike, before anything changes or any collective runs."""
+    if not is_peft_model(model):
+        return None
+    configs = dict(model.peft_config)
+    for name, config in configs.items():
+        refuse_config(name, config)
+    if len(configs) > 1:
+        raise NotImplementedError(f"the PeftModel has {len(configs)} adapters "
+                                  f"{sorted(configs)}: TSP converts one LoRA adapter; delete "
+                                  f"the others (delete_adapter) before parallelize ({DOCS})")
+    if mesh.fsdp_size > 1:
+        raise NotImplementedError(f"LoRA with FSDP2 (dp_shard={mesh.fsdp_size}) is not "
+                                  f"supported yet: use plain data parallelism (init_mesh "
+                                  f"without dp_shard) ({DOCS})")
+    (adapter,) = configs
+    inner = model.base_model.model
+    if next(inner.parameters()).is_meta:
+        raise NotImplementedError("a PeftModel on the meta device: load the base weights and "
+                                  "create the adapters before parallelize")
+    policy = policy or find_policy(inner)
+    adapted = find_adapted(inner, policy, adapter)
+    requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+    return PeftAdapters(model, inner, adapter, adapted, requires_grad)
+
+
+def refuse_config(name: str, config: Any) -> None:
+    """Raise naming what adapter ``name``'s configuration asks for that TSP does not do: another
+    PEFT type than LoRA, or a LoRA feature of :data:`UNSUPPORTED`, a bias, dropout."""
+    kind = str(getattr(config, "peft_type", type(config).__name__)).rpartition(".")[-1]
+    if kind != "LORA":
+        raise NotImplementedError(f"PEFT type {kind} ({type(config).__name__}, adapter "
+                                  f"{name!r}) is not supported under TSP: only LoRA "
+                                  f"(LoraConfig) is ({DOCS})")
+    for field_name, what in UNSUPPORTED.items():
+        if getattr(config, field_name, None):
+            raise NotImplementedError(f"{what} ({field_name}={getattr(config, field_name)!r}, "
+                                      f"adapter {name!r}) is not supported under TSP; plain "
+                                      f"LoRA is ({DOCS})")
+    if getattr(config, "bias", "none") != "none":
+        raise NotImplementedError(f"LoraConfig(bias={config.bias!r}) trains the base model's "
+                                  f"biases, which TSP keeps frozen; use bias=\"none\" ({DOCS})")
+    if getattr(config, "lora_dropout", 0.0):
+        raise NotImplementedError(f"LoraConfig(lora_dropout={config.lora_dropout}) is not "
+                                  f"supported under TSP yet: set lora_dropout=0.0 ({DOCS})")
+
+
+def find_adapted(model: nn.Module, policy: DecoderPolicy, adapter: str) -> list[Adapted]:
+    """Every PEFT LoRA layer of the Hugging Face ``model``, each checked to be one of the
+    attention's or MLP's projections of a decoder layer (:data:`TARGETS`), a plain Linear,
+    unmerged."""
+    names = policy.modules
+    prefix = f"{names.base_model}.{names.layers}."
+    found = []
+    for path, module in model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        parent_path, _, name = path.rpartition(".")
+        layer, _, role_name = parent_path.removeprefix(prefix).partition(".")
+        role = {names.attention: "attention", names.mlp: "mlp"}.get(role_name)
+        if (not parent_path.startswith(prefix) or not layer.isdigit() or role is None
+                or name not in TARGETS[role]):
+            raise NotImplementedError(
+                f"LoRA on {path} is not supported under TSP: adapt the decoder layers' "
+                f"{names.attention}.{{{','.join(TARGETS['attention'])}}} and "
+                f"{names.mlp}.{{{','.join(TARGETS['mlp'])}}} ({DOCS})")
+        if type(module.base_layer) is not nn.Linear:
+            raise NotImplementedError(f"LoRA on {path}: its base layer is a "
+                                      f"{type(module.base_layer).__name__}, TSP adapts "
+                                      f"nn.Linear projections ({DOCS})")
+        if getattr(module, "merged_adapters", None):
+            raise NotImplementedError(f"LoRA on {path} is merged into the base weight "
+                                      f"({module.merged_adapters}): unmerge() it first, or "
+                                      f"merge_and_unload() and parallelize the plain model")
+        found.append(Adapted(path, model.get_submodule(parent_path), name, role, module))
+    return found
+
+
+@cache
+def tuner_class() -> type:
+    """:class:`TSPLoRA` as a PEFT tuner layer (``BaseTunerLayer`` mixed in), so that PEFT's
+    model-wide switches reach it: ``disable_adapter()``, ``enable_adapter_layers()``, the layer
+    status, ``print_trainable_parameters``. Imports peft, which only a PeftModel brings."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    class TSPLoraLayer(TSPLoRA, BaseTunerLayer):
+        """A TSP LoRA adapter that PEFT sees as one of its tuner layers: PEFT's
+        ``merge_and_unload()`` and ``unload()`` put back the projection, merged or not."""
+
+        def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool,
+                                               adapter_names: Any) -> nn.Module:
+            if merge:
+                self.merge(safe_merge, adapter_names)
+            return self.base_layer
+
+        def unmerge(self) -> None:
+            raise NotImplementedError(f"unmerging LoRA from TSP's sharded weights is not "
+                                      f"supported ({DOCS})")
+
+    return TSPLoraLayer
+
