@@ -107,7 +107,7 @@ def bypass_message(trainer: Any, what: str) -> str:
             f"vocabulary and of every sequence, so that would train wrongly (a loss over this "
             f"rank's tokens only, the head gathered whole on every rank). Use TSPTrainer's own "
             f"loss, or for TRL the supported trainers tsp_trl.TSPSFTTrainer / "
-            f"tsp_trl.TSPDPOTrainer (docs/trl.md)")
+            f"tsp_trl.TSPDPOTrainer / tsp_trl.TSPGRPOTrainer (docs/trl.md)")
 
 
 def refuse_bypassed_forward(trainer: Any, model: nn.Module) -> None:

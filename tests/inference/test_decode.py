@@ -229,6 +229,15 @@ def sampling_and_stops(tsp: int) -> list:
     assert torch.equal(got, want), (got, want)
     greedy = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
     assert not torch.equal(want, greedy)  # sampling did sample
+    # min-p, after top-p as Hugging Face orders its warpers (TRL's GRPO passes it)
+    min_p = dict(opts, temperature=0.3, min_p=0.3)
+    torch.manual_seed(11)
+    want_min_p = ref.generate(ids, attention_mask=mask, max_new_tokens=16, **min_p)
+    got = tsp_core.generate(model, ids, 16, attention_mask=mask, seed=11, **min_p)
+    assert torch.equal(got, want_min_p), (got, want_min_p)
+    torch.manual_seed(11)  # the cut mattered: without it HF draws other tokens
+    assert not torch.equal(want_min_p, ref.generate(ids, attention_mask=mask, max_new_tokens=16,
+                                                    **dict(min_p, min_p=None)))
     torch.manual_seed(100 + mesh.rank)  # different global random state on every rank
     got = model.generate(ids, attention_mask=mask, max_new_tokens=16, **opts)
     torch.manual_seed(100)

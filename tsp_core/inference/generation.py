@@ -1,7 +1,7 @@
 """``tsp_core.generate``: greedy or sampled decoding on a TSP model, the same tokens on every rank,
 with Hugging Face's semantics (left-padded batches, logits processed in float32, temperature ->
-top-k -> top-p, EOS handling and padding of finished rows), so that ``model.generate(...)`` on a
-parallelized model gives what the unmodified model gives.
+top-k -> top-p -> min-p, EOS handling and padding of finished rows), so that
+``model.generate(...)`` on a parallelized model gives what the unmodified model gives.
 
 Every rank computes the same logits (they are all-gathered), so the ranks pick the same token as
 long as their random state is the same: with ``seed`` each rank seeds a private generator; without,
@@ -36,6 +36,7 @@ class Sampling:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float = 1.0
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         if self.do_sample:
@@ -46,9 +47,12 @@ class Sampling:
                 raise ValueError(f"top_k ({self.top_k}) must be >= 0 (0 or None: no top-k)")
             if not 0 < self.top_p <= 1:
                 raise ValueError(f"top_p ({self.top_p}) must be in (0, 1]")
+            if self.min_p is not None and not 0 <= self.min_p <= 1:
+                raise ValueError(f"min_p ({self.min_p}) must be in [0, 1] (None: no min-p)")
 
     def process(self, scores: torch.Tensor) -> torch.Tensor:
-        """Hugging Face's warpers, in its order: temperature, top-k, top-p (float32 scores)."""
+        """Hugging Face's warpers, in its order: temperature, top-k, top-p, min-p (float32
+        scores)."""
         if not self.do_sample:
             return scores
         if self.temperature != 1.0:
@@ -62,6 +66,8 @@ class Sampling:
             drop = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - self.top_p)
             drop[..., -1:] = False
             scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        if self.min_p is not None:
+            scores = _min_p(scores, self.min_p)
         return scores
 
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -72,10 +78,20 @@ class Sampling:
         return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
 
+def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Hugging Face's ``MinPLogitsWarper`` (one token kept at least): tokens whose probability
+    is below ``min_p`` x the most likely token's are dropped."""
+    probs = torch.softmax(scores, dim=-1)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    drop.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+    return scores.masked_fill(drop, float("-inf"))
+
+
 def resolve_sampling(config: Any, do_sample: bool | None, temperature: float | None,
-                     top_k: int | None, top_p: float | None) -> Sampling:
+                     top_k: int | None, top_p: float | None,
+                     min_p: float | None = None) -> Sampling:
     """Explicit arguments, else the model's generation_config, else Hugging Face's defaults.
-    ``do_sample=None`` samples when any of temperature, top_k, top_p is given."""
+    ``do_sample=None`` samples when any of temperature, top_k, top_p, min_p is given."""
     def pick(name: str, value: Any) -> Any:
         if value is not None:
             return value
@@ -83,10 +99,13 @@ def resolve_sampling(config: Any, do_sample: bool | None, temperature: float | N
         return got if got is not None else HF_DEFAULTS[name]
 
     if do_sample is None:
-        do_sample = (any(v is not None for v in (temperature, top_k, top_p))
+        do_sample = (any(v is not None for v in (temperature, top_k, top_p, min_p))
                      or bool(getattr(config, "do_sample", False)))
+    if min_p is None:
+        min_p = getattr(config, "min_p", None)
     return Sampling(bool(do_sample), float(pick("temperature", temperature)),
-                    pick("top_k", top_k), float(pick("top_p", top_p)))
+                    pick("top_k", top_k), float(pick("top_p", top_p)),
+                    None if min_p is None else float(min_p))
 
 
 def _token_list(value: Any) -> list[int]:
@@ -148,27 +167,27 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
              temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, seed: int | None = None,
-             return_logits: bool = False):
+             return_logits: bool = False, min_p: float | None = None):
     """Generate up to ``max_new_tokens`` tokens after left-padded prompts ``input_ids`` [B, S]
     (identical on every rank of the TSP group) on a model from :func:`tsp_core.parallelize`.
 
     Returns the LongTensor [B, S + new] (prompts, then the new tokens; rows that stopped are
     padded with ``pad_token_id``), the same on every rank; with ``return_logits`` also the list
     of each step's logits [B, V] (the model's dtype). Greedy unless sampling is asked for
-    (``do_sample=True`` or any of temperature, top_k, top_p); unset values come from
+    (``do_sample=True`` or any of temperature, top_k, top_p, min_p); unset values come from
     ``model.generation_config``, then Hugging Face's defaults (top_k 50 when sampling). Stops
     when every row produced an EOS token (``eos_token_id``, default the generation config's;
     ``[]`` for none)."""
     with root_unsharded(model):
         return _generate(model, input_ids, max_new_tokens, attention_mask, do_sample, temperature,
-                         top_k, top_p, eos_token_id, pad_token_id, seed, return_logits)
+                         top_k, top_p, eos_token_id, pad_token_id, seed, return_logits, min_p)
 
 
 def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
               attention_mask: torch.Tensor | None, do_sample: bool | None,
               temperature: float | None, top_k: int | None, top_p: float | None,
               eos_token_id: int | Sequence[int] | None, pad_token_id: int | None,
-              seed: int | None, return_logits: bool):
+              seed: int | None, return_logits: bool, min_p: float | None):
     state = find_model_state(model)
     if state is not None and state.partial:  # tsp_core.pipeline: some stages per rank
         raise NotImplementedError(
@@ -176,7 +195,7 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
             "generate; save_checkpoint it and load the checkpoint into "
             "tsp_core.parallelize(model, tsp_core.init_mesh(tsp_size)) to generate")
     config = getattr(model, "generation_config", None)
-    sampling = resolve_sampling(config, do_sample, temperature, top_k, top_p)
+    sampling = resolve_sampling(config, do_sample, temperature, top_k, top_p, min_p)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
     eos = _token_list(eos_token_id if eos_token_id is not None
@@ -244,7 +263,7 @@ _OFF = {
     (None, 1.0), "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0),
     "min_length": (None, 0), "min_new_tokens": (None, 0), "bad_words_ids": (None,),
     "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,), "min_p": (None,), "top_h": (None,), "typical_p": (None, 1.0),
+    "forced_eos_token_id": (None,), "top_h": (None,), "typical_p": (None, 1.0),
     "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "diversity_penalty": (None, 0.0),
     "exponential_decay_length_penalty": (None,), "sequence_bias": (None,),
     "guidance_scale": (None, 1.0), "renormalize_logits": (None, False),
@@ -255,11 +274,12 @@ _OFF = {
     "low_memory": (None, False), "token_healing": (None, False),
 }
 _CALL_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "do_sample",
-              "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
+              "temperature", "top_k", "top_p", "min_p", "eos_token_id", "pad_token_id",
               "return_dict_in_generate", "output_logits", "seed"} | set(_OFF)
 SUPPORTED_ARGS = ("inputs/input_ids", "attention_mask", "max_new_tokens", "max_length",
-                  "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
-                  "generation_config", "return_dict_in_generate", "output_logits", "seed")
+                  "do_sample", "temperature", "top_k", "top_p", "min_p", "eos_token_id",
+                  "pad_token_id", "generation_config", "return_dict_in_generate",
+                  "output_logits", "seed")
 
 
 def hf_generate(model: nn.Module, inputs: torch.Tensor | None = None, generation_config: Any = None,
@@ -299,7 +319,7 @@ def hf_generate(model: nn.Module, inputs: torch.Tensor | None = None, generation
     if attention_mask is None and config.pad_token_id is not None and \
             config.pad_token_id not in eos and bool((input_ids == config.pad_token_id).any()):
         attention_mask = (input_ids != config.pad_token_id).long()   # Hugging Face's inference
-    sampling = {k: getattr(config, k, None) for k in ("temperature", "top_k", "top_p")}
+    sampling = {k: getattr(config, k, None) for k in ("temperature", "top_k", "top_p", "min_p")}
     out, steps = generate(model, input_ids, max_new, attention_mask=attention_mask,
                           do_sample=bool(config.do_sample), eos_token_id=eos,
                           pad_token_id=config.pad_token_id, seed=seed, return_logits=True,

@@ -1,0 +1,144 @@
+"""TRL's GRPO under TSP (``tsp_trl.TSPGRPOTrainer``), against TRL's own ``GRPOTrainer``: at tsp 2
+(2 processes) against one process, and at dp 2 x tsp 2 (4 processes) against GRPOTrainer under
+DDP on 2 processes, float32, a tiny Llama, beta 0.04 (TRL builds the reference model; under TSP a
+second TSP model), sampling at temperature 0.9 with top-k, top-p and min-p, a reward computed
+from the completion text, 3 steps: every rank logs the same loss, reward, reward_std, kl,
+entropy, completion lengths, clip ratios, token count and grad_norm (1e-5 relative), and every
+generation's completion tokens are the same, with TRL's default loss (dapo), grpo and dr_grpo,
+with gradient accumulation (dapo's normaliser over the accumulated batch) and with
+num_iterations 2 (importance ratios; clipping acts). The reward function runs once per replica
+per generation (on rank 0 of each TSP group). use_vllm=True and a num_generations that does not
+divide the replicas' generation batch are refused on every rank before any collective.
+
+One shared launch: the four runs start together (tests/jobs/grpo_job.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from tests.support import hf_models, launch  # noqa: E402
+
+JOB = os.path.join(launch.JOBS, "grpo_job.py")
+CASES = ("dapo", "grpo", "dr_grpo", "accum", "iterations")
+REFUSALS = ("bad_num_generations", "use_vllm")
+# compared on every step and rank (all of TRL's figures are, but for the step time)
+KEYS = ("loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "grad_norm",
+        "num_tokens", "clip_ratio/region_mean")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """A tiny Llama whose end-of-sequence token (id 2) has about 7% of the probability (its head
+    row along the mean final hidden state), so completions end at different lengths, and a
+    word-level tokenizer over its ids (t0..t95), saved as the trainers load them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = str(tmp_path_factory.mktemp("llama_grpo"))
+    model = hf_models.build("llama", torch.float32)
+    with torch.no_grad():
+        ids = torch.randint(3, 96, (4, 12), generator=torch.Generator().manual_seed(1))
+        hidden = model.model(input_ids=ids).last_hidden_state
+        row, mean = model.lm_head.weight[2], hidden.reshape(-1, hidden.shape[-1]).mean(0)
+        row += (1.5 - (hidden @ row).mean()) * mean / mean.dot(mean)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "t5 t17" -> 5, 17
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t1",
+                            eos_token="t2").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def outs(tmp_path_factory, saved) -> dict[str, str]:
+    """The four runs, started together: GRPOTrainer on one process and TSPGRPOTrainer at tsp 2
+    on every case (and the refusals), GRPOTrainer under DDP on 2 processes and TSPGRPOTrainer at
+    dp 2 x tsp 2 on the data-parallel case."""
+    root = tmp_path_factory.mktemp("grpo")
+    out = {name: str(root / name) for name in ("one", "tsp2", "ddp", "dp2_tsp2")}
+
+    def job(name: str, mode: str, cases: tuple[str, ...]) -> list[str]:
+        return [launch.EXIT_CLEANLY, JOB, "--model_path", saved, "--out", out[name], "--mode",
+                mode, "--case", *cases]
+
+    launch.run_together(([sys.executable, *job("one", "plain", CASES)], 1),
+                        (launch.torchrun(2, *job("tsp2", "tsp", CASES + REFUSALS)), 2),
+                        (launch.torchrun(2, *job("ddp", "plain", ("dp",))), 2),
+                        (launch.torchrun(4, *job("dp2_tsp2", "tsp", ("dp",))), 4), timeout=400)
+    return out
+
+
+def result(out: str, case: str, rank: int) -> dict:
+    with open(os.path.join(out, case, f"rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def assert_same_run(got: dict, want: dict, what: str) -> None:
+    """The same completion tokens at every generation, and the same log rows: the same figures
+    (TSP's own tsp/* added), each within 1e-5 of the reference's size (1e-8 absolute: a kl or
+    loss of exactly 0 at the first step)."""
+    assert got["completions"] == want["completions"], f"{what}: completions differ"
+    assert len(got["rows"]) == len(want["rows"]) == 3, (what, got["rows"])
+    for step, (row, ref) in enumerate(zip(got["rows"], want["rows"])):
+        assert {k for k in row if not k.startswith("tsp/")} == set(ref), (what, step)
+        for key in KEYS:
+            if key in ref:  # a step that reuses a generation logs no reward or lengths
+                assert abs(row[key] - ref[key]) <= 1e-5 * abs(ref[key]) + 1e-8, \
+                    f"{what}, step {step}: {key} {row[key]} vs {ref[key]}"
+
+
+def assert_informative(run: dict, what: str) -> None:
+    """The reference run exercises what is compared: completions of several lengths (some
+    ended by EOS), a nonzero kl and loss, a reward that varies."""
+    lengths = {len(c) for gen in run["completions"] for c in gen}
+    assert len(lengths) > 2 and min(lengths) < 8, (what, lengths)
+    assert max(row["kl"] for row in run["rows"]) > 1e-3, (what, run["rows"])
+    assert max(abs(row["loss"]) for row in run["rows"]) > 1e-4, (what, run["rows"])
+    assert max(row.get("reward_std", 0) for row in run["rows"]) > 0.05, (what, run["rows"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grpo_tsp2_matches_one_process(outs, case):
+    want = result(outs["one"], case, 0)
+    assert_informative(want, case)
+    for rank in range(2):
+        assert_same_run(result(outs["tsp2"], case, rank), want, f"tsp 2, {case}, rank {rank}")
+    if case == "iterations":  # each generation is used twice: ratios move and get clipped
+        assert max(row["clip_ratio/region_mean"] for row in want["rows"]) > 0.1, want["rows"]
+
+
+def test_grpo_dp2_tsp2_matches_ddp(outs):
+    ddp = [result(outs["ddp"], "dp", r) for r in range(2)]
+    assert ddp[0]["completions"] != ddp[1]["completions"]  # each replica its own prompts
+    assert_informative(ddp[0], "ddp")
+    for rank in range(4):  # ranks 0, 1 are replica 0 (DDP's process 0); 2, 3 replica 1
+        assert_same_run(result(outs["dp2_tsp2"], "dp", rank), ddp[rank // 2],
+                        f"dp 2 x tsp 2, rank {rank}")
+
+
+def test_reward_runs_once_per_replica_per_generation(outs):
+    for out, ranks, cases in ((outs["tsp2"], 2, CASES), (outs["dp2_tsp2"], 4, ("dp",))):
+        for case in cases:
+            generations = len(result(out, case, 0)["completions"])  # 3, iterations: 2
+            calls = [result(out, case, r)["reward_calls"] for r in range(ranks)]
+            assert calls == [generations, 0] * (ranks // 2), (case, calls)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("use_vllm", "use_vllm=True is not supported with tsp_size 2"),
+    ("bad_num_generations", "num_generations (3) must divide the generation batch (4 = "
+                            "per_device_train_batch_size 4 x 1 data-parallel replica(s)"),
+])
+def test_refused_on_every_rank_before_any_collective(outs, case, needle):
+    for rank in range(2):
+        got = result(outs["tsp2"], case, rank)
+        assert needle in got.get("error", ""), (rank, got)
+        assert got["collectives"] == 0, (rank, got)

@@ -1,0 +1,131 @@
+"""A TRL GRPO job on a tiny Llama saved with save_pretrained (and a word-level tokenizer): TRL's
+own ``GRPOTrainer`` (``--mode plain``: one process, the reference) or ``tsp_trl.TSPGRPOTrainer``
+(``--mode tsp`` under torchrun, tsp_size 2), one run per ``--case NAME`` in the same processes
+(:data:`CASES`), results in ``--out/NAME/rank<R>.json``: every training log row, the completion
+tokens of every generation, the calls each rank made to the reward function, or the error the
+case raised (with the collectives this rank had issued through tsp_core's comm until then).
+
+Float32, SGD at a constant lr 0.5 with clipping at 0.5, 3 steps of 4 completions (2 prompts of
+different lengths x 2 generations), completions of at most 8 tokens sampled at temperature 0.9,
+top-k 50, top-p 0.95 and min-p 0.05; beta 0.04 (a reference model TRL builds from the path);
+the reward a deterministic function of the completion text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from tsp_core.distributed import comm
+from tsp_trl import TSPGRPOConfig, TSPGRPOTrainer
+
+STEPS = 3
+COMMON = dict(
+    max_steps=STEPS, per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
+    optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.5,
+    logging_steps=1, report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+    seed=0, save_strategy="no", beta=0.04, temperature=0.9, top_k=50, top_p=0.95, min_p=0.05)
+# the TSP-only cases must raise, on every rank, before any collective
+CASES = {
+    "dapo": {},  # TRL's default loss_type
+    "grpo": {"loss_type": "grpo"},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+    "bnpo": {"loss_type": "bnpo"},
+    # 2 micro-batches of 2 completions a step: dapo's normaliser spans the accumulated batch
+    "accum": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+    # each generation used for 2 steps: old log-probs, importance ratios and clipping act
+    "iterations": {"num_iterations": 2},
+    # data parallel (2 processes; 2 replicas of tsp 2): each group of 4 spans both replicas
+    "dp": {"per_device_train_batch_size": 2, "num_generations": 4},
+    "bad_num_generations": {"num_generations": 3},
+    "use_vllm": {"use_vllm": True},
+}
+REFUSALS = ("bad_num_generations", "use_vllm")
+
+
+class Rows(TrainerCallback):
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.rows.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+
+
+def prompts(n: int = 8) -> Dataset:
+    """``n`` prompts of 2 to 6 words (ids 3..95; 0..2 are the tokenizer's special tokens)."""
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, 96, (2 + i % 5,), generator=gen).tolist()
+        rows.append({"prompt": " ".join(f"t{t}" for t in ids)})
+    return Dataset.from_list(rows)
+
+
+def counted_reward(calls: list[int]):
+    """The fraction of a completion's words with an even id, counting its calls in ``calls``."""
+    def even_fraction(completions, **kwargs):
+        calls[0] += 1
+        words = [c.split() for c in completions]
+        return [sum(int(w[1:]) % 2 == 0 for w in ws) / max(1, len(ws)) for ws in words]
+
+    return even_fraction
+
+
+def run_case(job: argparse.Namespace, name: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    out = os.path.join(job.out, name)
+    os.makedirs(out, exist_ok=True)
+    calls, log, completions = [0], Rows(), []
+    tsp = job.mode == "tsp"
+    options = dict(COMMON, output_dir=os.path.join(out, "o"), **CASES[name])
+    before = sum(comm.global_stats().calls.values())
+    try:
+        config = TSPGRPOConfig(tsp_size=2, **options) if tsp else GRPOConfig(**options)
+        model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=torch.float32)
+        trainer_class = TSPGRPOTrainer if tsp else GRPOTrainer
+        trainer = trainer_class(model=model, reward_funcs=counted_reward(calls), args=config,
+                                train_dataset=prompts(),
+                                processing_class=AutoTokenizer.from_pretrained(job.model_path),
+                                callbacks=[log])
+    except ValueError as e:
+        if name not in REFUSALS:
+            raise
+        issued = sum(comm.global_stats().calls.values()) - before
+        result = {"error": str(e), "collectives": issued}
+    else:
+        generate = trainer._generate_single_turn
+
+        def recording(*args, **kwargs):
+            ids, logprobs = generate(*args, **kwargs)
+            completions.append([list(map(int, c)) for c in ids])
+            return ids, logprobs
+
+        trainer._generate_single_turn = recording
+        trainer.train()
+        result = {"rows": log.rows, "completions": completions, "reward_calls": calls[0]}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def main() -> None:
+    from accelerate.state import AcceleratorState
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model_path", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", choices=("plain", "tsp"), required=True)
+    parser.add_argument("--case", nargs="+", required=True)
+    job = parser.parse_args()
+    for name in job.case:
+        AcceleratorState._reset_state(False)  # a new accelerator per case
+        run_case(job, name)
+
+
+if __name__ == "__main__":
+    main()
