@@ -9,7 +9,8 @@ for bit as they were, optimizer state for the adapters only. Collective bytes an
 LoRA step against full fine-tuning's, by the formula of docs/design.md "LoRA". Refusals by name
 on every rank before any collective. PEFT's ``print_trainable_parameters``, ``disable_adapter()``,
 ``save_pretrained`` (loaded by plain PEFT), ``unload()`` and ``merge_and_unload()`` on the
-converted model; generation refused."""
+converted model; generation refused. Every family of the test zoo (and Mixtral, its attention
+adapted) at tsp 2: one step exact, or refused by name before any collective."""
 
 from __future__ import annotations
 
@@ -392,3 +393,81 @@ def checkpointed_grads() -> None:
 
 def test_activation_checkpointing_gives_the_same_adapter_gradients(pools):
     pools.of(2).run(checkpointed_grads)
+
+
+# ------------------------------------------------------------------ every family of the zoo
+
+# the families whose adapted modules TSP refuses (docs/lora.md "What is refused"), by the phrase
+# each refusal names; every other family of the zoo, and Mixtral with its attention adapted,
+# must train exactly
+REFUSED = {"olmo2": "q/k norms span every head", "olmo3": "q/k norms span every head",
+           "phi3": "projections are fused", "glm4": "projections are fused",
+           "apertus": "TSPPlainMLP", "llama4_text": "adapt the decoder layers'",
+           "gemma4": "shares K/V", "qwen3_next": "target_parameters",
+           "qwen3_next-generate": "target_parameters"}
+
+
+def zoo_base(family: str):
+    """The zoo's ``family`` in float64, or a small Mixtral (its experts left to the MoE
+    schedule: PEFT adapts only nn.Linear projections, and Mixtral's experts are fused tensors)."""
+    if family != "mixtral":
+        return hf_models.build(family, torch.float64)
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(**{**SMALL, "intermediate_size": 64}, num_key_value_heads=2,
+                           num_local_experts=4, num_experts_per_tok=2,
+                           experts_implementation="eager")
+    return MixtralForCausalLM(config).double()
+
+
+def zoo_step(families: list[str]) -> dict[str, str]:
+    """Run on every rank: for each family, LoRA (r 4, random A and B) on every projection of
+    :data:`ALL` it has, at tsp 2, against the same PeftModel on one process: the loss and every
+    adapter's gradient to 1e-10, or a refusal by name before any collective. Each family's
+    outcome ("exact" or the refusal's message)."""
+    from peft import LoraConfig, get_peft_model
+
+    mesh, out = dist_pool.mesh(2), {}
+    for family in families:
+        base = zoo_base(family)
+        linears = {n.rpartition(".")[2] for n, m in base.named_modules()
+                   if isinstance(m, torch.nn.Linear)}
+        torch.manual_seed(1)
+        ref = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                              target_modules=[t for t in ALL if t in linears]))
+        with tsp_core.comm.track() as stats:
+            try:
+                model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+            except NotImplementedError as err:
+                assert not dict(stats.calls), (family, dict(stats.calls))
+                out[family] = str(err)
+                continue
+        vocab = base.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(3))
+        want = hf_models.reference_loss(ref, ids, ids)
+        want.backward()
+        loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
+        loss.backward()
+        got = gather.full_grads(model)
+        rank = dist.get_rank()
+        assert abs(loss.item() - want.item()) <= 1e-10 * abs(want.item()), \
+            f"rank {rank} {family}: loss {loss.item()!r} vs {want.item()!r}"
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        assert set(got) == set(ref_grads), (family, sorted(set(got) ^ set(ref_grads)))
+        for name, g in ref_grads.items():
+            err = relative_error(got[name], g)
+            assert err <= 1e-10, f"rank {rank} {family}: gradient of {name} off by {err:.2e}"
+        out[family] = "exact"
+    return out
+
+
+def test_every_family_trains_exactly_or_is_refused_by_name(pools):
+    families = [*hf_models.ZOO, "mixtral"]
+    outcomes = pools.of(2).run(zoo_step, families)
+    assert outcomes[0] == outcomes[1]
+    for family, outcome in outcomes[0].items():
+        if family in REFUSED:
+            assert REFUSED[family] in outcome, (family, outcome)
+        else:
+            assert outcome == "exact", (family, outcome)

@@ -118,14 +118,11 @@ class PeftAdapters:
 
     def restore_requires_grad(self) -> None:
         """Every parameter's ``requires_grad`` as PEFT set it (the TSP modules' parameters are
-        new ones); the names are PEFT's (an adapter keeps ``base_layer.`` in the base's)."""
-        params = dict(self.peft_model.named_parameters())
-        unknown = sorted(set(params) - set(self.requires_grad))
-        if unknown:
-            raise RuntimeError(f"the converted PeftModel has parameters PEFT's had not, "
-                               f"{unknown[:3]} first: a TSP module names them differently")
-        for name, p in params.items():
-            p.requires_grad_(self.requires_grad[name])
+        new ones); the names are PEFT's (an adapter keeps ``base_layer.`` in the base's). A
+        parameter a TSP module names its own way (Gated DeltaNet's convolution, split by part)
+        is part of the base, which :func:`read_peft` found frozen."""
+        for name, p in self.peft_model.named_parameters():
+            p.requires_grad_(self.requires_grad.get(name, False))
 
 
 def refuse_schedule(a: Adapted, module: nn.Module | None) -> None:
@@ -178,6 +175,13 @@ def read_peft(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None
     policy = policy or find_policy(inner)
     adapted = find_adapted(inner, policy, adapter)
     requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+    trained = sorted(n for n, on in requires_grad.items() if on and ".lora_" not in n)
+    if trained:
+        raise NotImplementedError(f"{len(trained)} parameters of the PeftModel besides its LoRA "
+                                  f"adapters require grad, {trained[:3]} first: TSP converts a "
+                                  f"PeftModel whose base is frozen, as get_peft_model leaves it; "
+                                  f"set their requires_grad to False before parallelize "
+                                  f"({DOCS})")
     return PeftAdapters(model, inner, adapter, adapted, requires_grad)
 
 
@@ -190,8 +194,9 @@ def refuse_config(name: str, config: Any) -> None:
                                   f"{name!r}) is not supported under TSP: only LoRA "
                                   f"(LoraConfig) is ({DOCS})")
     for field_name, what in UNSUPPORTED.items():
-        if getattr(config, field_name, None):
-            raise NotImplementedError(f"{what} ({field_name}={getattr(config, field_name)!r}, "
+        if value := getattr(config, field_name, None):
+            value = sorted(value) if isinstance(value, (set, frozenset)) else value  # one order
+            raise NotImplementedError(f"{what} ({field_name}={value!r}, "
                                       f"adapter {name!r}) is not supported under TSP; plain "
                                       f"LoRA is ({DOCS})")
     if getattr(config, "bias", "none") != "none":
