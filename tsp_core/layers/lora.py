@@ -210,8 +210,12 @@ def schedule_adapters(module: nn.Module, names: Sequence[str], x: torch.Tensor
     :class:`LowRank`, the tensors the schedule takes after its weights, and the adapters by
     name (an output-side one adds :meth:`TSPLoRA.output` of its ``z``). None and nothing
     without an active adapter: the schedule runs exactly as without LoRA."""
-    found = {n: m for n in names
-             if isinstance(m := getattr(module, n, None), TSPLoRA) and m.active}
+    # a plain loop: an assignment expression in a comprehension breaks a torch.compile graph
+    found = {}
+    for n in names:
+        m = getattr(module, n, None)
+        if isinstance(m, TSPLoRA) and m.active:
+            found[n] = m
     if not found:
         return None, [], {}
     tensors = [t for m in found.values() for t in m.schedule_tensors(x)]
