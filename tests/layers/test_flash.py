@@ -85,6 +85,15 @@ def packed(docs: list[int], p: int, size: int, window: int | None):
     return [t for a, b, _ in segs for t in range(a, b)], plan_pieces(segs, sum(docs), True, window)
 
 
+def causal_rows(seq: int, p: int, size: int, window: int | None, docs: list[int] | None):
+    """Rank p's zigzag rows of a causal ``seq``-token row (or of a packed row of ``docs``) and
+    their pieces."""
+    if docs is not None:
+        return packed(docs, p, size, window)
+    segs = local_segments(seq, p, size, "zigzag")
+    return [t for a, b in segs for t in range(a, b)], plan_pieces(segs, seq, True, window)
+
+
 @pytest.mark.parametrize("size,layout,causal,window", [
     (d, lay, c, w) for d, lay, (c, w) in itertools.product(
         [1, 2, 3, 4], ["zigzag", "contiguous"],
@@ -280,12 +289,7 @@ def test_bf16_piece_gradients_summed_in_float32(size, window, docs):
     doc_of = None if docs is None else torch.repeat_interleave(torch.arange(len(docs)),
                                                                torch.tensor(docs))
     for p in range(size):
-        if docs is None:
-            segs = local_segments(seq, p, size, "zigzag")
-            rows = [t for a, b in segs for t in range(a, b)]
-            pieces = plan_pieces(segs, seq, True, window)
-        else:
-            rows, pieces = packed(docs, p, size, window)
+        rows, pieces = causal_rows(seq, p, size, window, docs)
         q64 = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64)
         kv64 = torch.randn(2, 2, 2, seq, 8, generator=gen, dtype=torch.float64)
         q, kv = q64.bfloat16(), kv64.bfloat16()
@@ -465,12 +469,7 @@ def test_dropout_pieces_match_math(monkeypatch, tile, size, window, docs, cap, s
         torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
     gen = torch.Generator().manual_seed(11)
     for rank in range(size):
-        if docs is None:
-            segs = local_segments(seq, rank, size, "zigzag")
-            rows = [t for a, b in segs for t in range(a, b)]
-            pieces = plan_pieces(segs, seq, True, window)
-        else:
-            rows, pieces = packed(docs, rank, size, window)
+        rows, pieces = causal_rows(seq, rank, size, window, docs)
         dropout = AttentionDropout(p, rank_seed(1234, rank)).at(rank, 0)
         keep = dropout.keep(2, 4, (0, len(rows)), (0, seq), "cpu")
         q = torch.randn(2, 4, len(rows), 8, generator=gen, dtype=torch.float64, requires_grad=True)
