@@ -244,3 +244,31 @@ def trains_with_attention_dropout() -> None:
 
 def test_trains_with_seed_oss_default_dropouts(pools):
     pools.of(4).run(trains_with_attention_dropout)
+
+
+def generation_with_dropout() -> None:
+    """In training mode with dropout on, generation is refused on every rank before any
+    collective, naming what drops (Hugging Face's generate would drop at every step, TSP's decode
+    steps do not); in eval mode it gives the unmodified model's greedy tokens."""
+    ids = torch.randint(3, SMALL["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(2))
+    for make, named in ((seed_oss, "attention_dropout (0.1)"),
+                        (phi3, "resid_attn_dropout (p=0.1)"),
+                        (lambda: seed_oss(attention_dropout=0.0), "residual_dropout (0.1)")):
+        plain = make()
+        model = parallel(plain).train()
+        with tsp_core.comm.track() as stats:
+            try:
+                tsp_core.generate(model, ids, 4)
+            except NotImplementedError as err:
+                assert named in str(err), (dist.get_rank(), str(err))
+            else:
+                raise AssertionError(f"rank {dist.get_rank()}: generated in training mode with "
+                                     f"dropout on ({named})")
+        assert not dict(stats.calls), dict(stats.calls)  # before any collective
+        got = tsp_core.generate(model.eval(), ids, 4)
+        want = plain.eval().generate(ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want), (dist.get_rank(), got, want)
+
+
+def test_generation_in_training_mode_with_dropout_is_refused(pools):
+    pools.of(2).run(generation_with_dropout)

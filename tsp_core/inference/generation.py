@@ -22,6 +22,7 @@ from torch import nn
 from ..distributed import comm
 from ..distributed.fsdp import root_unsharded
 from ..distributed.model_state import find_model_state, model_state
+from ..layers.attention import TSPAttention
 from .decode import check_prompts, decode_parts, decode_step, prefill
 
 # Hugging Face's defaults when neither the call nor the model's generation_config sets a value
@@ -183,6 +184,32 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
                          top_k, top_p, eos_token_id, pad_token_id, seed, return_logits, min_p)
 
 
+def active_dropouts(model: nn.Module, state: Any) -> list[str]:
+    """What drops elements in a training forward of the TSP ``model``: ``nn.Dropout`` modules
+    with p > 0 (RankDropoutModule among them), attention dropout, the policy's output dropout."""
+    found = [f"{n} (p={m.p})" for n, m in model.named_modules()
+             if isinstance(m, nn.Dropout) and m.p > 0]
+    found += [f"{n}.attention_dropout ({m.attention_dropout})" for n, m in model.named_modules()
+              if isinstance(m, TSPAttention) and m.attention_dropout]
+    field = state.policy.output_dropout if state is not None else None
+    if field and getattr(model.config, field, 0):
+        found.append(f"config.{field} ({getattr(model.config, field)})")
+    return found
+
+
+def refuse_training_dropout(model: nn.Module, state: Any) -> None:
+    """Generation in training mode with dropout on is refused (every rank alike, before any
+    collective): Hugging Face's generate drops elements at every step then, while TSP's decode
+    steps apply no dropout and must give every rank the same token."""
+    found = active_dropouts(model, state) if model.training else []
+    if found:
+        raise NotImplementedError(
+            f"generation of a model in training mode with dropout on ({len(found)}: "
+            f"{', '.join(found[:3])}): Hugging Face's generate would drop elements at every "
+            f"step, TSP's decode steps apply no dropout; call model.eval() before generating "
+            f"(and model.train() after), or set the dropout to 0")
+
+
 def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
               attention_mask: torch.Tensor | None, do_sample: bool | None,
               temperature: float | None, top_k: int | None, top_p: float | None,
@@ -194,6 +221,7 @@ def _generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
             "a tsp_core.pipeline holds only some stages of the model on each rank and does not "
             "generate; save_checkpoint it and load the checkpoint into "
             "tsp_core.parallelize(model, tsp_core.init_mesh(tsp_size)) to generate")
+    refuse_training_dropout(model, state)
     config = getattr(model, "generation_config", None)
     sampling = resolve_sampling(config, do_sample, temperature, top_k, top_p, min_p)
     if max_new_tokens < 0:
