@@ -24,13 +24,15 @@ import dataclasses
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
+import datasets
 import torch
 import trl.trainer.grpo_trainer as trl_grpo
 from accelerate.utils import recursively_apply, set_seed
 from torch import nn
-from transformers import ProcessorMixin
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 from trl import GRPOConfig, GRPOTrainer
 
 import tsp_core
@@ -88,8 +90,18 @@ def replicas_for_batches(args: TSPGRPOConfig, processes: int) -> int:
     if size == 1 or processes % size:
         return processes  # no TSP, or a mesh the trainer refuses with the numbers
     replicas = processes // size
+    per_step = args.per_device_train_batch_size * replicas
+    given = args.generation_batch_size
+    if given is not None and args.steps_per_generation is None and given % per_step:
+        # GRPOConfig's own check, its "global batch size" counted in replicas: named here
+        raise ValueError(
+            f"generation_batch_size ({given}) must be a multiple of the global batch ({per_step} "
+            f"= per_device_train_batch_size {args.per_device_train_batch_size} x {replicas} "
+            f"data-parallel replica(s) ({processes} processes / tsp_size {size})): the ranks "
+            f"of a TSP group share one batch; choose a multiple of {per_step}, or give "
+            f"steps_per_generation instead")
     steps = args.steps_per_generation or args.gradient_accumulation_steps
-    batch = args.generation_batch_size or args.per_device_train_batch_size * replicas * steps
+    batch = given or per_step * steps
     if batch % args.num_generations:
         raise ValueError(
             f"num_generations ({args.num_generations}) must divide the generation batch "
@@ -145,6 +157,51 @@ def check_supported(trainer: str, args: TSPGRPOConfig, model: Any, reward_funcs:
     if refused:
         raise ValueError(f"{trainer} with tsp_size {size} does not support: "
                          f"{'; '.join(refused)} (docs/trl.md)")
+    check_sequence_length(trainer, args, text, kwargs)
+
+
+def check_sequence_length(trainer: str, args: TSPGRPOConfig, text: Any,
+                          kwargs: dict[str, Any]) -> None:
+    """The longest sequence GRPO can build (the longest prompt of ``train_dataset`` as TRL
+    tokenizes it, else one token, plus ``max_completion_length``) within the model's rotary
+    limit, ``max_position_embeddings``: refused otherwise, naming the numbers and the fix (every
+    rank, before any collective; TRL 1.16 does not truncate prompts)."""
+    limit = getattr(text, "max_position_embeddings", None)
+    completion = args.max_completion_length
+    if not limit or completion is None:
+        return
+    longest = longest_prompt(kwargs.get("train_dataset"), kwargs.get("processing_class"), args)
+    prompt = (f"the longest prompt of train_dataset ({longest} tokens)" if longest is not None
+              else "a prompt of at least 1 token")
+    longest = 1 if longest is None else longest
+    if longest + completion > limit:
+        fix = (f"set max_completion_length to at most {limit - longest}"
+               if limit > longest else "shorten the prompts")
+        if longest > 1 and limit > completion:
+            fix += f", or drop the prompts longer than {limit - completion} tokens"
+        raise ValueError(
+            f"{trainer}: {prompt} + max_completion_length ({completion}) = "
+            f"{longest + completion} tokens exceeds the model's rotary limit "
+            f"(config.max_position_embeddings {limit}): {fix}, or use a model configured for "
+            f"longer sequences (docs/trl.md)")
+
+
+def longest_prompt(dataset: Any, processing_class: Any, args: TSPGRPOConfig) -> int | None:
+    """The most tokens of a prompt of ``dataset`` as GRPOTrainer tokenizes it for generation
+    (its own ``_tokenize_prompts``, text only and without tools, as TSP runs it), 1,024 prompts
+    at a time; None where that is not known before training (an iterable dataset, no "prompt"
+    column, no tokenizer given)."""
+    if (not isinstance(dataset, datasets.Dataset) or "prompt" not in dataset.column_names
+            or not len(dataset) or not isinstance(processing_class, PreTrainedTokenizerBase)):
+        return None
+    view = SimpleNamespace(processing_class=processing_class, _is_vlm=False,
+                           environment_factories=None, tools=None, chat_template=None,
+                           chat_template_kwargs=args.chat_template_kwargs or {})
+    longest = 0
+    for start in range(0, len(dataset), 1024):
+        ids, _, _ = GRPOTrainer._tokenize_prompts(view, dataset[start:start + 1024]["prompt"])
+        longest = max(longest, *map(len, ids))
+    return longest
 
 
 class TSPGRPOTrainer(TSPTrainer, GRPOTrainer):

@@ -7,8 +7,14 @@ entropy, completion lengths, clip ratios, token count and grad_norm (1e-5 relati
 generation's completion tokens are the same, with TRL's default loss (dapo), grpo and dr_grpo,
 with gradient accumulation (dapo's normaliser over the accumulated batch) and with
 num_iterations 2 (importance ratios; clipping acts). The reward function runs once per replica
-per generation (on rank 0 of each TSP group). use_vllm=True and a num_generations that does not
-divide the replicas' generation batch are refused on every rank before any collective.
+per generation (on rank 0 of each TSP group). Float64 at tsp 2 (prompts of one length): the
+first step's gradient of every parameter, gathered by name on every rank, within 1e-10 of one
+process's (its head kernel computed in float64). Refused on every
+rank before any collective, naming the numbers: use_vllm=True, a num_generations that does not
+divide the replicas' generation batch (also one sized by steps_per_generation), a
+generation_batch_size that is not whole steps of the replicas' global batch, the longest prompt
+plus max_completion_length over max_position_embeddings; both generation sizes given: TRL's own
+refusal.
 
 One shared launch: the four runs start together (tests/jobs/grpo_job.py)."""
 
@@ -27,7 +33,9 @@ from tests.support import hf_models, launch  # noqa: E402
 
 JOB = os.path.join(launch.JOBS, "grpo_job.py")
 CASES = ("dapo", "grpo", "dr_grpo", "accum", "iterations")
-REFUSALS = ("bad_num_generations", "use_vllm")
+GRADIENTS = ("grads64",)  # float64, the first step's gradients
+REFUSALS = ("bad_num_generations", "use_vllm", "too_long", "bad_generation_batch",
+            "bad_steps_per_generation", "both_sizes")
 # compared on every step and rank (all of TRL's figures are, but for the step time)
 KEYS = ("loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "grad_norm",
         "num_tokens", "clip_ratio/region_mean")
@@ -69,8 +77,9 @@ def outs(tmp_path_factory, saved) -> dict[str, str]:
         return [launch.EXIT_CLEANLY, JOB, "--model_path", saved, "--out", out[name], "--mode",
                 mode, "--case", *cases]
 
-    launch.run_together(([sys.executable, *job("one", "plain", CASES)], 1),
-                        (launch.torchrun(2, *job("tsp2", "tsp", CASES + REFUSALS)), 2),
+    launch.run_together(([sys.executable, *job("one", "plain", CASES + GRADIENTS)], 1),
+                        (launch.torchrun(2, *job("tsp2", "tsp", CASES + GRADIENTS + REFUSALS)),
+                         2),
                         (launch.torchrun(2, *job("ddp", "plain", ("dp",))), 2),
                         (launch.torchrun(4, *job("dp2_tsp2", "tsp", ("dp",))), 4), timeout=400)
     return out
@@ -124,8 +133,34 @@ def test_grpo_dp2_tsp2_matches_ddp(outs):
                         f"dp 2 x tsp 2, rank {rank}")
 
 
+def test_grpo_first_step_gradients_float64(outs):
+    """Float64, tsp 2 against one process (TRL's head kernel, float32 inside, computed in
+    float64 there: grpo_job.ExactHead): the same completions, then every parameter's gradient of
+    the first step (before the SGD step, no clipping), gathered from the shards by name on every
+    rank, within 1e-10 of the reference's largest. Prompts of one length: a left-padded row is
+    rotated under TSP, and Hugging Face's and TSP's float32 rotary tables at the other positions
+    round differently (~1e-7 relative; the float32 cases cover the rotation)."""
+    want = result(outs["one"], "grads64", 0)
+    ref = torch.load(os.path.join(outs["one"], "grads64", "rank0_grads.pt"))
+    scale = max(g.abs().max().item() for g in ref.values())
+    assert scale > 1e-3, scale  # the advantages are not all zero
+    zero = [name for name, g in ref.items() if not g.any()]
+    assert not zero, f"no gradient in the reference for {zero}"
+    for rank in range(2):
+        got = result(outs["tsp2"], "grads64", rank)
+        assert got["completions"] == want["completions"], f"rank {rank}: completions differ"
+        grads = torch.load(os.path.join(outs["tsp2"], "grads64", f"rank{rank}_grads.pt"))
+        assert set(grads) == set(ref), (rank, set(grads) ^ set(ref))
+        for name, g in ref.items():
+            assert grads[name].dtype == torch.float64 and grads[name].shape == g.shape, name
+            err = (grads[name] - g).abs().max().item()
+            assert err <= 1e-10 * scale, f"rank {rank}: {name} differs by {err:.3g} " \
+                                         f"(largest gradient {scale:.3g})"
+
+
 def test_reward_runs_once_per_replica_per_generation(outs):
-    for out, ranks, cases in ((outs["tsp2"], 2, CASES), (outs["dp2_tsp2"], 4, ("dp",))):
+    for out, ranks, cases in ((outs["tsp2"], 2, CASES + GRADIENTS),
+                              (outs["dp2_tsp2"], 4, ("dp",))):
         for case in cases:
             generations = len(result(out, case, 0)["completions"])  # 3, iterations: 2
             calls = [result(out, case, r)["reward_calls"] for r in range(ranks)]
@@ -136,6 +171,19 @@ def test_reward_runs_once_per_replica_per_generation(outs):
     ("use_vllm", "use_vllm=True is not supported with tsp_size 2"),
     ("bad_num_generations", "num_generations (3) must divide the generation batch (4 = "
                             "per_device_train_batch_size 4 x 1 data-parallel replica(s)"),
+    ("too_long", "the longest prompt of train_dataset (6 tokens) + max_completion_length (251) "
+                 "= 257 tokens exceeds the model's rotary limit (config.max_position_embeddings "
+                 "256): set max_completion_length to at most 250, or drop the prompts longer "
+                 "than 5 tokens"),
+    ("bad_generation_batch", "generation_batch_size (6) must be a multiple of the global batch "
+                             "(4 = per_device_train_batch_size 4 x 1 data-parallel replica(s) "
+                             "(2 processes / tsp_size 2))"),
+    ("bad_steps_per_generation", "num_generations (2) must divide the generation batch (3 = "
+                                 "per_device_train_batch_size 1 x 1 data-parallel replica(s) (2 "
+                                 "processes / tsp_size 2) x steps_per_generation 3)"),
+    # the same arithmetic with or without replicas: TRL's own message
+    ("both_sizes", "'generation_batch_size' and 'steps_per_generation' can not be both "
+                   "configured at the same time"),
 ])
 def test_refused_on_every_rank_before_any_collective(outs, case, needle):
     for rank in range(2):

@@ -8,7 +8,10 @@ case raised (with the collectives this rank had issued through tsp_core's comm u
 Float32, SGD at a constant lr 0.5 with clipping at 0.5, 3 steps of 4 completions (2 prompts of
 different lengths x 2 generations), completions of at most 8 tokens sampled at temperature 0.9,
 top-k 50, top-p 0.95 and min-p 0.05; beta 0.04 (a reference model TRL builds from the path);
-the reward a deterministic function of the completion text."""
+the reward a deterministic function of the completion text. Case ``grads64``: float64, prompts of 4
+words, one step without clipping, every parameter's gradient saved before the optimizer step
+(``rank<R>_grads.pt``); the one-process reference with TRL's head kernel computed in float64
+(:class:`ExactHead`)."""
 
 from __future__ import annotations
 
@@ -17,10 +20,12 @@ import json
 import os
 
 import torch
+import trl.trainer.utils as trl_utils
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from tests.support.gather import full_grads
 from tsp_core.distributed import comm
 from tsp_trl import TSPGRPOConfig, TSPGRPOTrainer
 
@@ -42,10 +47,26 @@ CASES = {
     "iterations": {"num_iterations": 2},
     # data parallel (2 processes; 2 replicas of tsp 2): each group of 4 spans both replicas
     "dp": {"per_device_train_batch_size": 2, "num_generations": 4},
+    # float64, one step without clipping: every parameter's gradient before the optimizer step
+    "grads64": {"max_steps": 1, "max_grad_norm": 0.0},
     "bad_num_generations": {"num_generations": 3},
     "use_vllm": {"use_vllm": True},
+    # the longest prompt (6 tokens) + 251 > the tiny Llama's max_position_embeddings (256)
+    "too_long": {"max_completion_length": 251},
+    # a generation batch of 6 over a global batch of 4 (1 replica x 4), not whole steps
+    "bad_generation_batch": {"generation_batch_size": 6},
+    # 1 x 1 replica x 3 steps: 3 completions, not whole groups of 2
+    "bad_steps_per_generation": {"per_device_train_batch_size": 1, "steps_per_generation": 3},
+    # both sizes given: TRL's own refusal
+    "both_sizes": {"generation_batch_size": 8, "steps_per_generation": 2},
 }
-REFUSALS = ("bad_num_generations", "use_vllm")
+REFUSALS = ("bad_num_generations", "use_vllm", "too_long", "bad_generation_batch",
+            "bad_steps_per_generation", "both_sizes")
+DTYPES = {"grads64": torch.float64}  # else float32
+# prompts of one length: no left padding, so no row is rotated (tsp_trl.grpo.completion_stats);
+# a rotated row's tokens sit at other positions, where Hugging Face's and TSP's float32 rotary
+# tables round differently (~1e-7 relative), which the float32 cases cover
+PROMPT_WORDS = {"grads64": 4}
 
 
 class Rows(TrainerCallback):
@@ -57,12 +78,50 @@ class Rows(TrainerCallback):
             self.rows.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
 
-def prompts(n: int = 8) -> Dataset:
-    """``n`` prompts of 2 to 6 words (ids 3..95; 0..2 are the tokenizer's special tokens)."""
+class FirstGradients(TrainerCallback):
+    """Every parameter's full gradient (gathered from the shards under TSP) by Hugging Face
+    name, saved to ``path`` before the first optimizer step."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0:
+            grads = {n: g.detach().cpu() for n, g in full_grads(model).items()}
+            torch.save(grads, self.path)
+
+
+class ExactHead:
+    """TRL's chunked log-probability kernel (``trl.kernels.ChunkedLogProbFunction``: same
+    arguments, same outputs) as plain autograd on the full logits in the hidden states' dtype.
+    TRL's kernel accumulates in float32 whatever the dtype, so the float64 reference runs
+    GRPOTrainer with this head instead."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap=None,
+              logit_scale=1.0, outputs=()):
+        z = hidden @ weight.t() + (0 if bias is None else bias)
+        z = z * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        z = z / temperature
+        log_p = torch.log_softmax(z, -1)
+        logprobs = log_p.gather(-1, targets[:, None])[:, 0]
+        entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
+        with torch.no_grad():
+            sq = torch.logsumexp(2 * log_p, -1) if "log_sum_sq_probs" in outputs else None
+            mean = z.mean(-1) if "mean_logits" in outputs else None
+            top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
+        return logprobs, entropy, sq, mean, top1
+
+
+def prompts(n: int = 8, words: int | None = None) -> Dataset:
+    """``n`` prompts of 2 to 6 words, or all of ``words`` words (ids 3..95; 0..2 are the
+    tokenizer's special tokens)."""
     gen = torch.Generator().manual_seed(3)
     rows = []
     for i in range(n):
-        ids = torch.randint(3, 96, (2 + i % 5,), generator=gen).tolist()
+        ids = torch.randint(3, 96, (words or 2 + i % 5,), generator=gen).tolist()
         rows.append({"prompt": " ".join(f"t{t}" for t in ids)})
     return Dataset.from_list(rows)
 
@@ -85,14 +144,21 @@ def run_case(job: argparse.Namespace, name: str) -> None:
     tsp = job.mode == "tsp"
     options = dict(COMMON, output_dir=os.path.join(out, "o"), **CASES[name])
     before = sum(comm.global_stats().calls.values())
+    kernel = trl_utils._ChunkedLogProbFunction
+    if not tsp and name in DTYPES:
+        trl_utils._ChunkedLogProbFunction = ExactHead
     try:
         config = TSPGRPOConfig(tsp_size=2, **options) if tsp else GRPOConfig(**options)
-        model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(job.model_path,
+                                                     dtype=DTYPES.get(name, torch.float32))
         trainer_class = TSPGRPOTrainer if tsp else GRPOTrainer
+        callbacks = [log]
+        if name in DTYPES:
+            callbacks.append(FirstGradients(os.path.join(out, f"rank{rank}_grads.pt")))
         trainer = trainer_class(model=model, reward_funcs=counted_reward(calls), args=config,
-                                train_dataset=prompts(),
+                                train_dataset=prompts(words=PROMPT_WORDS.get(name)),
                                 processing_class=AutoTokenizer.from_pretrained(job.model_path),
-                                callbacks=[log])
+                                callbacks=callbacks)
     except ValueError as e:
         if name not in REFUSALS:
             raise
@@ -109,6 +175,8 @@ def run_case(job: argparse.Namespace, name: str) -> None:
         trainer._generate_single_turn = recording
         trainer.train()
         result = {"rows": log.rows, "completions": completions, "reward_calls": calls[0]}
+    finally:
+        trl_utils._ChunkedLogProbFunction = kernel
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
