@@ -272,7 +272,6 @@ def refusals() -> list[str]:
                                            feedforward_modules=["down_proj"])), "PEFT type IA3"),
         (get_peft_model(plain(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)),
          "PEFT type PROMPT_TUNING"),
-        (peft_model("llama", dict(lora, lora_dropout=0.1)), "lora_dropout=0.1"),
         (peft_model("llama", dict(lora, bias="lora_only")), "bias='lora_only'"),
         (peft_model("llama", dict(lora, modules_to_save=["lm_head"])), "modules_to_save"),
         (peft_model("llama", dict(lora, target_modules=["q_proj", "embed_tokens"])),
@@ -471,3 +470,147 @@ def test_every_family_trains_exactly_or_is_refused_by_name(pools):
             assert REFUSED[family] in outcome, (family, outcome)
         else:
             assert outcome == "exact", (family, outcome)
+
+
+# --------------------------------------------------------------------------- LoRA dropout
+
+DROP = 0.2
+
+
+class RanksDropout(torch.nn.Module):
+    """The reference's LoRA dropout: the masks TSP's ranks draw on their own tokens, put in
+    place on the whole sequence. Per call one draw of the global generator; rank r's mask over
+    its zigzag rows (layout of the sequence, [B, L, in] in row order) from a generator seeded
+    with that draw made r's (rank_seed), kept where uniform >= p, the rest scaled by 1/(1-p)."""
+
+    def __init__(self, p: float, size: int):
+        super().__init__()
+        self.p, self.size = p, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tsp_core.distributed.chunks import local_segments
+        from tsp_core.layers.dropout import rank_seed
+
+        if not self.training:
+            return x
+        draw = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64).item())
+        keep = torch.empty(x.shape, dtype=torch.bool)
+        for r in range(self.size):
+            rows = [t for a, b in local_segments(x.shape[1], r, self.size, "zigzag")
+                    for t in range(a, b)]
+            gen = torch.Generator().manual_seed(rank_seed(draw, r))
+            noise = torch.rand((x.shape[0], len(rows), x.shape[2]), generator=gen)
+            keep[:, rows] = noise >= self.p
+        return x * keep.to(x.dtype) / (1 - self.p)
+
+
+def dropout_parity(tsp: int) -> None:
+    """Run on every rank: LoraConfig(lora_dropout=0.2) on every projection, training mode, 2 SGD
+    steps from the same seed as the PeftModel on one process whose dropout draws the masks of
+    TSP's ranks (:class:`RanksDropout`): losses and the adapters' first gradients to 1e-10 (the
+    masks of the input-side and the output-side adapters, in the forward and in the backward);
+    with the MLP in tiles of 16 tokens, so a tile's rows of the down adapter's mask are read."""
+    mesh, rank = dist_pool.mesh(tsp), dist.get_rank()
+    lora = dict(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=DROP,
+                init_lora_weights=False)
+    ref = peft_model("llama", lora)
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh, tile_tokens=16).train()
+    for module in ref.modules():
+        if hasattr(module, "lora_dropout"):
+            module.lora_dropout["default"] = RanksDropout(DROP, tsp)
+    ref.train()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(4))
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    runs = []
+    for m, loss_of in ((ref, lambda: hf_models.reference_loss(ref, ids, ids)),
+                       (model, lambda: model(**batch).loss)):
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+        losses, grads = [], None
+        for step in range(2):
+            torch.manual_seed(10 + step)
+            loss = loss_of()
+            loss.backward()
+            grads = grads or (gather.full_grads(m) if m is model else
+                              {n: p.grad.clone() for n, p in m.named_parameters()
+                               if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, grads))
+    (want, want_grads), (got, got_grads) = runs
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-10 * abs(b), f"rank {rank} tsp {tsp} step {step}: {a!r} vs {b!r}"
+    assert set(got_grads) == set(want_grads), sorted(set(got_grads) ^ set(want_grads))
+    for name, g in want_grads.items():
+        err = relative_error(got_grads[name], g)
+        assert err <= 1e-10, f"rank {rank} tsp {tsp}: gradient of {name} off by {err:.2e}"
+
+
+@pytest.mark.parametrize("world,tsp", [(1, 1), (2, 2), (4, 4)], ids=lambda v: str(v))
+def test_lora_dropout_matches_peft_with_the_same_masks(pools, world, tsp):
+    pools.of(world).run(dropout_parity, tsp)
+
+
+def lora_dropout_behaviour() -> None:
+    """Run on every rank, tsp 2: LoraConfig(lora_dropout=0.2) on every projection. In eval mode
+    the loss is the PeftModel's on one process (1e-10); in training the input-side adapters'
+    dropout zeroes about p of each rank's own inputs and scales the rest by 1/(1-p), and the
+    output-side adapters' keep mask holds 0 and 1/(1-p); the adapters' gradients are the same
+    under activation checkpointing (bit for bit: the masks are drawn again alike), and TRL's
+    disable_dropout_in_model turns the dropout off (training loss = eval loss)."""
+    from trl.trainer.utils import disable_dropout_in_model
+
+    from tsp_core.distributed.params import local
+    from tsp_core.layers.lora import TSPLoRA
+
+    mesh, rank = dist_pool.mesh(2), dist.get_rank()
+    ref = peft_model("llama", dict(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=DROP,
+                                   init_lora_weights=False))
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(4))
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+
+    def seeded_loss() -> torch.Tensor:
+        torch.manual_seed(7)
+        return model(**batch).loss
+
+    model.eval()
+    with torch.no_grad():
+        evaluated = seeded_loss().item()
+        want = hf_models.reference_loss(ref.eval(), ids, ids).item()
+    assert abs(evaluated - want) <= 1e-10 * abs(want), (rank, evaluated, want)
+
+    model.train()
+    layer = model.base_model.model.model.layers[0]
+    seen = []
+    hook = layer.self_attn.q_proj.lora_dropout["default"].register_forward_hook(
+        lambda m, i, o: seen.append((i[0].detach(), o.detach())))
+    train = seeded_loss()
+    hook.remove()
+    assert abs(train.item() - evaluated) > 1e-6, (rank, train.item(), evaluated)
+    (x, y), = seen
+    kept = y != 0
+    rate, sigma = 1 - kept.double().mean().item(), (DROP * (1 - DROP) / x.numel()) ** 0.5
+    assert abs(rate - DROP) < 5 * sigma, f"rank {rank}: input dropout rate {rate:.4f}"
+    assert torch.allclose(y[kept], x[kept] / (1 - DROP), rtol=1e-15), f"rank {rank}: scale"
+    adapter = layer.mlp.down_proj
+    assert isinstance(adapter, TSPLoRA) and adapter.drops
+    keep = adapter.schedule_tensors(x.new_zeros(2, 5, 64))[1]
+    assert keep.shape == (10, adapter.in_features), keep.shape
+    assert set(keep.unique().tolist()) == {0.0, 1 / (1 - DROP)}, f"rank {rank}: keep values"
+
+    params = [p for n, p in model.named_parameters() if ".lora_" in n]
+    train.backward()
+    grads = [local(p.grad).clone() for p in params]
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seeded_loss().backward()
+    assert all(torch.equal(local(p.grad), g) for p, g in zip(params, grads)), \
+        f"rank {rank}: other gradients under activation checkpointing"
+    disable_dropout_in_model(model)
+    with torch.no_grad():
+        assert seeded_loss().item() == evaluated, rank
+
+
+def test_lora_dropout_in_eval_training_and_recompute(pools):
+    pools.of(2).run(lora_dropout_behaviour)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..distributed.mesh import TSPMesh
 from ..distributed.params import REPLICATED, ShardedModule, ShardSpec, local, local_replicated
+from .dropout import RankDropoutModule
 
 INPUT_SIDE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 OUTPUT_SIDE = ("o_proj", "down_proj")
@@ -37,13 +38,20 @@ OUTPUT_SIDE = ("o_proj", "down_proj")
 @dataclass(frozen=True)
 class LowRank:
     """The adapted projections of one schedule call, in the order their tensors follow the
-    schedule's weights: two per input-side projection (u, B), one per output-side one (A)."""
+    schedule's weights: two per input-side projection (u, B), one per output-side one (A), two
+    for an output-side one with LoRA dropout (A, keep: the input's scaled keep mask, named in
+    ``dropped``)."""
 
     names: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+
+    def width(self, name: str) -> int:
+        """How many tensors adapter ``name`` has."""
+        return 2 if name in INPUT_SIDE or name in self.dropped else 1
 
     @property
     def count(self) -> int:
-        return sum(2 if n in INPUT_SIDE else 1 for n in self.names)
+        return sum(self.width(n) for n in self.names)
 
     def split(self, tensors: Sequence[torch.Tensor]
               ) -> tuple[list[torch.Tensor], dict[str, tuple[torch.Tensor, ...]]]:
@@ -55,18 +63,20 @@ class LowRank:
         own, rest = tensors[:-self.count], tensors[-self.count:]
         out = {}
         for name in self.names:
-            k = 2 if name in INPUT_SIDE else 1
+            k = self.width(name)
             out[name], rest = tuple(rest[:k]), rest[k:]
         return own, out
 
     def zero_grads(self, low: dict[str, tuple[torch.Tensor, ...]]
                    ) -> dict[str, list[torch.Tensor]]:
-        """Zeroed gradient buffers like each adapter's tensors."""
-        return {n: [torch.zeros_like(t) for t in ts] for n, ts in low.items()}
+        """Zeroed gradient buffers like each adapter's tensors (a keep mask has none)."""
+        return {n: [torch.zeros_like(t) for t in (ts if n in INPUT_SIDE else ts[:1])]
+                for n, ts in low.items()}
 
-    def grads(self, grads: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
-        """The gradients in the order of the tensors."""
-        return [g for n in self.names for g in grads[n]]
+    def grads(self, grads: dict[str, list[torch.Tensor]]) -> list[torch.Tensor | None]:
+        """The gradients in the order of the tensors (None for a keep mask)."""
+        return [g for n in self.names for g in (*grads[n], *([None] if n in self.dropped
+                                                             else []))]
 
 
 def add_input(out: torch.Tensor, low: tuple[torch.Tensor, ...] | None, rows: slice
@@ -93,22 +103,29 @@ def input_backward(d_out: torch.Tensor, low: tuple[torch.Tensor, ...] | None,
     db[rows].addmm_(d_out.t(), u2[tokens])
 
 
+def _kept(inp: torch.Tensor, low: tuple[torch.Tensor, ...], cols: slice, tokens: slice
+          ) -> torch.Tensor:
+    """``inp`` [tokens, cols] through the adapter's LoRA dropout (its scaled keep mask, if any)."""
+    return inp * low[1][tokens, cols] if len(low) > 1 else inp
+
+
 def output_part(z: torch.Tensor, inp: torch.Tensor, low: tuple[torch.Tensor, ...] | None,
-                cols: slice) -> None:
-    """Add ``inp @ A[:, cols]^T`` into ``z`` (an output-side adapter's low-rank sum)."""
+                cols: slice, tokens: slice = slice(None)) -> None:
+    """Add ``drop(inp) @ A[:, cols]^T`` into ``z`` (an output-side adapter's low-rank sum;
+    ``inp`` holds the local tokens ``tokens`` of the flat [N, in] input)."""
     if low is not None:
-        z.addmm_(inp, low[0][:, cols].t())
+        z.addmm_(_kept(inp, low, cols, tokens), low[0][:, cols].t())
 
 
 def output_backward(d_inp: torch.Tensor, dz: torch.Tensor, inp: torch.Tensor,
                     low: tuple[torch.Tensor, ...] | None, grads: list[torch.Tensor] | None,
-                    cols: slice) -> torch.Tensor:
-    """The backward of :func:`output_part`: ``d_inp + dz @ A[:, cols]`` (returned), and
-    ``dA[:, cols] += dz^T @ inp``."""
+                    cols: slice, tokens: slice = slice(None)) -> torch.Tensor:
+    """The backward of :func:`output_part`: ``d_inp + drop'(dz @ A[:, cols])`` (returned), and
+    ``dA[:, cols] += dz^T @ drop(inp)``."""
     if low is None:
         return d_inp
-    grads[0][:, cols].addmm_(dz.t(), inp)
-    return d_inp + dz @ low[0][:, cols]
+    grads[0][:, cols].addmm_(dz.t(), _kept(inp, low, cols, tokens))
+    return d_inp + _kept(dz @ low[0][:, cols], low, cols, tokens)
 
 
 class TSPLoRA(ShardedModule):
@@ -126,9 +143,12 @@ class TSPLoRA(ShardedModule):
 
     def __init__(self, mesh: TSPMesh, base_layer: nn.Module, adapter: str, in_features: int,
                  out_features: int, r: int, scaling: float, *, side: str, base_spec: ShardSpec,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
-                 ) -> None:
+                 dropout: float = 0.0, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
+        # PEFT's lora_dropout, on this rank's own tokens with masks of its own; an nn.Dropout, so
+        # that what turns a model's dropout off (TRL's disable_dropout_in_model) reaches it
+        self.lora_dropout = nn.ModuleDict({adapter: RankDropoutModule(dropout)})
         self.mesh, self.base_layer, self.side = mesh, base_layer, side
         self.base_spec = base_spec
         self.r, self.scaling, self.adapter = r, float(scaling), adapter
@@ -169,12 +189,25 @@ class TSPLoRA(ShardedModule):
     def _b(self) -> torch.Tensor:
         return local_replicated(self.lora_B[self.adapter].weight, self.mesh)
 
+    @property
+    def drops(self) -> bool:
+        """Whether LoRA dropout acts in this call: training, p > 0 (read at each call)."""
+        dropout = self.lora_dropout[self.adapter]
+        return self.training and dropout.p > 0
+
     def schedule_tensors(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """What the schedule takes: (u = s x A^T, B) for an input-side projection of input
-        ``x``, (A,) for an output-side one; in ``x``'s dtype."""
+        """What the schedule takes: (u = s drop(x) A^T, B) for an input-side projection of input
+        ``x``, (A,) for an output-side one, (A, keep) with LoRA dropout (keep: [tokens, in], the
+        dropout's keep mask over 1 - p, for the input the schedule computes); in ``x``'s dtype."""
+        dropout = self.lora_dropout[self.adapter]
         if self.side == "input":
-            return [(x @ self._a().to(x.dtype).t()) * self.scaling, self._b().to(x.dtype)]
-        return [self._a().to(x.dtype)]
+            u = dropout(x) @ self._a().to(x.dtype).t()
+            return [u * self.scaling, self._b().to(x.dtype)]
+        if not self.drops:
+            return [self._a().to(x.dtype)]
+        tokens = x.shape[:-1].numel()
+        keep = dropout.masks.mask(x.new_empty(tokens, self.in_features), dropout.p)
+        return [self._a().to(x.dtype), keep.to(x.dtype) / (1.0 - dropout.p)]
 
     def output(self, z: torch.Tensor) -> torch.Tensor:
         """An output-side adapter's term ``s z B^T`` from the schedule's ``z``."""
@@ -219,4 +252,5 @@ def schedule_adapters(module: nn.Module, names: Sequence[str], x: torch.Tensor
     if not found:
         return None, [], {}
     tensors = [t for m in found.values() for t in m.schedule_tensors(x)]
-    return LowRank(tuple(found)), tensors, found
+    dropped = tuple(n for n, m in found.items() if m.side == "output" and m.drops)
+    return LowRank(tuple(found), dropped), tensors, found

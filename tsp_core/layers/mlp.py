@@ -198,7 +198,7 @@ class TSPGatedMLPFn(torch.autograd.Function):
             m = (activate(add_input(F.linear(xt, ins[0], biases[0]), u_g, ch), spec.activation)
                  * add_input(F.linear(xt, ins[1], biases[1]), u_u, ch))
             if z is not None:
-                output_part(z[sl], m, low["down_proj"], ch)
+                output_part(z[sl], m, low["down_proj"], ch, sl)
             return m
 
         y = _ring_forward(x, group, pack, weights, tile, 2, intermediate)
@@ -225,7 +225,7 @@ class TSPGatedMLPFn(torch.autograd.Function):
             dm = dyt @ wd
             if dz2 is not None:  # the down adapter's share of the gradient
                 dm = output_backward(dm, dz2[sl], a * u, low["down_proj"],
-                                     lgrads["down_proj"], ch)
+                                     lgrads["down_proj"], ch, sl)
             du = dm * a
             del a
             dg = dm.mul_(u)

@@ -106,6 +106,7 @@ class PeftAdapters:
                                   a.layer.scaling[self.adapter],
                                   side="input" if a.name in INPUT_SIDE else "output",
                                   base_spec=host.shard_spec(f"{a.name}.weight", mesh.rank),
+                                  dropout=getattr(a.layer.lora_dropout[self.adapter], "p", 0.0),
                                   dtype=lora_a.dtype, device=lora_a.device)
             full = {f"lora_A.{self.adapter}.weight": lora_a.detach(),
                     f"lora_B.{self.adapter}.weight": lora_b.detach()}
@@ -187,7 +188,7 @@ def read_peft(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None
 
 def refuse_config(name: str, config: Any) -> None:
     """Raise naming what adapter ``name``'s configuration asks for that TSP does not do: another
-    PEFT type than LoRA, or a LoRA feature of :data:`UNSUPPORTED`, a bias, dropout."""
+    PEFT type than LoRA, or a LoRA feature of :data:`UNSUPPORTED`, a bias."""
     kind = str(getattr(config, "peft_type", type(config).__name__)).rpartition(".")[-1]
     if kind != "LORA":
         raise NotImplementedError(f"PEFT type {kind} ({type(config).__name__}, adapter "
@@ -202,9 +203,6 @@ def refuse_config(name: str, config: Any) -> None:
     if getattr(config, "bias", "none") != "none":
         raise NotImplementedError(f"LoraConfig(bias={config.bias!r}) trains the base model's "
                                   f"biases, which TSP keeps frozen; use bias=\"none\" ({DOCS})")
-    if getattr(config, "lora_dropout", 0.0):
-        raise NotImplementedError(f"LoraConfig(lora_dropout={config.lora_dropout}) is not "
-                                  f"supported under TSP yet: set lora_dropout=0.0 ({DOCS})")
 
 
 def find_adapted(model: nn.Module, policy: DecoderPolicy, adapter: str) -> list[Adapted]:
