@@ -14,8 +14,9 @@ mesh). Every rank of a group then runs TRL's own loss and metrics on its replica
 process of plain data parallel does, and backpropagates through its own tokens. TRL's collectives
 over "processes" go over the data-parallel replicas instead (:class:`ReplicaView`): one copy per
 replica, so the advantages' groups, the dapo normaliser and every metric count each completion
-once. Reward functions run on rank 0 of each group only (once per replica); their rewards are
-broadcast to the group."""
+once; ``top_entropy_quantile`` takes its quantile over the replicas' completion tokens, as TRL
+over the processes'. Reward functions run on rank 0 of each group only (once per replica);
+their rewards are broadcast to the group."""
 
 from __future__ import annotations
 
@@ -145,8 +146,6 @@ def check_supported(trainer: str, args: TSPGRPOConfig, model: Any, reward_funcs:
                        "pass functions of the completions")
     if isinstance(kwargs.get("processing_class"), ProcessorMixin):
         refused.append("vision-language models (a processor as processing_class)")
-    if args.top_entropy_quantile < 1.0:
-        refused.append(f"top_entropy_quantile={args.top_entropy_quantile} (leave 1.0)")
     if args.cast_lm_head_to_fp32:
         refused.append("cast_lm_head_to_fp32=True (the TSP head accumulates in float32 already)")
     text = model.config.get_text_config() if hasattr(model, "config") else None
@@ -402,6 +401,22 @@ class ReplicaView:
             return t / self.num_processes if reduction == "mean" else t * scale
 
         return recursively_apply(over_replicas, data)
+
+    def pad_across_processes(self, data: Any, dim: int = 0, pad_index: Any = 0,
+                             pad_first: bool = False) -> Any:
+        """Padded along ``dim`` to the replicas' longest (TRL's entropy quantile pads each
+        process's tokens to gather them): over replicas, since every rank of a group holds its
+        replica's tensor whole and the gather counts each replica once."""
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            own = t.shape[dim]
+            longest = int(self.gather(torch.tensor(own, device=t.device)).max())
+            if longest == own:
+                return t
+            out = t.new_full((*t.shape[:dim], longest, *t.shape[dim + 1:]), pad_index)
+            out.narrow(dim, longest - own if pad_first else 0, own).copy_(t)
+            return out
+
+        return recursively_apply(pad, data)
 
     def gather_object(self, items: list) -> list:
         """Every replica's list, concatenated in replica order (pickled, one all-gather of

@@ -5,9 +5,12 @@ second TSP model), sampling at temperature 0.9 with top-k, top-p and min-p, a re
 from the completion text, 3 steps: every rank logs the same loss, reward, reward_std, kl,
 entropy, completion lengths, clip ratios, token count and grad_norm (1e-5 relative), and every
 generation's completion tokens are the same, with TRL's default loss (dapo), grpo and dr_grpo,
-with gradient accumulation (dapo's normaliser over the accumulated batch) and with
-num_iterations 2 (importance ratios; clipping acts). The reward function runs once per replica
-per generation (on rank 0 of each TSP group). Float64 at tsp 2 (prompts of one length): the
+with gradient accumulation (dapo's normaliser over the accumulated batch; bnpo's per
+micro-batch), with num_iterations 2 (importance ratios; clipping acts), with two reward functions
+weighted [1.0, 0.5] and scale_rewards "batch" (each function's logged rewards/<name>/mean and
+/std too), and with top_entropy_quantile 0.5 (also at dp 2 x tsp 2: the quantile over both
+replicas' tokens). Each reward function runs once per replica per generation (on rank 0 of each
+TSP group). Float64 at tsp 2 (prompts of one length): the
 first step's gradient of every parameter, gathered by name on every rank, within 1e-10 of one
 process's (its head kernel computed in float64). Refused on every
 rank before any collective, naming the numbers: use_vllm=True, a num_generations that does not
@@ -32,7 +35,8 @@ pytest.importorskip("trl")
 from tests.support import hf_models, launch  # noqa: E402
 
 JOB = os.path.join(launch.JOBS, "grpo_job.py")
-CASES = ("dapo", "grpo", "dr_grpo", "accum", "iterations")
+CASES = ("dapo", "grpo", "dr_grpo", "bnpo", "accum", "iterations", "rewards", "entropy")
+DP_CASES = ("dp", "dp_entropy")  # dp 2 x tsp 2 against DDP on 2 processes
 GRADIENTS = ("grads64",)  # float64, the first step's gradients
 REFUSALS = ("bad_num_generations", "use_vllm", "too_long", "bad_generation_batch",
             "bad_steps_per_generation", "both_sizes")
@@ -80,8 +84,8 @@ def outs(tmp_path_factory, saved) -> dict[str, str]:
     launch.run_together(([sys.executable, *job("one", "plain", CASES + GRADIENTS)], 1),
                         (launch.torchrun(2, *job("tsp2", "tsp", CASES + GRADIENTS + REFUSALS)),
                          2),
-                        (launch.torchrun(2, *job("ddp", "plain", ("dp",))), 2),
-                        (launch.torchrun(4, *job("dp2_tsp2", "tsp", ("dp",))), 4), timeout=400)
+                        (launch.torchrun(2, *job("ddp", "plain", DP_CASES)), 2),
+                        (launch.torchrun(4, *job("dp2_tsp2", "tsp", DP_CASES)), 4), timeout=400)
     return out
 
 
@@ -94,11 +98,14 @@ def assert_same_run(got: dict, want: dict, what: str) -> None:
     """The same completion tokens at every generation, and the same log rows: the same figures
     (TSP's own tsp/* added), each within 1e-5 of the reference's size (1e-8 absolute: a kl or
     loss of exactly 0 at the first step)."""
-    assert got["completions"] == want["completions"], f"{what}: completions differ"
+    first = next((g for g, (a, b) in enumerate(zip(got["completions"], want["completions"]))
+                  if a != b), None)
+    assert got["completions"] == want["completions"], \
+        f"{what}: completions differ from generation {first} of {len(want['completions'])}"
     assert len(got["rows"]) == len(want["rows"]) == 3, (what, got["rows"])
     for step, (row, ref) in enumerate(zip(got["rows"], want["rows"])):
         assert {k for k in row if not k.startswith("tsp/")} == set(ref), (what, step)
-        for key in KEYS:
+        for key in (*KEYS, *(k for k in ref if k.startswith("rewards/"))):
             if key in ref:  # a step that reuses a generation logs no reward or lengths
                 assert abs(row[key] - ref[key]) <= 1e-5 * abs(ref[key]) + 1e-8, \
                     f"{what}, step {step}: {key} {row[key]} vs {ref[key]}"
@@ -122,15 +129,23 @@ def test_grpo_tsp2_matches_one_process(outs, case):
         assert_same_run(result(outs["tsp2"], case, rank), want, f"tsp 2, {case}, rank {rank}")
     if case == "iterations":  # each generation is used twice: ratios move and get clipped
         assert max(row["clip_ratio/region_mean"] for row in want["rows"]) > 0.1, want["rows"]
+    if case in ("bnpo", "entropy"):  # not the default loss on the same completions
+        base = result(outs["one"], "accum" if case == "bnpo" else "dapo", 0)["rows"]
+        assert any(abs(r["loss"] - b["loss"]) > 1e-4 for r, b in zip(want["rows"], base))
+    if case == "rewards":  # both functions logged, the weighted sum as the reward
+        for row in want["rows"]:
+            means = [row[f"rewards/{f}/mean"] for f in ("even_fraction", "length_fraction")]
+            assert abs(row["reward"] - (means[0] + 0.5 * means[1])) <= 1e-6, row
 
 
-def test_grpo_dp2_tsp2_matches_ddp(outs):
-    ddp = [result(outs["ddp"], "dp", r) for r in range(2)]
+@pytest.mark.parametrize("case", DP_CASES)
+def test_grpo_dp2_tsp2_matches_ddp(outs, case):
+    ddp = [result(outs["ddp"], case, r) for r in range(2)]
     assert ddp[0]["completions"] != ddp[1]["completions"]  # each replica its own prompts
-    assert_informative(ddp[0], "ddp")
+    assert_informative(ddp[0], f"ddp, {case}")
     for rank in range(4):  # ranks 0, 1 are replica 0 (DDP's process 0); 2, 3 replica 1
-        assert_same_run(result(outs["dp2_tsp2"], "dp", rank), ddp[rank // 2],
-                        f"dp 2 x tsp 2, rank {rank}")
+        assert_same_run(result(outs["dp2_tsp2"], case, rank), ddp[rank // 2],
+                        f"dp 2 x tsp 2, {case}, rank {rank}")
 
 
 def test_grpo_first_step_gradients_float64(outs):
@@ -160,11 +175,13 @@ def test_grpo_first_step_gradients_float64(outs):
 
 def test_reward_runs_once_per_replica_per_generation(outs):
     for out, ranks, cases in ((outs["tsp2"], 2, CASES + GRADIENTS),
-                              (outs["dp2_tsp2"], 4, ("dp",))):
+                              (outs["dp2_tsp2"], 4, DP_CASES)):
         for case in cases:
             generations = len(result(out, case, 0)["completions"])  # 3, iterations: 2
             calls = [result(out, case, r)["reward_calls"] for r in range(ranks)]
-            assert calls == [generations, 0] * (ranks // 2), (case, calls)
+            funcs = len(calls[0])  # case rewards: 2 functions, each called once
+            assert funcs == (2 if case == "rewards" else 1), (case, calls)
+            assert calls == [[generations] * funcs, [0] * funcs] * (ranks // 2), (case, calls)
 
 
 @pytest.mark.parametrize("case, needle", [

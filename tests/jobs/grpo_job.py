@@ -2,16 +2,16 @@
 own ``GRPOTrainer`` (``--mode plain``: one process, the reference) or ``tsp_trl.TSPGRPOTrainer``
 (``--mode tsp`` under torchrun, tsp_size 2), one run per ``--case NAME`` in the same processes
 (:data:`CASES`), results in ``--out/NAME/rank<R>.json``: every training log row, the completion
-tokens of every generation, the calls each rank made to the reward function, or the error the
+tokens of every generation, the calls each rank made to each reward function, or the error the
 case raised (with the collectives this rank had issued through tsp_core's comm until then).
 
 Float32, SGD at a constant lr 0.5 with clipping at 0.5, 3 steps of 4 completions (2 prompts of
 different lengths x 2 generations), completions of at most 8 tokens sampled at temperature 0.9,
 top-k 50, top-p 0.95 and min-p 0.05; beta 0.04 (a reference model TRL builds from the path);
-the reward a deterministic function of the completion text. Case ``grads64``: float64, prompts of 4
-words, one step without clipping, every parameter's gradient saved before the optimizer step
-(``rank<R>_grads.pt``); the one-process reference with TRL's head kernel computed in float64
-(:class:`ExactHead`)."""
+the reward a deterministic function of the completion text (case ``rewards``: two, weighted).
+Case ``grads64``: float64, prompts of 4 words, one step without clipping, every parameter's
+gradient saved before the optimizer step (``rank<R>_grads.pt``); the one-process reference with
+TRL's head kernel computed in float64 (:class:`ExactHead`)."""
 
 from __future__ import annotations
 
@@ -40,13 +40,22 @@ CASES = {
     "dapo": {},  # TRL's default loss_type
     "grpo": {"loss_type": "grpo"},
     "dr_grpo": {"loss_type": "dr_grpo"},
-    "bnpo": {"loss_type": "bnpo"},
+    # bnpo normalises each micro-batch by its own tokens (dapo: the accumulated batch's)
+    "bnpo": {"loss_type": "bnpo", "per_device_train_batch_size": 2,
+             "gradient_accumulation_steps": 2},
+    # two reward functions (REWARD_FUNCS), weighted; advantages over the whole batch's std
+    "rewards": {"reward_weights": [1.0, 0.5], "scale_rewards": "batch"},
+    # the loss on the completion tokens at or above the replica's median entropy
+    "entropy": {"top_entropy_quantile": 0.5},
     # 2 micro-batches of 2 completions a step: dapo's normaliser spans the accumulated batch
     "accum": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
     # each generation used for 2 steps: old log-probs, importance ratios and clipping act
     "iterations": {"num_iterations": 2},
     # data parallel (2 processes; 2 replicas of tsp 2): each group of 4 spans both replicas
     "dp": {"per_device_train_batch_size": 2, "num_generations": 4},
+    # the entropy quantile over both replicas' completion tokens (of different counts)
+    "dp_entropy": {"per_device_train_batch_size": 2, "num_generations": 4,
+                   "top_entropy_quantile": 0.5},
     # float64, one step without clipping: every parameter's gradient before the optimizer step
     "grads64": {"max_steps": 1, "max_grad_norm": 0.0},
     "bad_num_generations": {"num_generations": 3},
@@ -63,6 +72,7 @@ CASES = {
 REFUSALS = ("bad_num_generations", "use_vllm", "too_long", "bad_generation_batch",
             "bad_steps_per_generation", "both_sizes")
 DTYPES = {"grads64": torch.float64}  # else float32
+REWARD_FUNCS = {"rewards": 2}  # else 1 (even_fraction)
 # prompts of one length: no left padding, so no row is rotated (tsp_trl.grpo.completion_stats);
 # a rotated row's tokens sit at other positions, where Hugging Face's and TSP's float32 rotary
 # tables round differently (~1e-7 relative), which the float32 cases cover
@@ -126,21 +136,27 @@ def prompts(n: int = 8, words: int | None = None) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def counted_reward(calls: list[int]):
-    """The fraction of a completion's words with an even id, counting its calls in ``calls``."""
+def counted_rewards(calls: list[int]) -> list:
+    """``len(calls)`` reward functions of the completion text, the i-th counting its calls in
+    ``calls[i]``: the fraction of words with an even id, then the fraction of the 8 tokens used
+    (names as TRL logs them: ``rewards/<name>/mean``)."""
     def even_fraction(completions, **kwargs):
         calls[0] += 1
         words = [c.split() for c in completions]
         return [sum(int(w[1:]) % 2 == 0 for w in ws) / max(1, len(ws)) for ws in words]
 
-    return even_fraction
+    def length_fraction(completions, **kwargs):
+        calls[1] += 1
+        return [len(c.split()) / 8 for c in completions]
+
+    return [even_fraction, length_fraction][:len(calls)]
 
 
 def run_case(job: argparse.Namespace, name: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     out = os.path.join(job.out, name)
     os.makedirs(out, exist_ok=True)
-    calls, log, completions = [0], Rows(), []
+    calls, log, completions = [0] * REWARD_FUNCS.get(name, 1), Rows(), []
     tsp = job.mode == "tsp"
     options = dict(COMMON, output_dir=os.path.join(out, "o"), **CASES[name])
     before = sum(comm.global_stats().calls.values())
@@ -155,7 +171,7 @@ def run_case(job: argparse.Namespace, name: str) -> None:
         callbacks = [log]
         if name in DTYPES:
             callbacks.append(FirstGradients(os.path.join(out, f"rank{rank}_grads.pt")))
-        trainer = trainer_class(model=model, reward_funcs=counted_reward(calls), args=config,
+        trainer = trainer_class(model=model, reward_funcs=counted_rewards(calls), args=config,
                                 train_dataset=prompts(words=PROMPT_WORDS.get(name)),
                                 processing_class=AutoTokenizer.from_pretrained(job.model_path),
                                 callbacks=callbacks)
@@ -174,7 +190,7 @@ def run_case(job: argparse.Namespace, name: str) -> None:
 
         trainer._generate_single_turn = recording
         trainer.train()
-        result = {"rows": log.rows, "completions": completions, "reward_calls": calls[0]}
+        result = {"rows": log.rows, "completions": completions, "reward_calls": calls}
     finally:
         trl_utils._ChunkedLogProbFunction = kernel
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
