@@ -73,6 +73,7 @@ from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.inference.logits import gather_data_parallel
 from tsp_core.layers.tiles import check_tile_tokens
 from tsp_core.models import TSPCausalLM, shard_full_batches
+from tsp_core.models.lora import inner_model
 from tsp_core.models.offload import check_converted
 from tsp_core.models.policies import find_policy
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
@@ -393,7 +394,7 @@ class TSPAccelerator(Accelerator):
         at the new parameters."""
         from torch.distributed.fsdp import FSDPModule
 
-        if isinstance(model, TSPCausalLM):
+        if isinstance(inner_model(model), TSPCausalLM):  # a PeftModel's model inside
             if self.is_fsdp2 and not isinstance(model, FSDPModule):
                 raise ValueError(f"{type(model).__name__} was converted to TSP without FSDP2, and "
                                  f"this accelerator shards with FSDP2 (Accelerate's own "
@@ -419,7 +420,7 @@ class TSPAccelerator(Accelerator):
         for obj in args:
             if not isinstance(obj, nn.Module):
                 continue
-            if not isinstance(obj, TSPCausalLM):
+            if not isinstance(inner_model(obj), TSPCausalLM):
                 old = dict(obj.named_parameters())
                 self.tsp_parallelize(obj)
                 new = dict(obj.named_parameters())
@@ -427,7 +428,8 @@ class TSPAccelerator(Accelerator):
             else:
                 self.tsp_parallelize(obj)  # checks that it fits this accelerator
             shard_full_batches(obj)
-            obj._tp_size = self.tsp_mesh.size  # what Accelerate's tp path checks
+            # what Accelerate's tp path checks (a PeftModel reads its model's)
+            inner_model(obj)._tp_size = self.tsp_mesh.size
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer) and swaps:
                 for group in obj.param_groups:

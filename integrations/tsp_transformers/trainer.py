@@ -59,6 +59,7 @@ from tsp_core.distributed.params import ShardedModule
 from tsp_core.layers.tiles import check_tile_tokens
 from tsp_core.layers.vocab import TSPEmbedding
 from tsp_core.models import TSPCausalLM, shard_full_batches
+from tsp_core.models.lora import inner_model, is_peft_model
 from tsp_core.models.offload import check_converted
 from tsp_core.plan.auto import TSPChoice, is_auto, log_choice
 from tsp_core.state.checkpoint import check_full_state_dict
@@ -166,8 +167,8 @@ def non_embedding_parameters(model: nn.Module) -> int:
     for module in model.modules():
         embedding = isinstance(module, (nn.Embedding, TSPEmbedding))
         if isinstance(module, ShardedModule):  # its parameters may sit on plain child modules
-            owned = [(module.get_parameter(n), math.prod(shape))
-                     for n, shape in module.full_shapes.items()]
+            # (or, a projection with a LoRA adapter, under the adapter's base_layer)
+            owned = [(p, math.prod(module.full_shapes[n])) for n, p in module.own_parameters()]
         else:
             owned = [(p, p.numel()) for p in module.parameters(recurse=False)]
         for param, count in owned:
@@ -200,7 +201,7 @@ def resolve_tsp_size(args: TSPTrainingArguments, model: Any) -> TSPChoice:
     ``per_device_train_batch_size`` sequences per step, inside the node's processes. The same on
     every rank, before any collective. A model ``parallelize`` already converted (e.g. by
     ``load_pretrained``) keeps its degree, which a given size must equal."""
-    if isinstance(model, TSPCausalLM):
+    if isinstance(inner_model(model), TSPCausalLM):
         size = get_mesh(model).size
         given = args.tsp_size if args.tsp_size is not None else os.environ.get("TSP_SIZE") or None
         if given is not None and not is_auto(given) and int(given) != size:
@@ -294,11 +295,12 @@ class TSPTrainer(Trainer):
         if self._fsdp2:
             self._check_fsdp(args, model)  # before any collective, every rank
         self._long_context = long_context_options(args)
-        if self._tsp and isinstance(model, TSPCausalLM):  # converted already, e.g. loaded
+        converted = isinstance(inner_model(model), TSPCausalLM)  # a PeftModel's model inside
+        if self._tsp and converted:  # converted already, e.g. loaded
             check_converted(model, **self._long_context)
         if self._tsp and not self._fsdp2:
             _ = args.world_size  # initialises the process group from the launcher's environment
-            if not isinstance(model, TSPCausalLM):  # else its own mesh: no second set of groups
+            if not converted:  # else its own mesh: no second set of groups
                 mesh = tsp_core.init_mesh(self.tsp_choice.size, timeout=args.ddp_timeout)
                 tsp_core.parallelize(model, mesh, **self._long_context)
             shard_full_batches(model)
@@ -311,7 +313,7 @@ class TSPTrainer(Trainer):
         else:
             super().__init__(model, args=args, **kwargs)
         if self._tsp:
-            refuse_bypassed_forward(self, self.model)  # every rank, before the first step
+            refuse_bypassed_forward(self, inner_model(self.model))  # every rank, before a step
         self._step_metrics = None
         if self._tsp and getattr(self.args, "tsp_metrics", False):
             self._step_metrics = StepMetrics(get_mesh(self.model))
@@ -366,7 +368,7 @@ class TSPTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self._tsp:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        refuse_bypassed_forward(self, self.model)
+        refuse_bypassed_forward(self, inner_model(self.model))
         if self._pending_weights is not None:
             raise RuntimeError(f"the weights of {self._pending_weights[0]} were checked but never "
                                f"loaded: the Trainer did not load that checkpoint's optimizer "
@@ -532,7 +534,10 @@ class TSPTrainer(Trainer):
         if not self._tsp:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        tsp_core.save_pretrained(self.model, output_dir)  # every rank gathers, rank 0 writes
+        if is_peft_model(self.model):  # PEFT's adapter files, the adapters gathered
+            self.model.save_pretrained(output_dir)  # every rank gathers, rank 0 writes
+        else:
+            tsp_core.save_pretrained(self.model, output_dir)  # every rank gathers, rank 0 writes
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

@@ -22,7 +22,9 @@ import tsp_core
 from tsp_core.distributed.mesh import get_mesh
 from tsp_core.models import shard_full_batches
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
+from tsp_transformers.trainer import requested_tsp_size
 
+from .adapters import refuse_peft
 from .fused_head import native_fused_head, refuse_aux_loss
 from .sft import check_model_object, default_config
 
@@ -40,6 +42,8 @@ class TSPDPOTrainer(TSPTrainer, DPOTrainer):
                  args: TSPDPOConfig | None = None, **kwargs: Any) -> None:
         args = default_config(model, TSPDPOConfig, "DPO") if args is None else args
         check_model_object(model, args, type(self).__name__)
+        if requested_tsp_size(args) != 1:
+            refuse_peft(model, kwargs.get("peft_config"), type(self).__name__)
         with native_fused_head(trl_dpo, self._to_tsp, full=True):
             super().__init__(model, args=args, ref_model=ref_model, **kwargs)
         if not self._tsp:

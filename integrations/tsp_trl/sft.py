@@ -19,6 +19,7 @@ from tsp_core.distributed.mesh import get_mesh
 from tsp_transformers import TSPTrainer, TSPTrainingArguments
 from tsp_transformers.trainer import requested_tsp_size
 
+from .adapters import apply_peft_config
 from .fused_head import metrics_summed_over, native_fused_head, refuse_aux_loss
 
 
@@ -49,7 +50,8 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
     ``SFTTrainer``. The TSP model answers TRL's ``fused_lm_head=True`` itself, from its
     vocabulary-parallel head (TRL's ``add_fused_lm_head`` leaves it alone); the loss SFT builds
     from this rank's tokens is summed over the TSP group, and so are the sums behind its
-    metrics before TRL gathers them over data parallel."""
+    metrics before TRL gathers them over data parallel. ``peft_config=`` (LoRA) is applied
+    before the conversion, as SFTTrainer applies it (:func:`.adapters.apply_peft_config`)."""
 
     _per_replica_token_counts = True  # compute_loss: average_tokens_across_devices=False
     tsp_args_class = TSPSFTConfig  # what a plain SFTConfig / TrainingArguments becomes
@@ -58,6 +60,11 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
                  **kwargs: Any) -> None:
         args = default_config(model, TSPSFTConfig, "SFT") if args is None else args
         check_model_object(model, args, type(self).__name__)
+        if kwargs.get("peft_config") is not None and requested_tsp_size(args) != 1:
+            # PEFT before the TSP conversion, as SFTTrainer would apply it; TRL gets the
+            # PeftModel it would have built (docs/lora.md)
+            model = apply_peft_config(model, kwargs["peft_config"], args)
+            kwargs["peft_config"] = None
         with native_fused_head(trl_sft):
             super().__init__(model, args, *rest, **kwargs)
         if not self._tsp:

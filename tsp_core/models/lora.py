@@ -10,7 +10,8 @@ module (the adapter is a part the TSP module finds among its projections, not an
 schedules) and gives every parameter the ``requires_grad`` PEFT gave it: the base frozen.
 
 The converted model stays the ``PeftModel``: its adapters are PEFT tuner layers (the class of
-:func:`tuner_class`), so ``print_trainable_parameters`` and ``disable_adapter()`` work.
+:func:`tuner_class`), so ``print_trainable_parameters`` and ``disable_adapter()`` work; its
+``save_pretrained`` (:func:`save_pretrained`) writes the full adapters.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
+from types import MethodType
 from typing import Any
 
 from torch import nn
 
-from ..distributed.mesh import TSPMesh
+from ..distributed.mesh import TSPMesh, get_mesh
 from ..layers.lora import INPUT_SIDE, TSPLoRA
 from .policies import DecoderPolicy, find_policy
 from .replicas import check_replicas_agree
@@ -116,6 +118,8 @@ class PeftAdapters:
             tensors += [(f"{a.path}.{n}", t) for n, t in full.items()]
         check_replicas_agree(mesh, tensors, with_tsp=True)
         self.restore_requires_grad()
+        # the PeftModel's class stays PEFT's; its save_pretrained gathers the adapters
+        self.peft_model.save_pretrained = MethodType(save_pretrained, self.peft_model)
 
     def restore_requires_grad(self) -> None:
         """Every parameter's ``requires_grad`` as PEFT set it (the TSP modules' parameters are
@@ -124,6 +128,34 @@ class PeftAdapters:
         is part of the base, which :func:`read_peft` found frozen."""
         for name, p in self.peft_model.named_parameters():
             p.requires_grad_(self.requires_grad.get(name, False))
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face (or TSP) model inside a PeftModel; any other ``model`` itself."""
+    return model.base_model.model if is_peft_model(model) else model
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, Any]:
+    """The full tensors of every TSP LoRA adapter of the converted PeftModel ``model``, by the
+    PeftModel's own parameter names (what PEFT's ``get_peft_model_state_dict`` picks from its
+    ``state_dict()`` on one process); every rank of the group must call it. The base weights
+    are not gathered: PEFT saves none of them."""
+    return {f"{prefix}.{name}": t
+            for prefix, m in model.named_modules() if isinstance(m, TSPLoRA)
+            for name, t in m.full_tensors().items()}
+
+
+def save_pretrained(model: nn.Module, save_directory: str, *args: Any, **kwargs: Any) -> None:
+    """PEFT's ``save_pretrained`` of the converted PeftModel ``model`` (its own, set by
+    :meth:`PeftAdapters.attach`), with the full adapters: every rank must call it. Without
+    ``state_dict=`` every rank gathers its group's adapters (:func:`adapter_state_dict`) and
+    global rank 0 alone writes (PEFT's ``is_main_process`` still applies there); a given
+    ``state_dict`` is PEFT's own call, on the ranks that make it."""
+    if kwargs.get("state_dict") is None:
+        kwargs["state_dict"] = adapter_state_dict(model)
+        if get_mesh(model).device_mesh.get_rank() != 0:
+            return None
+    return type(model).save_pretrained(model, save_directory, *args, **kwargs)
 
 
 def refuse_schedule(a: Adapted, module: nn.Module | None) -> None:

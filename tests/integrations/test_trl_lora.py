@@ -1,0 +1,128 @@
+"""LoRA through TRL (docs/lora.md): ``TSPSFTTrainer(peft_config=LoraConfig(r=8, all seven
+projections))`` at tsp 2 matches TRL's own ``SFTTrainer(peft_config=...)`` on one process in
+float32 (SGD at a constant lr with clipping acting at every step, as tests/integrations/
+test_trl.py): the loss, grad_norm and entropy per step to 1e-5 relative, mean_token_accuracy and
+num_tokens exactly, on every rank; so does ``TSPSFTTrainer`` handed the PeftModel itself
+(TSPTrainer converts it) and one with gradient checkpointing (TRL's input gradients on the TSP
+model). ``trainer.save_model()`` writes PEFT's adapter files (the converted PeftModel's own
+``save_pretrained``: the processes gather, rank 0 writes), equal to one process's: the same keys,
+every tensor within 1e-6, the same r, lora_alpha and target modules. Only the adapters require
+gradients (the same names as on one process), and the base weights are bit for bit those
+loaded. ``TSPDPOTrainer(peft_config=...)`` refuses on every rank, naming the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from tests.integrations.test_trl import COMMON, STEPS, runs, saved  # noqa: E402, F401
+from tests.support import launch  # noqa: E402
+
+JOB = os.path.join(launch.JOBS, "trl_lora_job.py")
+PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+TSP_CASES = ("sft", "peft_model", "checkpointed")
+# the adapters' gradient norms are 0.37 to 0.6 (B starts at zero): clipping at 0.25 acts at every
+# step, so each update is lr x clip x g/|g| (the adapters check the direction, grad_norm the size)
+CLIP = ["--max_grad_norm", "0.25"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, saved) -> str:  # noqa: F811
+    """One process (TRL's SFTTrainer) and one 2-process launch (every TSP case), run side by
+    side."""
+    out = tmp_path_factory.mktemp("trl_lora")
+    one = [sys.executable, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON, *CLIP,
+           "--output_dir", str(out / "o1"), "--out", str(out / "one"), "--case", "sft"]
+    two = launch.torchrun(2, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON, *CLIP,
+                          "--output_dir", str(out / "o2"), "--out", str(out / "tsp"),
+                          "--tsp_size", "2", "--case", "sft --mode tsp",
+                          "peft_model --mode peft_model",
+                          "checkpointed --mode tsp --gradient_checkpointing true",
+                          "dpo --mode dpo")
+    launch.run_together((one, 1), (two, 2), timeout=180)
+    return str(out)
+
+
+def adapter(path: str) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    return config, load_file(os.path.join(path, "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("case", TSP_CASES)
+def test_lora_sft_tsp2_matches_one_process(results, case):
+    (ref,) = runs(os.path.join(results, "one", "sft"), 1)
+    assert len(ref["rows"]) == STEPS, ref
+    assert min(row["grad_norm"] for row in ref["rows"]) > float(CLIP[1]), ("clipping must act",
+                                                                         ref)
+    for r, run in enumerate(runs(os.path.join(results, "tsp", case), 2)):
+        assert run["class"] == ref["class"], (case, r, run["class"])
+        assert run["trainable"] == ref["trainable"], \
+            (case, r, sorted(set(run["trainable"]) ^ set(ref["trainable"]))[:4])
+        assert len(run["rows"]) == STEPS, (case, r, run)
+        for step, (got, want) in enumerate(zip(run["rows"], ref["rows"])):
+            assert set(got) == set(want), (case, r, step, got, want)
+            for key in ("loss", "grad_norm", "entropy"):
+                assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), \
+                    f"{case} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+            for key in ("mean_token_accuracy", "num_tokens"):
+                assert got[key] == want[key], \
+                    f"{case} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+
+
+def test_only_the_adapters_train(results):
+    """Every parameter that requires gradients is a LoRA A or B of one of the seven
+    projections, one pair per projection per layer; the base weights after training are the
+    loaded ones, bit for bit, on every rank (and on one process)."""
+    (ref,) = runs(os.path.join(results, "one", "sft"), 1)
+    layers = {n.split(".layers.")[1].split(".")[0] for n in ref["trainable"]}
+    assert len(ref["trainable"]) == 2 * len(PROJECTIONS) * len(layers) > 0, ref["trainable"]
+    for name in ref["trainable"]:
+        assert (".lora_A.default." in name or ".lora_B.default." in name) and \
+            name.split(".lora_")[0].rsplit(".", 1)[1] in PROJECTIONS, name
+    base0 = torch.load(os.path.join(results, "one", "sft", "rank0_base0.pt"))
+    finals = [("one process", os.path.join(results, "one", "sft", "rank0_base.pt"))]
+    finals += [(f"{case} rank {r}", os.path.join(results, "tsp", case, f"rank{r}_base.pt"))
+               for case in TSP_CASES for r in range(2)]
+    for what, path in finals:
+        base = torch.load(path)
+        assert sorted(base) == sorted(base0), (what, sorted(set(base) ^ set(base0))[:4])
+        changed = [k for k, v in base0.items() if not torch.equal(base[k], v)]
+        assert not changed, f"{what}: base weights changed: {changed[:4]}"
+
+
+@pytest.mark.parametrize("case", TSP_CASES)
+def test_saved_adapter_equals_one_process(results, case):
+    want_config, want = adapter(os.path.join(results, "one", "sft", "adapter"))
+    got_config, got = adapter(os.path.join(results, "tsp", case, "adapter"))
+    for key in ("r", "lora_alpha", "peft_type"):
+        assert got_config[key] == want_config[key], (case, key, got_config[key])
+    assert set(got_config["target_modules"]) == set(want_config["target_modules"]) == \
+        PROJECTIONS, (case, got_config["target_modules"])
+    assert sorted(got) == sorted(want), (case, sorted(set(got) ^ set(want))[:4])
+    layers = {k.split(".layers.")[1].split(".")[0] for k in want}
+    assert len(want) == 2 * len(PROJECTIONS) * len(layers) > 0, sorted(want)  # A and B each
+    # trained: every B moved away from PEFT's zeros (by 2e-4 to 3e-2), so equal files say the
+    # same training
+    assert all(want[k].abs().max() > 1e-5 for k in want if ".lora_B." in k), case
+    for k, w in want.items():
+        assert got[k].shape == w.shape and got[k].dtype == w.dtype, (case, k, got[k].shape)
+        # within 1e-6, and 1e-5 of the tensor's largest entry (a small B too): measured 1e-8,
+        # 4e-7 of the largest
+        off, tol = (got[k] - w).abs().max().item(), min(1e-6, 1e-5 * w.abs().max().item())
+        assert off <= tol, f"{case}: {k} differs from one process's by {off:.2e} (> {tol:.1e})"
+
+
+def test_dpo_with_peft_config_refuses_on_every_rank(results):
+    for r, run in enumerate(runs(os.path.join(results, "tsp", "dpo"), 2)):
+        assert run["error"] is not None and "TSPDPOTrainer with peft_config=" in run["error"] \
+            and "TSPSFTTrainer" in run["error"] and "tsp_size=1" in run["error"], (r, run)
