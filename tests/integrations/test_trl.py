@@ -104,18 +104,8 @@ def test_config_keeps_sft_defaults_in_either_order():
 def saved(tmp_path_factory) -> str:
     """A tiny Llama (vocabulary 96, 2 key/value heads) and a word-level tokenizer over its
     ids (0..2 special), saved as SFTTrainer loads them."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = str(tmp_path_factory.mktemp("llama_sft"))
-    model = hf_models.build("llama", torch.float32)
-    model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "t5 t17" -> 5, 17
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t1",
-                            eos_token="t2").save_pretrained(path)
-    return path
+    return hf_models.save_with_word_tokenizer(hf_models.build("llama", torch.float32),
+                                              str(tmp_path_factory.mktemp("llama_sft")))
 
 
 @pytest.fixture(scope="module")

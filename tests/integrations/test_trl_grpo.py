@@ -50,23 +50,13 @@ def saved(tmp_path_factory) -> str:
     """A tiny Llama whose end-of-sequence token (id 2) has about 7% of the probability (its head
     row along the mean final hidden state), so completions end at different lengths, and a
     word-level tokenizer over its ids (t0..t95), saved as the trainers load them."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = str(tmp_path_factory.mktemp("llama_grpo"))
     model = hf_models.build("llama", torch.float32)
     with torch.no_grad():
         ids = torch.randint(3, 96, (4, 12), generator=torch.Generator().manual_seed(1))
         hidden = model.model(input_ids=ids).last_hidden_state
         row, mean = model.lm_head.weight[2], hidden.reshape(-1, hidden.shape[-1]).mean(0)
         row += (1.5 - (hidden @ row).mean()) * mean / mean.dot(mean)
-    model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "t5 t17" -> 5, 17
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t1",
-                            eos_token="t2").save_pretrained(path)
-    return path
+    return hf_models.save_with_word_tokenizer(model, str(tmp_path_factory.mktemp("llama_grpo")))
 
 
 @pytest.fixture(scope="module")

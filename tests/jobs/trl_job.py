@@ -221,23 +221,34 @@ def without_precision(argv: list[str]) -> list[str]:
     return out
 
 
+def run_cases(argv: list[str], parse, train, base_of=None) -> None:
+    """Each ``--case "NAME ARGS..."`` of ``argv`` (they take the rest of the command line) as one
+    more run in these processes: the arguments before them plus ARGS (``base_of(case, base)``:
+    other arguments before them for a case that asks), parsed by ``parse``, trained by
+    ``train``, its results in the job's --out/NAME and output_dir/NAME."""
+    from accelerate.state import AcceleratorState
+
+    base = argv[:argv.index("--case")]
+    job, args = parse(base)
+    for spec in argv[argv.index("--case") + 1:]:
+        name, *extra = shlex.split(spec)
+        case, case_args = parse([*base, *extra])
+        if base_of is not None and base_of(case, base) is not base:
+            case, case_args = parse([*base_of(case, base), *extra])
+        case.out = os.path.join(job.out, name)
+        case_args.output_dir = os.path.join(args.output_dir, name)
+        AcceleratorState._reset_state(False)  # a new TSP size needs a new parallelism config
+        train(case, case_args)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     job, args = parse(argv[:argv.index("--case") + 2] if "--case" in argv else argv)
     if not job.case:
         return train(job, args)
-    base = argv[:argv.index("--case")]  # --case takes the rest of the command line
-    for spec in argv[argv.index("--case") + 1:]:
-        from accelerate.state import AcceleratorState
-
-        name, *extra = shlex.split(spec)
-        case, case_args = parse([*base, *extra])
-        if case.trl_defaults:
-            case, case_args = parse([*without_precision(base), *extra])
-        case.out = os.path.join(job.out, name)
-        case_args.output_dir = os.path.join(args.output_dir, name)
-        AcceleratorState._reset_state(False)  # a new TSP size needs a new parallelism config
-        train(case, case_args)
+    # a case with TRL's own precision defaults drops the command line's precision flags
+    run_cases(argv, parse, train,
+              lambda case, base: without_precision(base) if case.trl_defaults else base)
 
 
 if __name__ == "__main__":

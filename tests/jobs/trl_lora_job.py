@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, 
 from trl import SFTTrainer
 
 import tsp_core
-from tests.jobs.trl_job import Rows, preference_rows, sft_rows
+from tests.jobs.trl_job import Rows, preference_rows, run_cases, sft_rows
 from tsp_core.models.lora import inner_model
 from tsp_trl import TSPDPOConfig, TSPDPOTrainer, TSPSFTConfig, TSPSFTTrainer
 
@@ -109,17 +108,7 @@ def main() -> None:
     argv = sys.argv[1:]
     if "--case" not in argv:
         return train(*parse(argv))
-    base = argv[:argv.index("--case")]  # --case takes the rest of the command line
-    job, args = parse(base)
-    for spec in argv[argv.index("--case") + 1:]:
-        from accelerate.state import AcceleratorState
-
-        name, *extra = shlex.split(spec)
-        case, case_args = parse([*base, *extra])
-        case.out = os.path.join(job.out, name)
-        case_args.output_dir = os.path.join(args.output_dir, name)
-        AcceleratorState._reset_state(False)  # a new TSP size needs a new parallelism config
-        train(case, case_args)
+    run_cases(argv, parse, train)
 
 
 if __name__ == "__main__":

@@ -345,6 +345,21 @@ ZOO: dict[str, ZooModel] = {
 }
 
 
+def save_with_word_tokenizer(model, path: str) -> str:
+    """Save ``model`` and a word-level tokenizer over its ids (``"t5 t17"`` -> 5, 17; t0 unknown,
+    t1 padding, t2 end of sequence) in ``path``, as the trainers load them; returns ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t1",
+                            eos_token="t2").save_pretrained(path)
+    return path
+
+
 def reference_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The unmodified model's loss on the full batch. In float32 it is HF's own loss; in float64
     the cross-entropy is taken from HF's logits in float64, because HF's ForCausalLMLoss casts
