@@ -52,12 +52,11 @@ def is_peft_model(model: Any) -> bool:
 @dataclass
 class Adapted:
     """One PEFT LoRA layer: ``parent.name`` in the Hugging Face model (``parent`` the layer's
-    attention or MLP module), its projection ``name`` and its ``role``."""
+    attention or MLP module) and its projection ``name``."""
 
     path: str
     parent: nn.Module
     name: str
-    role: str
     layer: nn.Module
 
 
@@ -264,7 +263,7 @@ def find_adapted(model: nn.Module, policy: DecoderPolicy, adapter: str) -> list[
             raise NotImplementedError(f"LoRA on {path} is merged into the base weight "
                                       f"({module.merged_adapters}): unmerge() it first, or "
                                       f"merge_and_unload() and parallelize the plain model")
-        found.append(Adapted(path, model.get_submodule(parent_path), name, role, module))
+        found.append(Adapted(path, model.get_submodule(parent_path), name, module))
     return found
 
 
