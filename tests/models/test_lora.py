@@ -369,6 +369,49 @@ def test_peft_model_behaviour(pools, tmp_path):
     pools.of(2).run(peft_behaviour, str(tmp_path))
 
 
+def saved_adapter(path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-process reference, plain PEFT and Hugging Face only (it runs in the test's own
+    process and calls nothing of tsp_core): a random LoRA adapter (r 4 on every projection)
+    saved with ``save_pretrained`` to ``path``, loaded back with ``PeftModel.from_pretrained``
+    onto a fresh base; (probe ids, the loaded PeftModel's logits on them, the base's)."""
+    from peft import PeftModel
+
+    torch.manual_seed(1)
+    peft_model("llama").save_pretrained(path)
+    loaded = PeftModel.from_pretrained(base_model("llama"), path)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        return ids, loaded(input_ids=ids).logits, base_model("llama")(input_ids=ids).logits
+
+
+def loaded_adapter_logits(path: str, ids: torch.Tensor, want: torch.Tensor) -> None:
+    """Run on every rank: PEFT's ``PeftModel.from_pretrained(base, path)`` then
+    ``tsp_core.parallelize`` at tsp 2 gives every token's logits (``full_logits``) of the
+    one-process PeftModel (1e-10); loading onto an already parallelized model is refused by
+    PEFT, on every rank before any collective, with TSP's advice (load first)."""
+    from peft import PeftModel
+
+    mesh, rank = dist_pool.mesh(2), dist.get_rank()
+    model = tsp_core.parallelize(PeftModel.from_pretrained(base_model("llama"), path), mesh)
+    with torch.no_grad():
+        got = tsp_core.full_logits(model, {"input_ids": ids}).logits
+    err = relative_error(got, want)
+    assert err <= 1e-10, f"rank {rank}: the loaded adapter's logits off by {err:.2e}"
+    converted = tsp_core.parallelize(base_model("llama"), mesh)
+    with tsp_core.comm.track() as stats, pytest.raises(
+            ValueError, match=r"load or create the adapters on the Hugging Face model first "
+                              r"\(PeftModel.from_pretrained\(model, dir\)"):
+        PeftModel.from_pretrained(converted, path)
+    assert not dict(stats.calls), (rank, dict(stats.calls))
+    dist.barrier()
+
+
+def test_adapter_loaded_by_peft_then_parallelized(pools, tmp_path):
+    ids, want, base = saved_adapter(str(tmp_path))
+    assert relative_error(base, want) > 1e-3  # the adapter changes the logits
+    pools.of(2).run(loaded_adapter_logits, str(tmp_path), ids, want)
+
+
 def checkpointed_grads() -> None:
     """Run on every rank: the adapters' gradients under activation checkpointing (reentrant or
     not: TRL turns it on by default) equal those without, bit for bit."""

@@ -202,6 +202,19 @@ def init_full(shapes: Mapping[str, tuple[int, ...]], seed: int | None, dtype: to
     return out
 
 
+class WeightHolder(nn.Module):
+    """What holds a TSP module's nested parameters (``q_proj`` of ``q_proj.weight``): a container
+    without a forward (the schedules read its tensors). PEFT asked to adapt a converted model
+    fails on it with "Target module {module} is not supported", printing ``str()``: that says
+    what to do instead; ``repr()``, which ``print(model)`` shows, stays short."""
+
+    def __str__(self) -> str:
+        return ("a TSP weight shard (a model already converted by tsp_core.parallelize, whose "
+                "projections are no nn.Linear): load or create the adapters on the Hugging Face "
+                "model first (PeftModel.from_pretrained(model, dir) or get_peft_model), then "
+                "parallelize the PeftModel (docs/lora.md)")
+
+
 class ShardedModule(nn.Module):
     """Base of the TSP modules. A subclass sets ``self.mesh`` and ``self.full_shapes`` (parameter
     name -> full Hugging Face shape, nested names such as ``q_proj.weight``), implements
@@ -235,7 +248,7 @@ class ShardedModule(nn.Module):
             *path, attr = name.split(".")
             for p in path:
                 if not hasattr(owner, p):
-                    owner.add_module(p, nn.Module())
+                    owner.add_module(p, WeightHolder())
                 owner = getattr(owner, p)
             owner.register_parameter(attr, param)
 

@@ -133,6 +133,17 @@ def _argmax(head: TSPLMHead, hidden: torch.Tensor) -> torch.Tensor:
     return ids.view(hidden.shape[:-1])
 
 
+def _inside_peft(model: nn.Module) -> nn.Module:
+    """The converted Hugging Face model inside a PEFT ``PeftModel`` (``base_model.model``);
+    ``model`` itself otherwise. A PeftModel's attribute lookups fall through to that model, so
+    ``getattr(peft_model, "model")`` is the causal LM, not its base model: the hooks must go on
+    the model inside (told by class name: peft is not imported here)."""
+    if any(c.__name__ == "PeftModel" and c.__module__.startswith("peft")
+           for c in type(model).__mro__):
+        return model.base_model.model
+    return model
+
+
 def full_logits(model: nn.Module, batch: Mapping[str, Any], *, argmax: bool = False,
                 **forward_kwargs: Any) -> FullLogits:
     """Run the TSP ``model`` on ``batch`` and return the full-sequence logits (or, with
@@ -154,6 +165,7 @@ def full_logits(model: nn.Module, batch: Mapping[str, Any], *, argmax: bool = Fa
     while find_model_state(inner) is None and isinstance(getattr(inner, "module", None),
                                                          nn.Module):
         inner = inner.module  # a wrapper (Fabric, Accelerate): its forward runs, hooks go inside
+    inner = _inside_peft(inner)
     mesh = get_mesh(inner)
     batch = dict(batch)
     if "tsp_docs" in batch:
