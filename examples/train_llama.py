@@ -29,6 +29,16 @@ least 2 x ``--tsp``, ``--batch`` a multiple of the data-parallel size, ``--dp-sh
 and what each baseline needs; a bad combination exits with status 2 and a message naming the
 numbers and the fix.
 
+``--lora R`` trains a LoRA adapter instead of every weight (docs/lora.md): PEFT's
+``get_peft_model`` puts rank-R adapters on the seven projections (q, k, v, o, gate, up, down;
+lora_alpha 2R) of the same base model, TSP parallelizes the ``PeftModel`` (the base frozen and
+sharded, the adapters replicated), rank 0 prints the trainable parameter count, and after training
+every rank calls ``save_pretrained(--adapter-dir)`` (rank 0 writes PEFT's files, which plain PEFT
+loads onto the unmodified base). The one-process column is then the same ``PeftModel``; no
+baselines, pipeline, FSDP2 or elastic mode run with it:
+
+    torchrun --standalone --nproc_per_node 2 examples/train_llama.py --lora 8
+
 Elastic training (docs/checkpointing.md): with ``--checkpoint-dir`` the script trains the TSP model
 only, on batches that depend only on the step number, saves a sharded checkpoint every
 ``--checkpoint-every`` steps and, with ``--resume``, starts from the latest complete one. Under
@@ -95,6 +105,10 @@ def parser() -> argparse.ArgumentParser:
                     help="start from the latest complete checkpoint in --checkpoint-dir")
     ap.add_argument("--final-weights", default=None,
                     help="elastic mode: save the final full state dict (torch.save) here")
+    ap.add_argument("--lora", type=int, default=None, metavar="R",
+                    help="train a rank-R LoRA adapter on the seven projections (docs/lora.md)")
+    ap.add_argument("--adapter-dir", default="lora-adapter",
+                    help="--lora: where save_pretrained writes the adapter")
     return ap
 
 
@@ -109,6 +123,7 @@ def check_args(a: argparse.Namespace, world: int) -> argparse.Namespace:
     if a.checkpoint_dir is None and elastic_only:
         raise ValueError(f"{' and '.join(elastic_only)}: only in elastic mode; add "
                          f"--checkpoint-dir DIR")
+    check_lora(a)
     if a.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every ({a.checkpoint_every}) must be at least 1")
     if a.steps < 1 or a.warmup < 0:
@@ -167,7 +182,7 @@ def check_args(a: argparse.Namespace, world: int) -> argparse.Namespace:
                          f"its own rows; pass --batch {dp} or a multiple of it")
     if a.baselines is None:
         a.baselines = ("tp,tp-sp,cp" if dp == 1 and a.checkpoint_dir is None and a.pp == 1
-                       else "")
+                       and a.lora is None else "")
     names = [n for n in a.baselines.split(",") if n]
     if names and a.pp > 1:
         raise ValueError(f"--baselines ({a.baselines}) run only without pipeline stages; pass "
@@ -175,6 +190,9 @@ def check_args(a: argparse.Namespace, world: int) -> argparse.Namespace:
     if names and dp > 1:
         raise ValueError(f"--baselines ({a.baselines}) run only without data parallel, and this "
                          f"run has {dp} data-parallel ranks; pass --baselines '' or --tsp {world}")
+    if names and a.lora is not None:
+        raise ValueError(f"--baselines ({a.baselines}) train every weight and --lora "
+                         f"({a.lora}) an adapter; pass --baselines '' with --lora")
     if names and a.checkpoint_dir is not None:
         raise ValueError(f"--baselines ({a.baselines}) do not run in elastic mode "
                          f"(--checkpoint-dir); pass --baselines ''")
@@ -201,6 +219,47 @@ def check_args(a: argparse.Namespace, world: int) -> argparse.Namespace:
     return a
 
 
+def check_lora(a: argparse.Namespace) -> None:
+    """Refuse what a LoRA run (``--lora``) does not combine with, before any process group:
+    LoRA under TSP takes no FSDP2 (docs/lora.md), and this script's pipeline and elastic modes
+    train every weight."""
+    if a.lora is None:
+        return
+    if a.lora < 1:
+        raise ValueError(f"--lora ({a.lora}) is the adapters' rank: pass 1 or more")
+    for flag, value, why, off in (
+            ("--pp", a.pp if a.pp > 1 else None, "the pipeline run trains every weight",
+             "--pp 1"),
+            ("--dp-shard", a.dp_shard, "LoRA under TSP takes no FSDP2 yet (docs/lora.md)",
+             "no --dp-shard"),
+            ("--checkpoint-dir", a.checkpoint_dir, "elastic mode trains every weight",
+             "no --checkpoint-dir")):
+        if value is not None:
+            raise ValueError(f"--lora ({a.lora}) with {flag} ({value}): {why}; pass {off}")
+
+
+def with_lora(model: LlamaForCausalLM, r: int):
+    """PEFT's ``get_peft_model`` with rank-``r`` adapters on the seven projections (A drawn
+    from the global generator, B zero: PEFT's defaults), the base frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+
+
+def finish_lora(model, ids: torch.Tensor, mesh: tsp_core.TSPMesh, a: argparse.Namespace) -> None:
+    """After training: the loss of the trained TSP PeftModel on ``ids`` (what the saved adapter
+    must give) and ``save_pretrained``, which every rank calls (the adapters are gathered; rank
+    0 writes PEFT's adapter_config.json and adapter_model.safetensors)."""
+    rows = my_rows(ids, mesh)
+    with torch.no_grad():
+        loss = model(**tsp_core.shard_batch({"input_ids": rows, "labels": rows}, mesh)).loss
+    model.save_pretrained(a.adapter_dir)
+    if dist.get_rank() == 0:
+        print(f"LoRA after training: loss {loss.item():.6f} on batch 0; adapter saved to "
+              f"{a.adapter_dir}", flush=True)
+
+
 def my_rows(ids: torch.Tensor, mesh: tsp_core.TSPMesh) -> torch.Tensor:
     """This data-parallel rank's rows of the global batch (TSP is the mesh's innermost dim, so
     the data-parallel rank is the global rank over the TSP degree)."""
@@ -221,7 +280,8 @@ def train(model, step_fn, data: list[torch.Tensor], a: argparse.Namespace,
     rank sent in it, and the host time blocked in collectives in another extra step over the
     median step. ``step_fn(ids)`` runs forward and backward and returns the loss. Without
     ``track_memory`` (a pipeline: MemTracker takes one forward per module and step, a stage runs
-    one per micro-batch) the peak is reported as 0, printed "n/a"."""
+    one per micro-batch; LoRA: its module tracker hooks the frozen embedding's output, which
+    needs no gradient, and raises) the peak is reported as 0, printed "n/a"."""
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
 
     def step(ids: torch.Tensor) -> float:
@@ -308,10 +368,11 @@ def main() -> None:
         return
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen) for _ in range(a.steps)]
-    plain = build(a)
+    plain = build(a) if a.lora is None else with_lora(build(a), a.lora)
     initial = copy.deepcopy(plain)  # every layout starts from these weights
     runs = [("HF model, 1 process", train(
-        plain, lambda ids: backward(plain(input_ids=ids, labels=ids).loss), data, a))]
+        plain, lambda ids: backward(plain(input_ids=ids, labels=ids).loss), data, a,
+        track_memory=a.lora is None))]
     fsdp = f" + FSDP2 x {mesh.fsdp_size}" if mesh.fsdp_size > 1 else ""
     if a.pp > 1:  # every rank takes the global batch; the pipeline keeps its replica's rows
         pipe = tsp_core.pipeline(copy.deepcopy(initial), mesh, microbatches=a.microbatches)
@@ -320,10 +381,14 @@ def main() -> None:
             track_memory=False)))
     else:
         tsp_model = tsp_core.parallelize(copy.deepcopy(initial), mesh)
+        if a.lora is not None and dist.get_rank() == 0:
+            tsp_model.print_trainable_parameters()  # the adapters: what the optimizer updates
         runs.append((f"TSP{fsdp}, {dist.get_world_size()} processes", train(
             tsp_model, lambda ids: backward(tsp_model(**tsp_core.shard_batch(
                 {"input_ids": my_rows(ids, mesh), "labels": my_rows(ids, mesh)}, mesh)).loss),
-            data, a)))
+            data, a, track_memory=a.lora is None)))
+        if a.lora is not None:
+            finish_lora(tsp_model, data[0], mesh, a)
     world = dist.get_world_size()
     names = [n for n in a.baselines.split(",") if n]  # none with data parallel (check_args)
     for spec in (s for n in names for s in layout_specs(n, world)):

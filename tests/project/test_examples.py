@@ -299,14 +299,33 @@ def test_main_job_with_fsdp2():
     assert abs(ref[-1] - ref[0]) > 100 * 1e-5 * ref[0], ref
 
 
-def test_main_job_in_bfloat16():
-    # `./run main --dtype bfloat16`: every column's model in bfloat16. Against the float32
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def bf16_and_lora_runs(tmp_path_factory) -> dict[str, str]:
+    """Two runs of the main job's script (`./run main`'s, TINY) in one 2-process launch
+    (tests/jobs/example_job.py): ``--dtype bfloat16 --baselines ''``, then ``--lora 4 --dtype
+    float64 --adapter-dir DIR``; rank 0's stdout of each, and DIR."""
+    adapter = str(tmp_path_factory.mktemp("lora") / "adapter")
+    proc = launch.run(launch.torchrun(
+        2, os.path.join(launch.JOBS, "example_job.py"), example("train_llama.py"), *TINY,
+        "--dtype", "bfloat16", "--baselines", "", "--then", *TINY, "--lora", "4", "--dtype",
+        "float64", "--adapter-dir", adapter), ranks=2)
+    parts = re.split(r"^example_job: run \d+\n", proc.stdout, flags=re.M)
+    assert len(parts) == 3, proc.stdout[-3000:]
+    return {"bf16": parts[1], "lora": parts[2], "adapter": adapter}
+
+
+def test_main_job_in_bfloat16(bf16_and_lora_runs):
+    # `./run main --dtype bfloat16` (its script and arguments, in the launch shared with the LoRA
+    # run): every column's model in bfloat16. Against the float32
     # reference each printed loss (HF and TSP columns) is within 1e-3: the largest difference
     # measured over these 3 steps was 2.7e-4 (the HF column at step 1; TSP vs HF 2.7e-4 too), so
     # 1e-3 is 3.7x that, a quarter of bfloat16's spacing at the loss's size (2^-6 = 1.6e-2 between
     # 4 and 8) and under a tenth of how far training moves the reference (3.8e-2). Finite, and
     # not equal to float32 to the printed 6 decimals: a --dtype that was ignored fails
-    out = main_job(2, "--dtype", "bfloat16", "--baselines", "")
+    out = bf16_and_lora_runs["bf16"]
     assert "vocab 128, bfloat16;" in out, out
     rows = loss_table(out)
     ref = main_job_reference(torch.float32, 1)
@@ -318,6 +337,74 @@ def test_main_job_in_bfloat16():
         assert abs(tsp - want) <= tol, f"step {step}: TSP column {tsp} vs float32 {want}"
     assert max(abs(r[1] - w) for r, w in zip(rows, ref)) > 1e-5, (rows, ref)
     assert abs(ref[-1] - ref[0]) > 10 * tol, ref
+
+
+def lora_reference(adapter: str) -> dict:
+    """`train_llama.py --lora 4 --dtype float64` (TINY) on one process with plain PEFT and
+    Hugging Face: the same base and adapters (seed 0, get_peft_model's defaults), batches (seed
+    1) and AdamW, the loss in float64; the script's 3 steps then its 2 extra (timed) steps on
+    batch 0. Its printed trainable-parameter line, losses, and trained logits on batch 0; and
+    the adapter the script saved in ``adapter``, loaded by ``PeftModel.from_pretrained`` onto
+    the unmodified base: its logits and loss on batch 0, and the base's own logits."""
+    import contextlib
+    import io
+
+    import torch.nn.functional as F
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def base():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=1, num_attention_heads=4,
+                                            num_key_value_heads=4, max_position_embeddings=64)
+                                ).to(torch.float64)
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 128, (1, 64), generator=gen) for _ in range(3)]
+    ref = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=SEVEN))
+    with contextlib.redirect_stdout(io.StringIO()) as line:
+        ref.print_trainable_parameters()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for ids in batches + batches[:1] * 2:  # the loss in float64 (Hugging Face's is float32)
+        logits = ref(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ids = batches[0]
+    loaded = PeftModel.from_pretrained(base(), adapter)
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits for m in (ref, loaded, base())]
+    loss = F.cross_entropy(logits[1][0, :-1], ids[0, 1:]).item()
+    return dict(line=line.getvalue().strip(), losses=losses[:3], trained=logits[0],
+                loaded=logits[1], loaded_loss=loss, base=logits[2])
+
+
+def test_main_job_trains_a_lora_adapter(bf16_and_lora_runs):
+    # `./run main --lora 4` (float64): the trainable-parameter line, the TSP column's losses and
+    # the adapter written by save_pretrained against plain PEFT on one process (lora_reference):
+    # loaded onto the unmodified base, it gives the one-process trained PeftModel's logits and
+    # the loss the script printed for its TSP model after training
+    from tests.support.reference import relative_error
+
+    out, adapter = bf16_and_lora_runs["lora"], bf16_and_lora_runs["adapter"]
+    ref = lora_reference(adapter)
+    assert ref["line"].startswith("trainable params: ") and ref["line"] in out, (ref["line"], out)
+    rows = loss_table(out)
+    assert [r[0] for r in rows] == [0, 1, 2], out
+    for (step, hf, tsp), want in zip(rows, ref["losses"]):
+        assert abs(hf - want) <= 1e-5 * want, f"step {step}: HF column {hf} vs reference {want}"
+        assert abs(tsp - want) <= 1e-5 * want, f"step {step}: TSP {tsp} vs reference {want}"
+    assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-3, ref["losses"]
+    err = relative_error(ref["loaded"], ref["trained"])
+    assert err <= 1e-10, f"the saved adapter's logits off the one-process run's by {err:.2e}"
+    moved = relative_error(ref["base"], ref["trained"])
+    assert moved > 1e-4, f"training left the adapter at zero ({moved:.2e})"
+    (printed,) = floats(r"LoRA after training: loss (\S+) on batch 0; adapter saved", out)
+    assert abs(printed - ref["loaded_loss"]) <= 2e-6, (printed, ref["loaded_loss"])
 
 
 def train_llama():
@@ -350,6 +437,13 @@ BAD_ARGS = [  # (arguments, processes, what the message says)
     ("--kv-heads 1", 2, r"baseline tp splits --kv-heads \(1\) over 2 ranks"),  # TSP takes it
     ("--resume", 2, r"--resume: only in elastic mode; add --checkpoint-dir"),
     ("--checkpoint-dir d --checkpoint-every 0", 2, r"--checkpoint-every \(0\) must be at least 1"),
+    ("--lora 0", 2, r"--lora \(0\) is the adapters' rank: pass 1 or more"),
+    ("--lora 4 --pp 2", 4, r"--lora \(4\) with --pp \(2\): the pipeline run trains every weight; "
+                           r"pass --pp 1"),
+    ("--lora 4 --tsp 2 --dp-shard 2", 4, r"--lora \(4\) with --dp-shard \(2\): LoRA under TSP "
+                                         r"takes no FSDP2 yet"),
+    ("--lora 4 --baselines tp", 2, r"--baselines \(tp\) train every weight and --lora \(4\) an "
+                                   r"adapter; pass --baselines '' with --lora"),
 ]
 
 
@@ -366,6 +460,8 @@ def test_main_job_checks_its_arguments(monkeypatch, capsys):
     for procs in (1, 2, 4):
         got = module.check_args(module.parser().parse_args([]), procs)
         assert (got.tsp, got.batch, got.baselines) == (procs, 1, "tp,tp-sp,cp"), got
+    got = module.check_args(module.parser().parse_args("--lora 8".split()), 2)
+    assert (got.tsp, got.batch, got.baselines) == (2, 1, ""), got  # --lora runs no baselines
     got = module.check_args(module.parser().parse_args("--tsp 2 --dp-shard 2".split()), 8)
     assert (got.tsp, got.batch, got.baselines) == (2, 4, ""), got
     # elastic mode (tests/project/test_elastic.py's command) runs no baselines
