@@ -6,7 +6,8 @@ float64 with clipping active and plain SGD (norms, first gradients, losses, weig
 dp 2 x tsp 2 (TSP_SIZE from the launch environment), tsp 4 with 1 and 2 key/value heads, and
 FSDP2 dp_shard 2 x tsp 2 from an accelerate config file and from code (each rank holding 1/4 of
 the model); with ``mixed_precision="bf16"`` at dp 2 x tsp 2 it matches the plain Accelerator in
-bf16 on one process within bf16's bounds."""
+bf16 on one process within bf16's bounds; a PEFT PeftModel (LoRA) at dp 2 x tsp 2 matches it on
+one process in float64, its base weights unchanged."""
 
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
                   "--case", f"fsdp_yaml {sgd} --kv-heads 1 --launch-fsdp --round-trip",
                   "--case", f"fsdp_code {sgd} --kv-heads 1 --tsp-size 2 --fsdp-code 2 "
                   f"--activation-offload",
-                  "--case", f"bf16 {BF16}"],
+                  "--case", f"bf16 {BF16}",
+                  "--case", f"lora {sgd} --kv-heads 1 --tsp-size 2 --lora 4"],
                  TSP_SIZE="2")
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 2" in stdout, stdout
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 4" in stdout, stdout
@@ -171,11 +173,40 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
                       "prefetched": 4 * (layers - 1)}] if name == "fsdp_code" else [None])
             assert offload == want, (name, r, offload)
     assert_bf16_as_one_process(tmp_path)
+    assert_lora_as_one_process(str(tmp_path / "lora"))
     with open(tmp_path / "fsdp_yaml" / "rank0.json") as f:  # the degree too (no TSP_SIZE there)
         assert json.load(f)["tsp_reason"] == "tp_size=2 of the ParallelismConfig"
     for r, fn in enumerate(sorted((tmp_path / "dp2").glob("rank*.json"))):  # and dp2 is not
         with open(fn) as f:
             assert json.load(f)["fsdp"] == {}, r
+
+
+def assert_lora_as_one_process(out: str) -> None:
+    """The lora case: TSPAccelerator at dp 2 x tsp 2 preparing a PEFT PeftModel (rank-4 LoRA
+    on the seven projections, tests/jobs/accelerate_job.py's lora_model) against the same
+    PeftModel on one process (plain PEFT and torch, what the plain Accelerator runs on one
+    process, with the loss in float64), float64, clipped SGD: every rank's losses, norms and
+    first gradients (the adapters' alone) to 1e-8/1e-9, the adapters after 4 steps to 1e-8,
+    every base weight bit for bit as built."""
+    from tests.jobs.accelerate_job import lora_model, rows
+    from tests.support import hf_models
+
+    data = rows(16)
+    init = hf_models.build("llama", torch.float64, kv_heads=1).state_dict()
+    ref = hf_models.sgd_reference(
+        lora_model(hf_models.build("llama", torch.float64, kv_heads=1), 4),
+        [data[4 * k: 4 * (k + 1)] for k in range(4)], lr=0.5, clip=0.5)
+    assert min(ref["norms"]) > 0.5 and all(".lora_" in n for n in ref["grads0"]), ref["norms"]
+    # TSP's full state dict names a base weight as the Hugging Face model does
+    ref["weights"] = {n.replace(".base_layer.", "."): w for n, w in ref["weights"].items()}
+    runs = job_run(out, 1)
+    assert len(runs) == 4
+    for r, run in enumerate(runs):
+        hf_models.assert_matches_reference(run, ref, 1e-8, 1e-9, what=f"lora, rank {r}: ")
+        for name, w in run["weights"].items():
+            base = name.removeprefix("base_model.model.")
+            if ".lora_" not in name:
+                assert torch.equal(w, init[base]), f"lora, rank {r}: base weight {name} moved"
 
 
 # TSPAccelerator(mixed_precision="bf16"): float32 weights, bf16 autocast around the forward;

@@ -10,6 +10,7 @@ the data-parallel ranks (replica i takes batches i, i + dp, ...; every rank of a
 same). ``accelerator.clip_grad_norm_`` clips and returns the norm it clipped by (under DeepSpeed
 clipping is DeepSpeed's, at the 1.0 Accelerate fills in, and the norm DeepSpeed's).
 ``--kv-heads 1,2`` trains one model per entry, each prepared by the one accelerator.
+``--lora R``: each model a PEFT ``PeftModel`` (rank-R LoRA on the seven projections).
 ``--round-trip``: save the state after step 2, train steps 3-4, load it and train them again: the
 repeats must be identical (exit 1 otherwise). ``--case "NAME ARGS..."`` (repeatable): one more
 run in the same processes with its own accelerator, results in --out/NAME.
@@ -88,9 +89,26 @@ def parser() -> argparse.ArgumentParser:
                     help="InitProcessGroupKwargs(timeout=timedelta(seconds=N))")
     ap.add_argument("--activation-offload", action="store_true",
                     help="TSPAccelerator(activation_offload=True), the models' layers checkpointed")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="each model a PEFT PeftModel (lora_model): rank-R LoRA on the seven "
+                         "projections, A and B random")
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", action="append", default=[])
     return ap
+
+
+def lora_model(model, r: int):
+    """``model`` inside PEFT's ``get_peft_model``: rank-``r`` LoRA (alpha 2r) on the seven
+    projections, A and B random from seed 1 (PEFT's B = 0 would give A no first gradient), the
+    base frozen. Plain PEFT: the one-process reference builds the same."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
+                                            target_modules=LORA_TARGETS))
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def fsdp_units(model) -> dict:
@@ -144,6 +162,8 @@ def train(a) -> Accelerator:
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     kv_heads = [int(k) for k in a.kv_heads.split(",")]
     models = [build(a.family, getattr(torch, a.dtype), kv_heads=k) for k in kv_heads]
+    if a.lora:
+        models = [lora_model(m, a.lora) for m in models]
     for m in models if a.activation_offload else ():
         m.activation_checkpointing_enable()
     opt_cls = torch.optim.SGD if a.optimizer == "sgd" else torch.optim.AdamW

@@ -379,15 +379,16 @@ def sgd_reference(model, batches: list[torch.Tensor], lr: float, clip: float | N
     is lr times the clipped gradient, so a gradient of the wrong scale shows in the weights
     unless clipping cancels it, and then in the norm; ``optimizer`` another class, e.g. AdamW,
     whose scale invariance only the norms and first gradients then guard). Returns the losses,
-    the norms before clipping, the first step's gradients (before clipping) and the final
-    weights."""
+    the norms before clipping, the first step's gradients (before clipping; of the parameters
+    that have one: a PeftModel's adapters) and the final weights."""
     opt = optimizer(model.parameters(), lr=lr)
     losses, norms, grads0 = [], [], None
     for ids in batches:
         loss = reference_loss(model, ids, ids)
         loss.backward()
         if grads0 is None:
-            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            grads0 = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                      if p.grad is not None}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
         opt.step()
         opt.zero_grad()
