@@ -482,6 +482,55 @@ LONG_CONTEXT_RECORDS = (("simulate-llama8b-4m-offload", 80),
                         ("simulate-llama8b-2.75m", 141))
 
 
+def grpo_llama8b(load: Loader) -> str:
+    """trl.md: one GRPO step of Llama-3.1-8B (8 rows of a 512-token prompt and a 32,768-token
+    completion, full recompute, bf16 AdamW) per layout: the step's peak and its parts, the
+    plain training step's peak at the same shape, and the rollout's computed peak, each against
+    90% of an 80 GB GPU."""
+    grpo = sim_rows(load, "simulate-llama8b-grpo-32k")
+    train = {(r["layout"], r["degree"]): r for r in sim_rows(load, "simulate-llama8b-train-32k")}
+    limit = 0.9 * 80 * GB
+    lines = ["| layout | GPUs | GRPO step peak GiB | policy + reference parameters | gradients "
+             "| optimizer states | activations | temporaries | plain step peak GiB | "
+             "rollout GiB (computed) | fits 80 GB (step, rollout) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    label = {("tp-sp", 1): "one GPU: the Hugging Face model (`tp-sp` at D = 1)",
+             ("tsp", 1): "one GPU: TSP's code (`tsp` at D = 1)"}
+    for r in sorted(grpo, key=lambda r: (r["degree"], r["layout"] != "tp-sp")):
+        t = train[(r["layout"], r["degree"])]
+        params = gib(r, "parameters")
+        ref = r["reference_bytes"] / GIB
+        fits = ", ".join("yes" if b <= limit else "no"
+                         for b in (r["peak_bytes"], r["rollout_bytes"]))
+        name = label.get((r["layout"], r["degree"]), f"`{r['layout']}`")
+        lines.append(f"| {name} | {r['degree']} | {gib(r):.2f} | "
+                     f"{params - ref:.2f} + {ref:.2f} | {gib(r, 'gradients'):.2f} | "
+                     f"{gib(r, 'optimizer_states'):.2f} | {gib(r, 'activations'):.2f} | "
+                     f"{gib(r, 'temporaries'):.2f} | {gib(t):.2f} | "
+                     f"{r['rollout_bytes'] / GIB:.2f} | {fits} |")
+    cmds = [command(load, n) for n in ("simulate-llama8b-grpo-32k", "simulate-llama8b-train-32k")]
+    tsp, sp = (next(r for r in grpo if r["layout"] == n and r["degree"] == 8)
+               for n in ("tsp", "tp-sp"))
+    added = (tsp["peak_bytes"] - train[("tsp", 8)]["peak_bytes"]) / GIB
+    logits = sp["batch"] * sp["seq"] * -(-128256 // sp["degree"]) * 4 / GIB
+    one = next(r for r in grpo if r["layout"] == "tsp" and r["degree"] == 1)
+    resident = (gib(one, "parameters") + gib(one, "optimizer_states")
+                + gib(one, "buffers"))
+    kv = one["rollout_bytes"] / GIB - resident
+    note = para(
+        f"On 8 GPUs the GRPO step adds {added:.2f} GiB to TSP's plain step, the reference's "
+        f"{tsp['reference_bytes'] / GIB:.2f} GiB of parameters and its per-token "
+        f"log-probabilities; the rollout needs {tsp['rollout_bytes'] / GIB:.2f} GiB. `tp-sp` "
+        f"holds the same parameters and optimizer states, but its Hugging Face head makes the "
+        f"float32 logits of all {sp['batch']} x {sp['seq']:,} tokens over its 1/{sp['degree']} "
+        f"of the vocabulary ({logits:.1f} GiB each copy), which TSP's tiled head never does: "
+        f"its step peaks at {gib(sp):.2f} GiB, over an 80 GB GPU. One GPU holds neither the "
+        f"step nor the rollout: the two models and the AdamW states are {resident:.2f} GiB "
+        f"there, the rollout's KV cache {kv:.1f} GiB more.")
+    return ("\n".join(lines) + "\n\n" + note + "\nThe commands:\n\n"
+            + code("\n".join(cmds)))
+
+
 RENDERERS: dict[str, Callable[[Loader], str]] = {
     "simulate-7b": simulate_7b,
     "simulate-7b-summary": simulate_7b_summary,
@@ -499,6 +548,7 @@ RENDERERS: dict[str, Callable[[Loader], str]] = {
     "simulate-mixtral-128k": simulate_mixtral_128k,
     "simulate-qwen3-moe-128k": simulate_qwen3_moe_128k,
     "long-context-llama8b": long_context_llama8b,
+    "grpo-llama8b": grpo_llama8b,
     "simulate-deepseek-v3-128k": simulate_deepseek_v3_128k,
 }
 

@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-offload", action="store_true",
                    help="--max-seq: each checkpointed layer's input kept in host memory (every "
                         "layout); the host's bytes count against --host-gb")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="--max-seq: PEFT's LoRA of rank R on the seven projections, the base "
+                        "frozen (tsp only; default: full fine-tuning)")
     p.add_argument("--host-gb", type=float, default=None,
                    help="--max-seq: host memory per node for the offloaded layer inputs, GB "
                         f"(1e9 bytes; default: 1.5 TiB, {HOST_GB:.0f} GB)")

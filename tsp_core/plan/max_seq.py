@@ -241,7 +241,8 @@ def max_seq_main(args, shape, found) -> int:
     def request(spec: LayoutSpec, seq: int) -> SimulationRequest:
         return SimulationRequest(spec.name, spec.tp, spec.cp, seq, args.model, args.layers,
                                  args.batch, "full", "adamw", "bfloat16",
-                                 activation_offload=args.activation_offload)
+                                 activation_offload=args.activation_offload,
+                                 lora=getattr(args, "lora", None))
 
     for spec in specs:  # refuse before any process starts
         check_request(request(spec, 2 * spec.degree))
@@ -266,6 +267,7 @@ def max_seq_main(args, shape, found) -> int:
     print(f"model {args.model}: {shape.num_layers} layers, h {shape.hidden_size}; the longest "
           f"sequence x {args.batch} on all {d} GPUs (D = {d}); tsp simulate: full recompute, bf16 "
           f"AdamW" + ("; activation offload (every layout)" if args.activation_offload else "")
+          + (f"; LoRA r={args.lora}, base frozen" if getattr(args, "lora", None) else "")
           + "; tiles: tsp's MLP and loss (the baselines' are untiled)")
     print(f"fits: GPU peak <= {1 - args.headroom:.0%} of {cl.device.memory_gb:.0f} GB "
           f"({gpu_limit / 2**30:.2f} GiB)" + (

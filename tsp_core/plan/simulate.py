@@ -25,6 +25,13 @@ decoder): the offloaded copies land on the fake ``meta`` device (:data:`HOST`), 
 stays the simulated GPU's peak and ``host_bytes`` is the host's, apart. ``tile_tokens`` is TSP's
 (its MLP, experts and loss run a tile of tokens at a time); the baselines' are not tiled.
 
+With ``step="grpo"`` the step is one GRPO step (:mod:`tsp_core.plan.grpo_sim`): the policy's
+training step through GRPO's per-token loss, plus a frozen reference model of the same shape laid
+out like the policy, resident, and its no-grad forward giving per-token log-probabilities; the
+record also carries the rollout's peak, computed (not simulated) from the measured resident state
+and the KV cache. With ``lora`` r the model is PEFT's ``PeftModel`` with LoRA of rank r on the
+seven projections, its base frozen (:mod:`tsp_core.plan.lora_sim`; TSP only).
+
 Each record owns the default process group of its process while it runs; :func:`simulate_many`
 runs records in ``jobs`` worker processes, each worker taking one record after another: every
 record builds its own process group, fake tensor mode and tracker, so a worker's second record
@@ -212,6 +219,8 @@ class SimulationRequest:
     dp_shard: int = 1    # FSDP2 ranks each rank's model state is sharded over (1: no FSDP2)
     tile_tokens: int | None = None  # TSP's MLP, experts and loss tile (None: from the sizes)
     activation_offload: bool = False  # each checkpointed layer's input kept on the host
+    step: str = "train"  # "train" or "grpo" (tsp_core.plan.grpo_sim.STEPS)
+    lora: int | None = None  # LoRA rank, seven projections, base frozen (plan.lora_sim)
 
 
 @dataclass
@@ -240,6 +249,14 @@ class MemoryRecord:
     host_bytes: int = 0
     tile_tokens: int | None = None
     activation_offload: bool = False
+    step: str = "train"
+    # step "grpo": the reference model's parameter bytes on this rank (inside "parameters"), and
+    # the rollout's peak on this rank, computed (tsp_core.plan.grpo_sim.rollout_bytes)
+    reference_bytes: int = 0
+    rollout_bytes: int = 0
+    lora: int | None = None
+    # the trainable parameters' bytes on this rank: the adapters under LoRA (inside "parameters")
+    trainable_bytes: int = 0
 
     @property
     def peak_gib(self) -> float:
@@ -389,8 +406,8 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
     from transformers import AutoModelForCausalLM
 
     from ..baselines import build
-    from ..baselines.layouts import LayoutSpec, build_mesh
-    from . import fsdp_sim
+    from ..baselines.layouts import LayoutSpec, ParallelModel, build_mesh
+    from . import fsdp_sim, grpo_sim, lora_sim
     from .peak_tracker import IndexedMemTracker as MemTracker  # PyTorch's, faster: same numbers
 
     if req.optimizer not in OPTIMIZERS:
@@ -402,6 +419,7 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
     fsdp = req.dp_shard > 1
     config = model_config(req.model, req.layers, req.seq)
     dtype = getattr(torch, req.dtype)
+    grpo = req.step == "grpo"
     start = time.perf_counter()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -411,21 +429,21 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
         mesh = fsdp_sim.build_mesh(spec, req.dp_shard) if fsdp else build_mesh(spec)
         mode = FakeTensorMode()
         with mode, _private_sharding_propagation():
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)  # .to(dtype) fails under fake mode
-            try:
-                model = AutoModelForCausalLM.from_config(config)
-            finally:
-                torch.set_default_dtype(default)
+            model = _new_model(AutoModelForCausalLM, config, dtype)
             if fsdp:  # FSDP2 takes one dtype per layer: what a model builds float32 (DeepSeek-V3's
                 for p in model.parameters():  # router) is cast, as a user must cast it
                     if p.dtype != dtype:
                         p.data = p.data.to(dtype)
             if ckpt is not None:  # before build: activation offload needs it
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+            inner = model
+            if req.lora is not None:  # PEFT first, as TSPSFTTrainer(peft_config=...) applies it
+                model = lora_sim.wrap(model, req.lora)
             # TSP: parallelize applies FSDP2 on a dp_shard mesh
             pm = build(model, spec, mesh, tile_tokens=req.tile_tokens,
                        activation_offload=req.activation_offload)
+            ref = (grpo_sim.build_reference(_new_model(AutoModelForCausalLM, config, dtype), spec,
+                                            mesh, req.tile_tokens) if grpo else None)
         if fsdp and spec.name != "tsp":
             fsdp_sim.shard_baseline(pm)
         with mode, _private_sharding_propagation():
@@ -436,33 +454,60 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
             local = {k: mode.from_tensor(v) for k, v in local.items()}
             optimizer = None
             if req.optimizer == "adamw":
-                optimizer = torch.optim.AdamW(model.parameters())
+                optimizer = torch.optim.AdamW(lora_sim.adapter_parameters(model))
                 _adamw_states(optimizer)
             if fsdp:
                 tracker, split = fsdp_sim.tracker(model, optimizer), fsdp_sim.categories
             else:
-                tracker, split = MemTracker(), _categories
-                tracker.track_external(*([model] + ([optimizer] if optimizer else [])))
+                tracker = (lora_sim.tracker_class() if req.lora else MemTracker)()
+                split = _categories
+                tracker.track_external(*([model] + ([optimizer] if optimizer else [])
+                                         + ([ref.model] if grpo else [])))
             with tracker:
-                pm.step_local(local)
+                if grpo:
+                    grpo_sim.step_local(pm, ref, local)
+                else:
+                    pm.step_local(local)
                 end = split(on_device(tracker.get_tracker_snapshot()))
             peak = tracker.get_tracker_snapshot("peak")
             # FSDPMemTracker keeps snapshots of the FSDP2 units only: no per-module phases
-            phases = {"end": end} if fsdp else _phases(tracker, model, pm.layers) | {"end": end}
+            layers = ParallelModel(inner, spec, mesh).layers  # a PeftModel's: its model's
+            phases = {"end": end} if fsdp else _phases(tracker, model, layers) | {"end": end}
+            trainable = grpo_sim.parameter_bytes(lora_sim.adapter_parameters(model))
+            reference = grpo_sim.parameter_bytes(ref.model) if grpo else 0
+            kv = (grpo_sim.kv_cache_bytes(config, spec, req.batch, req.seq, dtype.itemsize)
+                  if grpo else 0)
     finally:
         dist.destroy_process_group()
+    breakdown = split(on_device(peak))
     return MemoryRecord(spec.label, spec.name, spec.tp, spec.cp, spec.degree, req.seq, req.batch,
                         req.model, config.num_hidden_layers, req.recompute, req.optimizer,
-                        req.dtype, int(on_device(peak)["Total"]), split(on_device(peak)),
+                        req.dtype, int(on_device(peak)["Total"]), breakdown,
                         time.perf_counter() - start, phases, req.dp_shard, host_total(peak),
-                        req.tile_tokens, req.activation_offload)
+                        req.tile_tokens, req.activation_offload, req.step, reference,
+                        grpo_sim.rollout_bytes(breakdown, kv) if grpo else 0, req.lora,
+                        trainable)
+
+
+def _new_model(auto, config, dtype: torch.dtype) -> torch.nn.Module:
+    """``auto.from_config(config)`` built in ``dtype`` (``.to(dtype)`` fails under fake mode)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return auto.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def check_request(req: SimulationRequest) -> None:
     """Refuse what the long-context switches cannot do, naming the fix (before any process)."""
     from ..layers.tiles import check_tile_tokens
+    from .grpo_sim import check_step
+    from .lora_sim import check_lora
 
     check_tile_tokens(req.tile_tokens)  # and a baseline's is refused by baselines.build
+    check_step(req.step, req.dp_shard)
+    check_lora(req.lora, req.layout, req.dp_shard)
     if req.activation_offload and req.recompute == "none":
         raise ValueError("activation offload moves the checkpointed layer inputs to the host and "
                          "needs activation checkpointing: recompute 'full' or 'selective', not "
@@ -494,4 +539,5 @@ def simulate_many(requests: list[SimulationRequest], jobs: int = 2,
 
 
 def record_dict(rec: MemoryRecord) -> dict:
-    return asdict(rec) | {"peak_gib": rec.peak_gib, "host_gib": rec.host_gib, "gpus": rec.gpus}
+    out = asdict(rec) | {"peak_gib": rec.peak_gib, "host_gib": rec.host_gib, "gpus": rec.gpus}
+    return out | ({"rollout_gib": rec.rollout_bytes / GIB} if rec.step == "grpo" else {})

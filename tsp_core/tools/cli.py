@@ -98,11 +98,14 @@ def simulation_requests(args: argparse.Namespace) -> tuple[Any, list]:
     if args.layouts is None:  # with FSDP2, the layouts it is simulated for
         fsdp = any(dp > 1 for dp in args.dp_shard)
         args.layouts = ",".join(FSDP_LAYOUTS) if fsdp else "tsp,tp,tp-sp,cp,tp+cp,tp-sp+cp"
+        if args.lora is not None:  # only TSP takes a PeftModel (tsp_core.plan.lora_sim)
+            args.layouts = "tsp"
     offload = args.activation_offload
     # tiles are TSP's (the baselines' MLP and loss are Hugging Face's, untiled)
     requests = [SimulationRequest(s.name, s.tp, s.cp, seq, args.model, args.layers, args.batch,
                                   args.recompute, args.optimizer, args.dtype, dp,
-                                  args.tile_tokens if s.name == "tsp" else None, offload)
+                                  args.tile_tokens if s.name == "tsp" else None, offload,
+                                  args.step, args.lora)
                 for degree in args.degree for seq in args.seq
                 for s in parse_layouts(args.layouts, degree) for dp in args.dp_shard]
     for r in requests:  # before any process starts
@@ -118,7 +121,7 @@ def simulate_main(args: argparse.Namespace) -> int:
 
     config, requests = simulation_requests(args)
     pp, micro, fsdp = args.pp, args.microbatches, any(dp > 1 for dp in args.dp_shard)
-    offload = args.activation_offload
+    offload, grpo = args.activation_offload, args.step == "grpo"
 
     print(f"model {args.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"heads {config.num_attention_heads}/{config_shape(config)[1]}, intermediate "
@@ -126,6 +129,9 @@ def simulate_main(args: argparse.Namespace) -> int:
           f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; "
           + (f"FSDP2 dp_shard {','.join(map(str, args.dp_shard))}; " if fsdp else "")
           + ("activation offload (every layout; host bytes apart); " if offload else "")
+          + (f"LoRA r={args.lora} on the seven projections, base frozen; " if args.lora else "")
+          + ("one GRPO step (policy + reference resident, reference's no-grad forward; rollout "
+             "computed: resident state + KV cache); " if grpo else "")
           + f"tsp tiles {args.tile_tokens or 'from the sizes'} (the baselines' MLP and loss are "
           f"untiled); "
           + f"rank 0 of each world under FakeTensorMode ({len(requests)} runs, {args.jobs} at a "
@@ -136,9 +142,11 @@ def simulate_main(args: argparse.Namespace) -> int:
     # working set (unsharded parameters and gradients, all-gather / reduce-scatter buffers)
     extra = " ".join(f"{k:>{w}}" for k, w in (("dp", 3), ("GPUs", 5))) + " " if fsdp else ""
     host = f"{'host GiB':>9} " if offload else ""  # per rank, apart from the GPU's peak
+    # GRPO: the reference's parameters (inside "parameters") and the rollout's peak (computed)
+    rl = f" {'reference':>11} {'rollout*':>9}" if grpo else ""
     head = (f"{'layout':<15} {'seq':>7} {'D':>3} {extra}{'peak GiB':>9} {host}"
             + " ".join(f"{k[:11]:>11}" for k in kinds) + (f" {'fsdp':>11}" if fsdp else "")
-            + (f" {'in flight':>9} {'pp peak':>9}" if pp > 1 else ""))
+            + (f" {'in flight':>9} {'pp peak':>9}" if pp > 1 else "") + rl)
     start = time.perf_counter()
 
     def row(r) -> str:
@@ -150,6 +158,8 @@ def simulate_main(args: argparse.Namespace) -> int:
                 + " ".join(f"{r.breakdown.get(k, 0) / GIB:>11.2f}" for k in kinds)
                 + (f" {fsdp_bytes / GIB:>11.2f}" if fsdp else "")
                 + (f" {flight / GIB:>9.2f} {(r.peak_bytes + flight) / GIB:>9.2f}" if pp > 1
+                   else "")
+                + (f" {r.reference_bytes / GIB:>11.2f} {r.rollout_bytes / GIB:>9.2f}" if grpo
                    else ""))
 
     done = [0]
@@ -163,6 +173,10 @@ def simulate_main(args: argparse.Namespace) -> int:
     print(head)
     for r in records:
         print(row(r))
+    if grpo:
+        print("rollout*: computed, not simulated: the step's resident parameters (policy and "
+              "reference), buffers and optimizer states plus the KV cache of every row at full "
+              "length")
     if args.json:
         _write_json(args.json, [record_dict(r) for r in records])
     return 0
@@ -240,6 +254,16 @@ def parser() -> argparse.ArgumentParser:
                      help="keep each checkpointed layer's input in host memory (every layout; "
                           "needs --recompute full or selective); the host's bytes per rank are "
                           "reported apart from the GPU's peak")
+    sim.add_argument("--step", default="train", choices=["train", "grpo"],
+                     help="train: one training step; grpo: one GRPO step: the policy's step "
+                          "through GRPO's per-token loss with a reference model of the same shape "
+                          "resident (laid out like the policy) and its no-grad forward; the "
+                          "rollout's peak is computed beside it (not with --dp-shard > 1)")
+    sim.add_argument("--lora", type=int, default=None, metavar="R",
+                     help="PEFT's LoRA of rank R on the seven projections (q, k, v, o, gate, up, "
+                          "down), the base frozen: gradients and AdamW moments of the adapters "
+                          "alone (tsp only: the baselines' tensor-parallel styles cannot take a "
+                          "PeftModel; default: full fine-tuning)")
     sim.add_argument("--tile-tokens", type=int, default=None,
                      help="tokens per tile of TSP's MLP, experts and loss (default: chosen from "
                           "the model's sizes; the baselines' are not tiled)")
