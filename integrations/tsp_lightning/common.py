@@ -11,6 +11,7 @@ import tsp_core
 from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
 from tsp_core.layers.tiles import check_tile_tokens
 from tsp_core.models import TSPCausalLM
+from tsp_core.models.lora import is_peft_model
 from tsp_core.models.offload import check_converted
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
 
@@ -123,6 +124,22 @@ class TSPMeshMixin:
                        f"processes / tsp_size {self.tsp_choice.size}); each rank keeps its whole "
                        f"1/{self.tsp_choice.size} TSP shard")
 
+    def _check_peft_fsdp(self) -> None:
+        """LoRA with FSDP2 is refused by the conversion, in tsp_core's words (``dp_shard``); a
+        strategy user sets ``fsdp=``, so say that here, identically on every rank before any
+        process group exists (the Trainer strategies; Fabric sees the model later)."""
+        if not self._fsdp or self._data_parallel_size <= 1:
+            return
+        module = getattr(self, "_lightning_module", None)
+        model = getattr(module, "model", None)
+        if not is_peft_model(module) and not is_peft_model(model):
+            return
+        raise NotImplementedError(
+            f"a PEFT PeftModel (LoRA) with fsdp=True is not supported yet: FSDP2 would shard it "
+            f"over the {self._data_parallel_size} data-parallel replicas. Pass fsdp=False (plain "
+            f"data parallelism: each rank keeps its 1/{self.tsp_choice.size} TSP shard of the "
+            f"frozen base; docs/lora.md)")
+
     def _set_auto_inputs(self, seq_len: int | None, memory_gb: float | None,
                          model_config: Any) -> None:
         self._auto_inputs = {"seq_len": seq_len, "memory_gb": memory_gb,
@@ -168,6 +185,7 @@ class TSPMeshMixin:
             self._auto_inputs.get("memory_gb"))
         self._tensor_parallel_size = self.tsp_choice.size
         self._check_fsdp(self.num_nodes * self.num_processes)
+        self._check_peft_fsdp()
         log_choice(self.tsp_choice)
         setup_environment()
         # fsdp: FSDP2 shards each rank's TSP shard over the whole data-parallel dim

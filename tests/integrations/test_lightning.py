@@ -4,7 +4,8 @@ tsp 2 (processes started by Lightning), dp 2 x tsp 2 (also with fsdp=True: FSDP2
 data-parallel dim, each rank storing a quarter of the model) and tsp 4 with 1 and 2 key/value
 heads (torchrun), with TSP's logged figures equal to comm's counters; with activation_offload
 and checkpointed layers the losses and first gradients to 1e-10; bf16 trains like float32 within
-bf16's precision; resume is exact; bad configurations fail fast everywhere."""
+bf16's precision; a PEFT PeftModel at tsp 2 trains its adapters as on one process (to 1e-10, the
+base untouched); resume is exact; bad configurations fail fast everywhere."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -292,13 +294,21 @@ BAD = {"tsp3": (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size
                 r"precision='16-true' is not supported by the TSP strategy")}
 
 
+# a PEFT PeftModel (rank-4 LoRA on the seven projections, lightning_job.lora_model) under
+# strategy="tsp" at tsp 2, float64, SGD with momentum (a state per trained parameter), clipped
+LORA = ("--devices", "2", "--tsp-size", "2", "--kv-heads", "1", "--lora", "4", "--precision",
+        "64-true", "--optimizer", "sgd-momentum", "--lr", "0.5", "--clip", "0.5",
+        "--record-grads")
+
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> str:
     """One torchrun launch of 2 processes: bf16-mixed and bf16-true at tsp 2, 8 SGD steps clipped
     at 0.5 (lr 0.5: each step moves the weights by 0.25; unclipped SGD on this model is erratic,
     gradient norms jump to 15) on rows of a repeated pattern, which a model can learn; the
     uninterrupted and the resumed run of :func:`test_resume_is_exact`; the packed batches of
-    :func:`test_packed_batches`; then every bad configuration of :data:`BAD`, each raising in the
+    :func:`test_packed_batches`; the PeftModel of :func:`test_peft_model_matches_one_process`;
+    then every bad configuration of :data:`BAD`, each raising in the
     same processes (the launch still ends cleanly on both ranks). Returns the output folder (a
     subfolder per case)."""
     out = tmp_path_factory.mktemp("lightning_2")
@@ -313,7 +323,8 @@ def two_processes(tmp_path_factory) -> str:
             "--case", " ".join(["uninterrupted", *resume, "--ckpt-dir", ckpts]),
             "--case", " ".join(["resumed", *resume, "--resume",
                                 os.path.join(ckpts, "epoch=1.ckpt")]),
-            "--case", "packed --devices 2 --packed --rows 2 --steps 1", *bad, torchrun=2)
+            "--case", "packed --devices 2 --packed --rows 2 --steps 1",
+            "--case", " ".join(["lora", *LORA]), *bad, torchrun=2)
     return str(out)
 
 
@@ -401,6 +412,41 @@ def test_packed_batches(two_processes):
     assert abs(res["losses"][0] - want) <= 1e-5 * want, (res["losses"], want)
 
 
+def test_peft_model_matches_one_process(two_processes):
+    # the LightningModule's model is a PeftModel; the strategy converts it with its adapters.
+    # Against the same PeftModel (same seeds, same batches: Lightning's shuffled sampler, 2 rows
+    # a step) trained by plain PEFT and torch on one process: every rank's losses and logged
+    # losses, clipping norms, first gradients (the adapters' alone) and adapters after 4 steps
+    # to 1e-10; the base weights bit for bit as built; gradients and optimizer state for the
+    # adapters only, though the optimizer was given every parameter
+    import functools
+
+    from tests.jobs.lightning_job import MOMENTUM, lora_model
+
+    init = hf_models.build("llama", torch.float64, kv_heads=1).state_dict()
+    model = lora_model(hf_models.build("llama", torch.float64, kv_heads=1), 4)
+    ref = hf_models.sgd_reference(model, global_batches(Sequences(4).ids, 1, 4, True), lr=0.5,
+                                  clip=0.5, optimizer=functools.partial(torch.optim.SGD,
+                                                                        momentum=MOMENTUM))
+    adapters = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert len(adapters) == 2 * 7 * 2 and sorted(ref["grads0"]) == adapters, ref["grads0"]
+    # TSP's full state dict names a base weight as the Hugging Face model does
+    ref["weights"] = {n.replace(".base_layer.", "."): w for n, w in ref["weights"].items()}
+    runs = full_run(os.path.join(two_processes, "lora"))
+    assert len(runs) == 2
+    for r, run in enumerate(runs):
+        what = f"lora, rank {r}: "
+        assert run["grad_names"] == run["state_names"] == adapters, \
+            f"{what}trained {run['grad_names']}, optimizer state {run['state_names']}"
+        hf_models.assert_matches_reference(run, ref, 1e-10, what=what)
+        hf_models.assert_matches_reference({"losses": run["logged"]}, ref, 1e-10,
+                                           what=f"{what}logged ", keys=("losses",))
+        for name, w in run["weights"].items():
+            if ".lora_" not in name:
+                base = name.removeprefix("base_model.model.")
+                assert torch.equal(w, init[base]), f"{what}base weight {name} moved"
+
+
 def test_reading_the_mesh_too_early_says_when_it_exists():
     # the mesh is built in setup_environment; read before (in __init__, before trainer.fit or
     # fabric.launch) the error says from which hook on it exists and what to do
@@ -452,6 +498,32 @@ def test_fsdp_options_fail_before_processes():
         with pytest.warns(UserWarning, match=r"fsdp=True has nothing to shard: the "
                                              r"data-parallel size is 1"), \
                 pytest.raises(NoProcessGroup):
+            strategy._setup_tsp_environment("32-true", setup_environment)
+
+
+def test_peft_model_with_fsdp_fails_before_processes():
+    # a PeftModel with fsdp=True at data parallel 2 (LoRA with FSDP2 is refused by the
+    # conversion) fails in setup_environment, before any process group exists, saying what to
+    # pass instead; at data parallel 1 (nothing for FSDP2 to shard) it goes on
+    import tsp_lightning
+    from tests.jobs.lightning_job import build_llama, lora_model
+
+    class NoProcessGroup(Exception):
+        pass
+
+    def setup_environment():
+        raise NoProcessGroup
+
+    holder = torch.nn.Module()
+    holder.model = lora_model(build_llama(), 4)
+    for devices, error, words in ((4, NotImplementedError, r"a PEFT PeftModel \(LoRA\) with "
+                                   r"fsdp=True is not supported yet: FSDP2 would shard it over "
+                                   r"the 2 data-parallel replicas. Pass fsdp=False"),
+                                  (2, NoProcessGroup, "")):
+        strategy = tsp_lightning.TSPStrategy(tsp_size=2, fsdp=True)
+        strategy.parallel_devices = [torch.device("cpu")] * devices
+        strategy._lightning_module = holder
+        with pytest.raises(error, match=words), pytest.warns() if devices == 2 else nullcontext():
             strategy._setup_tsp_environment("32-true", setup_environment)
 
 

@@ -6,6 +6,8 @@ rank writes its per-step losses, logged losses and gradient norms
 (``rank<R>.json``), the final full weights it holds and, with ``--record-grads``, the first
 step's full gradients before clipping (``rank<R>_weights.pt``, ``rank<R>_grads0.pt``: each
 data-parallel replica's own, gathered over its TSP group, so a replica that diverged shows).
+``--lora R``: the model a PEFT ``PeftModel`` (:func:`lora_model`); each rank also records which
+parameters had a gradient at the first step and which have optimizer state after the run.
 
 The gradient norm is the one Lightning clips with: ``torch.nn.utils.clip_grad_norm_`` is wrapped
 to record what it returns (Trainer: Lightning's precision plugin calls it; Fabric:
@@ -34,6 +36,8 @@ from tsp_core.models import TSPCausalLM
 
 VOCAB, SEQ = 96, 24
 
+MOMENTUM = 0.9  # --optimizer sgd-momentum
+
 NORMS: list[float] = []   # what torch.nn.utils.clip_grad_norm_ returned, per call (main() only)
 
 
@@ -52,6 +56,20 @@ def record_clip_grad_norm() -> None:
 
 def build_llama(kv_heads: int = 2, family: str = "llama"):
     return build(family, torch.float32, kv_heads=kv_heads)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(model, r: int):
+    """``model`` inside PEFT's ``get_peft_model``: rank-``r`` LoRA (alpha 2r) on the seven
+    projections, A and B random from seed 1 (PEFT's B = 0 would give A no first gradient), the
+    base frozen. Plain PEFT: the one-process reference builds the same."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
+                                            target_modules=LORA_TARGETS))
 
 
 class Sequences(Dataset):
@@ -152,6 +170,8 @@ def fsdp_options(a) -> dict:
 def make_optimizer(params, a):
     if a.optimizer == "sgd":  # plain SGD: the update is lr x the (clipped) gradient
         return torch.optim.SGD(params, lr=a.lr)
+    if a.optimizer == "sgd-momentum":  # scale-faithful too, with a state per trained parameter
+        return torch.optim.SGD(params, lr=a.lr, momentum=MOMENTUM)
     return torch.optim.AdamW(params, lr=a.lr)
 
 
@@ -167,12 +187,15 @@ class LitLlama(L.LightningModule):
             self.model = build_llama(a.kv_heads, a.family)
             if a.activation_offload:  # what offload needs: checkpointed decoder layers
                 self.model.activation_checkpointing_enable()
+            if a.lora:  # a PeftModel: the strategy converts it with its adapters
+                self.model = lora_model(self.model, a.lora)
         self.a = a
         self.losses: list[float] = []
         self.logged: list[float] = []
         self.engine_norms: list[float] = []
         self.grads0: dict | None = None
         self.grad_numel = 0
+        self.grad_names: list[str] = []   # the parameters with a gradient at the first step
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         recorder = next((c for c in self.trainer.callbacks if isinstance(c, RecordSteps)), None)
@@ -200,6 +223,9 @@ class LitLlama(L.LightningModule):
         if self.a.record_grads and self.grads0 is None:
             self.grads0 = full_grads(self.model)
             self.grad_numel = grad_numel(self.model)
+        if self.a.lora and not self.grad_names:
+            self.grad_names = sorted(n for n, p in self.model.named_parameters()
+                                     if p.grad is not None)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.logged.append(float(self.trainer.callback_metrics["train_loss"]))
@@ -245,6 +271,13 @@ def storage(model) -> dict:
                 fsdp_modules=sum(isinstance(m, FSDPModule) for m in model.modules()))
 
 
+def state_names(trainer, module) -> list[str]:
+    """The names of the model's parameters that have optimizer state, over every optimizer."""
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    return sorted(names.get(id(p), "<not a model parameter>") for opt in trainer.optimizers
+                  for p, state in opt.state.items() if state)
+
+
 def offload_stats(model) -> dict | None:
     """The host offload's counts (``tsp_core.models.offload``), None without offload."""
     state = find_model_state(model)
@@ -254,8 +287,9 @@ def offload_stats(model) -> dict | None:
 
 def full_weights(model) -> dict:
     """This rank's full weights: of a TSP model gathered over its group (a collective: every
-    rank calls it, and every rank keeps the result, so each replica's are compared)."""
-    if isinstance(model, TSPCausalLM):
+    rank calls it, and every rank keeps the result, so each replica's are compared); a
+    converted PeftModel's too (its TSP model is inside it)."""
+    if any(isinstance(m, TSPCausalLM) for m in model.modules()):
         return tsp_core.full_state_dict(model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -299,6 +333,8 @@ def run_trainer(a) -> dict:
                group_timeouts=group_timeouts(trainer.strategy)
                if isinstance(trainer.strategy, tsp_lightning.TSPStrategy) else None,
                offload=offload_stats(module.model), **storage(module.model))
+    if a.lora:  # what was trained: only the adapters may have gradients and optimizer state
+        res["grad_names"], res["state_names"] = module.grad_names, state_names(trainer, module)
     if a.metrics:
         res["metric_rows"], res["step_counts"] = recorder.rows, recorder.counters.steps
     if a.evaluate:
@@ -356,7 +392,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--clip", type=float, default=None)
-    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    ap.add_argument("--optimizer", choices=["adamw", "sgd", "sgd-momentum"], default="adamw")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--family", default="llama", help="a tests/hf_models family")
@@ -383,6 +419,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--activation-offload", action="store_true",
                     help="TSPStrategy / TSPFabricStrategy(activation_offload=True), the model's "
                          "decoder layers checkpointed")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="the model a PEFT PeftModel (lora_model): rank-R LoRA on the seven "
+                         "projections; records which parameters have gradients and optimizer "
+                         "state")
     ap.add_argument("--bad-model", action="store_true")
     ap.add_argument("--fails", action="store_true",
                     help="a case that must raise: each rank records the error (rank<R>.json's "
