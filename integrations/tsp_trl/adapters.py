@@ -3,10 +3,18 @@ inside their own ``__init__``, after ``TSPTrainer`` has converted the model, whe
 ``nn.Linear`` to adapt. So :func:`apply_peft_config` applies it first, as TRL's SFTTrainer
 would (its checks, its ``get_peft_model`` arguments), and TRL is handed the PeftModel with
 ``peft_config=None``: it then does with it what it does with the PeftModel it built itself
-(input gradients under gradient checkpointing, the fused head on the base model)."""
+(input gradients under gradient checkpointing, the fused head on the base model).
+
+DPOTrainer tells the two apart: a PeftModel given without ``peft_config`` gets a second, frozen
+"ref" adapter as its reference, one built from ``peft_config`` is its own reference with the
+adapter disabled. So TSPDPOTrainer hands TRL the model inside the converted PeftModel with the
+``peft_config``, and TRL's ``get_peft_model`` returns the PeftModel (:func:`built_peft_model`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 from tsp_core.models.lora import is_peft_model
@@ -37,14 +45,38 @@ def apply_peft_config(model: Any, peft_config: Any, args: Any) -> Any:
     return get_peft_model(model, peft_config, **kwargs)
 
 
-def refuse_peft(model: Any, peft_config: Any, trainer: str) -> None:
-    """A trainer whose PEFT use TSP does not run yet (DPO: TRL's reference is the policy with
-    its adapter disabled, or a second adapter) refuses ``peft_config`` and a PeftModel, on
-    every rank before any collective."""
-    if peft_config is not None or is_peft_model(model):
-        given = "peft_config=" if peft_config is not None else "a PeftModel"
-        raise NotImplementedError(f"{trainer} with {given} is not supported under TSP yet (its "
-                                  f"reference model would be the policy with the adapter "
-                                  f"disabled, or a second adapter): train LoRA with "
-                                  f"TSPSFTTrainer, or run {trainer} with tsp_size=1 "
-                                  f"(docs/lora.md)")
+def refuse_peft_model(model: Any, peft_config: Any, trainer: str) -> None:
+    """A PeftModel handed to TRL's DPOTrainer without ``peft_config`` keeps its adapter as the
+    starting point: TRL adds a second, frozen adapter "ref" (a copy of "default") as the
+    reference, and TSP converts one adapter. Refused on every rank before any collective, with
+    the fix; with ``peft_config`` the reference is the model with its adapter disabled, which
+    TSP runs (:func:`built_peft_model`)."""
+    if peft_config is None and is_peft_model(model):
+        raise NotImplementedError(
+            f"{trainer} with a PeftModel (adapters {sorted(model.peft_config)}) and no "
+            f"peft_config is not supported under TSP yet: DPOTrainer would add a second "
+            f"adapter 'ref', a frozen copy of 'default', as the reference model, and TSP "
+            f"converts one adapter. Pass the base model with peft_config=LoraConfig(...) "
+            f"(the reference is then the base model, the adapter disabled), or run {trainer} "
+            f"with tsp_size=1 (docs/lora.md)")
+
+
+@contextlib.contextmanager
+def built_peft_model(module: ModuleType, built: Any, peft_config: Any) -> Iterator[None]:
+    """While a TRL trainer's ``__init__`` runs: its module's ``get_peft_model(model,
+    peft_config)`` returns ``built``, the PeftModel :func:`apply_peft_config` made of that
+    model with that config before the TSP conversion (PEFT cannot adapt TSP's weight shards),
+    so TRL takes its own ``peft_config=`` path with the model it would have built. Any other
+    call is PEFT's."""
+    original = module.get_peft_model
+
+    def get_peft_model(model: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if model is built.get_base_model() and config is peft_config:
+            return built
+        return original(model, config, *args, **kwargs)
+
+    module.get_peft_model = get_peft_model
+    try:
+        yield
+    finally:
+        module.get_peft_model = original

@@ -8,7 +8,12 @@ model). ``trainer.save_model()`` writes PEFT's adapter files (the converted Peft
 ``save_pretrained``: the processes gather, rank 0 writes), equal to one process's: the same keys,
 every tensor within 1e-6, the same r, lora_alpha and target modules. Only the adapters require
 gradients (the same names as on one process), and the base weights are bit for bit those
-loaded. ``TSPDPOTrainer(peft_config=...)`` refuses on every rank, naming the fix."""
+loaded. ``TSPDPOTrainer(peft_config=...)`` at tsp 2 matches TRL's ``DPOTrainer(peft_config=...)``
+on one process the same way (its reference: the policy with the adapter disabled): the loss,
+grad_norm, rewards and log-probs per step to 1e-5 relative on every rank, the saved adapter,
+the trainable names and the base weights; handed a PeftModel without peft_config (TRL would add
+a second, "ref" adapter) it refuses on every rank before any collective, naming the
+fix. The one-process references are TRL alone: their process never imports tsp_core."""
 
 from __future__ import annotations
 
@@ -27,26 +32,38 @@ from tests.support import launch  # noqa: E402
 
 JOB = os.path.join(launch.JOBS, "trl_lora_job.py")
 PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-TSP_CASES = ("sft", "peft_model", "checkpointed")
+TSP_CASES = ("sft", "peft_model", "checkpointed", "dpo")
+REFERENCE = {"sft": "sft", "peft_model": "sft", "checkpointed": "sft", "dpo": "dpo"}
 # the adapters' gradient norms are 0.37 to 0.6 (B starts at zero): clipping at 0.25 acts at every
 # step, so each update is lr x clip x g/|g| (the adapters check the direction, grad_norm the size)
 CLIP = ["--max_grad_norm", "0.25"]
+# DPO: the same 4 preference pairs at each of the 3 steps, at lr 2 (x clip 0.25: it acts at
+# every step, the norms 0.26 to 0.33), so that the logged rewards (0.1 x the log-probs' move off
+# the reference's: 0.1 to 0.4 after step 0) are large against float32's rounding of those sums of
+# about 50 (a reward is off by ~3e-7): on 12 pairs at lr 0.5 each step's rewards are those of
+# pairs not yet trained on, 0.004 to 0.03 after step 0, 1e-5 off relative
+DPO_CASE = "--rows 4 --learning_rate 2"
+# DPO's figures, each to 1e-5 relative (a reward is 0 at step 0 on both sides: B = 0 makes the
+# policy its reference, bit for bit)
+DPO_FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins",
+               "rewards/accuracies", "logps/chosen", "logps/rejected")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, saved) -> str:  # noqa: F811
-    """One process (TRL's SFTTrainer) and one 2-process launch (every TSP case), run side by
-    side."""
+    """One process (TRL's SFTTrainer, then DPOTrainer: a plain python process, no tsp_core,
+    so no exit line to check) and one 2-process launch (every TSP case), run side by side."""
     out = tmp_path_factory.mktemp("trl_lora")
-    one = [sys.executable, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON, *CLIP,
-           "--output_dir", str(out / "o1"), "--out", str(out / "one"), "--case", "sft"]
+    one = [sys.executable, JOB, "--model_path", saved, *COMMON, *CLIP,
+           "--output_dir", str(out / "o1"), "--out", str(out / "one"), "--case", "sft",
+           f"dpo --mode dpo_plain {DPO_CASE}"]
     two = launch.torchrun(2, launch.EXIT_CLEANLY, JOB, "--model_path", saved, *COMMON, *CLIP,
                           "--output_dir", str(out / "o2"), "--out", str(out / "tsp"),
-                          "--tsp_size", "2", "--case", "sft --mode tsp",
-                          "peft_model --mode peft_model",
+                          "--tsp_size", "2", "--case", "dpo_peft_model --mode dpo_peft_model",
+                          "sft --mode tsp", "peft_model --mode peft_model",
                           "checkpointed --mode tsp --gradient_checkpointing true",
-                          "dpo --mode dpo")
-    launch.run_together((one, 1), (two, 2), timeout=180)
+                          f"dpo --mode dpo {DPO_CASE}")
+    launch.run_together((one, 0), (two, 2), timeout=180)
     return str(out)
 
 
@@ -58,7 +75,14 @@ def adapter(path: str) -> tuple[dict, dict]:
     return config, load_file(os.path.join(path, "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("case", TSP_CASES)
+def test_references_are_trl_alone(results):
+    for case in ("sft", "dpo"):
+        (ref,) = runs(os.path.join(results, "one", case), 1)
+        assert ref["tsp_core_imported"] is False, case
+        assert ref["class"] == "PeftModelForCausalLM" and ref["ref_model"] is None, (case, ref)
+
+
+@pytest.mark.parametrize("case", ("sft", "peft_model", "checkpointed"))
 def test_lora_sft_tsp2_matches_one_process(results, case):
     (ref,) = runs(os.path.join(results, "one", "sft"), 1)
     assert len(ref["rows"]) == STEPS, ref
@@ -79,6 +103,33 @@ def test_lora_sft_tsp2_matches_one_process(results, case):
                     f"{case} rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
 
 
+def test_lora_dpo_tsp2_matches_one_process(results):
+    """TSPDPOTrainer(peft_config=...) against DPOTrainer(peft_config=...): the reference
+    log-probs are the policy's with the adapter disabled on both sides (TRL keeps no reference
+    model), so the rewards after step 0 (the adapter trained) check that disabling reaches
+    TSP's adapters."""
+    (ref,) = runs(os.path.join(results, "one", "dpo"), 1)
+    assert len(ref["rows"]) == STEPS, ref
+    assert min(row["grad_norm"] for row in ref["rows"]) > float(CLIP[1]), ("clipping must act",
+                                                                         ref)
+    assert all(min(abs(row[f"rewards/{k}"]) for k in ("chosen", "rejected", "margins")) > 0.05
+               for row in ref["rows"][1:]), ("the adapter moves the policy off its reference",
+                                             ref["rows"])
+    for r, run in enumerate(runs(os.path.join(results, "tsp", "dpo"), 2)):
+        assert (run["class"], run["ref_model"]) == (ref["class"], None), (r, run["class"])
+        assert run["trainable"] == ref["trainable"], \
+            (r, sorted(set(run["trainable"]) ^ set(ref["trainable"]))[:4])
+        assert len(run["rows"]) == STEPS, (r, run)
+        for step, (got, want) in enumerate(zip(run["rows"], ref["rows"])):
+            assert set(got) == set(want) >= set(DPO_FIGURES), (r, step, got, want)
+            for key in DPO_FIGURES:
+                assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), \
+                    f"dpo rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+            for key in ("mean_token_accuracy", "num_tokens"):
+                assert got[key] == want[key], \
+                    f"dpo rank {r}, step {step}: {key} {got[key]} vs {want[key]}"
+
+
 def test_only_the_adapters_train(results):
     """Every parameter that requires gradients is a LoRA A or B of one of the seven
     projections, one pair per projection per layer; the base weights after training are the
@@ -90,7 +141,8 @@ def test_only_the_adapters_train(results):
         assert (".lora_A.default." in name or ".lora_B.default." in name) and \
             name.split(".lora_")[0].rsplit(".", 1)[1] in PROJECTIONS, name
     base0 = torch.load(os.path.join(results, "one", "sft", "rank0_base0.pt"))
-    finals = [("one process", os.path.join(results, "one", "sft", "rank0_base.pt"))]
+    finals = [(f"one process {case}", os.path.join(results, "one", case, "rank0_base.pt"))
+              for case in ("sft", "dpo")]
     finals += [(f"{case} rank {r}", os.path.join(results, "tsp", case, f"rank{r}_base.pt"))
                for case in TSP_CASES for r in range(2)]
     for what, path in finals:
@@ -102,7 +154,7 @@ def test_only_the_adapters_train(results):
 
 @pytest.mark.parametrize("case", TSP_CASES)
 def test_saved_adapter_equals_one_process(results, case):
-    want_config, want = adapter(os.path.join(results, "one", "sft", "adapter"))
+    want_config, want = adapter(os.path.join(results, "one", REFERENCE[case], "adapter"))
     got_config, got = adapter(os.path.join(results, "tsp", case, "adapter"))
     for key in ("r", "lora_alpha", "peft_type"):
         assert got_config[key] == want_config[key], (case, key, got_config[key])
@@ -122,7 +174,10 @@ def test_saved_adapter_equals_one_process(results, case):
         assert off <= tol, f"{case}: {k} differs from one process's by {off:.2e} (> {tol:.1e})"
 
 
-def test_dpo_with_peft_config_refuses_on_every_rank(results):
-    for r, run in enumerate(runs(os.path.join(results, "tsp", "dpo"), 2)):
-        assert run["error"] is not None and "TSPDPOTrainer with peft_config=" in run["error"] \
-            and "TSPSFTTrainer" in run["error"] and "tsp_size=1" in run["error"], (r, run)
+def test_dpo_with_a_peft_model_refuses_on_every_rank(results):
+    for r, run in enumerate(runs(os.path.join(results, "tsp", "dpo_peft_model"), 2)):
+        error = run["error"]
+        assert error is not None and "TSPDPOTrainer with a PeftModel (adapters ['default'])" in \
+            error and "Pass the base model with peft_config=LoraConfig(...)" in error and \
+            "tsp_size=1" in error, (r, error)
+        assert run["collectives"] == {}, (r, "collectives before the refusal", run["collectives"])
