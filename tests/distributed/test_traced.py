@@ -1,8 +1,11 @@
-"""TSP's collectives as dynamo traces them (:mod:`tsp_core.distributed.traced`): every decoder
-layer of a TSP Llama captured whole by ``torch.compile(fullgraph=True)`` (dynamo's graph, run by
-the ``eager`` backend), with no graph break and no recompile on the second step, gives eager TSP's
-loss and gradients bit for bit and issues the same collectives, with the same bytes, in the same
-order (the counters run inside the captured graph at every call)."""
+"""TSP's collectives as torch.compile traces them (:mod:`tsp_core.distributed.traced`): every
+decoder layer of a TSP Llama compiled whole by ``parallelize(..., compile=...)``
+(``torch.compile(fullgraph=True)`` per layer) through AOT
+autograd (the ``aot_eager`` backend: dynamo's graph, forward and backward split as inductor gets
+them, run without code generation), with no graph break and no recompile on the second step,
+gives eager TSP's loss and gradients bit for bit and issues the same collectives, with the same
+bytes, in the same order, on every rank (the ranks' graphs differ, and a collective dropped,
+merged or moved on one rank only would hang them)."""
 
 from __future__ import annotations
 
@@ -42,7 +45,6 @@ def compiled_against_eager(tsp: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import tsp_core
-    from tsp_core.distributed import traced
 
     mesh = dist_pool.mesh(tsp)
     torch.manual_seed(0)
@@ -54,14 +56,15 @@ def compiled_against_eager(tsp: int) -> dict:
 
     dynamo.reset()
     dynamo.utils.counters.clear()
-    model = tsp_core.parallelize(copy.deepcopy(base), mesh)
-    for layer in model.model.layers:
-        layer.compile(backend="eager", fullgraph=True)
+    traces_autograd = dynamo.config.trace_autograd_ops
+    model = tsp_core.parallelize(copy.deepcopy(base), mesh, compile="aot_eager")
     frames = []
-    with traced.dynamo_settings():
-        model.model.layers[0].register_forward_hook(
-            lambda *_: frames.append(dynamo.utils.counters["stats"]["unique_graphs"]))
+    model.model.layers[0].register_forward_hook(
+        lambda *_: frames.append(dynamo.utils.counters["stats"]["unique_graphs"]))
+    try:
         compiled = _step(model, ids, mesh)
+    finally:
+        dynamo.config.trace_autograd_ops = traces_autograd  # parallelize turned it on
     breaks = dict(dynamo.utils.counters["graph_break"])
     dynamo.reset()
     return {"eager": eager, "compiled": compiled, "breaks": breaks, "graphs": frames}

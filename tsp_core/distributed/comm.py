@@ -82,30 +82,6 @@ def _record(kind: str, nbytes: float) -> None:
         t.record(kind, nbytes)
 
 
-@torch.library.custom_op("tsp_comm::record", mutates_args=())
-def _record_traced(anchor: torch.Tensor, kind: str, nbytes: float, group_name: str) -> None:
-    """:func:`_record` and the guard's numbering of one collective, as an op of a compiled graph
-    that runs at every call of the graph, not once per trace (:mod:`traced`); ``anchor``, the
-    collective's input, places it in the graph."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    _record(kind, nbytes)
-    guard.before(kind, _resolve_process_group(group_name), nbytes)
-
-
-@_record_traced.register_fake
-def _(anchor: torch.Tensor, kind: str, nbytes: float, group_name: str) -> None:
-    return None
-
-
-torch.fx.node.has_side_effect(torch.ops.tsp_comm.record.default)
-
-
-def _count_traced(anchor: torch.Tensor, kind: str, nbytes: float,
-                  group: dist.ProcessGroup) -> None:
-    torch.ops.tsp_comm.record(anchor, kind, float(nbytes), group.group_name)
-
-
 @contextlib.contextmanager
 def _blocked() -> Iterator[None]:
     """Add the time spent inside the block to every tracker's ``wait_seconds``."""
@@ -176,18 +152,13 @@ def count_point_to_point(ops: list) -> list:
 
 # ---------------------------------------------------------------- raw, counted collectives
 
-# the functional collectives' names of c10d's reduce ops (:mod:`traced`)
-_REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
-               dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product"}
-
 def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: bool = False):
     """In-place broadcast from group rank ``src``."""
     d = dist.get_world_size(group)
     if d == 1:
         return _done(async_op)
     if traced.tracing():
-        _count_traced(t, "broadcast", _nbytes(t) * (d - 1) / d, group)
-        return traced.broadcast(t, src, group, async_op)
+        return traced.finish(t, traced.broadcast(t, src, group), async_op)
     return _run("broadcast", _nbytes(t) * (d - 1) / d,
                 lambda a: dist.broadcast(t, group=group, group_src=src, async_op=a),
                 async_op, group)
@@ -199,8 +170,7 @@ def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool =
     if d == 1:
         return _done(async_op)
     if traced.tracing():
-        _count_traced(t, "reduce", _nbytes(t) * (d - 1) / d, group)
-        return traced.reduce(t, dst, group, async_op)
+        return traced.finish(t, traced.reduce(t, dst, group), async_op)
     return _run("reduce", _nbytes(t) * (d - 1) / d,
                 lambda a: dist.reduce(t, group=group, group_dst=dst, async_op=a), async_op, group)
 
@@ -212,8 +182,7 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     if d == 1:
         return _done(async_op)
     if traced.tracing():
-        _count_traced(t, "all_reduce", 2 * _nbytes(t) * (d - 1) / d, group)
-        return traced.all_reduce(t, group, async_op, _REDUCE_OPS[op])
+        return traced.finish(t, traced.all_reduce(t, op.name, group), async_op)
     return _run("all_reduce", 2 * _nbytes(t) * (d - 1) / d,
                 lambda a: dist.all_reduce(t, op=op, group=group, async_op=a), async_op, group)
 
@@ -226,8 +195,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
         out.copy_(inp.reshape(out.shape))
         return _done(async_op)
     if traced.tracing():
-        _count_traced(inp, "all_gather", _nbytes(out) * (d - 1) / d, group)
-        return traced.all_gather(out, inp, group, async_op)
+        return traced.finish(out, traced.all_gather(inp, group), async_op)
     return _run("all_gather", _nbytes(out) * (d - 1) / d,
                 lambda a: one_buffer_collective("all_gather_single", "all_gather_into_tensor")(
                     out.view(-1), inp.reshape(-1), group=group, async_op=a), async_op, group)
@@ -241,8 +209,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
         out.copy_(inp.reshape(out.shape))
         return _done(async_op)
     if traced.tracing():
-        _count_traced(inp, "reduce_scatter", _nbytes(inp) * (d - 1) / d, group)
-        return traced.reduce_scatter(out, inp, group, async_op)
+        return traced.finish(out, traced.reduce_scatter(inp, group), async_op)
     return _run("reduce_scatter", _nbytes(inp) * (d - 1) / d,
                 lambda a: one_buffer_collective("reduce_scatter_single", "reduce_scatter_tensor")(
                     out.view(-1), inp.reshape(-1), group=group, async_op=a), async_op, group)
@@ -264,8 +231,8 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
     outs = out_splits or [out.shape[0] // d] * d
     nbytes = max(sum(ins) - ins[me], sum(outs) - outs[me]) * row
     if traced.tracing():
-        _count_traced(inp, "all_to_all", nbytes, group)
-        return traced.all_to_all(out, inp, group, out_splits, in_splits, async_op)
+        return traced.finish(out, traced.all_to_all(out, inp, group, out_splits, in_splits),
+                             async_op)
     return _run("all_to_all", nbytes,
                 lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                                  async_op=a), async_op, group)
@@ -282,8 +249,7 @@ def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, 
     me = dist.get_rank(group)
     to, frm = ((me - 1) % d, (me + 1) % d) if reverse else ((me + 1) % d, (me - 1) % d)
     if traced.tracing():
-        _count_traced(send, "ring_pass", _nbytes(send), group)
-        return traced.ring_pass(send, recv, group, to, frm, tag, async_op)
+        return traced.finish(recv, traced.ring_pass(send, group, reverse, tag), async_op)
     _record("ring_pass", _nbytes(send))
     checked = guard.before("ring_pass", group, _nbytes(send))
     ops = [dist.P2POp(dist.isend, send, group=group, group_peer=to, tag=tag),
@@ -296,6 +262,12 @@ def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, 
         return handle
     handle.wait()
     return None
+
+
+# what each traced collective runs at every call of a compiled graph (:mod:`traced`)
+traced.EAGER.update(broadcast=broadcast, reduce=reduce, all_reduce=all_reduce,
+                    all_gather=all_gather, reduce_scatter=reduce_scatter, all_to_all=all_to_all,
+                    ring_pass=ring_pass)
 
 
 # ------------------------------------------------------------------- ring schedules

@@ -3,30 +3,31 @@
 
 Dynamo cannot trace a c10d collective that returns a ``Work`` (``async_op=True``), a ``P2POp``,
 ``dist.reduce``, Python counters or a host clock, and each of those broke a decoder layer's graph
-into pieces. While tracing, :mod:`comm` therefore issues:
+into pieces. And a TSP layer's graph differs by rank (a rank broadcasts its own shard and receives
+the others', reduces onto itself or for another rank), so the compiler must not drop, merge,
+hoist or reorder a collective by what this rank's graph alone shows: a pure functional collective
+whose result this rank never reads is dead code to it, while the other ranks wait for it.
 
-- the functional collectives of ``torch.distributed._functional_collectives`` (broadcast,
-  all-gather, reduce-scatter, all-reduce, all-to-all, and the ring's send/receive pairs as one
-  ``batch_p2p_ops``), each returning a new tensor that a :class:`Pending` copies into the caller's
-  buffer where the eager code waits, so the compiled graph issues the same collectives in the same
-  order and the compiler sees where each result is first needed;
-- the owner reduce as an opaque custom op (``tsp_comm::reduce_``), since torch has no functional
-  reduce: the same c10d reduce as eager, issued synchronously;
-- (in :mod:`comm`) the counting as a side-effecting custom op (``tsp_comm::record``) that runs
-  :mod:`comm`'s own counters, and the collective guard's numbering, on every call of the
-  compiled graph, not once per trace.
-
-What the traced path does not do: it measures no ``wait_seconds`` (the host clock cannot run
-inside a graph), and a backend error is raised by the functional collective as is, not renamed by
-:mod:`tsp_core.guard`.
-"""
+So while tracing, each collective is one custom op here (``tsp_comm::*``) that returns a new
+tensor and is registered as an ordered effect: AOT autograd threads an effect token through all of
+them, so every rank's compiled graph issues them in program order, none is removed as dead code or
+merged with another, and a backward's collective stays in the backward. Its implementation, run
+at every call of the compiled graph, is :mod:`comm`'s own eager collective (registered here by
+:mod:`comm` at import), synchronous: the same collectives, counted with the same bytes in the same
+order as eager, through the same guard. What the traced path gives up is the overlap of the eager
+schedules' async prefetches, and the host wait time is counted inside the ops."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+from torch._library.effects import EffectType
 from torch.distributed.distributed_c10d import _resolve_process_group
+
+# kind -> comm's eager collective, filled by comm when it is imported
+EAGER: dict[str, Callable] = {}
 
 
 def tracing() -> bool:
@@ -34,81 +35,153 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-@torch.library.custom_op("tsp_comm::reduce_", mutates_args=("t",))
-def reduce_(t: torch.Tensor, dst: int, group_name: str) -> None:
-    """c10d's in-place reduce onto group rank ``dst``, synchronous."""
-    dist.reduce(t, group=_resolve_process_group(group_name), group_dst=dst)
+def _group(name: str) -> dist.ProcessGroup:
+    return _resolve_process_group(name)
 
 
-@reduce_.register_fake
-def _(t: torch.Tensor, dst: int, group_name: str) -> None:
-    return None
+def _ordered(op) -> None:
+    op.register_effect(EffectType.ORDERED)
+
+
+@torch.library.custom_op("tsp_comm::broadcast", mutates_args=())
+def _broadcast(t: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
+    out = t.clone()
+    EAGER["broadcast"](out, src, _group(group_name))
+    return out
+
+
+@torch.library.custom_op("tsp_comm::reduce", mutates_args=())
+def _reduce(t: torch.Tensor, dst: int, group_name: str) -> torch.Tensor:
+    out = t.clone()
+    EAGER["reduce"](out, dst, _group(group_name))
+    return out
+
+
+@torch.library.custom_op("tsp_comm::all_reduce", mutates_args=())
+def _all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    out = t.clone()
+    EAGER["all_reduce"](out, _group(group_name), op=getattr(dist.ReduceOp, op))
+    return out
+
+
+@torch.library.custom_op("tsp_comm::all_gather", mutates_args=())
+def _all_gather(inp: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
+    out = inp.new_empty(size * inp.numel())
+    EAGER["all_gather"](out, inp, _group(group_name))
+    return out
+
+
+@torch.library.custom_op("tsp_comm::reduce_scatter", mutates_args=())
+def _reduce_scatter(inp: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
+    out = inp.new_empty(inp.numel() // size)
+    EAGER["reduce_scatter"](out, inp, _group(group_name))
+    return out
+
+
+@torch.library.custom_op("tsp_comm::all_to_all", mutates_args=())
+def _all_to_all(inp: torch.Tensor, out_rows: int, out_splits: list[int] | None,
+                in_splits: list[int] | None, group_name: str) -> torch.Tensor:
+    out = inp.new_empty(out_rows, *inp.shape[1:])
+    EAGER["all_to_all"](out, inp, _group(group_name), out_splits, in_splits)
+    return out
+
+
+@torch.library.custom_op("tsp_comm::ring_pass", mutates_args=())
+def _ring_pass(send: torch.Tensor, reverse: bool, tag: int, group_name: str) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    EAGER["ring_pass"](send, recv, _group(group_name), reverse=reverse, tag=tag)
+    return recv
+
+
+@_broadcast.register_fake
+def _(t, src, group_name):
+    return torch.empty_like(t)
+
+
+@_reduce.register_fake
+def _(t, dst, group_name):
+    return torch.empty_like(t)
+
+
+@_all_reduce.register_fake
+def _(t, op, group_name):
+    return torch.empty_like(t)
+
+
+@_all_gather.register_fake
+def _(inp, size, group_name):
+    return inp.new_empty(size * inp.numel())
+
+
+@_reduce_scatter.register_fake
+def _(inp, size, group_name):
+    return inp.new_empty(inp.numel() // size)
+
+
+@_all_to_all.register_fake
+def _(inp, out_rows, out_splits, in_splits, group_name):
+    return inp.new_empty(out_rows, *inp.shape[1:])
+
+
+@_ring_pass.register_fake
+def _(send, reverse, tag, group_name):
+    return torch.empty_like(send)
+
+
+for _op in (_broadcast, _reduce, _all_reduce, _all_gather, _reduce_scatter, _all_to_all,
+            _ring_pass):
+    _ordered(_op)
 
 
 class Pending:
-    """A traced collective's result, copied into the caller's buffer ``out`` at ``wait()`` (the
-    point where the eager code waits for its ``Work``)."""
+    """A traced collective's result, copied into the caller's buffer ``out`` at ``wait()`` (where
+    the eager code waits for its ``Work``), or at once for a synchronous call."""
 
-    def __init__(self, out: torch.Tensor, result: torch.Tensor | None,
-                 also: tuple[torch.Tensor, ...] = ()) -> None:
-        self.out, self.result, self.also = out, result, also
+    def __init__(self, out: torch.Tensor, result: torch.Tensor) -> None:
+        self.out, self.result = out, result
 
     def wait(self) -> None:
         if self.result is None:
             return
-        for t in self.also:  # a ring hop's send
-            funcol.wait_tensor(t)
-        self.out.copy_(funcol.wait_tensor(self.result).view(self.out.shape))
-        self.result, self.also = None, ()
+        self.out.copy_(self.result.view(self.out.shape))
+        self.result = None
 
 
-def _finish(out: torch.Tensor, result: torch.Tensor | None, async_op: bool,
-            also: tuple[torch.Tensor, ...] = ()) -> Pending | None:
-    pending = Pending(out, result, also)
+def finish(out: torch.Tensor, result: torch.Tensor, async_op: bool) -> Pending | None:
+    pending = Pending(out, result)
     if async_op:
         return pending
     pending.wait()
     return None
 
 
-def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: bool):
-    return _finish(t, funcol.broadcast(t, src, group), async_op)
+def broadcast(t, src, group):
+    return torch.ops.tsp_comm.broadcast(t, src, group.group_name)
 
 
-def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool):
-    torch.ops.tsp_comm.reduce_(t, dst, group.group_name)
-    return _finish(t, None, async_op)
+def reduce(t, dst, group):
+    return torch.ops.tsp_comm.reduce(t, dst, group.group_name)
 
 
-def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op: str):
-    return _finish(t, funcol.all_reduce(t, op, group), async_op)
+def all_reduce(t, op: str, group):
+    return torch.ops.tsp_comm.all_reduce(t, op, group.group_name)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
-    return _finish(out, funcol.all_gather_single(inp.reshape(-1), 0, group), async_op)
+def all_gather(inp, group):
+    return torch.ops.tsp_comm.all_gather(inp.reshape(-1), dist.get_world_size(group),
+                                         group.group_name)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool):
-    return _finish(out, funcol.reduce_scatter_single(inp.reshape(-1), "sum", 0, group), async_op)
+def reduce_scatter(inp, group):
+    return torch.ops.tsp_comm.reduce_scatter(inp.reshape(-1), dist.get_world_size(group),
+                                             group.group_name)
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
-               out_splits: list[int] | None, in_splits: list[int] | None, async_op: bool):
-    return _finish(out, funcol.all_to_all_single(inp, out_splits, in_splits, group), async_op)
+def all_to_all(out, inp, group, out_splits, in_splits):
+    return torch.ops.tsp_comm.all_to_all(inp, out.shape[0], out_splits, in_splits,
+                                         group.group_name)
 
 
-def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, to: int,
-              frm: int, tag: int, async_op: bool):
-    """One ring hop as a functional send/receive pair (``to``/``frm``: group ranks)."""
-    peers = [dist.get_global_rank(group, to), dist.get_global_rank(group, frm)]
-    sent, got = funcol.batch_p2p_ops_inplace(["isend", "irecv"], peers, [tag, tag],
-                                             [send, recv], group)
-    return _finish(recv, got, async_op, (sent,))
+def ring_pass(send, group, reverse: bool, tag: int):
+    return torch.ops.tsp_comm.ring_pass(send, reverse, tag, group.group_name)
 
-
-def dynamo_settings():
-    """The dynamo settings a TSP decoder layer is traced under (a context manager): the layers'
-    hand-written backwards recompute small pieces with ``torch.autograd.grad`` (a norm's tiles,
-    an activation), which dynamo traces only with ``trace_autograd_ops`` on."""
-    return torch._dynamo.config.patch(trace_autograd_ops=True)

@@ -4,7 +4,8 @@
 2. check everything that can fail, before anything changes (:mod:`.checks`);
 3. build the TSP modules from the specs (:mod:`.build`);
 4. wrap: swap them in, make the model a TSP causal LM with its state, FSDP2 or data-parallel
-   gradient sync (:mod:`.wrap`; the runtime is :mod:`.runtime`).
+   gradient sync (:mod:`.wrap`; the runtime is :mod:`.runtime`);
+5. (``compile``) compile each decoder layer (:mod:`.compiled`).
 
 Attention and MLP become TSP modules holding this rank's slice of the model's own weights, the
 embedding and LM head are vocabulary-sharded, norms are replicated; every parameter is a DTensor
@@ -22,6 +23,7 @@ from torch import nn
 from ..distributed.mesh import TSPMesh
 from .build import ModulePlan, plan_modules
 from .checks import check_model, check_options
+from .compiled import check_compile, compile_layers
 from .lora import PeftAdapters, read_peft
 from .policies import DecoderPolicy, find_policy
 from .reading import moe_schedule_for, placement, read_model
@@ -31,7 +33,8 @@ from .wrap import apply_plan, wrap_model
 def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None = None,
                 moe_schedule: str = "auto", moe_tokens_per_rank: int | None = None,
                 mp_policy: Any = None, reshard_after_forward: bool = True,
-                tile_tokens: int | None = None, activation_offload: bool = False) -> nn.Module:
+                tile_tokens: int | None = None, activation_offload: bool = False,
+                compile: bool | str = False) -> nn.Module:
     """Convert ``model`` in place to TSP on ``mesh`` and return it. A model whose parameters are
     all on the meta device gets uninitialised shards (fill them with load_full_state_dict).
 
@@ -60,16 +63,23 @@ def parallelize(model: nn.Module, mesh: TSPMesh, *, policy: DecoderPolicy | None
 
     A PEFT ``PeftModel`` with LoRA adapters (docs/lora.md) is converted as the Hugging Face model
     inside it, its adapters replicated on every rank and applied to each rank's own tokens, its
-    base weights frozen; the PeftModel itself is returned."""
+    base weights frozen; the PeftModel itself is returned.
+
+    ``compile`` compiles each decoder layer with ``torch.compile(fullgraph=True)``: True with
+    torch's default backend (inductor), or a backend's name (docs/design.md "Compiled layers":
+    what is tested, and what is not yet)."""
     check_options(mesh, mp_policy, tile_tokens, moe_schedule)
+    check_compile(compile)
     adapters = read_peft(model, mesh, policy)  # a PeftModel: its LoRA adapters (docs/lora.md)
     if adapters is None:
         convert(model, mesh, policy, moe_schedule, moe_tokens_per_rank, mp_policy,
                 reshard_after_forward, tile_tokens, activation_offload)
+        compile_layers(model, compile)                                   # 5. compile
         return model
     with adapters.unwrapped() as hf_model:  # the PEFT layers' base Linears in their place
         convert(hf_model, mesh, policy, moe_schedule, moe_tokens_per_rank, mp_policy,
                 reshard_after_forward, tile_tokens, activation_offload, adapters)
+        compile_layers(hf_model, compile)
     return model
 
 
