@@ -11,6 +11,12 @@ from torch import nn
 
 from ..distributed.model_state import find_model_state
 
+# Inductor's scheduler moves nodes for locality and peak memory; in a backward graph that moved
+# the ranks' collectives apart (each rank's graph differs, so each moved them differently, and
+# the ranks hung: seen with the rounds' broadcasts). Without those passes the collectives keep
+# the order of the traced program on every rank.
+INDUCTOR_OPTIONS = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
+
 
 def check_compile(compile: bool | str) -> None:
     """The option of ``parallelize``: False, True (torch.compile's default backend, inductor) or
@@ -31,5 +37,6 @@ def compile_layers(model: nn.Module, compile: bool | str) -> None:
     modules = state.policy.modules
     torch._dynamo.config.trace_autograd_ops = True
     backend = "inductor" if compile is True else compile
+    options = INDUCTOR_OPTIONS if backend == "inductor" else None
     for layer in getattr(getattr(model, modules.base_model), modules.layers):
-        layer.compile(backend=backend, fullgraph=True)
+        layer.compile(backend=backend, fullgraph=True, options=options)
