@@ -473,6 +473,60 @@ def long_context_llama8b(load: Loader) -> str:
     return "\n".join(lines) + "\n\nThe commands:\n\n" + code("\n".join(cmds))
 
 
+def long_context_llama8b_lora(load: Loader) -> str:
+    """long-context.md: the longest Llama-3.1-8B sequence with LoRA (bf16 base, float32 adapters)
+    on 8 x 80 GB, without and with offload, beside full fine-tuning's rows at the same GPUs."""
+    lines = ["| fine-tuning | offload | tokens | GPU peak GiB | of the limit (90% of the GPU) | "
+             "host GiB per node | gradients GiB | optimizer states GiB | activations GiB | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cmds = []
+    for name, r in ((n, r) for n in LORA_RECORDS for r in sim_rows(load, n)):
+        limit, offload, host, fits = llama8b_fit(r, 80)
+        tuning = f"LoRA r={r['lora']}" if r.get("lora") else "full"
+        lines.append(f"| {tuning} | {'yes' if offload else 'no'} | {r['seq']:,} | {gib(r):.2f} | "
+                     f"{r['peak_bytes'] / limit:.1%} | {host / GIB:.0f} | "
+                     f"{gib(r, 'gradients'):.2f} | {gib(r, 'optimizer_states'):.2f} | "
+                     f"{gib(r, 'activations'):.2f} | {'yes' if fits else 'no'} |")
+        if r.get("lora") and command(load, name) not in cmds:
+            cmds.append(command(load, name))
+    return ("\n".join(lines) + "\n\n" + lora_note(load) + "\nThe LoRA commands:\n\n"
+            + code("\n".join(cmds)))
+
+
+def lora_note(load: Loader) -> str:
+    """The LoRA rows against full fine-tuning's, in words."""
+    rows = [r for n in LORA_RECORDS for r in sim_rows(load, n)]
+
+    def longest(lora: bool, offload: bool) -> tuple[dict, dict | None]:
+        mine = sorted((r for r in rows if bool(r.get("lora")) == lora
+                       and bool(r.get("activation_offload")) == offload), key=lambda r: r["seq"])
+        fit = [r for r in mine if llama8b_fit(r, 80)[3]][-1]
+        over = next((r for r in mine if r["seq"] > fit["seq"]), None)
+        return fit, over
+
+    (lo, lo_over), (fo, _) = longest(True, False), longest(False, False)
+    text = (
+        f"Without offload LoRA fits {lo['seq']:,} tokens ({lo_over['seq']:,} does not), "
+        f"{lo['seq'] / fo['seq'] - 1:.1%} more than full fine-tuning's {fo['seq']:,} (searched "
+        f"in steps of 131,072 tokens): the AdamW states shrink from "
+        f"{gib(fo, 'optimizer_states'):.2f} to {gib(lo, 'optimizer_states'):.2f} GiB per rank, "
+        f"but most of the peak is the activations, which grow with the tokens.")
+    if not any(r.get("lora") and r.get("activation_offload") for r in rows):
+        return para(text)
+    (lw, lw_over), (fw, _) = longest(True, True), longest(False, True)
+    return para(text + (
+        f" With offload LoRA fits {lw['seq']:,} tokens ({lw_over['seq']:,} does not), fewer "
+        f"than full fine-tuning's {fw['seq']:,}: it holds {gib(lw, 'activations'):.2f} GiB of "
+        f"activations at {lw['seq']:,} tokens against full fine-tuning's "
+        f"{gib(fw, 'activations'):.2f} GiB at {fw['seq']:,}, so it keeps more per token than "
+        f"full fine-tuning does, more than the optimizer states it saves."))
+
+
+# LoRA's rows and full fine-tuning's beside them on 8 x 80 GB (long_context_llama8b_lora)
+LORA_RECORDS = ("simulate-llama8b-1.5m", "simulate-llama8b-lora16-1.55m",
+                "simulate-llama8b-5.75m-offload", "simulate-llama8b-lora16-5.56m-offload")
+
+
 # the records behind long_context_llama8b, in the table's order, with their GPU's memory (GB)
 LONG_CONTEXT_RECORDS = (("simulate-llama8b-4m-offload", 80),
                         ("simulate-llama8b-5.75m-offload", 80),
@@ -524,7 +578,10 @@ def grpo_llama8b(load: Loader) -> str:
         f"holds the same parameters and optimizer states, but its Hugging Face head makes the "
         f"float32 logits of all {sp['batch']} x {sp['seq']:,} tokens over its 1/{sp['degree']} "
         f"of the vocabulary ({logits:.1f} GiB each copy), which TSP's tiled head never does: "
-        f"its step peaks at {gib(sp):.2f} GiB, over an 80 GB GPU. One GPU holds neither the "
+        f"its step peaks at {gib(sp):.2f} GiB, over an 80 GB GPU. That is `tp-sp` as TRL would "
+        f"run it, with the Hugging Face head. A `tp-sp` run whose head computed the "
+        f"log-probabilities a chunk of tokens at a time would not hold those logits, and would "
+        f"need less; that is not simulated here. One GPU holds neither the "
         f"step nor the rollout: the two models and the AdamW states are {resident:.2f} GiB "
         f"there, the rollout's KV cache {kv:.1f} GiB more.")
     return ("\n".join(lines) + "\n\n" + note + "\nThe commands:\n\n"
@@ -549,6 +606,7 @@ RENDERERS: dict[str, Callable[[Loader], str]] = {
     "simulate-qwen3-moe-128k": simulate_qwen3_moe_128k,
     "long-context-llama8b": long_context_llama8b,
     "grpo-llama8b": grpo_llama8b,
+    "long-context-llama8b-lora": long_context_llama8b_lora,
     "simulate-deepseek-v3-128k": simulate_deepseek_v3_128k,
 }
 
