@@ -183,18 +183,18 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
 
 def assert_lora_as_one_process(out: str) -> None:
     """The lora case: TSPAccelerator at dp 2 x tsp 2 preparing a PEFT PeftModel (rank-4 LoRA
-    on the seven projections, tests/jobs/accelerate_job.py's lora_model) against the same
+    on the seven projections, tests/support/hf_models.py's lora_model) against the same
     PeftModel on one process (plain PEFT and torch, what the plain Accelerator runs on one
     process, with the loss in float64), float64, clipped SGD: every rank's losses, norms and
     first gradients (the adapters' alone) to 1e-8/1e-9, the adapters after 4 steps to 1e-8,
     every base weight bit for bit as built."""
-    from tests.jobs.accelerate_job import lora_model, rows
+    from tests.jobs.accelerate_job import rows
     from tests.support import hf_models
 
     data = rows(16)
     init = hf_models.build("llama", torch.float64, kv_heads=1).state_dict()
     ref = hf_models.sgd_reference(
-        lora_model(hf_models.build("llama", torch.float64, kv_heads=1), 4),
+        hf_models.lora_model(hf_models.build("llama", torch.float64, kv_heads=1), 4),
         [data[4 * k: 4 * (k + 1)] for k in range(4)], lr=0.5, clip=0.5)
     assert min(ref["norms"]) > 0.5 and all(".lora_" in n for n in ref["grads0"]), ref["norms"]
     # TSP's full state dict names a base weight as the Hugging Face model does

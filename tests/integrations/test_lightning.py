@@ -294,7 +294,7 @@ BAD = {"tsp3": (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size
                 r"precision='16-true' is not supported by the TSP strategy")}
 
 
-# a PEFT PeftModel (rank-4 LoRA on the seven projections, lightning_job.lora_model) under
+# a PEFT PeftModel (rank-4 LoRA on the seven projections, hf_models.lora_model) under
 # strategy="tsp" at tsp 2, float64, SGD with momentum (a state per trained parameter), clipped
 LORA = ("--devices", "2", "--tsp-size", "2", "--kv-heads", "1", "--lora", "4", "--precision",
         "64-true", "--optimizer", "sgd-momentum", "--lr", "0.5", "--clip", "0.5",
@@ -421,7 +421,8 @@ def test_peft_model_matches_one_process(two_processes):
     # adapters only, though the optimizer was given every parameter
     import functools
 
-    from tests.jobs.lightning_job import MOMENTUM, lora_model
+    from tests.jobs.lightning_job import MOMENTUM
+    from tests.support.hf_models import lora_model
 
     init = hf_models.build("llama", torch.float64, kv_heads=1).state_dict()
     model = lora_model(hf_models.build("llama", torch.float64, kv_heads=1), 4)
@@ -506,7 +507,8 @@ def test_peft_model_with_fsdp_fails_before_processes():
     # conversion) fails in setup_environment, before any process group exists, saying what to
     # pass instead; at data parallel 1 (nothing for FSDP2 to shard) it goes on
     import tsp_lightning
-    from tests.jobs.lightning_job import build_llama, lora_model
+    from tests.jobs.lightning_job import build_llama
+    from tests.support.hf_models import lora_model
 
     class NoProcessGroup(Exception):
         pass

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 
 import tsp_core
 from tests.support.gather import full_grads, storage_bytes
-from tests.support.hf_models import build
+from tests.support.hf_models import build, lora_model
 from tests.support.metrics_check import StepCounters
 from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 from tsp_core.distributed.model_state import find_model_state
@@ -95,20 +95,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", action="append", default=[])
     return ap
-
-
-def lora_model(model, r: int):
-    """``model`` inside PEFT's ``get_peft_model``: rank-``r`` LoRA (alpha 2r) on the seven
-    projections, A and B random from seed 1 (PEFT's B = 0 would give A no first gradient), the
-    base frozen. Plain PEFT: the one-process reference builds the same."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
-                                            target_modules=LORA_TARGETS))
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def fsdp_units(model) -> dict:

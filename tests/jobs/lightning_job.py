@@ -6,8 +6,9 @@ rank writes its per-step losses, logged losses and gradient norms
 (``rank<R>.json``), the final full weights it holds and, with ``--record-grads``, the first
 step's full gradients before clipping (``rank<R>_weights.pt``, ``rank<R>_grads0.pt``: each
 data-parallel replica's own, gathered over its TSP group, so a replica that diverged shows).
-``--lora R``: the model a PEFT ``PeftModel`` (:func:`lora_model`); each rank also records which
-parameters had a gradient at the first step and which have optimizer state after the run.
+``--lora R``: the model a PEFT ``PeftModel`` (:func:`tests.support.hf_models.lora_model`); each
+rank also records which parameters had a gradient at the first step and which have optimizer
+state after the run.
 
 The gradient norm is the one Lightning clips with: ``torch.nn.utils.clip_grad_norm_`` is wrapped
 to record what it returns (Trainer: Lightning's precision plugin calls it; Fabric:
@@ -29,7 +30,7 @@ from transformers import DataCollatorWithFlattening
 import tsp_core
 import tsp_lightning  # registers strategy="tsp"
 from tests.support.gather import full_grads
-from tests.support.hf_models import build
+from tests.support.hf_models import build, lora_model
 from tests.support.metrics_check import StepCounters
 from tsp_core.distributed.model_state import find_model_state
 from tsp_core.models import TSPCausalLM
@@ -56,20 +57,6 @@ def record_clip_grad_norm() -> None:
 
 def build_llama(kv_heads: int = 2, family: str = "llama"):
     return build(family, torch.float32, kv_heads=kv_heads)
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def lora_model(model, r: int):
-    """``model`` inside PEFT's ``get_peft_model``: rank-``r`` LoRA (alpha 2r) on the seven
-    projections, A and B random from seed 1 (PEFT's B = 0 would give A no first gradient), the
-    base frozen. Plain PEFT: the one-process reference builds the same."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
-                                            target_modules=LORA_TARGETS))
 
 
 class Sequences(Dataset):
