@@ -25,8 +25,8 @@ def apply_peft_config(model: Any, peft_config: Any, args: Any) -> Any:
     ``TypeError`` for another object than a ``PeftConfig``, its ``ValueError`` for a model that
     is a PeftModel already, ``autocast_adapter_dtype=False`` under DeepSpeed ZeRO-3); every rank
     alike, before any collective. The adapters' initial values come from torch's random
-    generator, as on one process: seed it the same on every rank (TSP checks that the ranks'
-    adapters agree when it converts the PeftModel)."""
+    generator: the trainers seed it with ``args.seed`` first, as TRL's do (TSP checks that the
+    ranks' adapters agree when it converts the PeftModel)."""
     from peft import PeftConfig, get_peft_model
 
     if not isinstance(peft_config, PeftConfig):

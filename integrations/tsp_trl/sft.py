@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import trl.trainer.sft_trainer as trl_sft
+from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -61,8 +62,9 @@ class TSPSFTTrainer(TSPTrainer, SFTTrainer):
         args = default_config(model, TSPSFTConfig, "SFT") if args is None else args
         check_model_object(model, args, type(self).__name__)
         if kwargs.get("peft_config") is not None and requested_tsp_size(args) != 1:
-            # PEFT before the TSP conversion, as SFTTrainer would apply it; TRL gets the
-            # PeftModel it would have built (docs/lora.md)
+            # PEFT before the TSP conversion, as SFTTrainer would apply it, after seeding torch
+            # with args.seed as it does; TRL gets the PeftModel it would have built (docs/lora.md)
+            set_seed(args.seed)
             model = apply_peft_config(model, kwargs["peft_config"], args)
             kwargs["peft_config"] = None
         with native_fused_head(trl_sft):

@@ -7,8 +7,9 @@ tsp_core, and record that they did not), or under torchrun with ``--tsp_size``: 
 the PeftModel itself, ``get_peft_model`` by the user; TSPTrainer converts it), by
 ``tsp_trl.TSPDPOTrainer(peft_config=...)`` (``--mode dpo``) and by ``TSPDPOTrainer`` handed a
 PeftModel without peft_config (``--mode dpo_peft_model``: it must refuse; its error is the
-result, with the collectives issued before it: none). torch's generator is seeded with
-``--seed`` before the trainer, so every process creates the same adapters.
+result, with the collectives issued before it: none). With ``peft_config=`` the trainers seed
+torch with ``--seed`` before creating the adapters (TRL's SFTTrainer and DPOTrainer do, and so
+must TSP's), so every process creates the same adapters; ``--mode peft_model`` seeds it itself.
 
 Every rank writes ``rank<R>.json`` in --out: the training log rows (loss, grad_norm,
 mean_token_accuracy, entropy, num_tokens; DPO's rewards, log-probs and mean logits), the names
@@ -110,12 +111,12 @@ def train(job: JobArgs, args: Any) -> None:
     vocab = model.config.vocab_size
     data = Dataset.from_list(preference_rows(vocab, job.rows) if job.mode.startswith("dpo")
                              else sft_rows(vocab, job.rows, False))
-    set_seed(args.seed)  # the adapters' initial values: the same on every process
     log = Rows()
     common = dict(train_dataset=data, processing_class=tokenizer, callbacks=[log])
     if job.mode == "dpo_peft_model":
         return refused(job, args, model, **common)
     if job.mode == "peft_model":
+        set_seed(args.seed)  # the user's own seeding before their get_peft_model
         trainer = trainer_class(job.mode)(model=get_peft_model(model, lora_config()), args=args,
                                           **common)
     else:
