@@ -9,6 +9,10 @@ counts nothing. ``wait_seconds`` is the host time spent blocked in collectives: 
 call, or in ``wait()`` of an async one (on CUDA, NCCL returns before the transfer ends, so there it
 is the host's wait, not the GPU stream's).
 
+While ``torch.compile`` traces, each raw collective becomes an ordered op of :mod:`.traced`
+whose body is this module's own eager collective: a compiled layer counts, guards and orders its
+collectives as eager does.
+
 Raw functions (``broadcast``, ``reduce``, ...) are used inside the schedules' own autograd
 Functions; the autograd-aware ones (``owner_broadcast``, ``gather_sequence``, ``ring_shift``,
 ``all_to_all``, ``sum_grad``) are for code that lets autograd run the backward.
