@@ -49,7 +49,7 @@ class _DPOFromPeftConfig(DPOTrainer):
 
     def __init__(self, model: Any = None, args: Any = None, ref_model: Any = None,
                  **kwargs: Any) -> None:
-        built = self.__dict__.pop("_tsp_built_peft", None)
+        built = self.__dict__.pop("_built_peft", None)
         if built is None:
             super().__init__(model, args=args, ref_model=ref_model, **kwargs)
             return
@@ -75,7 +75,7 @@ class TSPDPOTrainer(TSPTrainer, _DPOFromPeftConfig):
                 # DPOTrainer seeds torch with args.seed just before its get_peft_model: the
                 # adapters of one process, on every rank
                 set_seed(args.seed)
-                model = self._tsp_built_peft = apply_peft_config(model, peft_config, args)
+                model = self._built_peft = apply_peft_config(model, peft_config, args)
         with native_fused_head(trl_dpo, self._to_tsp, full=True):
             super().__init__(model, args=args, ref_model=ref_model, **kwargs)
         if not self._tsp:
