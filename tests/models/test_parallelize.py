@@ -349,6 +349,12 @@ def replicas_must_agree() -> None:
         late.model.norm.weight.add_(1e-3 * dp_rank)
     with pytest.raises(ValueError, match=r"hold different weights, model\.norm\.weight first"):
         tsp_core.parallelize(late, mesh)
+    # LoRA adapters, whole on every rank of the TSP group, created from each TSP rank's own seed
+    lora = hf_models.lora_model(hf_models.build("llama", torch.float32), 2, seed=mesh.rank)
+    with pytest.raises(ValueError, match=r"the ranks of the TSP group, which each hold these "
+                                         r"tensors whole, \(mesh dim 'tsp', 2 ranks\) hold "
+                                         r"different weights, .*lora_A"):
+        tsp_core.parallelize(lora, mesh)
     with tsp_core.comm.track() as stats:
         tsp_core.parallelize(hf_models.build("llama", torch.float32), mesh)
     assert dict(stats.calls) == {"all_gather": 1}, stats.calls

@@ -429,12 +429,12 @@ def assert_matches_reference(run: dict, ref: dict, tol: float, norm_tol: float |
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora_model(model, r: int):
+def lora_model(model, r: int, seed: int = 1):
     """``model`` inside PEFT's ``get_peft_model``: rank-``r`` LoRA (alpha 2r) on the seven
-    projections, A and B random from seed 1 (PEFT's B = 0 would give A no first gradient), the
+    projections, A and B random from ``seed`` (PEFT's B = 0 would give A no first gradient), the
     base frozen. Plain PEFT: the one-process reference builds the same."""
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False,
                                             target_modules=LORA_TARGETS))

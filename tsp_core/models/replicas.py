@@ -50,8 +50,10 @@ def check_replicas_agree(mesh: TSPMesh, tensors: list[tuple[str, torch.Tensor]],
         differs = ((every - every[0]).abs().amax(dim=0) > TOLERANCE * scale).nonzero()
         if len(differs):
             name = names[int(differs[0]) // 2]
+            who = ("the ranks of the TSP group, which each hold these tensors whole,"
+                   if dim == mesh.dim else "the data-parallel replicas")
             raise ValueError(
-                f"the data-parallel replicas (mesh dim {dim!r}, {size} ranks) hold different "
+                f"{who} (mesh dim {dim!r}, {size} ranks) hold different "
                 f"weights, {name} first: build the model from the same seed on every rank "
                 f"(torch.manual_seed(...) before creating it) or load the same checkpoint. "
                 f"DDP hides this by broadcasting rank 0's weights; each TSP rank takes its "
