@@ -35,46 +35,38 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _group(name: str) -> dist.ProcessGroup:
-    return _resolve_process_group(name)
-
-
-def _ordered(op) -> None:
-    op.register_effect(EffectType.ORDERED)
-
-
 @torch.library.custom_op("tsp_comm::broadcast", mutates_args=())
 def _broadcast(t: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
     out = t.clone()
-    EAGER["broadcast"](out, src, _group(group_name))
+    EAGER["broadcast"](out, src, _resolve_process_group(group_name))
     return out
 
 
 @torch.library.custom_op("tsp_comm::reduce", mutates_args=())
 def _reduce(t: torch.Tensor, dst: int, group_name: str) -> torch.Tensor:
     out = t.clone()
-    EAGER["reduce"](out, dst, _group(group_name))
+    EAGER["reduce"](out, dst, _resolve_process_group(group_name))
     return out
 
 
 @torch.library.custom_op("tsp_comm::all_reduce", mutates_args=())
 def _all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     out = t.clone()
-    EAGER["all_reduce"](out, _group(group_name), op=getattr(dist.ReduceOp, op))
+    EAGER["all_reduce"](out, _resolve_process_group(group_name), op=getattr(dist.ReduceOp, op))
     return out
 
 
 @torch.library.custom_op("tsp_comm::all_gather", mutates_args=())
 def _all_gather(inp: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
     out = inp.new_empty(size * inp.numel())
-    EAGER["all_gather"](out, inp, _group(group_name))
+    EAGER["all_gather"](out, inp, _resolve_process_group(group_name))
     return out
 
 
 @torch.library.custom_op("tsp_comm::reduce_scatter", mutates_args=())
 def _reduce_scatter(inp: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
     out = inp.new_empty(inp.numel() // size)
-    EAGER["reduce_scatter"](out, inp, _group(group_name))
+    EAGER["reduce_scatter"](out, inp, _resolve_process_group(group_name))
     return out
 
 
@@ -82,14 +74,14 @@ def _reduce_scatter(inp: torch.Tensor, size: int, group_name: str) -> torch.Tens
 def _all_to_all(inp: torch.Tensor, out_rows: int, out_splits: list[int] | None,
                 in_splits: list[int] | None, group_name: str) -> torch.Tensor:
     out = inp.new_empty(out_rows, *inp.shape[1:])
-    EAGER["all_to_all"](out, inp, _group(group_name), out_splits, in_splits)
+    EAGER["all_to_all"](out, inp, _resolve_process_group(group_name), out_splits, in_splits)
     return out
 
 
 @torch.library.custom_op("tsp_comm::ring_pass", mutates_args=())
 def _ring_pass(send: torch.Tensor, reverse: bool, tag: int, group_name: str) -> torch.Tensor:
     recv = torch.empty_like(send)
-    EAGER["ring_pass"](send, recv, _group(group_name), reverse=reverse, tag=tag)
+    EAGER["ring_pass"](send, recv, _resolve_process_group(group_name), reverse=reverse, tag=tag)
     return recv
 
 
@@ -130,7 +122,7 @@ def _(send, reverse, tag, group_name):
 
 for _op in (_broadcast, _reduce, _all_reduce, _all_gather, _reduce_scatter, _all_to_all,
             _ring_pass):
-    _ordered(_op)
+    _op.register_effect(EffectType.ORDERED)
 
 
 class Pending:
@@ -155,33 +147,35 @@ def finish(out: torch.Tensor, result: torch.Tensor, async_op: bool) -> Pending |
     return None
 
 
-def broadcast(t, src, group):
+def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.ops.tsp_comm.broadcast(t, src, group.group_name)
 
 
-def reduce(t, dst, group):
+def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.ops.tsp_comm.reduce(t, dst, group.group_name)
 
 
-def all_reduce(t, op: str, group):
+def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.ops.tsp_comm.all_reduce(t, op, group.group_name)
 
 
-def all_gather(inp, group):
+def all_gather(inp: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.ops.tsp_comm.all_gather(inp.reshape(-1), dist.get_world_size(group),
                                          group.group_name)
 
 
-def reduce_scatter(inp, group):
+def reduce_scatter(inp: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.ops.tsp_comm.reduce_scatter(inp.reshape(-1), dist.get_world_size(group),
                                              group.group_name)
 
 
-def all_to_all(out, inp, group, out_splits, in_splits):
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+               out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
     return torch.ops.tsp_comm.all_to_all(inp, out.shape[0], out_splits, in_splits,
                                          group.group_name)
 
 
-def ring_pass(send, group, reverse: bool, tag: int):
+def ring_pass(send: torch.Tensor, group: dist.ProcessGroup, reverse: bool,
+              tag: int) -> torch.Tensor:
     return torch.ops.tsp_comm.ring_pass(send, reverse, tag, group.group_name)
 
