@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-# the seven projections tsp_core.models.lora adapts (its TARGETS)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from ..models.lora import TARGETS as ADAPTED
+
+# the seven projections tsp_core.models.lora adapts
+TARGETS = tuple(name for names in ADAPTED.values() for name in names)
 
 
 def check_lora(lora: int | None, layout: str, dp_shard: int) -> None:
