@@ -1,8 +1,10 @@
 """LoRA under TSP (tsp_core/models/lora.py, tsp_core/layers/lora.py, docs/lora.md): a PEFT
 ``PeftModel`` parallelized against the same PeftModel on one process (unmodified PEFT and
 Hugging Face, float64), on every rank: Llama with one key/value head (nkv < D: the sliced
-key/value rows) and Qwen3 with per-head q/k norms, rsLoRA and per-module ranks and alphas, every
-projection adapted, at tsp 1, 2, 4 and dp 2 x tsp 2 (Qwen2's q/k/v biases at dp 2 x tsp 2).
+key/value rows), Qwen3 with per-head q/k norms, rsLoRA and per-module ranks and alphas, every
+projection adapted, and Mixtral with its attention adapted (its experts untouched, on the expert
+schedule; the ring schedule at tsp 2), at tsp 1, 2, 4 and dp 2 x tsp 2 (Qwen2's q/k/v biases at
+dp 2 x tsp 2).
 Losses of 3 SGD steps to 1e-10, the adapters' first gradients to 1e-10 (no base weight has a
 gradient), the adapters after 3 SGD and after 3 AdamW steps (1e-10, 1e-8), the base weights bit
 for bit as they were, optimizer state for the adapters only. Collective bytes and calls of one
@@ -35,10 +37,13 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 def base_model(family: str):
     """A small ``family`` model in float64: Llama with one key/value head, Qwen3 with 2,
-    head_dim 16 and per-head q/k norms, Qwen2 with 2 and q/k/v biases."""
+    head_dim 16 and per-head q/k norms, Qwen2 with 2 and q/k/v biases, Mixtral with 2 and 4
+    experts (top 2)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -50,20 +55,28 @@ def base_model(family: str):
         return LlamaForCausalLM(LlamaConfig(**SMALL, num_key_value_heads=1)).double()
     if family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**SMALL, num_key_value_heads=2)).double()
+    if family == "mixtral":
+        config = MixtralConfig(**{**SMALL, "intermediate_size": 64}, num_key_value_heads=2,
+                               num_local_experts=4, num_experts_per_tok=2,
+                               experts_implementation="eager")
+        return MixtralForCausalLM(config).double()
     return Qwen3ForCausalLM(Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16)).double()
 
 
 def peft_model(family: str, config: dict | None = None):
     """:func:`base_model` wrapped by ``get_peft_model``: Llama r 4, alpha 8; Qwen3 r 3, alpha 5,
     rsLoRA, down_proj r 2 and q_proj alpha 7 (rank_pattern, alpha_pattern); every projection
-    adapted, both LoRA matrices random (init_lora_weights=False: B = 0 would give A no
-    gradient). ``config``: LoraConfig fields instead of these."""
+    adapted (Mixtral: the attention's; its experts are fused tensors, which PEFT's
+    target_modules cannot adapt, left to the MoE schedule), both LoRA matrices random
+    (init_lora_weights=False: B = 0 would give A no gradient). ``config``: LoraConfig fields
+    instead of these."""
     from peft import LoraConfig, get_peft_model
 
     lora = dict(r=4, lora_alpha=8) if family != "qwen3" else dict(
         r=3, lora_alpha=5, use_rslora=True, rank_pattern={"down_proj": 2},
         alpha_pattern={"q_proj": 7})
-    lora = dict(target_modules=ALL, init_lora_weights=False, **lora)
+    targets = ALL[:4] if family == "mixtral" else ALL
+    lora = dict(target_modules=targets, init_lora_weights=False, **lora)
     return get_peft_model(base_model(family), LoraConfig(**(lora if config is None else config)))
 
 
@@ -131,10 +144,10 @@ def check_run(run: dict, ref: dict, init: dict, weights_tol: float, what: str) -
             assert torch.equal(got, init[name]), f"rank {rank} {what}: base weight {name} moved"
 
 
-def lora_parity(family: str, tsp: int) -> dict:
+def lora_parity(family: str, tsp: int, moe_schedule: str = "auto") -> dict:
     """Run on every rank: 3 SGD steps (losses, first gradients, adapters to 1e-10) and 3 AdamW
     steps (adapters to 1e-8) of the converted PeftModel against the reference's; each rank's
-    losses (``losses``)."""
+    losses (``losses``). ``moe_schedule``: Mixtral's experts' schedule."""
     mesh = dist_pool.mesh(tsp)
     rows = 2
     data = parity.batches(SMALL["vocab_size"], rows * mesh.dp_size, 24, 3, middle_ignored=True)
@@ -143,7 +156,7 @@ def lora_parity(family: str, tsp: int) -> dict:
                            (partial(torch.optim.AdamW, lr=1e-2), 1e-8)):
         ref = peft_model(family)
         init = {hf_name(n): t.clone() for n, t in ref.state_dict().items()}
-        model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+        model = tsp_core.parallelize(copy.deepcopy(ref), mesh, moe_schedule=moe_schedule)
         assert type(model) is type(ref) and tsp_core.get_mesh(model) is mesh
         run = tsp_run(model, mesh, data, optimizer, rows)
         check_run(run, reference_run(ref, data, optimizer), init, tol,
@@ -156,9 +169,14 @@ CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]  # (world size, tsp size); (4, 2): dp
 
 
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
 def test_lora_parity_float64(pools, family, world, tsp):
     parity.assert_same_losses(pools.of(world).run(lora_parity, family, tsp))
+
+
+def test_lora_parity_mixtral_ring_schedule(pools):
+    # the experts on the other MoE schedule (at tsp 2 "auto" picks the expert schedule)
+    parity.assert_same_losses(pools.of(2).run(lora_parity, "mixtral", 2, "ring"))
 
 
 def test_lora_parity_qwen2_biases(pools):
