@@ -2,17 +2,18 @@
 ``PeftModel`` parallelized against the same PeftModel on one process (unmodified PEFT and
 Hugging Face, float64), on every rank: Llama with one key/value head (nkv < D: the sliced
 key/value rows), Qwen3 with per-head q/k norms, rsLoRA and per-module ranks and alphas, every
-projection adapted, and Mixtral with its attention adapted (its experts untouched, on the expert
-schedule; the ring schedule at tsp 2), at tsp 1, 2, 4 and dp 2 x tsp 2 (Qwen2's q/k/v biases at
-dp 2 x tsp 2).
+projection adapted, Mixtral with its attention adapted (its experts untouched, on the expert
+schedule; the ring schedule at tsp 2) and Phi-3 with its fused qkv_proj and gate_up_proj adapted,
+at tsp 1, 2, 4 and dp 2 x tsp 2 (Qwen2's q/k/v biases at dp 2 x tsp 2).
 Losses of 3 SGD steps to 1e-10, the adapters' first gradients to 1e-10 (no base weight has a
 gradient), the adapters after 3 SGD and after 3 AdamW steps (1e-10, 1e-8), the base weights bit
 for bit as they were, optimizer state for the adapters only. Collective bytes and calls of one
 LoRA step against full fine-tuning's, by the formula of docs/design.md "LoRA". Refusals by name
 on every rank before any collective. PEFT's ``print_trainable_parameters``, ``disable_adapter()``,
 ``save_pretrained`` (loaded by plain PEFT), ``unload()`` and ``merge_and_unload()`` on the
-converted model; generation refused. Every family of the test zoo (and Mixtral, its attention
-adapted) at tsp 2: one step exact, or refused by name before any collective."""
+converted model; generation refused. The fused adapters saved (loaded by plain PEFT) and merged;
+several named adapters switched with ``set_adapter``. Every family of the test zoo (and Mixtral,
+its attention adapted) at tsp 2: one step exact, or refused by name before any collective."""
 
 from __future__ import annotations
 
@@ -33,17 +34,20 @@ from tests.support.reference import relative_error
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, max_position_embeddings=256)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's projections
 
 
 def base_model(family: str):
     """A small ``family`` model in float64: Llama with one key/value head, Qwen3 with 2,
     head_dim 16 and per-head q/k norms, Qwen2 with 2 and q/k/v biases, Mixtral with 2 and 4
-    experts (top 2)."""
+    experts (top 2), Phi-3 with one key/value head and its fused ``qkv_proj``, ``gate_up_proj``."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -60,6 +64,9 @@ def base_model(family: str):
                                num_local_experts=4, num_experts_per_tok=2,
                                experts_implementation="eager")
         return MixtralForCausalLM(config).double()
+    if family == "phi3":
+        config = Phi3Config(**SMALL, num_key_value_heads=1, pad_token_id=None)
+        return Phi3ForCausalLM(config).double()
     return Qwen3ForCausalLM(Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16)).double()
 
 
@@ -75,7 +82,7 @@ def peft_model(family: str, config: dict | None = None):
     lora = dict(r=4, lora_alpha=8) if family != "qwen3" else dict(
         r=3, lora_alpha=5, use_rslora=True, rank_pattern={"down_proj": 2},
         alpha_pattern={"q_proj": 7})
-    targets = ALL[:4] if family == "mixtral" else ALL
+    targets = {"mixtral": ALL[:4], "phi3": FUSED}.get(family, ALL)
     lora = dict(target_modules=targets, init_lora_weights=False, **lora)
     return get_peft_model(base_model(family), LoraConfig(**(lora if config is None else config)))
 
@@ -169,7 +176,7 @@ CONFIGS = [(1, 1), (2, 2), (4, 4), (4, 2)]  # (world size, tsp size); (4, 2): dp
 
 
 @pytest.mark.parametrize("world,tsp", CONFIGS, ids=lambda v: str(v))
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "phi3"])
 def test_lora_parity_float64(pools, family, world, tsp):
     parity.assert_same_losses(pools.of(world).run(lora_parity, family, tsp))
 
@@ -268,15 +275,6 @@ def test_lora_step_moves_the_formula_bytes(pools, family):
 
 # ------------------------------------------------------------------------------- refusals
 
-def two_adapters():
-    """A PeftModel holding a second LoRA adapter beside the default one."""
-    from peft import LoraConfig
-
-    model = peft_model("llama")
-    model.add_adapter("second", LoraConfig(r=2, target_modules=["q_proj"]))
-    return model
-
-
 def refusals() -> list[str]:
     """Run on every rank: each unsupported PEFT setup raises on this rank, naming it, before any
     collective. The messages."""
@@ -294,7 +292,6 @@ def refusals() -> list[str]:
         (peft_model("llama", dict(lora, modules_to_save=["lm_head"])), "modules_to_save"),
         (peft_model("llama", dict(lora, target_modules=["q_proj", "embed_tokens"])),
          "LoRA on model.embed_tokens"),
-        (two_adapters(), "the PeftModel has 2 adapters"),
     ]
     messages = []
     for model, name in cases:
@@ -455,13 +452,150 @@ def test_activation_checkpointing_gives_the_same_adapter_gradients(pools):
     pools.of(2).run(checkpointed_grads)
 
 
+# ------------------------------------------------------------ fused projections (Phi-3)
+
+def fused_saved_and_merged(path: str) -> None:
+    """Run on every rank, tsp 2: Phi-3 with LoRA on its fused ``qkv_proj`` and ``gate_up_proj``
+    (and o, down) trained 2 SGD steps beside the same PeftModel on one process; the converted
+    model's ``save_pretrained`` (every rank; rank 0 writes) loaded by plain PEFT onto the
+    unmodified base gives the one-process PeftModel's logits (1e-10); ``merge_and_unload()``
+    gives a TSP model whose full state is the reference's ``merge_and_unload()`` one (1e-12)
+    and whose loss is the adapted one."""
+    from peft import PeftModel
+
+    mesh, rank = dist_pool.mesh(2), dist.get_rank()
+    ref = peft_model("phi3")
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(4))
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    for m, loss_of in ((ref, lambda: hf_models.reference_loss(ref, ids, ids)),
+                       (model, lambda: model(**batch).loss)):
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+        for _ in range(2):
+            loss_of().backward()
+            opt.step()
+            opt.zero_grad()
+    model.save_pretrained(path)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(base_model("phi3"), path)
+    with torch.no_grad():
+        want, base = ref(input_ids=ids).logits, base_model("phi3")(input_ids=ids).logits
+        err = relative_error(loaded(input_ids=ids).logits, want)
+        adapted = hf_models.reference_loss(ref, ids, ids).item()
+    assert relative_error(base, want) > 1e-3  # the adapters change the logits
+    assert err <= 1e-10, f"rank {rank}: the saved fused adapter's logits off by {err:.2e}"
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        loss = merged(**batch).loss.item()
+    assert abs(loss - adapted) <= 1e-10 * adapted, (rank, loss, adapted)
+    want = ref.merge_and_unload().state_dict()
+    got = tsp_core.full_state_dict(merged)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for name, w in want.items():
+        err = parity.weight_error(got[name], w)
+        assert err <= 1e-12, f"rank {rank}: merged {name} off by {err:.2e}"
+    dist.barrier()
+
+
+def test_fused_adapter_saved_loaded_by_peft_and_merged(pools, tmp_path):
+    pools.of(2).run(fused_saved_and_merged, str(tmp_path))
+
+
+# --------------------------------------------------------------------- several adapters
+
+def several_adapters(path: str) -> None:
+    """Run on every rank, tsp 2: a PeftModel with two named adapters ("default" on every
+    projection, "b" added with ``add_adapter`` on q, v and down, rank 2), converted while
+    "default" is active, against the same PeftModel on one process through the same calls:
+    each adapter's loss after ``set_adapter`` (1e-10), 2 SGD steps of "b" (losses and first
+    gradients to 1e-10: "default" gets none and stays bit for bit), the ``requires_grad`` PEFT
+    sets, ``disable_adapter()`` (the base's loss), back to "default"; ``save_pretrained`` writes
+    both adapters, and plain PEFT loads "b" onto the unmodified base with the reference's logits
+    (1e-10); two adapters active at once are refused at the forward."""
+    from peft import LoraConfig, PeftModel
+
+    mesh, rank = dist_pool.mesh(2), dist.get_rank()
+    ref = peft_model("llama")
+    torch.manual_seed(2)
+    ref.add_adapter("b", LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
+                                    target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(4))
+    batch = tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    losses = {id(ref): lambda: hf_models.reference_loss(ref, ids, ids),
+              id(model): lambda: model(**batch).loss}
+
+    def record(m) -> dict:
+        """What one model does through the calls."""
+        out = {"trainable": sorted(hf_name(n) for n, p in m.named_parameters()
+                                   if p.requires_grad)}
+        with torch.no_grad():
+            out["default"] = losses[id(m)]().item()
+        m.set_adapter("b")
+        out["b trainable"] = sorted(hf_name(n) for n, p in m.named_parameters()
+                                    if p.requires_grad)
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+        out["b"] = []
+        for step in range(2):
+            loss = losses[id(m)]()
+            loss.backward()
+            if step == 0:
+                out["grads"] = (gather.full_grads(m) if m is model else
+                                {n: p.grad.clone() for n, p in m.named_parameters()
+                                 if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+            out["b"].append(loss.item())
+        with torch.no_grad(), m.disable_adapter():
+            out["disabled"] = losses[id(m)]().item()
+        m.set_adapter("default")
+        with torch.no_grad():
+            out["default again"] = losses[id(m)]().item()
+        out["weights"] = (tsp_core.full_state_dict(m) if m is model else
+                          {hf_name(n): t for n, t in m.state_dict().items()})
+        return out
+
+    want, got = record(ref), record(model)
+    for key in ("trainable", "b trainable"):
+        assert got[key] == want[key], (rank, key, got[key], want[key])
+    assert all(".lora_A.b." in n or ".lora_B.b." in n for n in want["b trainable"])
+    for key in ("default", "b", "disabled", "default again"):
+        pairs = zip(got[key], want[key], strict=True) if key == "b" else [(got[key], want[key])]
+        for a, b in pairs:
+            assert abs(a - b) <= 1e-10 * abs(b), f"rank {rank} {key}: {a!r} vs {b!r}"
+    assert len({want["default"], want["b"][0], want["disabled"]}) == 3  # each adapter acts
+    assert set(got["grads"]) == set(want["grads"]), sorted(set(got["grads"]) ^ set(want["grads"]))
+    for name, g in want["grads"].items():
+        err = relative_error(got["grads"][name], g)
+        assert err <= 1e-10, f"rank {rank}: gradient of {name} off by {err:.2e}"
+    for name, w in want["weights"].items():
+        err = parity.weight_error(got["weights"][name], w)
+        assert err <= 1e-10, f"rank {rank}: {name} off by {err:.2e} after training b"
+    model.save_pretrained(path)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(base_model("llama"), path)
+    loaded.load_adapter(f"{path}/b", "b")
+    loaded.set_adapter("b")
+    ref.set_adapter("b")
+    with torch.no_grad():
+        err = relative_error(loaded(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert err <= 1e-10, f"rank {rank}: the saved adapter b's logits off by {err:.2e}"
+    model.base_model.set_adapter(["default", "b"])  # PEFT sums them; TSP runs one
+    with pytest.raises(NotImplementedError, match=r"2 active LoRA adapters \['default', 'b'\]"):
+        model(**batch)
+    dist.barrier()
+
+
+def test_several_adapters_switch_with_set_adapter(pools, tmp_path):
+    pools.of(2).run(several_adapters, str(tmp_path))
+
+
 # ------------------------------------------------------------------ every family of the zoo
 
 # the families whose adapted modules TSP refuses (docs/lora.md "What is refused"), by the phrase
 # each refusal names; every other family of the zoo, and Mixtral with its attention adapted,
 # must train exactly
 REFUSED = {"olmo2": "q/k norms span every head", "olmo3": "q/k norms span every head",
-           "phi3": "projections are fused", "glm4": "projections are fused",
            "apertus": "TSPPlainMLP", "llama4_text": "adapt the decoder layers'",
            "gemma4": "shares K/V", "qwen3_next": "target_parameters",
            "qwen3_next-generate": "target_parameters"}
@@ -483,9 +617,10 @@ def zoo_base(family: str):
 
 def zoo_step(families: list[str]) -> dict[str, str]:
     """Run on every rank: for each family, LoRA (r 4, random A and B) on every projection of
-    :data:`ALL` it has, at tsp 2, against the same PeftModel on one process: the loss and every
-    adapter's gradient to 1e-10, or a refusal by name before any collective. Each family's
-    outcome ("exact" or the refusal's message)."""
+    :data:`ALL` and :data:`FUSED` it has (Phi-3's and GLM-4's fused ones), at tsp 2, against
+    the same PeftModel on one process: the loss and every adapter's gradient to 1e-10, or a
+    refusal by name before any collective. Each family's outcome ("exact" or the refusal's
+    message)."""
     from peft import LoraConfig, get_peft_model
 
     mesh, out = dist_pool.mesh(2), {}
@@ -493,9 +628,10 @@ def zoo_step(families: list[str]) -> dict[str, str]:
         base = zoo_base(family)
         linears = {n.rpartition(".")[2] for n, m in base.named_modules()
                    if isinstance(m, torch.nn.Linear)}
+        targets = [t for t in dict.fromkeys(ALL + FUSED) if t in linears]
         torch.manual_seed(1)
         ref = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                              target_modules=[t for t in ALL if t in linears]))
+                                              target_modules=targets))
         with tsp_core.comm.track() as stats:
             try:
                 model = tsp_core.parallelize(copy.deepcopy(ref), mesh)

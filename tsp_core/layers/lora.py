@@ -11,6 +11,8 @@ schedules take the adapter as low-rank tensors beside the base shards:
   ``u = s x A^T`` [B, L, r] (computed here, outside the schedule) and ``B``; the schedule adds
   ``u @ B[rows]^T`` to the rows of the output it computes in a round (the owner's rows) and
   returns the gradients of ``u`` and ``B``;
+- a projection Hugging Face fuses (Phi-3's ``qkv_proj``, ``gate_up_proj``: :class:`TSPFusedLoRA`)
+  is its parts' input-side adapters with one ``u`` and ``B`` split by rows;
 - a projection whose input is computed inside the schedule (o after attention, down after the
   activation: :data:`OUTPUT_SIDE`) gets ``A``; the schedule returns ``z = in @ A^T`` [B, L, r],
   summed over the rounds' column slices, and ``s z B^T`` is added here.
@@ -21,7 +23,7 @@ module (the base weight under ``base_layer``, as PEFT names it) and holds ``lora
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,36 +130,77 @@ def output_backward(d_inp: torch.Tensor, dz: torch.Tensor, inp: torch.Tensor,
     return d_inp + _kept(dz @ low[0][:, cols], low, cols, tokens)
 
 
+class AddLowRank(torch.autograd.Function):
+    """``y + s z B^T`` (``y`` [..., out], ``z`` [..., r], ``B`` [out, r]) in one addmm, so that
+    an output-side adapter costs no more memory than the base projection alone: written as
+    ``y + (z @ B^T) * s``, autograd holds ``z B^T`` and ``s z B^T`` beside ``y`` and the sum in
+    the forward (two [tokens, out] tensors more) and ``s dy`` in the backward (one more).
+    Keeps ``z`` and ``B`` (rank r) for the backward, never ``y``."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, scaling: float
+                ) -> torch.Tensor:
+        ctx.save_for_backward(z, b)
+        ctx.scaling = scaling
+        return torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t(),
+                           alpha=scaling).view(y.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        z, b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dz = (dy2 @ b).mul_(ctx.scaling).view(z.shape) if ctx.needs_input_grad[1] else None
+        db = ((dy2.t() @ z.reshape(-1, z.shape[-1])).mul_(ctx.scaling)
+              if ctx.needs_input_grad[2] else None)
+        return dy, dz, db, None
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One named adapter of a projection: its rank, its scale ``s`` (lora_alpha / r, or
+    / sqrt(r) with rsLoRA) and its LoRA dropout's p."""
+
+    r: int
+    scaling: float
+    dropout: float = 0.0
+
+
 class TSPLoRA(ShardedModule):
-    """The LoRA adapter ``adapter`` of one projection of a TSP module, in that projection's
-    place: ``base_layer`` is the module holding the projection's own (sharded) weight, so its
+    """The LoRA adapters of one projection of a TSP module, in that projection's place:
+    ``base_layer`` is the module holding the projection's own (sharded) weight, so its
     parameters keep their names with PEFT's ``base_layer.`` in them, and ``weight`` / ``bias``
-    read through to it as PEFT's layers do. ``lora_A[adapter].weight`` [r, in] and
-    ``lora_B[adapter].weight`` [out, r] are replicated over the group. ``scaling``: lora_alpha / r
-    (or / sqrt(r), rsLoRA). Disabled (``enable_adapters(False)``, PEFT's ``disable_adapter()``),
-    the projection is the base alone. ``base_spec``: this rank's slice of the base weight (its
+    read through to it as PEFT's layers do. Per adapter name (PEFT's ``add_adapter``) a
+    ``lora_A[name].weight`` [r, in] and ``lora_B[name].weight`` [out, r], replicated over the
+    group; the active adapter (PEFT's ``set_adapter``) adds its term, the others none and get no
+    gradient. Disabled (``enable_adapters(False)``, PEFT's ``disable_adapter()``), the
+    projection is the base alone. ``base_spec``: this rank's slice of the base weight (its
     host's ShardSpec), which :meth:`merge` adds its share of ``s B A`` to."""
 
     adapter_layer_names = ("lora_A", "lora_B")
-    other_param_names: tuple[str, ...] = ()
+    other_param_names = ("r", "scaling", "lora_dropout")  # per adapter, as PEFT's LoraLayer
 
-    def __init__(self, mesh: TSPMesh, base_layer: nn.Module, adapter: str, in_features: int,
-                 out_features: int, r: int, scaling: float, *, side: str, base_spec: ShardSpec,
-                 dropout: float = 0.0, dtype: torch.dtype | None = None,
+    def __init__(self, mesh: TSPMesh, base_layer: nn.Module, adapters: Mapping[str, AdapterSpec],
+                 active: str | list[str], in_features: int, out_features: int, *, side: str,
+                 base_spec: ShardSpec, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         # PEFT's lora_dropout, on this rank's own tokens with masks of its own; an nn.Dropout, so
         # that what turns a model's dropout off (TRL's disable_dropout_in_model) reaches it
-        self.lora_dropout = nn.ModuleDict({adapter: RankDropoutModule(dropout)})
+        self.lora_dropout = nn.ModuleDict({n: RankDropoutModule(a.dropout)
+                                           for n, a in adapters.items()})
         self.mesh, self.base_layer, self.side = mesh, base_layer, side
         self.base_spec = base_spec
-        self.r, self.scaling, self.adapter = r, float(scaling), adapter
+        # PEFT's per-adapter dicts
+        self.r = {n: a.r for n, a in adapters.items()}
+        self.scaling = {n: float(a.scaling) for n, a in adapters.items()}
         self.in_features, self.out_features = in_features, out_features
-        self._active_adapter = adapter
+        self._active_adapter = active
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
-        self.full_shapes = {f"lora_A.{adapter}.weight": (r, in_features),
-                            f"lora_B.{adapter}.weight": (out_features, r)}
+        self.full_shapes = {}
+        for n, a in adapters.items():
+            self.full_shapes.update({f"lora_A.{n}.weight": (a.r, in_features),
+                                     f"lora_B.{n}.weight": (out_features, a.r)})
         self.lora_A, self.lora_B = nn.ModuleDict(), nn.ModuleDict()
         full = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in self.full_shapes.items()}
         self._create(full)
@@ -171,7 +214,7 @@ class TSPLoRA(ShardedModule):
         return getattr(self.base_layer, "bias", None)
 
     def extra_repr(self) -> str:
-        return (f"adapter={self.adapter!r}, r={self.r}, scaling={self.scaling}, "
+        return (f"adapters={sorted(self.r)}, active={self._active_adapter!r}, r={self.r}, "
                 f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"replicated over tsp_size={self.mesh.size}")
 
@@ -179,9 +222,23 @@ class TSPLoRA(ShardedModule):
         return REPLICATED
 
     @property
+    def adapter(self) -> str:
+        """The active adapter's name; several active at once (PEFT's LoraModel.set_adapter with
+        a list) are refused: TSP runs one."""
+        names = self._active_adapter
+        names = [names] if isinstance(names, str) else list(names)
+        if len(names) != 1:
+            raise NotImplementedError(f"{len(names)} active LoRA adapters {names}: under TSP one "
+                                      f"adapter is active at a time; choose it with "
+                                      f"set_adapter(name) (docs/lora.md)")
+        return names[0]
+
+    @property
     def active(self) -> bool:
-        """Whether the adapter adds its term: enabled and not merged into the base."""
-        return not self._disable_adapters and not self.merged_adapters
+        """Whether the active adapter adds its term here: enabled, not merged into the base, and
+        one this projection has (an adapter may target other projections only)."""
+        return (not self._disable_adapters and not self.merged_adapters
+                and self.adapter in self.r)
 
     def _a(self) -> torch.Tensor:
         return local_replicated(self.lora_A[self.adapter].weight, self.mesh)
@@ -202,55 +259,137 @@ class TSPLoRA(ShardedModule):
         dropout = self.lora_dropout[self.adapter]
         if self.side == "input":
             u = dropout(x) @ self._a().to(x.dtype).t()
-            return [u * self.scaling, self._b().to(x.dtype)]
+            return [u * self.scaling[self.adapter], self._b().to(x.dtype)]
         if not self.drops:
             return [self._a().to(x.dtype)]
         tokens = x.shape[:-1].numel()
         keep = dropout.masks.mask(x.new_empty(tokens, self.in_features), dropout.p)
         return [self._a().to(x.dtype), keep.to(x.dtype) / (1.0 - dropout.p)]
 
-    def output(self, z: torch.Tensor) -> torch.Tensor:
-        """An output-side adapter's term ``s z B^T`` from the schedule's ``z``."""
-        return (z @ self._b().to(z.dtype).t()) * self.scaling
+    def add_output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``y + s z B^T``: the schedule's output ``y`` with an output-side adapter's term from
+        the schedule's ``z`` (:class:`AddLowRank`: one [tokens, out] tensor, the result)."""
+        return AddLowRank.apply(y, z, self._b().to(y.dtype), self.scaling[self.adapter])
+
+    def _merge_targets(self) -> list[tuple[nn.Parameter, ShardSpec, slice]]:
+        """(base weight, this rank's ShardSpec of it, its rows in ``B``) of what :meth:`merge`
+        adds to: the projection's weight, all of ``B``'s rows."""
+        return [(self.base_layer.weight, self.base_spec, slice(None))]
 
     @torch.no_grad()
     def merge(self, safe_merge: bool = False, adapter_names: Sequence[str] | None = None
               ) -> None:
-        """Add ``s B A`` into the base weight, each rank only its own slice of it (rows of
-        ``B`` or columns of ``A`` by the base's ShardSpec: no collective, no full-size
-        product); the adapter is then inactive (merged). PEFT's signature; ``safe_merge``
-        checks the merged slice for NaN or inf first."""
+        """Add the active adapter's ``s B A`` into the base weight, each rank only its own slice
+        of it (rows of ``B`` or columns of ``A`` by the base's ShardSpec: no collective, no
+        full-size product); the adapter is then inactive (merged). PEFT's signature;
+        ``safe_merge`` checks the merged slices for NaN or inf first."""
         if self.merged_adapters:
             return
-        spec = self.base_spec
-        a, b = local(self.lora_A[self.adapter].weight), local(self.lora_B[self.adapter].weight)
-        if spec.dim == 0:
-            b = b[spec.start:spec.start + spec.length]
-        elif spec.dim == 1:
-            a = a[:, spec.start:spec.start + spec.length]
-        weight = local(self.base_layer.weight)
-        own = weight if spec.dim is None else weight.narrow(spec.dim, 0, spec.length)
-        merged = own + ((b @ a) * self.scaling).to(own.dtype)
-        if safe_merge and not torch.isfinite(merged).all():
-            raise ValueError(f"merging the adapter {self.adapter!r} gives NaN or inf weights")
-        own.copy_(merged)
-        self.merged_adapters = [self.adapter]
+        name = self.adapter if not adapter_names else _one(adapter_names)
+        a_full = local(self.lora_A[name].weight)
+        merged = []
+        for param, spec, rows in self._merge_targets():
+            a, b = a_full, local(self.lora_B[name].weight)[rows]
+            if spec.dim == 0:
+                b = b[spec.start:spec.start + spec.length]
+            elif spec.dim == 1:
+                a = a[:, spec.start:spec.start + spec.length]
+            weight = local(param)
+            own = weight if spec.dim is None else weight.narrow(spec.dim, 0, spec.length)
+            merged.append((own, own + ((b @ a) * self.scaling[name]).to(own.dtype)))
+        if safe_merge and not all(torch.isfinite(m).all() for _, m in merged):
+            raise ValueError(f"merging the adapter {name!r} gives NaN or inf weights")
+        for own, m in merged:
+            own.copy_(m)
+        self.merged_adapters = [name]
+
+
+def _one(names: Sequence[str]) -> str:
+    """The one adapter name of ``names`` (merging several at once is refused)."""
+    if len(names) != 1:
+        raise NotImplementedError(f"merging {len(names)} adapters {list(names)} at once is not "
+                                  f"supported under TSP: merge one (docs/lora.md)")
+    return names[0]
+
+
+class FusedParts(nn.Module):
+    """What a fused projection's adapter wraps (its ``base_layer``): the TSP module's part
+    projections (Phi-3's ``q_proj``, ``k_proj``, ``v_proj`` of ``qkv_proj``), referred to, not
+    held: they stay the TSP module's own parameters, under their own names."""
+
+    def __init__(self, fused: str, parts: Mapping[str, nn.Module]) -> None:
+        super().__init__()
+        self.fused = fused
+        self.parts = dict(parts)  # a plain dict: not registered, so not named twice
+
+    def extra_repr(self) -> str:
+        return f"{self.fused}: the TSP module's {', '.join(self.parts)}"
+
+
+class TSPFusedLoRA(TSPLoRA):
+    """The LoRA adapters of a projection Hugging Face fuses and TSP keeps apart (Phi-3's
+    ``qkv_proj``, ``gate_up_proj``), in the fused projection's place in the TSP module, PEFT's
+    names and shapes: ``lora_A`` [r, in] whole, ``lora_B`` [sum of the parts' rows, r]. Its term
+    ``s B A x`` splits exactly by ``B``'s rows: each part (``rows``: part -> its rows of ``B``)
+    is an input-side adapter with the same ``u = s drop(x) A^T`` (one dropout mask, as PEFT's)
+    and its rows of ``B``, so the schedules take it as they take q/k/v or gate/up adapters
+    (:meth:`part_tensors`); the parts' gradients of ``u`` and of ``B``'s rows sum into ``A``'s
+    and ``B``'s. ``specs``: this rank's ShardSpec of each part's weight (for :meth:`merge`)."""
+
+    def __init__(self, mesh: TSPMesh, base_layer: FusedParts, adapters: Mapping[str, AdapterSpec],
+                 active: str | list[str], in_features: int, rows: Mapping[str, int], *,
+                 specs: Mapping[str, ShardSpec], dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(mesh, base_layer, adapters, active, in_features, sum(rows.values()),
+                         side="input", base_spec=REPLICATED, dtype=dtype, device=device)
+        self.rows, start = {}, 0
+        for part, n in rows.items():
+            self.rows[part], start = slice(start, start + n), start + n
+        self.specs = dict(specs)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        raise AttributeError(f"{self.base_layer.fused} has no weight of its own under TSP: its "
+                             f"parts {list(self.rows)} are the TSP module's")
+
+    @property
+    def bias(self) -> None:
+        return None
+
+    def part_tensors(self, x: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Each part's input-side tensors (u, its rows of B), ``u`` computed once."""
+        u, b = self.schedule_tensors(x)
+        return {part: [u, b[rows]] for part, rows in self.rows.items()}
+
+    def _merge_targets(self) -> list[tuple[nn.Parameter, ShardSpec, slice]]:
+        return [(self.base_layer.parts[p].weight, self.specs[p], rows)
+                for p, rows in self.rows.items()]
 
 
 def schedule_adapters(module: nn.Module, names: Sequence[str], x: torch.Tensor
                       ) -> tuple[LowRank | None, list[torch.Tensor], dict[str, TSPLoRA]]:
-    """The active adapters among ``module``'s projections ``names`` (in that order): their
-    :class:`LowRank`, the tensors the schedule takes after its weights, and the adapters by
-    name (an output-side one adds :meth:`TSPLoRA.output` of its ``z``). None and nothing
-    without an active adapter: the schedule runs exactly as without LoRA."""
-    # a plain loop: an assignment expression in a comprehension breaks a torch.compile graph
-    found = {}
+    """The active adapters among ``module``'s projections ``names`` (in that order), a fused
+    projection's adapter (:class:`TSPFusedLoRA`) giving one per part: their :class:`LowRank`,
+    the tensors the schedule takes after its weights, and the adapters by name (an output-side
+    one adds :meth:`TSPLoRA.output` of its ``z``). None and nothing without an active adapter:
+    the schedule runs exactly as without LoRA."""
+    # plain loops: an assignment expression in a comprehension breaks a torch.compile graph
+    parts = {}
+    for fused in getattr(module, "fused", {}):
+        m = getattr(module, fused, None)
+        if isinstance(m, TSPFusedLoRA) and m.active:
+            parts.update({p: (m, ts) for p, ts in m.part_tensors(x).items()})
+    found, tensors = {}, []
     for n in names:
         m = getattr(module, n, None)
-        if isinstance(m, TSPLoRA) and m.active:
+        if n in parts:
+            found[n], part = parts[n]
+            tensors += part
+        elif isinstance(m, TSPLoRA) and m.active:
             found[n] = m
+            tensors += m.schedule_tensors(x)
     if not found:
         return None, [], {}
-    tensors = [t for m in found.values() for t in m.schedule_tensors(x)]
-    dropped = tuple(n for n, m in found.items() if m.side == "output" and m.drops)
+    dropped = tuple(n for n, m in found.items()
+                    if isinstance(m, TSPLoRA) and m.side == "output" and m.drops)
     return LowRank(tuple(found), dropped), tensors, found

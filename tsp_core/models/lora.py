@@ -1,22 +1,27 @@
 """PEFT models under :func:`tsp_core.parallelize` (docs/lora.md): a ``PeftModel`` with LoRA
-adapters on the attention's q/k/v/o and the gated MLP's gate/up/down projections.
+adapters (one or several named ones) on the attention's q/k/v/o and the gated MLP's
+gate/up/down projections, or on the projections Hugging Face fuses (Phi-3's ``qkv_proj``,
+``gate_up_proj``).
 
 :func:`read_peft` checks the PEFT configuration and the adapted modules (pure Python, the same on
 every rank, so a refusal raises on every rank before any collective) and records the adapters;
 :meth:`PeftAdapters.unwrapped` shows the Hugging Face model inside with each PEFT layer replaced
 by its base ``nn.Linear``, so the usual stages convert it; :meth:`PeftAdapters.attach` then puts
 a :class:`~tsp_core.layers.lora.TSPLoRA` in each adapted projection's place in the new TSP
-module (the adapter is a part the TSP module finds among its projections, not an option of the
-schedules) and gives every parameter the ``requires_grad`` PEFT gave it: the base frozen.
+module (a :class:`~tsp_core.layers.lora.TSPFusedLoRA` in a fused projection's: the adapter is a
+part the TSP module finds among its projections, not an option of the schedules) and gives
+every parameter the ``requires_grad`` PEFT gave it: the base frozen.
 
 The converted model stays the ``PeftModel``: its adapters are PEFT tuner layers (the class of
-:func:`tuner_class`), so ``print_trainable_parameters`` and ``disable_adapter()`` work; its
-``save_pretrained`` (:func:`save_pretrained`) writes the full adapters.
+:func:`tuner_class`), so ``print_trainable_parameters``, ``disable_adapter()`` and
+``set_adapter(name)`` work; its ``save_pretrained`` (:func:`save_pretrained`) writes the full
+adapters.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -26,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from ..distributed.mesh import TSPMesh, get_mesh
-from ..layers.lora import INPUT_SIDE, TSPLoRA
+from ..layers.lora import INPUT_SIDE, AdapterSpec, FusedParts, TSPFusedLoRA, TSPLoRA
 from .policies import DecoderPolicy, find_policy
 from .replicas import check_replicas_agree
 
@@ -66,7 +71,7 @@ class PeftAdapters:
 
     peft_model: nn.Module
     model: nn.Module  # the Hugging Face model inside (peft_model.base_model.model)
-    adapter: str
+    adapters: list[str]  # every adapter's name (peft_config's keys)
     adapted: list[Adapted]
     requires_grad: dict[str, bool] = field(default_factory=dict)
 
@@ -96,21 +101,12 @@ class PeftAdapters:
     def attach(self, new: dict[int, nn.Module], mesh: TSPMesh) -> None:
         """Each adapter in its projection's place in the TSP module, its weights PEFT's (checked
         to be the same on every rank: they are replicated), then PEFT's ``requires_grad``."""
-        layer_class = tuner_class()
         tensors = []
         for a in self.adapted:
             host = new[id(a.parent)]
-            lora_a = a.layer.lora_A[self.adapter].weight
-            lora_b = a.layer.lora_B[self.adapter].weight
-            adapter = layer_class(mesh, getattr(host, a.name), self.adapter, lora_a.shape[1],
-                                  lora_b.shape[0], lora_a.shape[0],
-                                  a.layer.scaling[self.adapter],
-                                  side="input" if a.name in INPUT_SIDE else "output",
-                                  base_spec=host.shard_spec(f"{a.name}.weight", mesh.rank),
-                                  dropout=getattr(a.layer.lora_dropout[self.adapter], "p", 0.0),
-                                  dtype=lora_a.dtype, device=lora_a.device)
-            full = {f"lora_A.{self.adapter}.weight": lora_a.detach(),
-                    f"lora_B.{self.adapter}.weight": lora_b.detach()}
+            adapter = tsp_adapter(a, host, mesh)
+            full = {f"{kind}.{n}.weight": getattr(a.layer, kind)[n].weight.detach()
+                    for n in adapter.r for kind in ("lora_A", "lora_B")}
             adapter.load_full(full)
             adapter.train(a.layer.training)
             setattr(host, a.name, adapter)
@@ -119,6 +115,9 @@ class PeftAdapters:
         self.restore_requires_grad()
         # the PeftModel's class stays PEFT's; its save_pretrained gathers the adapters
         self.peft_model.save_pretrained = MethodType(save_pretrained, self.peft_model)
+        # PEFT's set_adapter reaches the layers of its tuner_layer_cls: ours too
+        tuner = self.peft_model.base_model
+        tuner.tuner_layer_cls = (type(tuner).tuner_layer_cls, tuner_class(), tuner_class(True))
 
     def restore_requires_grad(self) -> None:
         """Every parameter's ``requires_grad`` as PEFT set it (the TSP modules' parameters are
@@ -129,16 +128,38 @@ class PeftAdapters:
             p.requires_grad_(self.requires_grad.get(name, False))
 
 
+def tsp_adapter(a: Adapted, host: nn.Module, mesh: TSPMesh) -> TSPLoRA:
+    """The TSP adapter (of :func:`tuner_class`) of PEFT layer ``a`` in TSP module ``host``: every
+    named adapter the layer has, its rank, scale and dropout, the layer's active adapter; a
+    :class:`TSPFusedLoRA` over ``host``'s parts where ``a`` is a projection the model fuses."""
+    layer = a.layer
+    adapters = {n: AdapterSpec(layer.r[n], layer.scaling[n],
+                               getattr(layer.lora_dropout[n], "p", 0.0)) for n in layer.lora_A}
+    first = layer.lora_A[next(iter(adapters))].weight
+    opts = dict(dtype=first.dtype, device=first.device)
+    active = copy.copy(layer.active_adapter)
+    parts = getattr(host, "fused", {}).get(a.name)
+    if parts is not None:
+        fused_parts = FusedParts(a.name, {p: getattr(host, p) for p in parts})
+        return tuner_class(True)(
+            mesh, fused_parts, adapters, active, layer.in_features,
+            {p: host.full_shapes[f"{p}.weight"][0] for p in parts},
+            specs={p: host.shard_spec(f"{p}.weight", mesh.rank) for p in parts}, **opts)
+    return tuner_class()(mesh, getattr(host, a.name), adapters, active, layer.in_features,
+                         layer.out_features, side="input" if a.name in INPUT_SIDE else "output",
+                         base_spec=host.shard_spec(f"{a.name}.weight", mesh.rank), **opts)
+
+
 def inner_model(model: nn.Module) -> nn.Module:
     """The Hugging Face (or TSP) model inside a PeftModel; any other ``model`` itself."""
     return model.base_model.model if is_peft_model(model) else model
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, Any]:
-    """The full tensors of every TSP LoRA adapter of the converted PeftModel ``model``, by the
-    PeftModel's own parameter names (what PEFT's ``get_peft_model_state_dict`` picks from its
-    ``state_dict()`` on one process); every rank of the group must call it. The base weights
-    are not gathered: PEFT saves none of them."""
+    """The full tensors of every TSP LoRA adapter (all named adapters) of the converted
+    PeftModel ``model``, by the PeftModel's own parameter names (what PEFT's
+    ``get_peft_model_state_dict`` picks from its ``state_dict()`` on one process); every rank
+    of the group must call it. The base weights are not gathered: PEFT saves none of them."""
     return {f"{prefix}.{name}": t
             for prefix, m in model.named_modules() if isinstance(m, TSPLoRA)
             for name, t in m.full_tensors().items()}
@@ -159,8 +180,8 @@ def save_pretrained(model: nn.Module, save_directory: str, *args: Any, **kwargs:
 
 def refuse_schedule(a: Adapted, module: nn.Module | None) -> None:
     """Raise unless ``module`` (the TSP module replacing ``a.parent``) runs a schedule that takes
-    LoRA adapters: the per-head-group attention without KV sharing, sinks or fused projections
-    (Llama, Qwen3, ...), or the gated MLP."""
+    LoRA adapters: the per-head-group attention without KV sharing or sinks (Llama, Qwen3,
+    Phi-3, ...), or the gated MLP."""
     from ..layers.attention import TSPAttention
     from ..layers.mlp import TSPGatedMLP
 
@@ -170,10 +191,9 @@ def refuse_schedule(a: Adapted, module: nn.Module | None) -> None:
                else "it shares K/V between layers" if p.kv_sharing is not None
                else "it has attention sinks" if p.mask.sinks
                else "its values come from the keys" if p.values_from_keys
-               else "its projections are fused" if module.fused
                else None)
     elif isinstance(module, TSPGatedMLP):
-        why = "its projections are fused" if module.fused else None
+        why = None
     else:
         why = f"it becomes a {type(module).__name__}, whose schedule takes no adapter"
     if why is not None:
@@ -191,21 +211,16 @@ def read_peft(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None
     configs = dict(model.peft_config)
     for name, config in configs.items():
         refuse_config(name, config)
-    if len(configs) > 1:
-        raise NotImplementedError(f"the PeftModel has {len(configs)} adapters "
-                                  f"{sorted(configs)}: TSP converts one LoRA adapter; delete "
-                                  f"the others (delete_adapter) before parallelize ({DOCS})")
     if mesh.fsdp_size > 1:
         raise NotImplementedError(f"LoRA with FSDP2 (dp_shard={mesh.fsdp_size}) is not "
                                   f"supported yet: use plain data parallelism (init_mesh "
                                   f"without dp_shard) ({DOCS})")
-    (adapter,) = configs
     inner = model.base_model.model
     if next(inner.parameters()).is_meta:
         raise NotImplementedError("a PeftModel on the meta device: load the base weights and "
                                   "create the adapters before parallelize")
     policy = policy or find_policy(inner)
-    adapted = find_adapted(inner, policy, adapter)
+    adapted = find_adapted(inner, policy)
     requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
     trained = sorted(n for n, on in requires_grad.items() if on and ".lora_" not in n)
     if trained:
@@ -214,7 +229,7 @@ def read_peft(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None
                                   f"PeftModel whose base is frozen, as get_peft_model leaves it; "
                                   f"set their requires_grad to False before parallelize "
                                   f"({DOCS})")
-    return PeftAdapters(model, inner, adapter, adapted, requires_grad)
+    return PeftAdapters(model, inner, list(configs), adapted, requires_grad)
 
 
 def refuse_config(name: str, config: Any) -> None:
@@ -236,10 +251,10 @@ def refuse_config(name: str, config: Any) -> None:
                                   f"biases, which TSP keeps frozen; use bias=\"none\" ({DOCS})")
 
 
-def find_adapted(model: nn.Module, policy: DecoderPolicy, adapter: str) -> list[Adapted]:
+def find_adapted(model: nn.Module, policy: DecoderPolicy) -> list[Adapted]:
     """Every PEFT LoRA layer of the Hugging Face ``model``, each checked to be one of the
-    attention's or MLP's projections of a decoder layer (:data:`TARGETS`), a plain Linear,
-    unmerged."""
+    attention's or MLP's projections of a decoder layer (:data:`TARGETS`, or a projection the
+    policy names fused), a plain Linear, unmerged."""
     names = policy.modules
     prefix = f"{names.base_model}.{names.layers}."
     found = []
@@ -249,12 +264,13 @@ def find_adapted(model: nn.Module, policy: DecoderPolicy, adapter: str) -> list[
         parent_path, _, name = path.rpartition(".")
         layer, _, role_name = parent_path.removeprefix(prefix).partition(".")
         role = {names.attention: "attention", names.mlp: "mlp"}.get(role_name)
-        if (not parent_path.startswith(prefix) or not layer.isdigit() or role is None
-                or name not in TARGETS[role]):
+        targets = () if role is None else (*TARGETS[role], *names.fused_in(role))
+        if not parent_path.startswith(prefix) or not layer.isdigit() or name not in targets:
             raise NotImplementedError(
                 f"LoRA on {path} is not supported under TSP: adapt the decoder layers' "
                 f"{names.attention}.{{{','.join(TARGETS['attention'])}}} and "
-                f"{names.mlp}.{{{','.join(TARGETS['mlp'])}}} ({DOCS})")
+                f"{names.mlp}.{{{','.join(TARGETS['mlp'])}}} (or the projections the model "
+                f"fuses: Phi-3's qkv_proj, gate_up_proj) ({DOCS})")
         if type(module.base_layer) is not nn.Linear:
             raise NotImplementedError(f"LoRA on {path}: its base layer is a "
                                       f"{type(module.base_layer).__name__}, TSP adapts "
@@ -268,13 +284,14 @@ def find_adapted(model: nn.Module, policy: DecoderPolicy, adapter: str) -> list[
 
 
 @cache
-def tuner_class() -> type:
-    """:class:`TSPLoRA` as a PEFT tuner layer (``BaseTunerLayer`` mixed in), so that PEFT's
-    model-wide switches reach it: ``disable_adapter()``, ``enable_adapter_layers()``, the layer
-    status, ``print_trainable_parameters``. Imports peft, which only a PeftModel brings."""
+def tuner_class(fused: bool = False) -> type:
+    """:class:`TSPLoRA` (:class:`TSPFusedLoRA` if ``fused``) as a PEFT tuner layer
+    (``BaseTunerLayer`` mixed in), so that PEFT's model-wide switches reach it:
+    ``disable_adapter()``, ``enable_adapter_layers()``, ``set_adapter``, the layer status,
+    ``print_trainable_parameters``. Imports peft, which only a PeftModel brings."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    class TSPLoraLayer(TSPLoRA, BaseTunerLayer):
+    class TSPLoraLayer(TSPFusedLoRA if fused else TSPLoRA, BaseTunerLayer):
         """A TSP LoRA adapter that PEFT sees as one of its tuner layers: PEFT's
         ``merge_and_unload()`` and ``unload()`` put back the projection, merged or not."""
 
