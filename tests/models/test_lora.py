@@ -503,18 +503,19 @@ def test_fused_adapter_saved_loaded_by_peft_and_merged(pools, tmp_path):
 
 # --------------------------------------------------------------------- several adapters
 
-def several_adapters(path: str) -> None:
-    """Run on every rank, tsp 2: a PeftModel with two named adapters ("default" on every
-    projection, "b" added with ``add_adapter`` on q, v and down, rank 2), converted while
-    "default" is active, against the same PeftModel on one process through the same calls:
-    each adapter's loss after ``set_adapter`` (1e-10), 2 SGD steps of "b" (losses and first
-    gradients to 1e-10: "default" gets none and stays bit for bit), the ``requires_grad`` PEFT
-    sets, ``disable_adapter()`` (the base's loss), back to "default"; ``save_pretrained`` writes
-    both adapters, and plain PEFT loads "b" onto the unmodified base with the reference's logits
-    (1e-10); two adapters active at once are refused at the forward."""
+def several_adapters(path: str, tsp: int) -> None:
+    """Run on every rank at ``tsp`` (every data-parallel replica the same batch): a PeftModel
+    with two named adapters ("default" on every projection, "b" added with ``add_adapter`` on
+    q, v and down, rank 2), converted while "default" is active, against the same PeftModel on
+    one process through the same calls: each adapter's loss after ``set_adapter`` (1e-10), 2
+    SGD steps of "b" (losses and first gradients to 1e-10: "default" gets none; every weight
+    after them to 1e-10), the ``requires_grad`` PEFT sets, ``disable_adapter()`` (the base's
+    loss), back to "default"; ``save_pretrained`` writes both adapters, and plain PEFT loads "b"
+    onto the unmodified base with the reference's logits (1e-10); two adapters active at once
+    are refused at the forward."""
     from peft import LoraConfig, PeftModel
 
-    mesh, rank = dist_pool.mesh(2), dist.get_rank()
+    mesh, rank = dist_pool.mesh(tsp), dist.get_rank()
     ref = peft_model("llama")
     torch.manual_seed(2)
     ref.add_adapter("b", LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
@@ -586,8 +587,9 @@ def several_adapters(path: str) -> None:
     dist.barrier()
 
 
-def test_several_adapters_switch_with_set_adapter(pools, tmp_path):
-    pools.of(2).run(several_adapters, str(tmp_path))
+@pytest.mark.parametrize("world,tsp", [(2, 2), (4, 2)], ids=lambda v: str(v))
+def test_several_adapters_switch_with_set_adapter(pools, tmp_path, world, tsp):
+    pools.of(world).run(several_adapters, str(tmp_path), tsp)
 
 
 # ------------------------------------------------------------------ every family of the zoo
