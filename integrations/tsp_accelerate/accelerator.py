@@ -79,6 +79,14 @@ from tsp_core.models.policies import find_policy
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
 from tsp_core.state.resharding import check_checkpoint
 
+from .compiling import (
+    compile_converted,
+    layer_compile,
+    not_compiled,
+    refuse_compiled_model,
+    requested_plugin,
+)
+
 
 def _local_processes() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -269,7 +277,10 @@ class TSPAccelerator(Accelerator):
     (docs/long-context.md): ``tile_tokens`` and ``activation_offload`` go to
     ``tsp_core.parallelize``; ``activation_offload=True`` keeps each checkpointed decoder layer's
     input in host memory between its forward and its backward, and needs activation
-    checkpointing (``model.activation_checkpointing_enable()``)."""
+    checkpointing (``model.activation_checkpointing_enable()``). ``dynamo_backend`` /
+    ``dynamo_plugin`` (or ``accelerate launch --dynamo_backend``) compile each decoder layer
+    (``tsp_core.parallelize(..., compile=backend)``), never the whole model
+    (:mod:`tsp_accelerate.compiling`)."""
 
     def __init__(self, *args: Any, tsp_size: int | str | None = None, layout: str = "zigzag",
                  tsp_model_config: Any = None, tsp_seq_len: int | None = None,
@@ -282,6 +293,9 @@ class TSPAccelerator(Accelerator):
                             f"{activation_offload!r}")
         self._long_context = {"tile_tokens": tile_tokens,
                               "activation_offload": activation_offload}
+        self.tsp_compile = layer_compile(requested_plugin(kwargs.pop("dynamo_backend", None),
+                                                          kwargs.pop("dynamo_plugin", None)))
+        kwargs["dynamo_plugin"] = not_compiled()  # Accelerate compiles nothing whole
         deepspeed = _uses_deepspeed(kwargs)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         fsdp = None if deepspeed or world == 1 else _requested_fsdp_plugin(kwargs)
@@ -390,7 +404,9 @@ class TSPAccelerator(Accelerator):
         ``mixed_precision_policy`` and ``reshard_after_forward``; with mixed precision the
         parameters are first made float32, as Accelerate's FSDP2 path does. The accelerator's
         ``tile_tokens`` and ``activation_offload`` go to ``parallelize`` too (a model converted
-        already must have them). Build the optimizer afterwards, or let :meth:`prepare` point it
+        already must have them), and so does its dynamo backend (``compile``: each decoder
+        layer compiled; a converted model's layers are compiled here unless they are already).
+        Build the optimizer afterwards, or let :meth:`prepare` point it
         at the new parameters."""
         from torch.distributed.fsdp import FSDPModule
 
@@ -401,8 +417,10 @@ class TSPAccelerator(Accelerator):
                                  f"fully_shard would then wrap it a second way): pass the "
                                  f"unconverted model to prepare()")
             check_converted(model, **self._long_context)
+            compile_converted(model, self.tsp_compile)
             return model
-        options: dict[str, Any] = dict(self._long_context)
+        refuse_compiled_model(model)
+        options: dict[str, Any] = dict(self._long_context, compile=self.tsp_compile)
         if self.is_fsdp2:
             plugin = self.state.fsdp_plugin
             _check_wrap_classes(self._fsdp_wrap_names, model)

@@ -13,6 +13,9 @@ Saving writes an ordinary Hugging Face checkpoint plus the optimizer as a
 ``tsp_core.save_checkpoint`` directory (Hugging Face names and shapes), so a run resumes at any
 TSP degree and data-parallel size; resuming and ``load_best_model_at_end`` read the weights
 shard-on-read from ``model.safetensors``.
+``torch_compile`` compiles each decoder layer (``tsp_core.parallelize(..., compile=backend)``),
+never the whole model: the Trainer's dynamo plugin goes to ``TSPAccelerator``, which keeps
+Accelerate from compiling (``tsp_accelerate.compiling``); ``torch_compile_mode`` is refused.
 
 What the Trainer reports counts model replicas, not processes: the ranks of a TSP group hold one
 replica and take one batch, so ``total_flos`` counts each replica's model once (embeddings left
@@ -52,6 +55,7 @@ from tsp_accelerate.accelerator import (
     fsdp_sizes,
 )
 from tsp_accelerate.accelerator import choose_accelerate_tsp_size as accelerate_tsp_size
+from tsp_accelerate.compiling import compile_converted, layer_compile
 from tsp_core.distributed.mesh import get_mesh
 from tsp_core.distributed.metrics import StepMetrics
 from tsp_core.distributed.model_state import model_state
@@ -220,6 +224,19 @@ def long_context_options(args: Any) -> dict[str, Any]:
             "activation_offload": bool(getattr(args, "tsp_activation_offload", False))}
 
 
+def layer_compile_option(args: TrainingArguments, who: str) -> bool | str:
+    """``tsp_core.parallelize``'s ``compile`` for ``torch_compile`` / ``torch_compile_backend``
+    / ``torch_compile_mode``: read from the ``TorchDynamoPlugin`` the Trainer builds for its
+    Accelerator, which ``TSPAccelerator`` then keeps from compiling the whole model. Raises,
+    before any collective, for a mode (``parallelize`` compiles with torch.compile's default)."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    backend = args.torch_compile_backend
+    plugin = TorchDynamoPlugin(backend=backend, mode=args.torch_compile_mode,
+                               dynamic=False if backend == "neuron" else None)  # as the Trainer
+    return layer_compile(plugin, who)
+
+
 def requested_tsp_size(args: Any) -> int | str:
     """The TSP degree ``args`` ask for before the model is known: the resolved size, or "auto"
     (which needs the model's config); 1 without arguments (the trainer's own then: no TSP)."""
@@ -295,6 +312,8 @@ class TSPTrainer(Trainer):
         if self._fsdp2:
             self._check_fsdp(args, model)  # before any collective, every rank
         self._long_context = long_context_options(args)
+        # torch_compile: each decoder layer compiled, never the whole model (docs/transformers.md)
+        compile = layer_compile_option(args, type(self).__name__) if self._tsp else False
         converted = isinstance(inner_model(model), TSPCausalLM)  # a PeftModel's model inside
         if self._tsp and converted:  # converted already, e.g. loaded
             check_converted(model, **self._long_context)
@@ -302,7 +321,8 @@ class TSPTrainer(Trainer):
             _ = args.world_size  # initialises the process group from the launcher's environment
             if not converted:  # else its own mesh: no second set of groups
                 mesh = tsp_core.init_mesh(self.tsp_choice.size, timeout=args.ddp_timeout)
-                tsp_core.parallelize(model, mesh, **self._long_context)
+                tsp_core.parallelize(model, mesh, **self._long_context, compile=compile)
+            compile_converted(model, compile)
             shard_full_batches(model)
         # with FSDP2 the model is converted on the accelerator's mesh as soon as the Trainer has
         # created it (create_accelerator_and_postprocess), before it looks at the model. args by

@@ -7,7 +7,9 @@ dp 2 x tsp 2 (TSP_SIZE from the launch environment), tsp 4 with 1 and 2 key/valu
 FSDP2 dp_shard 2 x tsp 2 from an accelerate config file and from code (each rank holding 1/4 of
 the model); with ``mixed_precision="bf16"`` at dp 2 x tsp 2 it matches the plain Accelerator in
 bf16 on one process within bf16's bounds; a PEFT PeftModel (LoRA) at dp 2 x tsp 2 matches it on
-one process in float64, its base weights unchanged."""
+one process in float64, its base weights unchanged; with ``dynamo_backend="aot_eager"`` each
+decoder layer is compiled and dp 2 x tsp 2 trains as eager bit for bit; dynamo options per-layer
+compilation cannot honour are refused."""
 
 from __future__ import annotations
 
@@ -92,6 +94,28 @@ def reference(kv_heads: int, rows_per_step: int, dtype=torch.float64, clip: floa
                                    lr=0.5, clip=clip)
 
 
+def assert_compiled_as_eager(out, ref: dict) -> None:
+    """The compiled case: TSPAccelerator(dynamo_backend="aot_eager") at dp 2 x tsp 2 compiled
+    each decoder layer (nn.Module.compile) with no graph break and handed back the TSP model
+    itself (no OptimizedModule: Accelerate compiled nothing whole), and every rank's losses,
+    first gradients and final weights are the eager dp2 case's bit for bit, and the unmodified
+    model's on one process to 1e-8."""
+    from tests.support import hf_models
+
+    eager, runs = job_run(str(out / "dp2"), 1), job_run(str(out / "compiled"), 1)
+    assert len(runs) == 4
+    for r, (run, want) in enumerate(zip(runs, eager)):
+        with open(out / "compiled" / f"rank{r}.json") as f:
+            compiled = json.load(f)["compiled"]
+        assert compiled == {"layers": [True, True], "classes": ["TSPLlamaForCausalLM"],
+                            "breaks": {}}, (r, compiled)
+        assert run["losses"] == want["losses"], (r, run["losses"], want["losses"])
+        for key in ("grads0", "weights"):
+            for name, t in want[key].items():
+                assert torch.equal(run[key][name], t), f"rank {r}: {key} {name} differs"
+        hf_models.assert_matches_reference(run, ref, 1e-8, 1e-9, what=f"compiled, rank {r}: ")
+
+
 FSDP2_YAML = os.path.join(launch.ROOT, "tests", "fixtures", "accelerate_fsdp2.yaml")
 
 
@@ -103,7 +127,8 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
     # do not see the launcher's FSDP variables: plain data parallel, as after --multi_gpu); then
     # FSDP2 dp_shard 2 x tsp 2 from that config file with the script unchanged (and a
     # save_state/load_state round trip), and from code (ParallelismConfig + plugin, with
-    # activation_offload=True and checkpointed layers: the switch reaches parallelize). float64,
+    # activation_offload=True and checkpointed layers: the switch reaches parallelize); last,
+    # dynamo_backend="aot_eager" at dp 2 x tsp 2 (each decoder layer compiled). float64,
     # SGD at lr 0.5, clipping at 0.5 (norms 1.3-2.3: it acts at every step), so the weights
     # check the gradients' directions and the norms their sizes; the first gradients are
     # compared too.
@@ -121,7 +146,9 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
                   "--case", f"fsdp_code {sgd} --kv-heads 1 --tsp-size 2 --fsdp-code 2 "
                   f"--activation-offload",
                   "--case", f"bf16 {BF16}",
-                  "--case", f"lora {sgd} --kv-heads 1 --tsp-size 2 --lora 4"],
+                  "--case", f"lora {sgd} --kv-heads 1 --tsp-size 2 --lora 4",
+                  "--case", f"compiled {sgd} --kv-heads 1 --tsp-size 2 --dynamo-backend "
+                  f"aot_eager"],
                  TSP_SIZE="2")
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 2" in stdout, stdout
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 4" in stdout, stdout
@@ -172,6 +199,7 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
             want = ([{"offloaded": 4 * layers, "brought_back": 4 * layers,
                       "prefetched": 4 * (layers - 1)}] if name == "fsdp_code" else [None])
             assert offload == want, (name, r, offload)
+    assert_compiled_as_eager(tmp_path, dp2)
     assert_bf16_as_one_process(tmp_path)
     assert_lora_as_one_process(str(tmp_path / "lora"))
     with open(tmp_path / "fsdp_yaml" / "rank0.json") as f:  # the degree too (no TSP_SIZE there)
@@ -307,6 +335,18 @@ FSDP_REFUSALS = [
     # dp_shard without an FSDP plugin: Accelerate would shard nothing
     (None, dict(tsp_size=None, parallelism_config=("dp_shard_size", 2, "tp_size", 2)),
      r"dp_shard_size \(2\) shards data parallel with FSDP2, and no FSDP plugin is given"),
+    # torch.compile the TSP way (each decoder layer, torch.compile's default mode): a mode or
+    # backend options would otherwise be dropped; from the plugin, or accelerate launch's
+    # --dynamo_mode (the environment)
+    (None, dict(dynamo_plugin=dict(backend="inductor", mode="max-autotune")),
+     r"TSPAccelerator compiles each decoder layer with tsp_core.parallelize\(\.\.\., "
+     r"compile='inductor'\), which cannot honour mode='max-autotune'"),
+    (None, dict(dynamo_backend="aot_eager", env=("ACCELERATE_DYNAMO_MODE", "reduce-overhead")),
+     r"compile='aot_eager'\), which cannot honour mode='reduce-overhead'"),
+    (None, dict(dynamo_plugin=dict(backend="inductor", options={"max_autotune": True})),
+     r"cannot honour options=\{'max_autotune': True\}"),
+    (None, dict(dynamo_plugin=dict(backend="inductor", dynamic=True)),
+     r"cannot honour dynamic=True"),
 ]
 
 
@@ -331,11 +371,27 @@ def test_fsdp_options_tsp_cannot_honour_are_refused(monkeypatch, options, kwargs
     if "parallelism_config" in kwargs:
         pairs = kwargs["parallelism_config"]
         kwargs["parallelism_config"] = ParallelismConfig(**dict(zip(pairs[::2], pairs[1::2])))
+    if "dynamo_plugin" in kwargs:
+        from accelerate.utils import TorchDynamoPlugin
+
+        kwargs["dynamo_plugin"] = TorchDynamoPlugin(**kwargs["dynamo_plugin"])
     if options is not None:
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(**{"fsdp_version": 2, **options})
     with pytest.raises(ValueError, match=words):
         TSPAccelerator(**kwargs)
     assert not dist.is_initialized()
+
+
+def test_a_model_compiled_whole_is_refused():
+    # torch.compile(model) before prepare would compile the whole TSP model: refused, naming the
+    # accelerator's dynamo_backend (each decoder layer compiled)
+    from tsp_accelerate.compiling import refuse_compiled_model
+
+    refuse_compiled_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"torch.compile wrapped whole \(an OptimizedModule\); "
+                                         r"TSP compiles each decoder layer instead: pass the model "
+                                         r"itself and dynamo_backend="):
+        refuse_compiled_model(torch.compile(torch.nn.Linear(2, 2)))
 
 
 def test_wrap_policy_may_only_name_the_decoder_layer():

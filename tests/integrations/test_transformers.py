@@ -10,7 +10,8 @@ the degree tsp_size="auto" chose is said under run_clm.py's logging; packed batc
 against the unmodified model run on each document alone); resuming from a checkpoint is exact;
 a Qwen2 checkpoint (with biases) loads shard-on-read into a TSP model with the plain model's
 logits; bf16=True (with and without gradient checkpointing) matches the plain Trainer in bf16 on
-one process within bf16's bounds; fp16=True on the CPU is refused."""
+one process within bf16's bounds; torch_compile_backend="aot_eager" compiles each decoder layer
+and trains as eager TSP bit for bit; fp16=True and a torch_compile_mode are refused."""
 
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
     (planned for 24 tokens x 2 rows in 0.6 MB: 0.94 MB at D=1 does not fit 0.9 x 0.6 MB, 0.46 MB
     at D=2 does), one step; TSPTrainer given a plain TrainingArguments (the one switch);
     tsp_activation_offload with gradient checkpointing; bf16 (mixed precision), with and without
-    gradient checkpointing; packed batches (DataCollatorWithFlattening, 2 documents a step)."""
+    gradient checkpointing; packed batches (DataCollatorWithFlattening, 2 documents a step);
+    torch_compile with the aot_eager backend (last: it compiles)."""
     out = tmp_path_factory.mktemp("two_processes")
     proc = launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"),
                                       *SGD, "--out", str(out), "--case",
@@ -165,7 +167,8 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
                                       f"bf16 --tsp_size 2 {BF16}",
                                       f"bf16_gc --tsp_size 2 {BF16} --gradient_checkpointing "
                                       "true",
-                                      f"packed --tsp_size 2 {PACKED}"),
+                                      f"packed --tsp_size 2 {PACKED}",
+                                      "compiled --tsp_size 2 --torch_compile_backend aot_eager"),
                       2, timeout=400)
     with open(out / "output.txt", "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -270,6 +273,27 @@ def test_bf16_matches_one_process_in_bf16(two_processes, one_process):
                 plain["eval_loss"], (name, r, run["eval_loss"], plain["eval_loss"])
         assert {w.dtype for w in runs[0]["weights"].values()} == {torch.float32}, name
         print(f"{name}: " + precision.summary(runs[0], plain, init, exact))
+
+
+def test_torch_compile_compiles_each_decoder_layer(two_processes):
+    # TrainingArguments(torch_compile_backend="aot_eager") at tsp 2, float64, 4 clipped SGD
+    # steps: on every rank each decoder layer was compiled (nn.Module.compile) with no graph
+    # break, the model the Trainer trained was the TSP model itself (not an OptimizedModule:
+    # no whole-model compile by the Trainer or Accelerate), and the losses compute_loss returned,
+    # the first gradients and the final weights are eager TSP's (the tsp2 case) bit for bit,
+    # and the unmodified model's on one process to 1e-8
+    eager = full_run(os.path.join(two_processes, "tsp2"))
+    runs = full_run(os.path.join(two_processes, "compiled"))
+    assert len(runs) == 2
+    for r, (run, ref) in enumerate(zip(runs, eager)):
+        assert run["compiled"] == {"layers": [True, True], "classes": ["TSPLlamaForCausalLM"],
+                                   "breaks": {}}, (r, run["compiled"])
+        assert run["exact_losses"] == ref["exact_losses"], (r, run["exact_losses"],
+                                                            ref["exact_losses"])
+        for key in ("grads0", "weights"):
+            for name, t in ref[key].items():
+                assert torch.equal(run[key][name], t), f"rank {r}: {key} {name} differs"
+    assert_every_rank(runs, reference(kv_heads=1, dp=1), "torch_compile, tsp 2")
 
 
 def test_auto_choice_is_said_under_run_clm_logging(two_processes):
@@ -555,6 +579,11 @@ REFUSED_ARGUMENTS = [
      r"average_tokens_across_devices=False is not supported with tsp_size 2"),
     ({"fp16": True}, r"TSPTrainer: fp16 mixed precision on the CPU would train in float32.* Use "
                      r"bf16"),
+    # a compile mode: TSP compiles each decoder layer with torch.compile's default mode
+    ({"torch_compile_mode": "max-autotune"},
+     r"TSPTrainer compiles each decoder layer with tsp_core.parallelize\(\.\.\., "
+     r"compile='inductor'\), which cannot honour mode='max-autotune' \(the Trainer's "
+     r"torch_compile_mode"),
 ]
 
 

@@ -11,6 +11,10 @@ same). ``accelerator.clip_grad_norm_`` clips and returns the norm it clipped by 
 clipping is DeepSpeed's, at the 1.0 Accelerate fills in, and the norm DeepSpeed's).
 ``--kv-heads 1,2`` trains one model per entry, each prepared by the one accelerator.
 ``--lora R``: each model a PEFT ``PeftModel`` (rank-R LoRA on the seven projections).
+``--dynamo-backend NAME``: ``TSPAccelerator(dynamo_backend=NAME)``; every rank also records which
+decoder layers ``nn.Module.compile`` compiled, the class of the prepared model (an
+``OptimizedModule`` would be a whole-model compile) and dynamo's graph breaks (``compiled``),
+and dynamo's ``trace_autograd_ops`` is restored and its caches reset afterwards.
 ``--round-trip``: save the state after step 2, train steps 3-4, load it and train them again: the
 repeats must be identical (exit 1 otherwise). ``--case "NAME ARGS..."`` (repeatable): one more
 run in the same processes with its own accelerator, results in --out/NAME.
@@ -92,6 +96,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="each model a PEFT PeftModel (lora_model): rank-R LoRA on the seven "
                          "projections, A and B random")
+    ap.add_argument("--dynamo-backend", default=None,
+                    help="TSPAccelerator(dynamo_backend=...): each decoder layer compiled")
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", action="append", default=[])
     return ap
@@ -119,6 +125,20 @@ def group_timeouts(mesh) -> dict[str, float]:
 
 
 def train(a) -> Accelerator:
+    """One run; with ``--dynamo-backend``, dynamo's settings as they were afterwards (compiling
+    turns ``trace_autograd_ops`` on for the process)."""
+    if not a.dynamo_backend:
+        return run(a)
+    traces_autograd = torch._dynamo.config.trace_autograd_ops
+    torch._dynamo.utils.counters.clear()
+    try:
+        return run(a)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = traces_autograd
+        torch._dynamo.reset()
+
+
+def run(a) -> Accelerator:
     if a.plain:
         accelerator = Accelerator(cpu=True, mixed_precision=a.mixed_precision)
     else:
@@ -141,6 +161,8 @@ def train(a) -> Accelerator:
             fsdp["kwargs_handlers"] = [InitProcessGroupKwargs(timeout=timedelta(seconds=a.timeout))]
         if a.activation_offload:
             fsdp["activation_offload"] = True
+        if a.dynamo_backend:
+            fsdp["dynamo_backend"] = a.dynamo_backend
         accelerator = TSPAccelerator(tsp_size=a.tsp_size, log_with=trackers,
                                      mixed_precision=a.mixed_precision, **fsdp)
         if a.metrics:
@@ -209,6 +231,12 @@ def train(a) -> Accelerator:
         for b in batches[:a.steps]:
             step(b)
 
+    compiled = {}
+    if a.dynamo_backend:
+        layers = accelerator.unwrap_model(models[0]).model.layers
+        compiled = {"layers": [layer._compiled_call_impl is not None for layer in layers],
+                    "classes": sorted({type(m).__name__ for m in models}),
+                    "breaks": dict(torch._dynamo.utils.counters["graph_break"])}
     rank = accelerator.process_index
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
@@ -216,8 +244,8 @@ def train(a) -> Accelerator:
                    "step_counts": counters.steps, "fsdp": fsdp_info,
                    "tsp_reason": getattr(getattr(accelerator, "tsp_choice", None), "reason", ""),
                    "group_timeouts": None if a.plain else group_timeouts(accelerator.tsp_mesh),
-                   "offload": [offload_stats(accelerator.unwrap_model(m)) for m in models]},
-                  f)
+                   "offload": [offload_stats(accelerator.unwrap_model(m)) for m in models],
+                   "compiled": compiled}, f)
     for k, model in zip(kv_heads, models):
         unwrapped = accelerator.unwrap_model(model)
         if a.plain:

@@ -23,6 +23,12 @@ gets them from saving alone.
 logger at WARNING with a handler on stdout, transformers at INFO on the main process); every rank
 also records the Trainer's first log row (``first_row``).
 
+``--torch_compile_backend aot_eager`` (the Trainer's own argument): every rank also records
+``compiled``: which decoder layers ``nn.Module.compile`` compiled, the class of every model
+``compute_loss`` was given (an ``OptimizedModule`` would be a whole-model compile), and dynamo's
+graph breaks; dynamo's ``trace_autograd_ops`` is restored and its caches reset afterwards, so
+the cases that follow in the same processes run as before.
+
 ``--eval_first true``: ``evaluate()`` before ``train()`` too (``eval_loss0``). Under FSDP2
 (``--fsdp full_shard --fsdp_config '{"fsdp_version": 2}'``) every rank also records the bytes of
 parameter storage it holds and how its FSDP2 units were configured (``fsdp``)."""
@@ -152,6 +158,25 @@ def record_training_losses(trainer) -> list[float]:
     return losses
 
 
+def record_model_classes(trainer) -> set[str]:
+    """The class names of the models ``compute_loss`` is given (the Trainer's wrapped model)."""
+    classes: set[str] = set()
+    real = trainer.compute_loss
+
+    def recording(model, *args, **kwargs):
+        classes.add(type(model).__name__)
+        return real(model, *args, **kwargs)
+
+    trainer.compute_loss = recording
+    return classes
+
+
+def compiled_layers(model) -> list[bool]:
+    """Per decoder layer of the TSP model: whether ``nn.Module.compile`` compiled it."""
+    layers = model.model.layers if isinstance(model, TSPCausalLM) else []
+    return [layer._compiled_call_impl is not None for layer in layers]
+
+
 def offload_stats(model) -> dict | None:
     """The host offload's counts (``tsp_core.models.offload``), None without offload."""
     state = find_model_state(model)
@@ -239,6 +264,20 @@ def mesh_timeouts(model) -> dict[str, float] | None:
 
 
 def train(job: JobArgs, args: TSPTrainingArguments) -> None:
+    """One Trainer run; dynamo's settings as they were afterwards (a compiled case turns
+    ``trace_autograd_ops`` on for the process)."""
+    if not args.torch_compile:
+        return run(job, args)
+    traces_autograd = torch._dynamo.config.trace_autograd_ops
+    torch._dynamo.utils.counters.clear()
+    try:
+        run(job, args)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = traces_autograd
+        torch._dynamo.reset()
+
+
+def run(job: JobArgs, args: TSPTrainingArguments) -> None:
     if job.clm_logging:
         configure_logging_as_run_clm(args)
     model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=getattr(torch, job.dtype))
@@ -259,9 +298,13 @@ def train(job: JobArgs, args: TSPTrainingArguments) -> None:
     first = record_first_gradients(trainer)
     exact_losses = record_training_losses(trainer)
     training = record_training_values(trainer)
+    classes = record_model_classes(trainer)
     extra = {"eval_loss0": trainer.evaluate()["eval_loss"]} if job.eval_first else {}
     train_metrics = trainer.train(resume_from_checkpoint=job.resume or None).metrics
     metrics = trainer.evaluate()
+    if args.torch_compile:
+        extra["compiled"] = {"layers": compiled_layers(trainer.model), "classes": sorted(classes),
+                             "breaks": dict(torch._dynamo.utils.counters["graph_break"])}
     if job.figures:
         extra["figures"] = figures(trainer, train_metrics, training, log)
     if job.clm_logging:
