@@ -9,8 +9,10 @@ from torch import nn
 
 import tsp_core
 from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
+from tsp_core.distributed.model_state import find_model_state
 from tsp_core.layers.tiles import check_tile_tokens
 from tsp_core.models import TSPCausalLM
+from tsp_core.models.compiled import check_compile, compile_layers
 from tsp_core.models.lora import is_peft_model
 from tsp_core.models.offload import check_converted
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
@@ -43,12 +45,14 @@ def parallelize_target(module: nn.Module, mesh: TSPMesh, **options: Any) -> nn.M
     it is a supported transformers model, else its ``model`` attribute. Returns the TSP model.
     ``options``: :func:`tsp_core.parallelize`'s (FSDP2's ``mp_policy`` and
     ``reshard_after_forward`` when the mesh shards data parallel; ``tile_tokens``,
-    ``activation_offload``); a model converted already must have been converted with the
-    long-context ones (:func:`tsp_core.models.offload.check_converted`)."""
+    ``activation_offload``; ``compile``); a model converted already must have been converted
+    with the long-context ones (:func:`tsp_core.models.offload.check_converted`), and its
+    decoder layers are compiled here for ``compile`` unless they are already."""
     converted = [m for m in module.modules() if isinstance(m, TSPCausalLM)]
     if converted:
         check_converted(converted[0], tile_tokens=options.get("tile_tokens"),
                         activation_offload=options.get("activation_offload", False))
+        compile_converted(converted[0], options.get("compile", False))
         return converted[0]
     for candidate in (module, getattr(module, "model", None)):
         if candidate is None or not hasattr(candidate, "config"):
@@ -58,6 +62,17 @@ def parallelize_target(module: nn.Module, mesh: TSPMesh, **options: Any) -> nn.M
                      f"itself or its `model` attribute (set in __init__ or configure_model); "
                      f"{type(module).__name__} has neither. Or convert it yourself in "
                      f"configure_model with tsp_core.parallelize(model, strategy.tsp_mesh)")
+
+
+def compile_converted(model: nn.Module, compile: bool | str) -> None:
+    """Compile the decoder layers of the converted (TSP) ``model`` unless ``compile`` is False
+    or ``nn.Module.compile`` compiled one already (it sets ``_compiled_call_impl``)."""
+    if compile is False:
+        return
+    modules = find_model_state(model).policy.modules
+    layers = getattr(getattr(model, modules.base_model), modules.layers)
+    if not any(layer._compiled_call_impl is not None for layer in layers):
+        compile_layers(model, compile)
 
 
 def shard(batch: Any, mesh: TSPMesh) -> dict:
@@ -80,6 +95,14 @@ class TSPMeshMixin:
     _fsdp: bool = False
     _fsdp_options: dict[str, Any] = {}
     _long_context: dict[str, Any] = {}
+    _compile: bool | str = False
+
+    def _set_compile(self, compile: bool | str) -> None:
+        """``compile``: each decoder layer compiled with ``torch.compile(fullgraph=True)``
+        (:func:`tsp_core.parallelize`'s option; docs/lightning.md "torch.compile"), checked
+        before any process group exists."""
+        check_compile(compile)
+        self._compile = compile
 
     def _set_long_context(self, tile_tokens: int | None, activation_offload: bool) -> None:
         """:func:`tsp_core.parallelize`'s ``tile_tokens`` and ``activation_offload``
@@ -107,7 +130,7 @@ class TSPMeshMixin:
         """The options for ``tsp_core.parallelize``: the long-context ones, and FSDP2's only when
         the mesh shards (its checks refuse an ``mp_policy`` without FSDP2)."""
         fsdp = dict(self._fsdp_options) if self.tsp_mesh.fsdp_size > 1 else {}
-        return {**fsdp, **self._long_context}
+        return {**fsdp, **self._long_context, "compile": self._compile}
 
     def _check_fsdp(self, world: int) -> None:
         """Before any process group exists, identically on every rank."""

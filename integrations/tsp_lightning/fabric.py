@@ -25,8 +25,8 @@ from .common import TSPMeshMixin, parallelize_target
 
 
 class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
-    """Same arguments as :class:`tsp_lightning.TSPStrategy` (``tile_tokens`` and
-    ``activation_offload`` too; ``fsdp=True`` too: build the optimizer after
+    """Same arguments as :class:`tsp_lightning.TSPStrategy` (``tile_tokens``,
+    ``activation_offload`` and ``compile`` too; ``fsdp=True`` too: build the optimizer after
     ``fabric.setup_module``, over the sharded parameters). Fabric builds the mesh at
     ``fabric.launch()``, before it sees the model: ``tsp_size="auto"`` needs ``tsp_model_config``
     (a config, a dict or a path) or ``TSP_MODEL_CONFIG``."""
@@ -39,7 +39,7 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
                  tsp_memory_gb: float | None = None, tsp_model_config: Any = None,
                  fsdp: bool = False, fsdp_mp_policy: Any = None,
                  reshard_after_forward: bool = True, tile_tokens: int | None = None,
-                 activation_offload: bool = False) -> None:
+                 activation_offload: bool = False, compile: bool | str = False) -> None:
         super().__init__(parallelize_fn=self._convert, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tsp_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -48,6 +48,7 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
         self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
         self._set_fsdp(fsdp, fsdp_mp_policy, reshard_after_forward)
         self._set_long_context(tile_tokens, activation_offload)
+        self._set_compile(compile)
 
     def setup_environment(self) -> None:
         self._setup_tsp_environment(self.precision.precision, super().setup_environment)

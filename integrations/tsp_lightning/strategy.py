@@ -8,6 +8,9 @@ Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=.
 TSP degree and data-parallel size (``tsp_lightning.checkpoint``); :meth:`export_hf` writes a
 consolidated Hugging Face checkpoint. ``fsdp=True``: the conversion also applies FSDP2 over the
 whole data-parallel dim (``tsp_core.distributed.fsdp``), before ``configure_optimizers`` runs.
+``compile=True`` (or a backend's name): each decoder layer compiled with
+``torch.compile(fullgraph=True)``; ``torch.compile(lightning_module)``, Lightning's way, would
+compile the whole module and is refused with that option named (:func:`refuse_compiled_module`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from lightning.fabric.strategies.model_parallel import _materialize_distributed_
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.compile import to_uncompiled
 from torch.distributed.constants import default_pg_timeout
 
 import tsp_core
@@ -29,6 +33,22 @@ from .common import SUPPORTED_PRECISIONS, TSPMeshMixin, parallelize_target, shar
 from .monitor import add_monitor
 
 __all__ = ["SUPPORTED_PRECISIONS", "TSPStrategy"]
+
+
+def refuse_compiled_module(module: Any) -> None:
+    """Refuse a LightningModule that ``torch.compile`` wrapped (Lightning unwraps it and marks
+    it with ``_compiler_ctx`` before handing it to the strategy): that compiles the whole
+    module, every layer's collectives in one graph, recompiled whenever anything outside the
+    layers changes. The strategy compiles each decoder layer instead. The module is given its
+    own methods back first, so it can be passed again uncompiled."""
+    if getattr(module, "_compiler_ctx", None) is None:
+        return
+    to_uncompiled(module)
+    raise RuntimeError("torch.compile(lightning_module) compiles the whole LightningModule, "
+                       "which the TSP strategy does not do: it compiles each decoder layer "
+                       "instead. Pass the LightningModule itself and "
+                       "Trainer(strategy=TSPStrategy(compile=True)) (torch.compile's default "
+                       "backend, inductor) or compile='<backend>' (docs/lightning.md)")
 
 
 class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
@@ -51,7 +71,10 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     (docs/long-context.md): ``tile_tokens`` and ``activation_offload`` go to
     ``tsp_core.parallelize``; ``activation_offload=True`` keeps each checkpointed decoder layer's
     input in host memory between its forward and its backward, and needs activation
-    checkpointing (``model.activation_checkpointing_enable()`` in ``configure_model``)."""
+    checkpointing (``model.activation_checkpointing_enable()`` in ``configure_model``).
+    ``compile``: False, True (inductor) or a ``torch.compile`` backend's name: each decoder
+    layer compiled with ``torch.compile(fullgraph=True)`` (``tsp_core.parallelize``'s option;
+    the layers of a model ``configure_model`` converted are compiled too)."""
 
     strategy_name = "tsp"
 
@@ -63,7 +86,7 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
                  tsp_memory_gb: float | None = None, tsp_model_config: Any = None,
                  metrics: bool = True, fsdp: bool = False, fsdp_mp_policy: Any = None,
                  reshard_after_forward: bool = True, tile_tokens: int | None = None,
-                 activation_offload: bool = False) -> None:
+                 activation_offload: bool = False, compile: bool | str = False) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tsp_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -71,10 +94,22 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
         self._set_auto_inputs(tsp_seq_len, tsp_memory_gb, tsp_model_config)
         self._set_fsdp(fsdp, fsdp_mp_policy, reshard_after_forward)
         self._set_long_context(tile_tokens, activation_offload)
+        self._set_compile(compile)
 
     @property
     def is_distributed(self) -> bool:
         return True
+
+    @property
+    def _lightning_module(self) -> Any:
+        return self.__dict__.get("_tsp_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: Any) -> None:
+        """Where ``Trainer.fit`` (validate, test, predict) hands over the module, before any
+        process group exists: a ``torch.compile``-wrapped one is refused here."""
+        refuse_compiled_module(module)
+        self.__dict__["_tsp_lightning_module"] = module
 
     def setup_environment(self) -> None:
         self._setup_tsp_environment(self.precision_plugin.precision, super().setup_environment)

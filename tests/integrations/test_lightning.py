@@ -5,7 +5,9 @@ data-parallel dim, each rank storing a quarter of the model) and tsp 4 with 1 an
 heads (torchrun), with TSP's logged figures equal to comm's counters; with activation_offload
 and checkpointed layers the losses and first gradients to 1e-10; bf16 trains like float32 within
 bf16's precision; a PEFT PeftModel at tsp 2 trains its adapters as on one process (to 1e-10, the
-base untouched); resume is exact; bad configurations fail fast everywhere."""
+base untouched); resume is exact; TSPStrategy(compile="aot_eager") compiles each decoder layer
+and trains as uncompiled bit for bit; bad configurations (trainer.fit(torch.compile(module))
+among them) fail fast everywhere."""
 
 from __future__ import annotations
 
@@ -291,7 +293,12 @@ BAD = {"tsp3": (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size
        "gpt2": (["--bad-model"],
                 r"no TSP policy for GPT2LMHeadModel \(model_type='gpt2'\); supported"),
        "fp16": (["--precision", "16-true"],
-                r"precision='16-true' is not supported by the TSP strategy")}
+                r"precision='16-true' is not supported by the TSP strategy"),
+       # Lightning's way to compile (trainer.fit(torch.compile(module))) compiles the whole
+       # module; the strategy's compile= compiles each decoder layer
+       "compile_module": (["--compile-module"],
+                          r"RuntimeError: torch.compile\(lightning_module\) compiles the whole "
+                          r"LightningModule.*TSPStrategy\(compile=True\)")}
 
 
 # a PEFT PeftModel (rank-4 LoRA on the seven projections, hf_models.lora_model) under
@@ -301,6 +308,10 @@ LORA = ("--devices", "2", "--tsp-size", "2", "--kv-heads", "1", "--lora", "4", "
         "--record-grads")
 
 
+# TSPStrategy(compile="aot_eager") against the same run uncompiled: tsp 2, float64, clipped SGD
+COMPILED = ("--devices", "2", "--tsp-size", "2", "--kv-heads", "1", *SGD)
+
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> str:
     """One torchrun launch of 2 processes: bf16-mixed and bf16-true at tsp 2, 8 SGD steps clipped
@@ -308,6 +319,7 @@ def two_processes(tmp_path_factory) -> str:
     gradient norms jump to 15) on rows of a repeated pattern, which a model can learn; the
     uninterrupted and the resumed run of :func:`test_resume_is_exact`; the packed batches of
     :func:`test_packed_batches`; the PeftModel of :func:`test_peft_model_matches_one_process`;
+    the eager and compiled runs of :func:`test_compile_compiles_each_decoder_layer`;
     then every bad configuration of :data:`BAD`, each raising in the
     same processes (the launch still ends cleanly on both ranks). Returns the output folder (a
     subfolder per case)."""
@@ -324,7 +336,10 @@ def two_processes(tmp_path_factory) -> str:
             "--case", " ".join(["resumed", *resume, "--resume",
                                 os.path.join(ckpts, "epoch=1.ckpt")]),
             "--case", "packed --devices 2 --packed --rows 2 --steps 1",
-            "--case", " ".join(["lora", *LORA]), *bad, torchrun=2)
+            "--case", " ".join(["lora", *LORA]),
+            "--case", " ".join(["eager", *COMPILED]),
+            "--case", " ".join(["compiled", *COMPILED, "--compile", "aot_eager"]), *bad,
+            torchrun=2)
     return str(out)
 
 
@@ -400,6 +415,28 @@ def doc_by_doc_loss(docs: list[list[int]], model) -> float:
                                      reduction="sum").item()
             count += len(d) - 1
     return total / count
+
+
+def test_compile_compiles_each_decoder_layer(two_processes):
+    # TSPStrategy(compile="aot_eager") at tsp 2, float64, 4 clipped SGD steps: on every rank
+    # each decoder layer was compiled (nn.Module.compile) with no graph break, the module was
+    # not compiled whole (no Lightning compiler mark, the strategy's model the LightningModule
+    # itself), and the losses, logged losses, clipping norms, first gradients and final weights
+    # are the same run's uncompiled bit for bit, and the unmodified model's on one process to
+    # 1e-8
+    eager = full_run(os.path.join(two_processes, "eager"))
+    runs = full_run(os.path.join(two_processes, "compiled"))
+    assert len(runs) == len(eager) == 2
+    for r, (run, want) in enumerate(zip(runs, eager)):
+        compiled = run.pop("compiled")
+        assert compiled == {"layers": [True, True], "whole": False, "breaks": {},
+                            "classes": ["LitLlama", "TSPLlamaForCausalLM"]}, (r, compiled)
+        for key in ("losses", "logged", "norms"):
+            assert run[key] == want[key], (r, key, run[key], want[key])
+        for key in ("grads0", "weights"):
+            for name, t in want[key].items():
+                assert torch.equal(run[key][name], t), f"rank {r}: {key} {name} differs"
+    assert_every_rank(runs, reference(1, rows=4, dp=1, shuffle=True), "compile, tsp 2")
 
 
 def test_packed_batches(two_processes):

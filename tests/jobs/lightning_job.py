@@ -6,6 +6,10 @@ rank writes its per-step losses, logged losses and gradient norms
 (``rank<R>.json``), the final full weights it holds and, with ``--record-grads``, the first
 step's full gradients before clipping (``rank<R>_weights.pt``, ``rank<R>_grads0.pt``: each
 data-parallel replica's own, gathered over its TSP group, so a replica that diverged shows).
+``--compile BACKEND``: the TSP strategy's ``compile=BACKEND``; every rank also records which
+decoder layers ``nn.Module.compile`` compiled, the class of the strategy's model and dynamo's graph
+breaks (``compiled``), and dynamo's ``trace_autograd_ops`` is restored and its caches reset
+afterwards. ``--compile-module``: ``trainer.fit(torch.compile(module))``, Lightning's way.
 ``--lora R``: the model a PEFT ``PeftModel`` (:func:`tests.support.hf_models.lora_model`); each
 rank also records which parameters had a gradient at the first step and which have optimizer
 state after the run.
@@ -124,13 +128,15 @@ def strategy_name(a) -> str:
     from lightning.pytorch.strategies import StrategyRegistry
 
     name = (f"tsp_size_{a.tsp_size or 'all'}" + ("_no_metrics" if a.metrics_off else "")
+            + (f"_compile_{a.compile}" if a.compile else "")
             + ("_fsdp" if a.fsdp else "") + (f"_mp_{a.fsdp_mp}" if a.fsdp_mp else "")
             + (f"_timeout_{a.timeout}" if a.timeout else "")
             + ("_offload" if a.activation_offload else ""))
     timeout = {} if a.timeout is None else {"timeout": timedelta(seconds=a.timeout)}
     StrategyRegistry.register(name, tsp_lightning.TSPStrategy, override=True, tsp_size=a.tsp_size,
                               metrics=not a.metrics_off, fsdp=a.fsdp, **fsdp_options(a),
-                              activation_offload=a.activation_offload, **timeout)
+                              activation_offload=a.activation_offload,
+                              compile=a.compile or False, **timeout)
     return name
 
 
@@ -311,7 +317,8 @@ def run_trainer(a) -> dict:
                         enable_model_summary=False, gradient_clip_val=a.clip,
                         use_distributed_sampler=not single, callbacks=callbacks)
     NORMS.clear()
-    trainer.fit(module, DataLoader(data, batch_size=2, sampler=sampler, collate_fn=collate),
+    fitted = torch.compile(module) if a.compile_module else module
+    trainer.fit(fitted, DataLoader(data, batch_size=2, sampler=sampler, collate_fn=collate),
                 val_dataloaders=val, ckpt_path=a.resume)
     norms = module.engine_norms or list(NORMS)
     weights = full_weights(module.model)
@@ -320,6 +327,13 @@ def run_trainer(a) -> dict:
                group_timeouts=group_timeouts(trainer.strategy)
                if isinstance(trainer.strategy, tsp_lightning.TSPStrategy) else None,
                offload=offload_stats(module.model), **storage(module.model))
+    if a.compile:
+        layers = module.model.model.layers
+        res["compiled"] = {
+            "layers": [layer._compiled_call_impl is not None for layer in layers],
+            "classes": [type(trainer.strategy.model).__name__, type(module.model).__name__],
+            "whole": module._compiler_ctx is not None,  # Lightning's mark of torch.compile
+            "breaks": dict(torch._dynamo.utils.counters["graph_break"])}
     if a.lora:  # what was trained: only the adapters may have gradients and optimizer state
         res["grad_names"], res["state_names"] = module.grad_names, state_names(trainer, module)
     if a.metrics:
@@ -410,6 +424,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the model a PEFT PeftModel (lora_model): rank-R LoRA on the seven "
                          "projections; records which parameters have gradients and optimizer "
                          "state")
+    ap.add_argument("--compile", default=None, help="the TSP strategy's compile= (a backend)")
+    ap.add_argument("--compile-module", action="store_true",
+                    help="trainer.fit(torch.compile(module)): Lightning's way, refused")
     ap.add_argument("--bad-model", action="store_true")
     ap.add_argument("--fails", action="store_true",
                     help="a case that must raise: each rank records the error (rank<R>.json's "
@@ -444,15 +461,28 @@ def main() -> None:
         if args.fails:
             write_error(args, out)
             continue
-        res = run_trainer(args) if args.mode == "trainer" else run_fabric(args)
-        write(res, out)
+        write(run(args), out)
+
+
+def run(a) -> dict:
+    """One Trainer or Fabric run; with ``--compile``, dynamo's settings as they were
+    afterwards (compiling turns ``trace_autograd_ops`` on for the process)."""
+    if not a.compile:
+        return run_trainer(a) if a.mode == "trainer" else run_fabric(a)
+    traces_autograd = torch._dynamo.config.trace_autograd_ops
+    torch._dynamo.utils.counters.clear()
+    try:
+        return run_trainer(a) if a.mode == "trainer" else run_fabric(a)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = traces_autograd
+        torch._dynamo.reset()
 
 
 def write_error(a, out: str) -> None:
     """A case that must fail (``--fails``): its run's error on this rank, or its results if it
     ran (the test then fails naming them), in ``out``/rank<R>.json; the processes go on."""
     try:
-        res = run_trainer(a) if a.mode == "trainer" else run_fabric(a)
+        res = run(a)
     except Exception as e:  # every rank must raise on its own, before any collective
         res = dict(error=f"{type(e).__name__}: {e}", rank=int(os.environ.get("RANK", "0")),
                    weights={}, grads0=None)
