@@ -40,7 +40,10 @@ TARGETS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
 # LoraConfig fields that ask for something TSP's adapters do not do: refused when set
 UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "a LoRA bias (lora_bias=True)",
                "modules_to_save": "modules_to_save (fully trained copies of modules)",
-               "target_parameters": "target_parameters (LoRA on parameters: MoE experts)",
+               "target_parameters": "target_parameters (LoRA on parameters: MoE experts, "
+                                    "whose adapters need the experts' full weight gradients; "
+                                    "adapt the attention with target_modules and leave the "
+                                    "experts frozen)",
                "trainable_token_indices": "trainable_token_indices",
                "layer_replication": "layer_replication",
                "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
