@@ -130,31 +130,6 @@ def output_backward(d_inp: torch.Tensor, dz: torch.Tensor, inp: torch.Tensor,
     return d_inp + _kept(dz @ low[0][:, cols], low, cols, tokens)
 
 
-class AddLowRank(torch.autograd.Function):
-    """``y + s z B^T`` (``y`` [..., out], ``z`` [..., r], ``B`` [out, r]) in one addmm, so that
-    an output-side adapter costs no more memory than the base projection alone: written as
-    ``y + (z @ B^T) * s``, autograd holds ``z B^T`` and ``s z B^T`` beside ``y`` and the sum in
-    the forward (two [tokens, out] tensors more) and ``s dy`` in the backward (one more).
-    Keeps ``z`` and ``B`` (rank r) for the backward, never ``y``."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, scaling: float
-                ) -> torch.Tensor:
-        ctx.save_for_backward(z, b)
-        ctx.scaling = scaling
-        return torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t(),
-                           alpha=scaling).view(y.shape)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        z, b = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dz = (dy2 @ b).mul_(ctx.scaling).view(z.shape) if ctx.needs_input_grad[1] else None
-        db = ((dy2.t() @ z.reshape(-1, z.shape[-1])).mul_(ctx.scaling)
-              if ctx.needs_input_grad[2] else None)
-        return dy, dz, db, None
-
-
 @dataclass(frozen=True)
 class AdapterSpec:
     """One named adapter of a projection: its rank, its scale ``s`` (lora_alpha / r, or
@@ -266,10 +241,9 @@ class TSPLoRA(ShardedModule):
         keep = dropout.masks.mask(x.new_empty(tokens, self.in_features), dropout.p)
         return [self._a().to(x.dtype), keep.to(x.dtype) / (1.0 - dropout.p)]
 
-    def add_output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``y + s z B^T``: the schedule's output ``y`` with an output-side adapter's term from
-        the schedule's ``z`` (:class:`AddLowRank`: one [tokens, out] tensor, the result)."""
-        return AddLowRank.apply(y, z, self._b().to(y.dtype), self.scaling[self.adapter])
+    def output(self, z: torch.Tensor) -> torch.Tensor:
+        """An output-side adapter's term ``s z B^T`` from the schedule's ``z``."""
+        return (z @ self._b().to(z.dtype).t()) * self.scaling[self.adapter]
 
     def _merge_targets(self) -> list[tuple[nn.Parameter, ShardSpec, slice]]:
         """(base weight, this rank's ShardSpec of it, its rows in ``B``) of what :meth:`merge`
