@@ -319,7 +319,8 @@ def two_processes(tmp_path_factory) -> str:
     gradient norms jump to 15) on rows of a repeated pattern, which a model can learn; the
     uninterrupted and the resumed run of :func:`test_resume_is_exact`; the packed batches of
     :func:`test_packed_batches`; the PeftModel of :func:`test_peft_model_matches_one_process`;
-    the eager and compiled runs of :func:`test_compile_compiles_each_decoder_layer`;
+    the eager and compiled runs (Trainer and Fabric) of
+    :func:`test_compile_compiles_each_decoder_layer`;
     then every bad configuration of :data:`BAD`, each raising in the
     same processes (the launch still ends cleanly on both ranks). Returns the output folder (a
     subfolder per case)."""
@@ -338,7 +339,9 @@ def two_processes(tmp_path_factory) -> str:
             "--case", "packed --devices 2 --packed --rows 2 --steps 1",
             "--case", " ".join(["lora", *LORA]),
             "--case", " ".join(["eager", *COMPILED]),
-            "--case", " ".join(["compiled", *COMPILED, "--compile", "aot_eager"]), *bad,
+            "--case", " ".join(["compiled", *COMPILED, "--compile", "aot_eager"]),
+            "--case", " ".join(["fabric_compiled", "--mode", "fabric", *COMPILED, "--compile",
+                                "aot_eager"]), *bad,
             torchrun=2)
     return str(out)
 
@@ -437,6 +440,16 @@ def test_compile_compiles_each_decoder_layer(two_processes):
             for name, t in want[key].items():
                 assert torch.equal(run[key][name], t), f"rank {r}: {key} {name} differs"
     assert_every_rank(runs, reference(1, rows=4, dp=1, shuffle=True), "compile, tsp 2")
+    # TSPFabricStrategy(compile="aot_eager"): the layers compiled, Fabric's module not compiled
+    # whole, one process's numbers (Fabric hands the loss back in float32: 1e-7)
+    runs = full_run(os.path.join(two_processes, "fabric_compiled"))
+    assert len(runs) == 2
+    for r, run in enumerate(runs):
+        compiled = run.pop("compiled")
+        assert compiled == {"layers": [True, True], "classes": ["TSPLlamaForCausalLM"],
+                            "breaks": {}}, (r, compiled)
+    assert_every_rank(runs, reference(1, rows=4, dp=1, shuffle=False), "Fabric compile, tsp 2",
+                      loss_tol=1e-7)
 
 
 def test_packed_batches(two_processes):

@@ -351,7 +351,8 @@ def run_trainer(a) -> dict:
 def run_fabric(a) -> dict:
     strategy = (tsp_lightning.TSPFabricStrategy(tsp_size=a.tsp_size, fsdp=a.fsdp,
                                                 activation_offload=a.activation_offload,
-                                                **fsdp_options(a)) if a.tsp_size else a.strategy)
+                                                compile=a.compile or False, **fsdp_options(a))
+                if a.tsp_size else a.strategy)
     precision: dict = {"precision": a.precision}
     if a.precision == "64-true":  # Fabric refuses the flag with any ModelParallelStrategy
         from lightning.fabric.plugins import DoublePrecision
@@ -380,9 +381,16 @@ def run_fabric(a) -> dict:
             losses.append(loss.item())
             if len(losses) == a.steps:
                 break
-    return dict(losses=losses, logged=losses, norms=norms, weights=full_weights(model.module),
-                grads0=grads0, rank=fabric.global_rank, grad_numel=grads_stored,
-                offload=offload_stats(model.module), **storage(model.module))
+    res = dict(losses=losses, logged=losses, norms=norms, weights=full_weights(model.module),
+               grads0=grads0, rank=fabric.global_rank, grad_numel=grads_stored,
+               offload=offload_stats(model.module), **storage(model.module))
+    if a.compile:
+        layers = model.module.model.layers
+        res["compiled"] = {
+            "layers": [layer._compiled_call_impl is not None for layer in layers],
+            "classes": [type(model._forward_module).__name__],  # what Fabric's module runs
+            "breaks": dict(torch._dynamo.utils.counters["graph_break"])}
+    return res
 
 
 def parser() -> argparse.ArgumentParser:
