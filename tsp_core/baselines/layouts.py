@@ -31,6 +31,7 @@ from ..models.policies import find_policy
 from ..models.wrap import own_config
 from ..sequence.layout import IGNORE_INDEX, shard_batch
 from . import context_parallel
+from .compiled import compile_baseline_layers
 from .moe import TensorParallelMoE, check_moe
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
@@ -259,9 +260,12 @@ def build_mesh(spec: LayoutSpec) -> TSPMesh:
 
 
 def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None, *,
-          tile_tokens: int | None = None, activation_offload: bool = False) -> ParallelModel:
+          tile_tokens: int | None = None, activation_offload: bool = False,
+          compile: bool | str = False) -> ParallelModel:
     """Lay ``model`` out as ``spec`` in place (on ``mesh`` from :func:`build_mesh`, built here
-    when not given). ``tile_tokens`` and ``activation_offload`` are :func:`parallelize`'s. Host
+    when not given). ``tile_tokens``, ``activation_offload`` and ``compile`` are
+    :func:`parallelize`'s; ``compile`` compiles each baseline's decoder layers the same way
+    (:mod:`tsp_core.baselines.compiled`: fullgraph, the same backend and options). Host
     offload of the checkpointed layer inputs does not depend on the layout, so every layout gets
     the same one (:func:`tsp_core.models.offload.install_activation_offload`); tiles are TSP's:
     the baselines' MLP and loss are Hugging Face's, untiled, and ``tile_tokens`` is refused for
@@ -290,7 +294,8 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None, *,
     mesh = mesh or build_mesh(spec)
     if spec.name == "tsp":
         return ParallelModel(parallelize(model, mesh, tile_tokens=tile_tokens,
-                                         activation_offload=activation_offload), spec, mesh)
+                                         activation_offload=activation_offload,
+                                         compile=compile), spec, mesh)
     own_config(model)  # the attention implementation set below stays off the caller's config
     policy = find_policy(model)
     dm = mesh.device_mesh
@@ -305,4 +310,5 @@ def build(model: nn.Module, spec: LayoutSpec, mesh: TSPMesh | None = None, *,
     sync = install_gradient_sync(model, TSPMesh(dm, "tp"))  # sums every gradient over the cp dim
     if activation_offload:
         install_activation_offload(model, layers)
+    compile_baseline_layers(model, layers, getattr(base, names.embed), compile, spec.tp > 1)
     return ParallelModel(model, spec, mesh, sync)

@@ -183,6 +183,12 @@ def simulate_main(args: argparse.Namespace) -> int:
 
 
 def bench_main(args: argparse.Namespace) -> int:
+    if args.compile and args.mode != "train":
+        raise ValueError("--compile measures training steps: leave --mode at train")
+    if args.compile:
+        return bench_compile_main(args)
+    args.steps = 4 if args.steps is None else args.steps
+    args.warmup = 1 if args.warmup is None else args.warmup
     if args.mode == "generate":
         return bench_generate_main(args)
     from . import bench
@@ -198,6 +204,25 @@ def bench_main(args: argparse.Namespace) -> int:
         _write_json(args.json, bench.to_json(records, cfg))
     if args.plot:
         bench.plot(records, args.plot)
+    return 0
+
+
+def bench_compile_main(args: argparse.Namespace) -> int:
+    from . import bench_compile as bc
+
+    if len(args.seq) != 1 or args.plot:
+        raise ValueError(f"--compile runs one sequence length (got --seq "
+                         f"{','.join(map(str, args.seq))}) and writes no plot")
+    cfg = bc.CompileBenchConfig(args.layouts or bc.DEFAULT_LAYOUTS, args.degree, args.seq[0],
+                                args.model, args.batch, 5 if args.steps is None else args.steps,
+                                2 if args.warmup is None else args.warmup, args.dtype,
+                                args.compile_backend)
+    print(f"bench --compile: {cfg}", file=sys.stderr, flush=True)
+    print(bc.HEADER, file=sys.stderr, flush=True)
+    records = bc.run(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bc.table(records))
+    if args.json:
+        _write_json(args.json, bc.to_json(records, cfg))
     return 0
 
 
@@ -298,8 +323,18 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seq", type=_ints, default=(2048,), help="sequence lengths")
     b.add_argument("--model", default="tiny", help="tiny | small (Llama family)")
     b.add_argument("--batch", type=int, default=1, help="sequences per replica")
-    b.add_argument("--steps", type=int, default=4, help="timed steps after warm-up")
-    b.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    b.add_argument("--steps", type=int, default=None,
+                   help="timed steps after warm-up (default 4; 5 with --compile)")
+    b.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (default 1; 2 with --compile, the first compiles)")
+    b.add_argument("--compile", action="store_true",
+                   help="each layout eager and with every decoder layer compiled "
+                        "(torch.compile fullgraph, the same unit for every layout): tokens/s, "
+                        "compile seconds, the losses side by side (layouts tsp,tp-sp unless "
+                        "--layouts; one --seq)")
+    b.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend for --compile (aot_eager traces and splits the "
+                        "same graphs without code generation)")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="parameter and activation dtype")
     b.add_argument("--json", default=None,
