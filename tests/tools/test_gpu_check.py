@@ -19,7 +19,7 @@ import torch
 from tests.support.launch import ROOT
 from tests.tools import older_torch
 from tsp_core.layers import flash
-from tsp_core.tools.gpu_check import flash_part, long_context_part, runner
+from tsp_core.tools.gpu_check import compile_part, flash_part, long_context_part, runner
 
 FLASH_CASES = ["mask.causal", "mask.full", "mask.anticausal", "zigzag.D2", "zigzag.D4",
                "zigzag.D8", "window", "packed", "packed.window", "gqa", "mqa"]
@@ -41,12 +41,14 @@ LONG_CONTEXT_CHECKS = (["e.offload.exact"] +
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     """``./run gpu-check --device cpu --out DIR`` with this interpreter's environment (TSP_VENV)
-    and torch 2.12's additions hidden."""
+    and torch 2.12's additions hidden; parts (a) to (e): (f)'s aot_eager compile of a TSP layer
+    would add its seconds for what tests/distributed/test_traced.py already compiles
+    (test_f_compares_compiled_with_eager runs (f)'s comparison)."""
     folder = tmp_path_factory.mktemp("gpu_check")
     env = older_torch.env(folder / "older_torch", OMP_NUM_THREADS="1", TSP_VENV=sys.prefix)
     run = subprocess.run([os.path.join(ROOT, "run"), "gpu-check", "--device", "cpu", "--out",
-                          str(folder / "out")], capture_output=True, text=True, timeout=300,
-                         env=env, cwd=ROOT)
+                          str(folder / "out"), "--parts", "a,b,c,d,e"], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=ROOT)
     return run, folder / "out" / "gpu-check.json"
 
 
@@ -171,3 +173,28 @@ def test_e_catches_wrong_tiles(monkeypatch):
             monkeypatch.setattr(module, "token_tiles", lambda n, tile: [slice(0, n)])
         failed = [c.name for c in long_context_part.check_tiles_exact(model, "cpu") if not c.ok]
         assert failed == ["e.tiles.mlp.smaller", "e.tiles.loss.smaller"], failed
+
+
+def test_f_compares_compiled_with_eager(monkeypatch):
+    """Part (f)'s comparison with both sides eager (``backend=False``: no compile's cost here;
+    the compile is tests/distributed/test_traced.py's): every figure, the losses equal; and a
+    compiled loss 0.1% off fails f.loss."""
+    names = ["f.eager.tokens_per_s", "f.compiled.tokens_per_s", "f.ratio", "f.compile_seconds",
+             "f.loss", "f.input_grad"]
+    checks, figures = compile_part.run("cpu", log=lambda _: None, backend=False)
+    assert [c.name for c in checks] == names and all(c.ok for c in checks), checks
+    assert checks[4].measured == 0 and figures["graphs"] == 0, checks[4]
+
+    real, calls = compile_part.run_mode, []
+
+    def off(*args, **kwargs):
+        res = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:  # the compiled side
+            res["loss"] *= 1 + 1e-3
+        return res
+
+    monkeypatch.setattr(compile_part, "run_mode", off)
+    checks, _ = compile_part.run("cpu", log=lambda _: None, backend=False)
+    (loss,) = [c for c in checks if c.name == "f.loss"]
+    assert not loss.ok and abs(loss.measured - 1e-3) < 1e-6, loss

@@ -5,8 +5,9 @@ it (docs/gpu.md). ``--device cpu`` runs the same checks at small shapes, so CI p
 TSP model at tsp 1 vs Hugging Face (training and generation); (c) and (d) :mod:`.layer_part`: one
 rank's compute of a 7B layer at D = 8 (fake process group) and a plain HF layer, timed, with
 memory against ``tsp simulate``; (e) :mod:`.long_context_part`: host offload on vs off and tiled
-vs untiled MLP and loss, timed and measured, their exactness checked. Each check function can be
-called on its own.
+vs untiled MLP and loss, timed and measured, their exactness checked; (f) :mod:`.compile_part`:
+one Llama-3-8B-shaped TSP layer at tsp 1, eager and compiled, tokens/s, peak memory and the same
+loss. Each check function can be called on its own.
 """
 
 from .common import Check

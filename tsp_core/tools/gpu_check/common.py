@@ -129,7 +129,9 @@ def _cell(text: str) -> str:
 PART_TITLES = {"a": "flash pieces vs dense float64", "b": "whole model at tsp 1 vs Hugging Face",
                "c": "one rank of D = 8, one decoder layer (fake process group)",
                "d": "plain Hugging Face decoder layer (reference for c)",
-               "e": "long context at tsp 1: host offload and tiles", "summary": "summary"}
+               "e": "long context at tsp 1: host offload and tiles",
+               "f": "one Llama-3-8B-shaped layer at tsp 1, compiled vs eager",
+               "summary": "summary"}
 
 
 # measurements left out of the summary table (their part's own table has them)

@@ -1,10 +1,11 @@
 """The command line: run the parts, write the JSON and the markdown report, exit 1 on a failure.
 
 Parts (a), (b) and (e) run in this process, one after the other ((b) and (e) each create and
-destroy their own one-process world); (c) and (d) each run in a fresh
+destroy their own one-process world); (c), (d) and (f) each run in a fresh
 ``python -m tsp_core.tools.gpu_check --worker`` process, because (c) needs the ``fake``
-backend's 8-rank world, which cannot share a process with (b)'s or (e)'s real one, and a part's
-timing and memory should not inherit another's allocator state.
+backend's 8-rank world, which cannot share a process with (b)'s or (e)'s real one, a part's
+timing and memory should not inherit another's allocator state, and (f)'s compiled graphs and
+dynamo settings should stay in its own process.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from .common import (
     write_json,
 )
 
-PARTS = ("a", "b", "c", "d", "e")
+PARTS = ("a", "b", "c", "d", "e", "f")
+WORKER_PARTS = ("c", "d", "f")
 # the whole CUDA run must fit in 8 minutes of a lent GPU: (a), (b) and (e) take well under one
 # each (an estimate for (e): 10 steps of 4 layers at 16384 tokens, 24 of an MLP or the loss),
-# then each worker at most 3 (their own estimate: under a minute each, docs/gpu.md "Status")
+# then each worker at most 3 (their own estimate: under a minute each, docs/gpu.md "Status";
+# (f) one to two: an inductor compile of one layer's forward and backward, then 14 steps)
 WORKER_TIMEOUT = {"cuda": 180, "cpu": 240}
 
 
@@ -54,7 +57,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="markdown report (default: the JSON's name with .md)")
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"comma-separated subset of {','.join(PARTS)}")
-    ap.add_argument("--worker", choices=["c", "d"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=WORKER_PARTS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.json is None:
         args.json = os.path.join(args.out or "", "gpu-check.json")
@@ -73,10 +76,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def worker(part: str, device: str, out: str) -> int:
-    """Run (c) or (d) here and write its checks and figures to ``out``."""
-    from . import layer_part
+    """Run (c), (d) or (f) here and write its checks and figures to ``out``."""
+    from . import compile_part, layer_part
 
-    fn = layer_part.run_tsp if part == "c" else layer_part.run_hf
+    fn = {"c": layer_part.run_tsp, "d": layer_part.run_hf, "f": compile_part.run}[part]
     try:
         checks, figures = fn(device)
     except Exception as e:  # noqa: BLE001 - reported as a failed check
@@ -121,7 +124,7 @@ def run_worker(part: str, device: str) -> tuple[list[Check], dict[str, Any]]:
 
 
 def run_parts(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]]:
-    from . import flash_part, layer_part, long_context_part, model_part
+    from . import compile_part, flash_part, layer_part, long_context_part, model_part
 
     checks: list[Check] = []
     config: dict[str, Any] = {}
@@ -158,6 +161,13 @@ def run_parts(args: argparse.Namespace) -> tuple[list[Check], dict[str, Any]]:
     if tc and td:
         checks.append(measurement("summary.c_vs_d", tc / td, "x",
                                   f"(c)'s TFLOP/s over (d)'s: {tc:.4g} / {td:.4g}"))
+    if "f" in args.parts:
+        config["f"] = dict(asdict(compile_part.SHAPES[args.device]),
+                           warmup_timed=compile_part.ITERS[args.device],
+                           loss_tolerance=compile_part.LOSS_TOL[
+                               compile_part.SHAPES[args.device].dtype])
+        part_checks, figures["f"] = run_worker("f", args.device)
+        checks += part_checks
     if figures.get("c", {}).get("simulation"):
         config["simulation"] = {k: v for k, v in figures["c"]["simulation"].items()
                                 if k in ("peak_bytes", "phases", "seconds")}
