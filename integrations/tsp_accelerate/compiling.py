@@ -67,8 +67,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def is_compiled(layer: nn.Module) -> bool:
-    """Whether ``nn.Module.compile`` compiled ``layer`` (it sets ``_compiled_call_impl``)."""
-    return getattr(layer, "_compiled_call_impl", None) is not None
+    """Whether ``layer`` was compiled: by ``nn.Module.compile`` (it sets
+    ``_compiled_call_impl``) or by a compiled subclass that names its backend
+    (``compiled_by``)."""
+    return (getattr(layer, "_compiled_call_impl", None) is not None
+            or getattr(type(layer), "compiled_by", None) is not None)
 
 
 def compile_converted(model: nn.Module, compile: bool | str) -> None:

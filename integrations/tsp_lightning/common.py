@@ -66,12 +66,14 @@ def parallelize_target(module: nn.Module, mesh: TSPMesh, **options: Any) -> nn.M
 
 def compile_converted(model: nn.Module, compile: bool | str) -> None:
     """Compile the decoder layers of the converted (TSP) ``model`` unless ``compile`` is False
-    or ``nn.Module.compile`` compiled one already (it sets ``_compiled_call_impl``)."""
+    or one is compiled already (by ``nn.Module.compile``, which sets ``_compiled_call_impl``, or
+    by a compiled subclass naming its backend, ``compiled_by``)."""
     if compile is False:
         return
     modules = find_model_state(model).policy.modules
     layers = getattr(getattr(model, modules.base_model), modules.layers)
-    if not any(layer._compiled_call_impl is not None for layer in layers):
+    if not any(getattr(layer, "_compiled_call_impl", None) is not None
+               or getattr(type(layer), "compiled_by", None) is not None for layer in layers):
         compile_layers(model, compile)
 
 

@@ -96,7 +96,7 @@ def reference(kv_heads: int, rows_per_step: int, dtype=torch.float64, clip: floa
 
 def assert_compiled_as_eager(out, ref: dict) -> None:
     """The compiled case: TSPAccelerator(dynamo_backend="aot_eager") at dp 2 x tsp 2 compiled
-    each decoder layer (nn.Module.compile) with no graph break and handed back the TSP model
+    each decoder layer (compile_layers' mark) with no graph break and handed back the TSP model
     itself (no OptimizedModule: Accelerate compiled nothing whole), and every rank's losses,
     first gradients and final weights are the eager dp2 case's bit for bit, and the unmodified
     model's on one process to 1e-8."""

@@ -422,7 +422,7 @@ def doc_by_doc_loss(docs: list[list[int]], model) -> float:
 
 def test_compile_compiles_each_decoder_layer(two_processes):
     # TSPStrategy(compile="aot_eager") at tsp 2, float64, 4 clipped SGD steps: on every rank
-    # each decoder layer was compiled (nn.Module.compile) with no graph break, the module was
+    # each decoder layer was compiled (compile_layers' mark) with no graph break, the module was
     # not compiled whole (no Lightning compiler mark, the strategy's model the LightningModule
     # itself), and the losses, logged losses, clipping norms, first gradients and final weights
     # are the same run's uncompiled bit for bit, and the unmodified model's on one process to

@@ -277,7 +277,7 @@ def test_bf16_matches_one_process_in_bf16(two_processes, one_process):
 
 def test_torch_compile_compiles_each_decoder_layer(two_processes):
     # TrainingArguments(torch_compile_backend="aot_eager") at tsp 2, float64, 4 clipped SGD
-    # steps: on every rank each decoder layer was compiled (nn.Module.compile) with no graph
+    # steps: on every rank each decoder layer was compiled (compile_layers' mark) with no graph
     # break, the model the Trainer trained was the TSP model itself (not an OptimizedModule:
     # no whole-model compile by the Trainer or Accelerate), and the losses compute_loss returned,
     # the first gradients and the final weights are eager TSP's (the tsp2 case) bit for bit,

@@ -12,7 +12,7 @@ clipping is DeepSpeed's, at the 1.0 Accelerate fills in, and the norm DeepSpeed'
 ``--kv-heads 1,2`` trains one model per entry, each prepared by the one accelerator.
 ``--lora R``: each model a PEFT ``PeftModel`` (rank-R LoRA on the seven projections).
 ``--dynamo-backend NAME``: ``TSPAccelerator(dynamo_backend=NAME)``; every rank also records which
-decoder layers ``nn.Module.compile`` compiled, the class of the prepared model (an
+decoder layers were compiled (:func:`layer_compiled`), the class of the prepared model (an
 ``OptimizedModule`` would be a whole-model compile) and dynamo's graph breaks (``compiled``),
 and dynamo's ``trace_autograd_ops`` is restored and its caches reset afterwards.
 ``--round-trip``: save the state after step 2, train steps 3-4, load it and train them again: the
@@ -53,6 +53,13 @@ from tests.support.hf_models import build, lora_model
 from tests.support.metrics_check import StepCounters
 from tsp_accelerate import JSONLinesTracker, TSPAccelerator
 from tsp_core.distributed.model_state import find_model_state
+
+
+def layer_compiled(layer) -> bool:
+    """Whether a decoder layer was compiled: ``nn.Module.compile``'s mark
+    (``_compiled_call_impl``) or a compiled subclass's (``compiled_by``, its backend)."""
+    return (getattr(layer, "_compiled_call_impl", None) is not None
+            or getattr(type(layer), "compiled_by", None) is not None)
 
 
 def offload_stats(model) -> dict | None:
@@ -234,7 +241,7 @@ def run(a) -> Accelerator:
     compiled = {}
     if a.dynamo_backend:
         layers = accelerator.unwrap_model(models[0]).model.layers
-        compiled = {"layers": [layer._compiled_call_impl is not None for layer in layers],
+        compiled = {"layers": [layer_compiled(layer) for layer in layers],
                     "classes": sorted({type(m).__name__ for m in models}),
                     "breaks": dict(torch._dynamo.utils.counters["graph_break"])}
     rank = accelerator.process_index

@@ -7,9 +7,10 @@ rank writes its per-step losses, logged losses and gradient norms
 step's full gradients before clipping (``rank<R>_weights.pt``, ``rank<R>_grads0.pt``: each
 data-parallel replica's own, gathered over its TSP group, so a replica that diverged shows).
 ``--compile BACKEND``: the TSP strategy's ``compile=BACKEND``; every rank also records which
-decoder layers ``nn.Module.compile`` compiled, the class of the strategy's model and dynamo's graph
-breaks (``compiled``), and dynamo's ``trace_autograd_ops`` is restored and its caches reset
-afterwards. ``--compile-module``: ``trainer.fit(torch.compile(module))``, Lightning's way.
+decoder layers were compiled (:func:`layer_compiled`), the class of the strategy's model and
+dynamo's graph breaks (``compiled``), and dynamo's ``trace_autograd_ops`` is restored and its
+caches reset afterwards. ``--compile-module``: ``trainer.fit(torch.compile(module))``,
+Lightning's way.
 ``--lora R``: the model a PEFT ``PeftModel`` (:func:`tests.support.hf_models.lora_model`); each
 rank also records which parameters had a gradient at the first step and which have optimizer
 state after the run.
@@ -271,6 +272,13 @@ def state_names(trainer, module) -> list[str]:
                   for p, state in opt.state.items() if state)
 
 
+def layer_compiled(layer) -> bool:
+    """Whether a decoder layer was compiled: ``nn.Module.compile``'s mark
+    (``_compiled_call_impl``) or a compiled subclass's (``compiled_by``, its backend)."""
+    return (getattr(layer, "_compiled_call_impl", None) is not None
+            or getattr(type(layer), "compiled_by", None) is not None)
+
+
 def offload_stats(model) -> dict | None:
     """The host offload's counts (``tsp_core.models.offload``), None without offload."""
     state = find_model_state(model)
@@ -330,7 +338,7 @@ def run_trainer(a) -> dict:
     if a.compile:
         layers = module.model.model.layers
         res["compiled"] = {
-            "layers": [layer._compiled_call_impl is not None for layer in layers],
+            "layers": [layer_compiled(layer) for layer in layers],
             "classes": [type(trainer.strategy.model).__name__, type(module.model).__name__],
             "whole": module._compiler_ctx is not None,  # Lightning's mark of torch.compile
             "breaks": dict(torch._dynamo.utils.counters["graph_break"])}
@@ -387,7 +395,7 @@ def run_fabric(a) -> dict:
     if a.compile:
         layers = model.module.model.layers
         res["compiled"] = {
-            "layers": [layer._compiled_call_impl is not None for layer in layers],
+            "layers": [layer_compiled(layer) for layer in layers],
             "classes": [type(model._forward_module).__name__],  # what Fabric's module runs
             "breaks": dict(torch._dynamo.utils.counters["graph_break"])}
     return res

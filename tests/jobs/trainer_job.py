@@ -24,7 +24,7 @@ logger at WARNING with a handler on stdout, transformers at INFO on the main pro
 also records the Trainer's first log row (``first_row``).
 
 ``--torch_compile_backend aot_eager`` (the Trainer's own argument): every rank also records
-``compiled``: which decoder layers ``nn.Module.compile`` compiled, the class of every model
+``compiled``: which decoder layers were compiled, the class of every model
 ``compute_loss`` was given (an ``OptimizedModule`` would be a whole-model compile), and dynamo's
 graph breaks; dynamo's ``trace_autograd_ops`` is restored and its caches reset afterwards, so
 the cases that follow in the same processes run as before.
@@ -54,7 +54,7 @@ from transformers import (
 )
 
 import tsp_core
-from tests.jobs.accelerate_job import fsdp_units
+from tests.jobs.accelerate_job import fsdp_units, layer_compiled
 from tests.support.gather import full_grads, storage_bytes
 from tests.support.metrics_check import StepCounters
 from tsp_core.distributed.mesh import get_mesh
@@ -172,9 +172,9 @@ def record_model_classes(trainer) -> set[str]:
 
 
 def compiled_layers(model) -> list[bool]:
-    """Per decoder layer of the TSP model: whether ``nn.Module.compile`` compiled it."""
+    """Per decoder layer of the TSP model: whether it was compiled (``layer_compiled``)."""
     layers = model.model.layers if isinstance(model, TSPCausalLM) else []
-    return [layer._compiled_call_impl is not None for layer in layers]
+    return [layer_compiled(layer) for layer in layers]
 
 
 def offload_stats(model) -> dict | None:
