@@ -65,7 +65,7 @@ def base_model(family: str):
                                experts_implementation="eager")
         return MixtralForCausalLM(config).double()
     if family == "phi3":
-        config = Phi3Config(**SMALL, num_key_value_heads=1, pad_token_id=None)
+        config = Phi3Config(**SMALL, num_key_value_heads=1, pad_token_id=None, eos_token_id=2)
         return Phi3ForCausalLM(config).double()
     return Qwen3ForCausalLM(Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16)).double()
 
