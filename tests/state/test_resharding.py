@@ -200,3 +200,100 @@ def failures(root: str) -> list[str]:
 def test_failures_change_nothing_and_agree_on_every_rank(pool, tmp_path):
     per_rank = pool.run(failures, str(tmp_path))
     assert all(m == per_rank[0] for m in per_rank), per_rank
+
+
+LORA_RANK = 4
+
+
+def lora_reference(steps: int) -> tuple[list[float], list[dict], dict, dict]:
+    """The same PeftModel trained by plain PEFT and torch on one process on the global batch:
+    each step's loss and adapter gradients, then the adapters and the base after ``steps``."""
+    model = hf_models.lora_model(hf_models.build("llama", torch.float64), LORA_RANK)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, grads = [], []
+    for step in range(steps):
+        ids = batch(step, model.config.vocab_size)
+        loss = hf_models.reference_loss(model, ids, ids)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        opt.step()
+        opt.zero_grad()
+    sd = model.state_dict()
+    adapters = {k: v.clone() for k, v in sd.items() if ".lora_" in k}
+    return losses, grads, adapters, {k: v.clone() for k, v in sd.items() if ".lora_" not in k}
+
+
+def lora_steps(model, opt, mesh, steps: range, ref_losses: list[float], ref_grads: list[dict]
+               ) -> None:
+    """:func:`tsp_steps` for a PeftModel, checking each step's loss too: the mean of the
+    data-parallel replicas' losses (each replica's rows hold as many tokens) against the one
+    process's loss of the global batch."""
+    dp, dp_rank = mesh.dp_size, dist.get_rank() // mesh.size
+    for step in steps:
+        ids = batch(step, model.config.vocab_size).chunk(dp)[dp_rank]
+        loss = model(**tsp_core.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # every rank of a replica holds its replica's loss
+        mean = mean.item() / dist.get_world_size()
+        assert abs(mean - ref_losses[step]) <= 1e-10 * abs(ref_losses[step]), (
+            f"loss at step {step} (tsp {mesh.size}, dp {dp}): {mean} vs {ref_losses[step]}")
+        got = gather.full_grads(model)
+        assert sorted(got) == sorted(ref_grads[step]), sorted(set(got) ^ set(ref_grads[step]))
+        for name, g in ref_grads[step].items():
+            assert_close(got[name], g, 1e-10, f"grad of {name} at step {step} "
+                                              f"(tsp {mesh.size}, dp {dp})")
+        opt.step()
+        opt.zero_grad()
+
+
+def lora_model(tsp: int, adapter_seed: int):
+    """The PeftModel of the reference (its base from seed 0, as a pretrained base is loaded again
+    on resume), adapters from ``adapter_seed``, parallelized at ``tsp``; AdamW over the
+    adapters, as a LoRA user builds it."""
+    mesh = dist_pool.mesh(tsp)
+    base = hf_models.build("llama", torch.float64)
+    model = tsp_core.parallelize(hf_models.lora_model(base, LORA_RANK, seed=adapter_seed), mesh)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, opt, mesh
+
+
+def lora_reshard_run(root: str) -> list[str]:
+    """A LoRA run saved at tsp 2 (dp 2) after 2 steps resumes at tsp 1 (dp 4), tsp 4 (dp 1) and
+    tsp 2 (dp 2), each with adapters of another seed and a fresh optimizer filled only by
+    load_checkpoint: steps 3-4 have the uninterrupted run's losses and adapter gradients, and the
+    adapters after step 4 are its adapters, the base untouched (float64, 1e-10). The checkpoint
+    holds the adapters alone. Returns what failed to load, for the messages."""
+    ref_losses, ref_grads, ref_adapters, ref_base = lora_reference(4)
+    model, opt, mesh = lora_model(2, adapter_seed=1)  # the reference's adapters
+    lora_steps(model, opt, mesh, range(0, 2), ref_losses, ref_grads)
+    ckpt = os.path.join(root, "lora_d2_step2")
+    tsp_core.save_checkpoint(ckpt, model, opt, step=2)
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = [k[len("model."):] for k in FileSystemReader(ckpt).read_metadata().state_dict_metadata
+             if k.startswith("model.")]
+    assert sorted(saved) == sorted(ref_adapters), sorted(set(saved) ^ set(ref_adapters))
+    for tsp in (1, 4, 2):
+        model, opt, mesh = lora_model(tsp, adapter_seed=7 + tsp)
+        assert tsp_core.load_checkpoint(ckpt, model, opt) == {"step": 2}
+        lora_steps(model, opt, mesh, range(2, 4), ref_losses, ref_grads)
+        got = tsp_core.full_state_dict(model)
+        for name, t in ref_adapters.items():
+            assert_close(got[name], t, 1e-10, f"{name} after 4 steps, resumed at tsp {tsp}")
+        for name, t in ref_base.items():  # full_state_dict names a base weight without PEFT's
+            mine = got[name.replace("base_layer.", "")]  # base_layer., as saved for Transformers
+            assert torch.equal(mine, t), f"{name} (base) changed, resumed at tsp {tsp}"
+    plain = tsp_core.parallelize(hf_models.build("llama", torch.float64), dist_pool.mesh(2))
+    msgs = []
+    with pytest.raises(ValueError, match=r"holds the LoRA adapters of a PeftModel, not its "
+                                         r"base: load it into the PeftModel") as info:
+        tsp_core.load_checkpoint(ckpt, plain)
+    msgs.append(str(info.value))
+    dist.barrier()
+    return msgs
+
+
+def test_lora_checkpoint_resumes_at_other_degrees(pool, tmp_path):
+    per_rank = pool.run(lora_reshard_run, str(tmp_path))
+    assert all(m == per_rank[0] for m in per_rank), per_rank

@@ -59,6 +59,7 @@ MARKER = "tsp_checkpoint.json"
 EXTRA = "extra.pt"
 FORMAT = "tsp_core.dcp"
 VERSION = 1
+ADAPTER_KEY = ".lora_"  # in the name of every LoRA adapter tensor (PEFT's lora_A / lora_B)
 
 
 # ----------------------------------------------------------- layouts: local <-> checkpoint
@@ -213,6 +214,22 @@ def _equal(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT ``PeftModel`` (told by its class, without importing peft)."""
+    return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft")
+               for c in type(model).__mro__)
+
+
+def saved_model_state(model: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds of ``model``'s state dict ``sd``: of a PeftModel its LoRA
+    adapters alone (every ``lora_A`` / ``lora_B`` tensor), as PEFT's ``save_pretrained`` and the
+    Trainer's checkpoints keep a PeftModel: its base is frozen and comes from its pretrained
+    weights on resume (docs/lora.md "Checkpoints"); of any other model, everything."""
+    if not is_peft_model(model):
+        return sd
+    return {k: v for k, v in sd.items() if ADAPTER_KEY in k}
+
+
 def _tsp_mesh(model: nn.Module):
     """The TSP mesh of the first TSP module inside ``model`` (a TSP model, or a container such as a
     LightningModule holding one); None for a plain model."""
@@ -346,7 +363,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
     fusions = _fusions(model)  # fused Hugging Face tensors (Phi-3): saved under their own names
     state: dict[str, Any] = {}
     if model_state:
-        sd = _fuse_entries(fusions, model_sd, lambda f, vs: f.export(vs))
+        sd = _fuse_entries(fusions, saved_model_state(model, model_sd),
+                           lambda f, vs: f.export(vs))
         state["model"] = {k: _export(layouts, k, v) for k, v in sd.items()}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer)
@@ -367,6 +385,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
                   "dp_size": mesh.dp_size if mesh else None,
                   "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                   "model": model_state, "optimizer": optimizer is not None,
+                  "adapters_only": model_state and is_peft_model(model),
                   "extra": sorted(extra), "extra_weights_only": extra_weights_only,
                   "step": extra["step"] if isinstance(extra.get("step"), int) else None}
         with open(os.path.join(tmp, MARKER), "w") as f:
@@ -435,8 +454,10 @@ def _check_against(path: str, target: dict[str, Any], marker: dict, model: nn.Mo
                             f"here")
     state = find_model_state(model)
     partial = state is not None and state.partial  # a pipeline rank holds some stages only
+    base_too = is_peft_model(model)  # a PeftModel loads its adapters from a checkpoint with a base
     unexpected = sorted(k[len("model."):] for k in saved if model_state and k.startswith("model.")
-                        and k not in target and not partial)
+                        and k not in target and not partial
+                        and not (base_too and ADAPTER_KEY not in k))
     if problems or missing or unexpected:
         parts = problems[:3] + ([f"{len(problems) - 3} more shape differences"] if len(problems) > 3
                                 else [])
@@ -514,11 +535,19 @@ def _load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers, mode
     state: dict[str, Any] = {}
     finish: dict[str, Callable[[], torch.Tensor]] = {}
     fusions = _fusions(model)  # fused Hugging Face tensors (Phi-3): loaded by their own names
+    if marker.get("adapters_only") and model_state and not is_peft_model(model):
+        raise ValueError(f"{path} holds the LoRA adapters of a PeftModel, not its base: load it "
+                         f"into the PeftModel (the base from its pretrained weights, then "
+                         f"get_peft_model, as when it was saved), not a "
+                         f"{base_class_name(model)}; nothing was changed")
+    wanted = saved_model_state(model, model_sd)
     if model_state:
         state["model"] = {}
-        for k, v in model_sd.items():
+        for k, v in wanted.items():
             state["model"][k], finish[k] = _fresh(layouts, k, v)
         for f in fusions:
+            if not all(n in wanted for n in f.part_fqns):
+                continue
             for n in f.part_fqns:
                 del state["model"][n]
             state["model"][f.fqn], back = f.target(local(model_sd[f.part_fqns[0]]))
@@ -569,7 +598,7 @@ def _load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers, mode
     dcp.load(state, checkpoint_id=path)
     # the model's tensors change last: the optimizer's load (which checks its param groups) may
     # still refuse, and then nothing has changed
-    loaded_model = {k: finish[k]() for k in model_sd} if model_state else {}
+    loaded_model = {k: finish[k]() for k in wanted} if model_state else {}
     if optimizer is not None:
         loaded = {own_names.get(n, n): s for fqn, s in state["optimizer"]["state"].items()
                   for n in next((f.part_fqns for f in fusions if f.fqn == fqn), [fqn])}
