@@ -122,12 +122,75 @@ def output_part(z: torch.Tensor, inp: torch.Tensor, low: tuple[torch.Tensor, ...
 def output_backward(d_inp: torch.Tensor, dz: torch.Tensor, inp: torch.Tensor,
                     low: tuple[torch.Tensor, ...] | None, grads: list[torch.Tensor] | None,
                     cols: slice, tokens: slice = slice(None)) -> torch.Tensor:
-    """The backward of :func:`output_part`: ``d_inp + drop'(dz @ A[:, cols])`` (returned), and
+    """The backward of :func:`output_part`: ``d_inp += drop'(dz @ A[:, cols])`` (in place, in
+    the schedule's fresh ``d_inp``: no second tensor of its size; returned), and
     ``dA[:, cols] += dz^T @ drop(inp)``."""
     if low is None:
         return d_inp
     grads[0][:, cols].addmm_(dz.t(), _kept(inp, low, cols, tokens))
-    return d_inp + _kept(dz @ low[0][:, cols], low, cols, tokens)
+    if len(low) > 1:  # LoRA dropout: the keep mask scales the adapter's share
+        return d_inp.add_(_kept(dz @ low[0][:, cols], low, cols, tokens))
+    return d_inp.addmm_(dz, low[0][:, cols])
+
+
+class AddLowRank(torch.autograd.Function):
+    """``y += s z B^T`` (``y`` [..., out], the schedule's output; ``z`` [..., r]; ``B`` [out,
+    r]) in place, so that an output-side adapter costs no more memory than the base projection
+    alone: written as ``y + (z @ B^T) * s``, autograd holds ``z B^T``, ``s z B^T`` and the sum
+    beside ``y`` in the forward (three [tokens, out] tensors more) and ``s dy`` in the backward
+    (one more). A ``y`` that is a view (which autograd lets no one change in place) gets one
+    addmm out of place. Keeps ``z`` and ``B`` (rank r) for the backward, never ``y``."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, scaling: float
+                ) -> torch.Tensor:
+        ctx.save_for_backward(z, b)
+        ctx.scaling = scaling
+        z2 = z.reshape(-1, z.shape[-1])
+        if y._is_view():
+            return torch.addmm(y.reshape(-1, y.shape[-1]), z2, b.t(), alpha=scaling
+                               ).view(y.shape)
+        ctx.mark_dirty(y)
+        y.view(-1, y.shape[-1]).addmm_(z2, b.t(), alpha=scaling)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        z, b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dz = (dy2 @ b).mul_(ctx.scaling).view(z.shape) if ctx.needs_input_grad[1] else None
+        db = ((dy2.t() @ z.reshape(-1, z.shape[-1])).mul_(ctx.scaling)
+              if ctx.needs_input_grad[2] else None)
+        return dy, dz, db, None
+
+
+class LowRankInputs(torch.autograd.Function):
+    """The input-side adapters' ``u_i = s_i x A_i^T`` of one schedule call, and ``x`` passed
+    through (a view) for the schedule, so that the adapters' share of the input's gradient,
+    ``sum_i s_i du_i A_i``, is added into the gradient the schedule returns for it, in place:
+    computed apart (``x @ A^T`` in autograd), each share is a tensor of the input's size that
+    autograd then adds to the schedule's out of place (two such tensors more at the backward's
+    peak). Keeps ``x`` (which the schedule keeps too) and the ``A_i`` for the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scalings: tuple[float, ...], *a: torch.Tensor):
+        ctx.save_for_backward(x, *a)
+        ctx.scalings = scalings
+        x2 = x.reshape(-1, x.shape[-1])
+        us = [(x2 @ ai.t()).mul_(si).view(*x.shape[:-1], -1) for ai, si in zip(a, scalings)]
+        return (x.view_as(x), *us)
+
+    @staticmethod
+    def backward(ctx, dx: torch.Tensor, *dus: torch.Tensor):
+        x, *a = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        dx2 = dx.view(-1, dx.shape[-1])  # the schedule's fresh gradient, no one else's
+        da = []
+        for du, ai, si in zip(dus, a, ctx.scalings):
+            du2 = du.reshape(-1, du.shape[-1])
+            dx2.addmm_(du2, ai, alpha=si)
+            da.append((du2.t() @ x2).mul_(si) if ctx.needs_input_grad[2 + len(da)] else None)
+        return (dx, None, *da)
 
 
 @dataclass(frozen=True)
@@ -241,9 +304,10 @@ class TSPLoRA(ShardedModule):
         keep = dropout.masks.mask(x.new_empty(tokens, self.in_features), dropout.p)
         return [self._a().to(x.dtype), keep.to(x.dtype) / (1.0 - dropout.p)]
 
-    def output(self, z: torch.Tensor) -> torch.Tensor:
-        """An output-side adapter's term ``s z B^T`` from the schedule's ``z``."""
-        return (z @ self._b().to(z.dtype).t()) * self.scaling[self.adapter]
+    def add_output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``y + s z B^T``: the schedule's output ``y`` with an output-side adapter's term from
+        the schedule's ``z``, added in place (:class:`AddLowRank`)."""
+        return AddLowRank.apply(y, z, self._b().to(y.dtype), self.scaling[self.adapter])
 
     def _merge_targets(self) -> list[tuple[nn.Parameter, ShardSpec, slice]]:
         """(base weight, this rank's ShardSpec of it, its rows in ``B``) of what :meth:`merge`
@@ -341,12 +405,15 @@ class TSPFusedLoRA(TSPLoRA):
 
 
 def schedule_adapters(module: nn.Module, names: Sequence[str], x: torch.Tensor
-                      ) -> tuple[LowRank | None, list[torch.Tensor], dict[str, TSPLoRA]]:
-    """The active adapters among ``module``'s projections ``names`` (in that order), a fused
-    projection's adapter (:class:`TSPFusedLoRA`) giving one per part: their :class:`LowRank`,
-    the tensors the schedule takes after its weights, and the adapters by name (an output-side
-    one adds :meth:`TSPLoRA.output` of its ``z``). None and nothing without an active adapter:
-    the schedule runs exactly as without LoRA."""
+                      ) -> tuple[torch.Tensor, LowRank | None, list[torch.Tensor],
+                                 dict[str, TSPLoRA]]:
+    """The schedule's input and the active adapters among ``module``'s projections ``names``
+    (in that order), a fused projection's adapter (:class:`TSPFusedLoRA`) giving one per part:
+    their :class:`LowRank`, the tensors the schedule takes after its weights, and the adapters by
+    name (an output-side one adds :meth:`TSPLoRA.add_output` of its ``z``). The input is ``x``
+    passed through :class:`LowRankInputs` when input-side adapters without dropout compute their
+    ``u`` there; ``x`` itself, None and nothing without an active adapter: the schedule runs
+    exactly as without LoRA."""
     # plain loops: an assignment expression in a comprehension breaks a torch.compile graph
     parts = {}
     for fused in getattr(module, "fused", {}):
@@ -358,12 +425,34 @@ def schedule_adapters(module: nn.Module, names: Sequence[str], x: torch.Tensor
         m = getattr(module, n, None)
         if n in parts:
             found[n], part = parts[n]
-            tensors += part
+            tensors.append(part)
         elif isinstance(m, TSPLoRA) and m.active:
             found[n] = m
-            tensors += m.schedule_tensors(x)
+            tensors.append(None if _joins_inputs(m) else m.schedule_tensors(x))
     if not found:
-        return None, [], {}
+        return x, None, [], {}
+    x, tensors = _input_side(x, list(found.values()), tensors)
     dropped = tuple(n for n, m in found.items()
                     if isinstance(m, TSPLoRA) and m.side == "output" and m.drops)
-    return LowRank(tuple(found), dropped), tensors, found
+    return x, LowRank(tuple(found), dropped), [t for ts in tensors for t in ts], found
+
+
+def _joins_inputs(m: TSPLoRA) -> bool:
+    """Whether adapter ``m``'s ``u`` is computed in :class:`LowRankInputs`: an input-side one
+    without LoRA dropout in this call (one that drops draws its own mask of the input)."""
+    return m.side == "input" and not m.drops
+
+
+def _input_side(x: torch.Tensor, adapters: list[TSPLoRA], tensors: list[list | None]
+                ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """The schedule's input and every adapter's tensors, those left None (:func:`_joins_inputs`)
+    filled with (u, B) from one :class:`LowRankInputs` call."""
+    joined = [i for i, ts in enumerate(tensors) if ts is None]
+    if not joined:
+        return x, tensors
+    a = [adapters[i]._a().to(x.dtype) for i in joined]
+    scalings = tuple(adapters[i].scaling[adapters[i].adapter] for i in joined)
+    x, *us = LowRankInputs.apply(x, scalings, *a)
+    for i, u in zip(joined, us):
+        tensors[i] = [u, adapters[i]._b().to(x.dtype)]
+    return x, tensors

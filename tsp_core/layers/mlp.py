@@ -113,7 +113,8 @@ def _ring_forward(x: torch.Tensor, group, pack: FlatPack, weights, tile: int, n_
     times the shard's down columns, added into the output."""
     B, L, h = x.shape
     x2 = x.reshape(B * L, h)
-    y = torch.zeros_like(x2)
+    out = x.new_zeros(B, L, h)  # not a view: a LoRA adapter adds into it in place (.lora)
+    y = out.view(B * L, h)
     tiles = token_tiles(B * L, tile)
 
     def compute(owner: int, shard: torch.Tensor) -> None:
@@ -124,7 +125,7 @@ def _ring_forward(x: torch.Tensor, group, pack: FlatPack, weights, tile: int, n_
             del m  # before the next tile's
 
     comm.ring_over_shards(pack.pack(weights), group, compute)
-    return y.view(B, L, h)
+    return out
 
 
 def _ring_backward(x: torch.Tensor, dy: torch.Tensor, group, pack: FlatPack, weights,
@@ -300,14 +301,15 @@ class TSPGatedMLP(TokenTiled, ShardedModule):
             names += ["gate_proj.bias", "up_proj.bias"]
         x, weights, context = schedule_inputs(self, names, x)
         tile = self.tile_tokens or mlp_tile_tokens(s.intermediate_size // s.tsp_size, x.dtype)
-        low, tensors, adapters = schedule_adapters(self, ("gate_proj", "up_proj", "down_proj"), x)
+        x, low, tensors, adapters = schedule_adapters(self, ("gate_proj", "up_proj",
+                                                             "down_proj"), x)
         if low is not None:  # LoRA (tsp_core.layers.lora): the call's adapters join the ring
             s = dataclasses.replace(s, lora=low)
         with context:
             y = TSPGatedMLPFn.apply(x, s, self.mesh.group, tile, *weights, *tensors)
         if "down_proj" in adapters:
             y, z = y
-            y = y + adapters["down_proj"].output(z)
+            y = adapters["down_proj"].add_output(y, z)
         if "down_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.down_proj.bias, self.mesh)
         return y

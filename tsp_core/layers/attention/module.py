@@ -231,7 +231,7 @@ class TSPAttention(ShardedModule):
         fn = PhasedAttentionFn if p.over_token else PerGroupAttentionFn
         dropout = (AttentionDropout.drawn(self.attention_dropout)
                    if self.training and self.attention_dropout else None)
-        low, tensors, adapters = schedule_adapters(self, LORA_TARGETS, x)
+        x, low, tensors, adapters = schedule_adapters(self, LORA_TARGETS, x)
         if low is not None:  # LoRA (tsp_core.layers.lora): the call's adapters join the rounds
             s = dataclasses.replace(s, lora=low)
         with context:
@@ -242,7 +242,7 @@ class TSPAttention(ShardedModule):
             y = y[0] if len(y) == 1 else tuple(y)
         y, kv_all = y if p.gives_kv else (y, None)
         if "o_proj" in adapters:
-            y = y + adapters["o_proj"].output(z)
+            y = adapters["o_proj"].add_output(y, z)
         if "o_proj.bias" in self.full_shapes:
             y = y + local_replicated(self.o_proj.bias, self.mesh)
         return (y, kv_all) if p.gives_kv else y

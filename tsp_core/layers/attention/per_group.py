@@ -197,9 +197,11 @@ class PerGroupAttentionFn(torch.autograd.Function):
                          if qn is not None or spec.parts.output_gate else (None, None))
             d_attn = F.linear(dy, wo.t())
             if dz2 is not None:  # the output projection's adapter: its share of the gradient
-                attn = gated(join_heads(o), gate).reshape(B * L, -1)
-                d_attn = output_backward(d_attn.reshape(B * L, -1), dz2, attn, low["o_proj"],
-                                         lgrads["o_proj"], spec.o_cols(r)).view_as(d_attn)
+                # (its input recomputed and dropped at once, not held through the round)
+                d_attn = output_backward(d_attn.reshape(B * L, -1), dz2,
+                                         gated(join_heads(o), gate).reshape(B * L, -1),
+                                         low["o_proj"], lgrads["o_proj"], spec.o_cols(r)
+                                         ).view_as(d_attn)
             do, dgate = gated_backward(d_attn, join_heads(o), gate)
             del d_attn
             do = split_heads(do, nq).contiguous()
