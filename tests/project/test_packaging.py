@@ -29,13 +29,15 @@ EXTRA = {"tsp_core": "transformers", "tsp_deepspeed": "deepspeed", "tsp_accelera
 # package -> {distribution: (the extra that provides it, the feature that needs it)}
 DEEPSPEED = ("deepspeed", "DeepSpeed through this adapter")
 PEFT = ("peft", "parallelize of a PEFT PeftModel (LoRA)")  # every package reaches parallelize
-OPTIONAL = {"tsp_core": {"matplotlib": ("bench", "tsp bench --plot"), "peft": PEFT},
-            "tsp_accelerate": {"deepspeed": DEEPSPEED, "peft": PEFT},
-            "tsp_transformers": {"deepspeed": DEEPSPEED, "peft": PEFT},
+QLORA = ("qlora", "parallelize of a PeftModel over a 4-bit NF4 base (QLoRA)")
+LORA = {"peft": PEFT, "bitsandbytes": QLORA}
+OPTIONAL = {"tsp_core": {"matplotlib": ("bench", "tsp bench --plot"), **LORA},
+            "tsp_accelerate": {"deepspeed": DEEPSPEED, **LORA},
+            "tsp_transformers": {"deepspeed": DEEPSPEED, **LORA},
             "tsp_lightning": {"deepspeed": ("deepspeed", 'Trainer(strategy="tsp_deepspeed")'),
-                              "peft": PEFT},
-            "tsp_trl": {"deepspeed": DEEPSPEED, "peft": PEFT},
-            "tsp_deepspeed": {"peft": PEFT}}
+                              **LORA},
+            "tsp_trl": {"deepspeed": DEEPSPEED, **LORA},
+            "tsp_deepspeed": LORA}
 
 
 def pyproject() -> dict:
@@ -164,9 +166,10 @@ def test_bench_installs_what_tsp_bench_imports():
     found = reached("tsp_core", ("tsp_core.tools.cli", "tsp_core.tools.bench",
                                  "tsp_core.tools.bench_generate"))
     assert "matplotlib" in found, found
-    # peft is reached only inside parallelize's PeftModel branch (OPTIONAL): bench converts none
+    # peft and bitsandbytes are reached only inside parallelize's PeftModel branch and the NF4
+    # shards' dequantization (OPTIONAL): bench converts no PeftModel
     missing = {d: m for d, (lazy, m) in found.items()
-               if d not in wanted and not (lazy and OPTIONAL["tsp_core"].get(d) == PEFT)}
+               if d not in wanted and not (lazy and OPTIONAL["tsp_core"].get(d) in (PEFT, QLORA))}
     assert not missing, f"add to the [bench] extra: {missing}"
 
 

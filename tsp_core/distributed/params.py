@@ -451,13 +451,25 @@ class Unfused:
         return held if dim is None else held.narrow(dim, start, length)
 
 
+def schedule_weight(module: nn.Module, name: str) -> Any:
+    """Parameter ``name`` of ``module`` as a schedule takes it: its local tensor, or what its
+    holder's ``schedule_shard`` gives (an NF4 shard, tsp_core/layers/nf4.py), also behind a
+    LoRA adapter in the projection's place (its ``base_layer``)."""
+    path, _, attr = name.rpartition(".")
+    holder = module.get_submodule(path) if path else module
+    holder = getattr(holder, "base_layer", holder)
+    shard = getattr(holder, "schedule_shard", None)
+    return local(module.get_parameter(name)) if shard is None else shard(attr)
+
+
 def schedule_inputs(module: nn.Module, names: list[str], x: torch.Tensor):
     """The input and ``module``'s local weight shards, ready for a TSP schedule, and the context
     to run it in. Under autocast (bf16-mixed) both are cast once to the autocast dtype and the
     schedule runs with autocast off, so its forward and backward compute in one dtype (the casts
     are in the autograd graph: fp32 master weights get fp32 gradients). Every shard must then
-    share the input's dtype (a round packs them into one buffer)."""
-    weights = [local(module.get_parameter(n)) for n in names]
+    share the input's dtype (a round packs them into one buffer). A quantized projection's
+    holder (:class:`tsp_core.layers.nf4.NF4Weight`) gives its packed shard instead of a tensor."""
+    weights = [schedule_weight(module, n) for n in names]
     context = contextlib.nullcontext()
     device = x.device.type
     if torch.is_autocast_enabled(device):

@@ -333,6 +333,9 @@ class TSPLoRA(ShardedModule):
             elif spec.dim == 1:
                 a = a[:, spec.start:spec.start + spec.length]
             weight = local(param)
+            if not weight.is_floating_point():  # NF4 codes (QLoRA: tsp_core/layers/nf4.py)
+                raise NotImplementedError(f"merging into a {weight.dtype} base (4-bit NF4) is "
+                                          f"not supported: docs/lora.md \"QLoRA\"")
             own = weight if spec.dim is None else weight.narrow(spec.dim, 0, spec.length)
             merged.append((own, own + ((b @ a) * self.scaling[name]).to(own.dtype)))
         if safe_merge and not all(torch.isfinite(m).all() for _, m in merged):

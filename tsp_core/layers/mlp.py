@@ -43,6 +43,7 @@ from .lora import (
     output_part,
     schedule_adapters,
 )
+from .nf4 import pack_of, restored, tensors_only
 from .sizes import valid_sizes_hint, valid_tsp_sizes
 from .tiles import (
     MLP_TILE_TENSORS,
@@ -189,7 +190,7 @@ class TSPGatedMLPFn(torch.autograd.Function):
     def forward(ctx, x, spec: MLPSpec, group, tile: int, *weights):
         weights, low = spec.lora.split(weights)
         ctx.wgrad = any(ctx.needs_input_grad[4:4 + len(weights)])
-        pack = FlatPack([w.shape for w in weights])
+        pack = pack_of(weights)  # NF4 shards travel packed (.nf4)
         x2 = x.reshape(-1, x.shape[-1])
         z = x.new_zeros(x2.shape[0], low["down_proj"][0].shape[0]) if "down_proj" in low else None
 
@@ -204,7 +205,8 @@ class TSPGatedMLPFn(torch.autograd.Function):
 
         y = _ring_forward(x, group, pack, weights, tile, 2, intermediate)
         ctx.spec, ctx.group, ctx.pack, ctx.tile = spec, group, pack, tile
-        ctx.save_for_backward(x, *weights, *[t for ts in low.values() for t in ts])
+        saved, ctx.kept = tensors_only(weights)
+        ctx.save_for_backward(x, *saved, *[t for ts in low.values() for t in ts])
         return y if z is None else (y, z.view(*x.shape[:-1], -1))
 
     @staticmethod
@@ -212,6 +214,7 @@ class TSPGatedMLPFn(torch.autograd.Function):
         spec = ctx.spec
         x, *saved = ctx.saved_tensors
         weights, low = spec.lora.split(saved)
+        weights = restored(weights, ctx.kept)
         lgrads = spec.lora.zero_grads(low)
         dz2 = None if dz is None else dz.reshape(-1, dz.shape[-1])
 

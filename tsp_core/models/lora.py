@@ -33,6 +33,7 @@ from torch import nn
 from ..distributed.mesh import TSPMesh, get_mesh
 from ..layers.lora import INPUT_SIDE, AdapterSpec, FusedParts, TSPFusedLoRA, TSPLoRA
 from .policies import DecoderPolicy, find_policy
+from .qlora import QuantizedBase, is_linear4bit, read_quantized, refuse_without_adapters
 from .replicas import check_replicas_agree
 
 TARGETS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -77,6 +78,7 @@ class PeftAdapters:
     adapters: list[str]  # every adapter's name (peft_config's keys)
     adapted: list[Adapted]
     requires_grad: dict[str, bool] = field(default_factory=dict)
+    quantized: QuantizedBase | None = None  # a 4-bit NF4 base (QLoRA, .qlora)
 
     @contextlib.contextmanager
     def unwrapped(self) -> Iterator[nn.Module]:
@@ -85,7 +87,8 @@ class PeftAdapters:
         for a in self.adapted:
             setattr(a.parent, a.name, a.layer.base_layer)
         try:
-            yield self.model
+            with self.quantized.stand_ins() if self.quantized else contextlib.nullcontext():
+                yield self.model
         except BaseException:
             for a in self.adapted:
                 setattr(a.parent, a.name, a.layer)
@@ -99,11 +102,15 @@ class PeftAdapters:
         for a in self.adapted:
             module = new.get(id(a.parent))
             refuse_schedule(a, module)
+        if self.quantized is not None:
+            self.quantized.check(new, plan.mesh)
         return new
 
     def attach(self, new: dict[int, nn.Module], mesh: TSPMesh) -> None:
         """Each adapter in its projection's place in the TSP module, its weights PEFT's (checked
         to be the same on every rank: they are replicated), then PEFT's ``requires_grad``."""
+        if self.quantized is not None:  # NF4 shards in the float shards' place
+            self.quantized.attach(new, mesh)
         tensors = []
         for a in self.adapted:
             host = new[id(a.parent)]
@@ -210,6 +217,7 @@ def read_peft(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None
     """The adapters of ``model`` if it is a PeftModel (None otherwise), every refusal raised
     here, on every rank alike, before anything changes or any collective runs."""
     if not is_peft_model(model):
+        refuse_without_adapters(model)
         return None
     configs = dict(model.peft_config)
     for name, config in configs.items():
@@ -223,6 +231,7 @@ def read_peft(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None
         raise NotImplementedError("a PeftModel on the meta device: load the base weights and "
                                   "create the adapters before parallelize")
     policy = policy or find_policy(inner)
+    quantized = read_quantized(inner, policy)
     adapted = find_adapted(inner, policy)
     requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
     trained = sorted(n for n, on in requires_grad.items() if on and ".lora_" not in n)
@@ -232,7 +241,7 @@ def read_peft(model: nn.Module, mesh: TSPMesh, policy: DecoderPolicy | None
                                   f"PeftModel whose base is frozen, as get_peft_model leaves it; "
                                   f"set their requires_grad to False before parallelize "
                                   f"({DOCS})")
-    return PeftAdapters(model, inner, list(configs), adapted, requires_grad)
+    return PeftAdapters(model, inner, list(configs), adapted, requires_grad, quantized)
 
 
 def refuse_config(name: str, config: Any) -> None:
@@ -274,7 +283,7 @@ def find_adapted(model: nn.Module, policy: DecoderPolicy) -> list[Adapted]:
                 f"{names.attention}.{{{','.join(TARGETS['attention'])}}} and "
                 f"{names.mlp}.{{{','.join(TARGETS['mlp'])}}} (or the projections the model "
                 f"fuses: Phi-3's qkv_proj, gate_up_proj) ({DOCS})")
-        if type(module.base_layer) is not nn.Linear:
+        if type(module.base_layer) is not nn.Linear and not is_linear4bit(module.base_layer):
             raise NotImplementedError(f"LoRA on {path}: its base layer is a "
                                       f"{type(module.base_layer).__name__}, TSP adapts "
                                       f"nn.Linear projections ({DOCS})")

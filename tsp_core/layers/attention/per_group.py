@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .. import flash
 from ..lora import add_input, input_backward, output_backward, output_part
+from ..nf4 import restored, tensors_only
 from .rounds import (
     AttentionSpec,
     KVGathers,
@@ -118,7 +119,8 @@ class PerGroupAttentionFn(torch.autograd.Function):
         if kv_sink is not None:  # prefill: this rank's own tokens' K/V of every key/value head
             kv_sink(kv_all)
         ctx.spec, ctx.group, ctx.groups, ctx.dropout = spec, group, groups, dropout
-        ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *weights,
+        saved, ctx.kept = tensors_only(weights)  # NF4 shards are kept beside (..nf4)
+        ctx.save_for_backward(x, cos, sin, q_all, kv_all, out_all, lse_all, *saved,
                               *[t for ts in low.values() for t in ts])
         outs = (y, *([kv_all] if spec.parts.gives_kv else []),
                 *([z.view(B, L, -1)] if z is not None else []))
@@ -133,6 +135,7 @@ class PerGroupAttentionFn(torch.autograd.Function):
         dz = extra[-1] if "o_proj" in spec.lora.names else None
         x, cos, sin, q_all, kv_all, out_all, lse_all, *saved = ctx.saved_tensors
         weights, low = spec.lora.split(saved)
+        weights = restored(weights, ctx.kept)
         lgrads = spec.lora.zero_grads(low)
         wgrad = ctx.wgrad
         if dy is None:  # only the returned K/V were used

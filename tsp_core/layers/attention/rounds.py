@@ -21,6 +21,7 @@ from ...distributed.flat_pack import FlatPack
 from .. import flash, rope
 from ..dropout import AttentionDropout
 from ..lora import LowRank
+from ..nf4 import NF4Shard, pack_of
 from ..norm import NORMS
 from .parts import AttentionParts
 
@@ -262,11 +263,14 @@ class Shards:
             self.out_pack = FlatPack([wo.shape])
         if self.sinks is not None:
             self.round.append(self.sinks)
-        self.round_pack = FlatPack([w.shape for w in self.round])
+        self.round_pack = pack_of(self.round)  # NF4 shards travel packed (..nf4)
         self.kv_rows = spec.num_kv_heads * spec.head_dim
         self.kv_full: list[torch.Tensor] = []
         if self.sliced and not spec.parts.takes_kv:
             kv = [wk, wv, *b[1:]]
+            if any(isinstance(w, NF4Shard) for w in kv):
+                raise NotImplementedError("NF4 key/value slices (fewer key/value heads than "
+                                          "ranks) are not supported: docs/lora.md \"QLoRA\"")
             self.kv_pack = FlatPack([w.shape for w in kv])
             D = spec.tsp_size
             buf = wq.new_empty(D, self.kv_pack.numel)

@@ -1,0 +1,240 @@
+"""QLoRA under TSP (tsp_core/layers/nf4.py, tsp_core/models/qlora.py, docs/lora.md "QLoRA"): a
+PeftModel over a tiny Llama (grouped-query attention) saved in float32 and loaded 4-bit NF4 by
+bitsandbytes, parallelized, against the same PeftModel loaded the same way on one process
+(unmodified PEFT, Hugging Face and bitsandbytes ``Linear4bit``), on every rank, at tsp 2 and 4:
+every rank's dequantized NF4 shard equal to bitsandbytes' dequantized full weight's slice bit for
+bit; losses of 3 AdamW steps, the adapters' first gradients compared directly, the adapters
+after the steps; the packed base bytes unchanged; the bytes each attention round broadcasts and
+each MLP ring hop carries in the first step: the packed shards plus their absmax, by a formula
+written here. Double quantization, 8-bit, a shard that cuts a quantization block and a 4-bit
+model without adapters are refused by name on every rank before any collective."""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tsp_core
+from tests.support import dist_pool, parity
+from tests.support.reference import relative_error
+
+pytest.importorskip("bitsandbytes")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# head_dim 32: every shard of every projection is whole blocks of 64 at tsp 2 (hidden 128) and,
+# for WIDE, at tsp 4 (o_proj's 64 columns a rank)
+SMALL = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+WIDE = dict(SMALL, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+            num_hidden_layers=1)
+BLOCK = 64  # bitsandbytes' NF4 block: one float32 absmax per 64 weights
+# the adapters after 3 AdamW steps at lr 1e-3, absolute: the shards dequantize bit for bit, but
+# TSP sums o_proj's and down_proj's products round by round (float32 rounding: gradients agree
+# to ~2e-6 of their largest element), and AdamW divides each element by its own gradient's
+# size, so an element whose gradient is near that noise moves by a few % of lr differently
+# (measured 9.2e-6 at tsp 2); a wrong shard or a missing term moves them by lr or more
+ADAMW_TOL = 3e-5
+
+
+def save_base(path: str, config: dict) -> None:
+    """A random-init float32 Llama of ``config`` saved to ``path`` (nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(path)
+
+
+def qlora_model(path: str, quant: dict | None = None):
+    """The saved Llama loaded 4-bit NF4 (float32 compute) with ``quant`` BitsAndBytesConfig
+    fields on top, r=4 LoRA on the seven projections, A and B random; in training mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    config = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                  bnb_4bit_compute_dtype=torch.float32)
+    base = LlamaForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=BitsAndBytesConfig(**(quant or config)))
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=ALL, init_lora_weights=False)
+    return get_peft_model(base, lora).train()
+
+
+def adapters(model) -> dict[str, torch.Tensor]:
+    """Every LoRA matrix by name (a TSP one is replicated: its local tensor is the whole)."""
+    from tsp_core.distributed.params import local
+
+    return {n: local(p).detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    from tsp_core.distributed.params import local
+
+    return {n: local(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run(model, data, optimizer, shard=None) -> dict:
+    """Losses, first gradients and final adapters of ``model`` over ``data`` (``shard``: the
+    batch as a TSP model takes it; then also the first step's collectives, ``log``)."""
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+    losses, first, log = [], None, None
+    for ids, labels in data:
+        batch = {"input_ids": ids, "labels": labels}
+        with tsp_core.comm.track() if shard else contextlib.nullcontext() as stats:
+            loss = model(**(shard(batch) if shard else batch)).loss
+            loss.backward()
+        log = stats.log if log is None and shard else log
+        first = grads(model) if first is None else first
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, grads=first, adapters=adapters(model), log=log)
+
+
+def nf4_holders(model) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+    """Each NF4 weight holder of a converted model by its projection's path, with its TSP
+    module (the host whose shard_spec cut it)."""
+    from tsp_core.layers.nf4 import NF4Weight
+
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, NF4Weight):  # behind its LoRA adapter: the adapter's base_layer
+            place = path.removesuffix(".base_layer")
+            host_path, _, name = place.rpartition(".")
+            out[place] = (m, model.get_submodule(host_path), name)
+    return out
+
+
+def check_shards_exact(model, ref) -> int:
+    """Every rank's dequantized shard equals bitsandbytes' dequantized full weight's slice, bit
+    for bit; the number of quantized projections."""
+    import bitsandbytes.functional as bnbf
+
+    rank = tsp_core.get_mesh(model).rank
+    holders = nf4_holders(model)
+    assert len(holders) == 7 * model.config.num_hidden_layers, sorted(holders)
+    for path, (holder, host, name) in holders.items():
+        linear = ref.get_submodule(path)
+        linear = getattr(linear, "base_layer", linear)
+        full = bnbf.dequantize_4bit(linear.weight.data, linear.weight.quant_state)
+        spec = host.shard_spec(f"{name}.weight", rank)
+        want = full.narrow(spec.dim, spec.start, spec.length)
+        assert torch.equal(holder.dequantized(), want), f"rank {rank}: {path} shard differs"
+    return len(holders)
+
+
+def qlora_parity(path: str, tsp: int, config: dict) -> dict:
+    """Run on every rank: 3 AdamW steps of the converted QLoRA PeftModel against the
+    one-process one: losses to 1e-6, first adapter gradients to 1e-5 (relative), adapters
+    after the steps to :data:`ADAMW_TOL`; the dequantized shards and the packed bytes; what
+    was measured."""
+    mesh, rank = dist_pool.mesh(tsp), dist.get_rank()
+    data = parity.batches(SMALL["vocab_size"], 2, 32, 3, middle_ignored=True)
+    worst = dict(loss=0.0, grad=0.0, adapter=0.0)
+    losses = []
+    for optimizer in (partial(torch.optim.AdamW, lr=1e-3),):
+        ref = qlora_model(path)
+        model = tsp_core.parallelize(qlora_model(path), mesh)
+        check_shards_exact(model, ref)
+        packed = {p: (h.weight.clone(), h.weight_absmax.clone())
+                  for p, (h, _, _) in nf4_holders(model).items()}
+        want = run(ref, data, optimizer)
+        got = run(model, data, optimizer, partial(tsp_core.shard_batch, mesh=mesh))
+        traffic = check_packed_traffic(got["log"], config, tsp)
+        what = f"rank {rank}, tsp {tsp}, {optimizer.func.__name__}"
+        for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+            worst["loss"] = max(worst["loss"], abs(a - b))
+            assert abs(a - b) <= 1e-6, f"{what}, step {step}: loss {a!r} vs {b!r}"
+        assert set(got["grads"]) == set(want["grads"]), (what, sorted(got["grads"]))
+        for name, g in want["grads"].items():
+            err = relative_error(got["grads"][name], g)
+            worst["grad"] = max(worst["grad"], err)
+            assert err <= 1e-5, f"{what}: gradient of {name} off by {err:.2e}"
+        for name, w in want["adapters"].items():
+            err = (got["adapters"][name] - w).abs().max().item()
+            worst["adapter"] = max(worst["adapter"], err)
+            assert err <= ADAMW_TOL, f"{what}: {name} off by {err:.2e} after 3 steps"
+        for p, (h, _, _) in nf4_holders(model).items():
+            assert torch.equal(h.weight, packed[p][0]) and torch.equal(
+                h.weight_absmax, packed[p][1]), f"{what}: base bytes of {p} changed"
+        losses += got["losses"]
+    return dict(losses=losses, worst=worst, traffic=traffic)
+
+
+@pytest.mark.parametrize("world,tsp,config", [(2, 2, SMALL), (4, 4, WIDE)],
+                         ids=["tsp2", "tsp4"])
+def test_qlora_matches_bitsandbytes_on_one_process(pools, tmp_path, world, tsp, config):
+    save_base(str(tmp_path), config)
+    figures = pools.of(world).run(qlora_parity, str(tmp_path), tsp, config)
+    parity.assert_same_losses(figures)
+    print("worst", figures[0]["worst"], "bytes", figures[0]["traffic"])
+
+
+# ------------------------------------------------------------------------ collective bytes
+
+def nf4_bytes(elements: int) -> int:
+    """Bytes of an NF4 shard of ``elements`` weights: two codes a byte, a float32 per block."""
+    return elements // 2 + 4 * (elements // BLOCK)
+
+
+def check_packed_traffic(log: list[tuple[str, float]], config: dict, D: int) -> dict:
+    """One step's collectives (``log``) at tsp ``D``: each attention round broadcasts its
+    owner's packed q, k, v, o shards plus their absmax, each MLP ring hop carries the packed
+    gate, up, down shards plus theirs, and no float shard of them travels (docs/design.md
+    "QLoRA"). The per-round and per-hop bytes."""
+    h, F_, nq, nkv, layers = (config[k] for k in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "num_hidden_layers"))
+    d = h // nq
+    round_bytes = sum(nf4_bytes(n // D) for n in (nq * d * h, 2 * nkv * d * h, h * nq * d))
+    hop_bytes = nf4_bytes(3 * F_ * h // D)  # three projections of F/D rows or columns
+    broadcasts = [b for k, b in log if k == "broadcast"]
+    assert broadcasts == [(D - 1) / D * round_bytes] * (2 * D * layers), broadcasts
+    hops = [b for k, b in log if k == "ring_pass"]
+    assert hops.count(hop_bytes) == 2 * (D - 1) * layers, hops  # forward, backward; no grads
+    assert 4 * 3 * F_ * h // D not in hops, hops
+    return dict(round=round_bytes, hop=hop_bytes, float_round=4 * (2 * nq + 2 * nkv) * d * h // D)
+
+
+# ------------------------------------------------------------------------------- refusals
+
+def refusals(path: str, narrow: str) -> list[str]:
+    """Run on every rank: each unsupported quantized setup raises on this rank, naming it,
+    before any collective. The messages."""
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    nf4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    cases = [
+        (lambda: qlora_model(path, dict(nf4, bnb_4bit_use_double_quant=True)),
+         "double quantization (bnb_4bit_use_double_quant=True)"),
+        (lambda: qlora_model(path, dict(load_in_8bit=True)), "8-bit"),
+        (lambda: qlora_model(narrow), "does not hold whole NF4 blocks of 64"),
+        (lambda: LlamaForCausalLM.from_pretrained(
+            path, dtype=torch.float32, quantization_config=BitsAndBytesConfig(**nf4)),
+         "has no LoRA adapters"),
+    ]
+    cases.append((lambda: tsp_core.parallelize(qlora_model(path), dist_pool.mesh(2))
+                  .merge_and_unload, "merging into a torch.uint8 base (4-bit NF4)"))
+    messages = []
+    for build, name in cases:
+        model = build()
+        with tsp_core.comm.track() as stats, pytest.raises(NotImplementedError) as err:
+            model() if callable(model) and not isinstance(model, torch.nn.Module) else \
+                tsp_core.parallelize(model, dist_pool.mesh(2))
+        assert not dict(stats.calls), dict(stats.calls)  # before any collective
+        assert name in str(err.value), (name, str(err.value))
+        messages.append(str(err.value))
+    dist.barrier()
+    return messages
+
+
+def test_unsupported_quantized_setups_are_refused_by_name(pools, tmp_path):
+    save_base(str(tmp_path / "small"), SMALL)
+    # hidden 64: o_proj's 32 columns a rank at tsp 2 cut its blocks of 64
+    save_base(str(tmp_path / "narrow"), dict(SMALL, hidden_size=64, num_attention_heads=2))
+    messages = pools.of(2).run(refusals, str(tmp_path / "small"), str(tmp_path / "narrow"))
+    assert messages[0] == messages[1]
+    print("\n".join(messages[0]))
