@@ -3,11 +3,12 @@ PeftModel over a tiny Llama (grouped-query attention) saved in float32 and loade
 bitsandbytes, parallelized, against the same PeftModel loaded the same way on one process
 (unmodified PEFT, Hugging Face and bitsandbytes ``Linear4bit``), on every rank, at tsp 2 and 4:
 every rank's dequantized NF4 shard equal to bitsandbytes' dequantized full weight's slice bit for
-bit; losses of 3 AdamW steps, the adapters' first gradients compared directly, the adapters
-after the steps; the packed base bytes unchanged; the bytes each attention round broadcasts and
-each MLP ring hop carries in the first step: the packed shards plus their absmax, by a formula
-written here. Double quantization, 8-bit, a shard that cuts a quantization block and a 4-bit
-model without adapters are refused by name on every rank before any collective."""
+bit; the base's loss (``disable_adapter()``); losses of 3 AdamW steps, the adapters' first
+gradients compared directly, the adapters after the steps; the packed base bytes unchanged; the
+bytes each attention round broadcasts and each MLP ring hop carries in the first step: the packed
+shards plus their absmax, by a formula written here. Double quantization, 8-bit, a shard that
+cuts a quantization block, a 4-bit model without adapters and merging into the 4-bit base are
+refused by name on every rank before any collective."""
 
 from __future__ import annotations
 
@@ -139,6 +140,11 @@ def qlora_parity(path: str, tsp: int, config: dict) -> dict:
         ref = qlora_model(path)
         model = tsp_core.parallelize(qlora_model(path), mesh)
         check_shards_exact(model, ref)
+        ids, labels = data[0]
+        with ref.disable_adapter(), model.disable_adapter():  # the 4-bit base alone
+            a = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)).loss
+            b = ref(input_ids=ids, labels=labels).loss
+        assert abs(a.item() - b.item()) <= 1e-6, f"rank {rank}: base loss {a.item()} vs {b.item()}"
         packed = {p: (h.weight.clone(), h.weight_absmax.clone())
                   for p, (h, _, _) in nf4_holders(model).items()}
         want = run(ref, data, optimizer)
