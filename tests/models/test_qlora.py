@@ -6,9 +6,10 @@ every rank's dequantized NF4 shard equal to bitsandbytes' dequantized full weigh
 bit; the base's loss (``disable_adapter()``); losses of 3 AdamW steps, the adapters' first
 gradients compared directly, the adapters after the steps; the packed base bytes unchanged; the
 bytes each attention round broadcasts and each MLP ring hop carries in the first step: the packed
-shards plus their absmax, by a formula written here. Double quantization, 8-bit, a shard that
-cuts a quantization block, a 4-bit model without adapters and merging into the 4-bit base are
-refused by name on every rank before any collective."""
+shards plus their absmax, by a formula written here. Double quantization at tsp 2: the shards
+bit for bit, one step's loss and gradients. 8-bit, a shard that cuts a quantization block, a
+4-bit model without adapters and merging into the 4-bit base are refused by name on every rank
+before any collective."""
 
 from __future__ import annotations
 
@@ -205,6 +206,39 @@ def check_packed_traffic(log: list[tuple[str, float]], config: dict, D: int) -> 
     return dict(round=round_bytes, hop=hop_bytes, float_round=4 * (2 * nq + 2 * nkv) * d * h // D)
 
 
+# ------------------------------------------------------------------- double quantization
+
+DOUBLE = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+              bnb_4bit_use_double_quant=True)
+
+
+def double_quant_step(path: str) -> dict:
+    """Run on every rank: a base loaded with double quantization (the absmax 8-bit in blocks of
+    256) at tsp 2 against the same on one process: the dequantized shards bit for bit (TSP keeps
+    the absmax as bitsandbytes dequantizes them), one SGD step's loss (1e-6) and adapter
+    gradients (1e-5); each round moves float32 absmax."""
+    mesh, rank = dist_pool.mesh(2), dist.get_rank()
+    ref, model = qlora_model(path, DOUBLE), qlora_model(path, DOUBLE)
+    assert ref.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.quant_state \
+        .nested
+    model = tsp_core.parallelize(model, mesh)
+    check_shards_exact(model, ref)
+    data = parity.batches(SMALL["vocab_size"], 2, 32, 1, middle_ignored=True)
+    sgd = partial(torch.optim.SGD, lr=0.5)
+    want = run(ref, data, sgd)
+    got = run(model, data, sgd, partial(tsp_core.shard_batch, mesh=mesh))
+    assert abs(got["losses"][0] - want["losses"][0]) <= 1e-6, (rank, got["losses"], want["losses"])
+    for name, g in want["grads"].items():
+        err = relative_error(got["grads"][name], g)
+        assert err <= 1e-5, f"rank {rank}: gradient of {name} off by {err:.2e}"
+    return check_packed_traffic(got["log"], SMALL, 2)
+
+
+def test_double_quantization_dequantizes_exactly(pools, tmp_path):
+    save_base(str(tmp_path), SMALL)
+    pools.of(2).run(double_quant_step, str(tmp_path))
+
+
 # ------------------------------------------------------------------------------- refusals
 
 def refusals(path: str, narrow: str) -> list[str]:
@@ -214,8 +248,6 @@ def refusals(path: str, narrow: str) -> list[str]:
 
     nf4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
     cases = [
-        (lambda: qlora_model(path, dict(nf4, bnb_4bit_use_double_quant=True)),
-         "double quantization (bnb_4bit_use_double_quant=True)"),
         (lambda: qlora_model(path, dict(load_in_8bit=True)), "8-bit"),
         (lambda: qlora_model(narrow), "does not hold whole NF4 blocks of 64"),
         (lambda: LlamaForCausalLM.from_pretrained(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,11 +64,10 @@ def refuse_state(q: Quantized) -> None:
         raise NotImplementedError(f"{q.path}: a Linear4bit without a quantization state (not "
                                   f"quantized yet: load it with from_pretrained and a "
                                   f"BitsAndBytesConfig) ({DOCS})")
-    if s.nested:
+    if s.nested and (s.state2.blocksize != 256 or s.state2.dtype != torch.float32):
         raise NotImplementedError(
-            f"{q.path}: double quantization (bnb_4bit_use_double_quant=True) is not supported "
-            f"under TSP: its absmax are quantized again in blocks of 256 that a shard would cut; "
-            f"load with bnb_4bit_use_double_quant=False ({DOCS})")
+            f"{q.path}: double quantization with nested blocks of {s.state2.blocksize} "
+            f"({s.state2.dtype}); bitsandbytes' own are 256 (float32) ({DOCS})")
     if s.quant_type != "nf4":
         raise NotImplementedError(f"{q.path}: 4-bit quant type {s.quant_type!r}; TSP keeps "
                                   f"NF4 (bnb_4bit_quant_type=\"nf4\") ({DOCS})")
@@ -82,7 +82,8 @@ def refuse_state(q: Quantized) -> None:
 
 def read_quantized(model: nn.Module, policy: DecoderPolicy) -> QuantizedBase | None:
     """The ``Linear4bit`` projections of the Hugging Face ``model`` (None if it has none),
-    each checked: NF4 without double quantization, a projection of a decoder layer's attention
+    each checked: NF4 (double quantization in bitsandbytes' nested blocks of 256 included), a
+    projection of a decoder layer's attention
     or MLP; an 8-bit layer is refused."""
     names = policy.modules
     prefix = f"{names.base_model}.{names.layers}."
@@ -109,6 +110,22 @@ def read_quantized(model: nn.Module, policy: DecoderPolicy) -> QuantizedBase | N
         refuse_state(q)
         found.append(q)
     return QuantizedBase(found) if found else None
+
+
+def absmax_of(state: Any) -> torch.Tensor:
+    """The float32 absmax per block of a quantization state: as stored, or, with double
+    quantization (``bnb_4bit_use_double_quant``: the absmax quantized again, 8 bits in blocks of
+    256, plus an offset), dequantized by bitsandbytes' own kernel and offset, exactly as its
+    ``Linear4bit`` forward and backward compute them before every use. A shard keeps its slice
+    of these (a nested block of 256 absmax would span 16,384 weights, more than a shard may
+    hold)."""
+    if not state.nested:
+        return state.absmax
+    import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+
+    inner = state.state2
+    return (torch.ops.bitsandbytes.dequantize_blockwise.default(
+        state.absmax, inner.absmax, inner.code, inner.blocksize, torch.float32) + state.offset)
 
 
 def stand_in(layer: nn.Module) -> nn.Linear:
@@ -170,17 +187,18 @@ class QuantizedBase:
         """Each projection's :class:`NF4Weight` (this rank's packed slice) in its TSP module, in
         place of the float shard the stand-in gave (its bias kept); the full codes checked to be
         the same on every rank first."""
+        absmax = {q.path: absmax_of(q.state) for q in self.layers}
         check_replicas_agree(mesh, [(f"{q.path}.{n}", t.float()) for q in self.layers
                                     for n, t in (("weight", q.layer.weight.data),
-                                                 ("absmax", q.state.absmax))], with_tsp=True)
+                                                 ("absmax", absmax[q.path]))], with_tsp=True)
         for q in self.layers:
             host, s = new[id(q.parent)], q.state
             spec = host.shard_spec(f"{q.name}.weight", mesh.rank)
-            packed, absmax = shard_of(q.layer.weight.data, s.absmax, tuple(s.shape),
-                                      s.blocksize, spec)
+            packed, own = shard_of(q.layer.weight.data, absmax[q.path], tuple(s.shape),
+                                   s.blocksize, spec)
             shape = list(s.shape)
             shape[spec.dim] = spec.length
-            holder = NF4Weight(packed, absmax, tuple(shape), s.blocksize, s.dtype)
+            holder = NF4Weight(packed, own, tuple(shape), s.blocksize, s.dtype)
             old = getattr(host, q.name)
             for name, p in old.named_parameters(recurse=False):
                 if name != "weight":
