@@ -7,9 +7,9 @@ bit; the base's loss (``disable_adapter()``); losses of 3 AdamW steps, the adapt
 gradients compared directly, the adapters after the steps; the packed base bytes unchanged; the
 bytes each attention round broadcasts and each MLP ring hop carries in the first step: the packed
 shards plus their absmax, by a formula written here. Double quantization at tsp 2: the shards
-bit for bit, one step's loss and gradients. 8-bit, a shard that cuts a quantization block, a
-4-bit model without adapters and merging into the 4-bit base are refused by name on every rank
-before any collective."""
+bit for bit, one step's loss and gradients. 8-bit, a shard that cuts a quantization block, fewer
+key/value heads than ranks, a 4-bit model without adapters and merging into the 4-bit base are
+refused by name on every rank before any collective."""
 
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def test_double_quantization_dequantizes_exactly(pools, tmp_path):
 
 # ------------------------------------------------------------------------------- refusals
 
-def refusals(path: str, narrow: str) -> list[str]:
+def refusals(path: str, narrow: str, mqa: str) -> list[str]:
     """Run on every rank: each unsupported quantized setup raises on this rank, naming it,
     before any collective. The messages."""
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
@@ -250,6 +250,7 @@ def refusals(path: str, narrow: str) -> list[str]:
     cases = [
         (lambda: qlora_model(path, dict(load_in_8bit=True)), "8-bit"),
         (lambda: qlora_model(narrow), "does not hold whole NF4 blocks of 64"),
+        (lambda: qlora_model(mqa), "fewer key/value heads (1) than ranks (2)"),
         (lambda: LlamaForCausalLM.from_pretrained(
             path, dtype=torch.float32, quantization_config=BitsAndBytesConfig(**nf4)),
          "has no LoRA adapters"),
@@ -273,6 +274,7 @@ def test_unsupported_quantized_setups_are_refused_by_name(pools, tmp_path):
     save_base(str(tmp_path / "small"), SMALL)
     # hidden 64: o_proj's 32 columns a rank at tsp 2 cut its blocks of 64
     save_base(str(tmp_path / "narrow"), dict(SMALL, hidden_size=64, num_attention_heads=2))
-    messages = pools.of(2).run(refusals, str(tmp_path / "small"), str(tmp_path / "narrow"))
+    save_base(str(tmp_path / "mqa"), dict(SMALL, num_key_value_heads=1))  # sliced K/V rows
+    messages = pools.of(2).run(refusals, *(str(tmp_path / n) for n in ("small", "narrow", "mqa")))
     assert messages[0] == messages[1]
     print("\n".join(messages[0]))

@@ -140,6 +140,29 @@ def stand_in(layer: nn.Module) -> nn.Linear:
     return new
 
 
+def unsupported_host(host: nn.Module | None, mesh: TSPMesh) -> str | None:
+    """Why the TSP module ``host`` cannot hold NF4 shards (None: it can): only the per-head-group
+    attention without fused projections, sinks, K/V sharing or values from the keys, with at
+    least as many key/value heads as ranks, and the unfused gated MLP take them."""
+    from ..layers.attention import TSPAttention
+    from ..layers.mlp import TSPGatedMLP
+
+    if isinstance(host, TSPGatedMLP):
+        return "its projections are fused" if host.fused else None
+    if not isinstance(host, TSPAttention):
+        return f"it becomes a {type(host).__name__}, whose schedule takes no NF4 shard"
+    p = host.parts
+    return ("its projections are fused" if host.fused
+            else "its q/k norms span every head of a token (the phased schedule)"
+            if p.over_token
+            else "it has attention sinks" if p.mask.sinks
+            else "it shares K/V between layers" if p.kv_sharing is not None
+            else "its values come from the keys" if p.values_from_keys
+            else (f"fewer key/value heads ({host.spec.num_kv_heads}) than ranks ({mesh.size}): "
+                  f"the key/value rows are sliced") if host.spec.kv_replicas > 1
+            else None)
+
+
 @dataclass
 class QuantizedBase:
     """The ``Linear4bit`` projections of a model about to be converted."""
@@ -162,18 +185,10 @@ class QuantizedBase:
     def check(self, new: dict[int, nn.Module], mesh: TSPMesh) -> None:
         """Refuse, on every rank alike, a TSP module whose schedule does not take NF4 shards, and
         a shard of any rank that would cut a quantization block (the numbers named)."""
-        from ..layers.attention import TSPAttention
-        from ..layers.mlp import TSPGatedMLP
 
         for q in self.layers:
             host = new.get(id(q.parent))
-            why = (None if isinstance(host, TSPGatedMLP) and not host.fused else
-                   None if isinstance(host, TSPAttention) and not host.fused
-                   and not host.parts.over_token and not host.parts.mask.sinks
-                   and host.spec.kv_replicas == 1 else "its TSP module")
-            if isinstance(host, TSPAttention) and host.spec.kv_replicas > 1:
-                why = (f"fewer key/value heads ({host.spec.num_kv_heads}) than ranks "
-                       f"({mesh.size}): the key/value rows are sliced")
+            why = unsupported_host(host, mesh)
             if why is not None:
                 raise NotImplementedError(f"{q.path} is quantized, which TSP supports in a "
                                           f"Llama-like attention and gated MLP only, not here: "
