@@ -15,7 +15,7 @@ from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 from torch import nn
 
 from tsp_core.distributed.model_state import find_model_state
-from tsp_core.models.compiled import compile_layers
+from tsp_core.models.compiled import compile_layers, compiled_by
 from tsp_core.models.lora import inner_model
 
 
@@ -66,18 +66,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(getattr(getattr(hf_model, modules.base_model), modules.layers))
 
 
-def is_compiled(layer: nn.Module) -> bool:
-    """Whether ``layer`` was compiled: by ``nn.Module.compile`` (it sets
-    ``_compiled_call_impl``) or by a compiled subclass that names its backend
-    (``compiled_by``)."""
-    return (getattr(layer, "_compiled_call_impl", None) is not None
-            or getattr(type(layer), "compiled_by", None) is not None)
-
-
 def compile_converted(model: nn.Module, compile: bool | str) -> None:
     """Compile the decoder layers of ``model``, converted already (by the user, or by
     ``TSPTrainer``), unless ``compile`` is False or they are compiled already."""
-    if compile is False or any(is_compiled(layer) for layer in decoder_layers(model)):
+    if compile is False or any(compiled_by(layer) for layer in decoder_layers(model)):
         return
     compile_layers(inner_model(model), compile)
 

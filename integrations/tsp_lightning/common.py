@@ -12,7 +12,7 @@ from tsp_core.distributed.mesh import TSPMesh, check_mesh_shape, set_timeout
 from tsp_core.distributed.model_state import find_model_state
 from tsp_core.layers.tiles import check_tile_tokens
 from tsp_core.models import TSPCausalLM
-from tsp_core.models.compiled import check_compile, compile_layers
+from tsp_core.models.compiled import check_compile, compile_layers, compiled_by
 from tsp_core.models.lora import is_peft_model
 from tsp_core.models.offload import check_converted
 from tsp_core.plan.auto import TSPChoice, log_choice, resolve_degree
@@ -66,14 +66,12 @@ def parallelize_target(module: nn.Module, mesh: TSPMesh, **options: Any) -> nn.M
 
 def compile_converted(model: nn.Module, compile: bool | str) -> None:
     """Compile the decoder layers of the converted (TSP) ``model`` unless ``compile`` is False
-    or one is compiled already (by ``nn.Module.compile``, which sets ``_compiled_call_impl``, or
-    by a compiled subclass naming its backend, ``compiled_by``)."""
+    or one is compiled already."""
     if compile is False:
         return
     modules = find_model_state(model).policy.modules
     layers = getattr(getattr(model, modules.base_model), modules.layers)
-    if not any(getattr(layer, "_compiled_call_impl", None) is not None
-               or getattr(type(layer), "compiled_by", None) is not None for layer in layers):
+    if not any(compiled_by(layer) for layer in layers):
         compile_layers(model, compile)
 
 

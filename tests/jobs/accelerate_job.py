@@ -56,10 +56,10 @@ from tsp_core.distributed.model_state import find_model_state
 
 
 def layer_compiled(layer) -> bool:
-    """Whether a decoder layer was compiled: ``nn.Module.compile``'s mark
-    (``_compiled_call_impl``) or a compiled subclass's (``compiled_by``, its backend)."""
-    return (getattr(layer, "_compiled_call_impl", None) is not None
-            or getattr(type(layer), "compiled_by", None) is not None)
+    """Whether a decoder layer was compiled (its class a compiled subclass of its own)."""
+    from tsp_core.models.compiled import compiled_by
+
+    return compiled_by(layer) is not None
 
 
 def offload_stats(model) -> dict | None:

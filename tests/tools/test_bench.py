@@ -51,7 +51,7 @@ def test_bench_refuses_no_warmup_before_any_process_starts():
 def compiled_and_eager_tp_sp() -> list:
     """``tsp bench --compile``'s cases for tp-sp, eager then compiled with aot_eager, on a rank of
     the pool (what each bench worker runs per case); and TSP's layers compiled by the same
-    ``build(..., compile=)`` (built only: tests/distributed/test_traced.py runs them)."""
+    ``build(..., compile=)`` (built only: tests/models/test_compiled.py runs them)."""
     from transformers import LlamaForCausalLM
 
     from tsp_core.baselines import build, layout_specs
@@ -65,9 +65,7 @@ def compiled_and_eager_tp_sp() -> list:
     with bc.cold_compiles():
         pm = build(LlamaForCausalLM(model_config("tiny", seq=64)), layout_specs("tsp", 2)[0],
                    compile="aot_eager")
-        # Module.compile, or a compiled subclass of the layer's class
-        tsp_compiled = [layer._compiled_call_impl is not None
-                        or getattr(type(layer), "compiled_by", None) == "aot_eager"
+        tsp_compiled = [getattr(type(layer), "compiled_by", None) == "aot_eager"
                         for layer in pm.layers]
     return [records, tsp_compiled]
 

@@ -42,7 +42,7 @@ LONG_CONTEXT_CHECKS = (["e.offload.exact"] +
 def cpu_run(tmp_path_factory):
     """``./run gpu-check --device cpu --out DIR`` with this interpreter's environment (TSP_VENV)
     and torch 2.12's additions hidden; parts (a) to (e): (f)'s aot_eager compile of a TSP layer
-    would add its seconds for what tests/distributed/test_traced.py already compiles
+    would add its seconds for what tests/models/test_compiled.py already compiles
     (test_f_compares_compiled_with_eager runs (f)'s comparison)."""
     folder = tmp_path_factory.mktemp("gpu_check")
     env = older_torch.env(folder / "older_torch", OMP_NUM_THREADS="1", TSP_VENV=sys.prefix)
@@ -177,7 +177,7 @@ def test_e_catches_wrong_tiles(monkeypatch):
 
 def test_f_compares_compiled_with_eager(monkeypatch):
     """Part (f)'s comparison with both sides eager (``backend=False``: no compile's cost here;
-    the compile is tests/distributed/test_traced.py's): every figure, the losses equal; and a
+    the compile is tests/models/test_compiled.py's): every figure, the losses equal; and a
     compiled loss 0.1% off fails f.loss."""
     names = ["f.eager.tokens_per_s", "f.compiled.tokens_per_s", "f.ratio", "f.compile_seconds",
              "f.loss", "f.input_grad"]

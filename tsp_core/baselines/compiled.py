@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.compiled import INDUCTOR_OPTIONS, check_compile
+from ..models.compiled import check_compile, compiled_class
 
 
 def _own_storage(_module: nn.Module, _args, output: torch.Tensor) -> torch.Tensor:
@@ -33,8 +33,7 @@ def compile_baseline_layers(model: nn.Module, layers: list[nn.Module], embed: nn
     if compile is False:
         return
     backend = "inductor" if compile is True else compile
-    options = INDUCTOR_OPTIONS if backend == "inductor" else None
     if tensor_parallel:
         embed.register_forward_hook(_own_storage)
     for layer in layers:
-        layer.compile(backend=backend, fullgraph=True, options=options)
+        layer.__class__ = compiled_class(type(layer), backend)

@@ -35,6 +35,23 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+class Outside:
+    """What the eager code around a compiled layer saw just before calling it, and the graph
+    cannot ask itself: set by the call (:mod:`tsp_core.models.compiled`), read while tracing.
+    Dynamo guards on each value it reads here, so a graph traced for one value never runs for
+    another (an activation checkpoint's recompute gets its own graph)."""
+
+    in_backward: bool = False
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a forward called now is
+    an activation checkpoint's recompute)."""
+    if tracing():
+        return Outside.in_backward
+    return torch._C._current_graph_task_id() != -1
+
+
 @torch.library.custom_op("tsp_comm::broadcast", mutates_args=())
 def _broadcast(t: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
     out = t.clone()

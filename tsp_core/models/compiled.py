@@ -6,9 +6,12 @@ recompiles them. The layers' collectives are traced as ordered ops
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
+from ..distributed import traced
 from ..distributed.model_state import find_model_state
 
 # Inductor's scheduler moves nodes for locality and peak memory; in a backward graph that moved
@@ -26,17 +29,60 @@ def check_compile(compile: bool | str) -> None:
                         f"{compile!r}")
 
 
+# Dynamo's options while a compiled layer runs (traced on its first call), for that call only:
+# - the backwards recompute small pieces with torch.autograd.grad (norm tiles, activations),
+#   which dynamo traces only with trace_autograd_ops;
+# - an opaque op's size fixed by the routing (tsp_core.distributed.opaque) would get a runtime
+#   assert in the graph, and inductor's re-inplacing pass fails on those asserts (it compares the
+#   old and new symbolic booleans by subtracting them); the op's own code checks its sizes.
+DYNAMO_OPTIONS = {"trace_autograd_ops": True, "do_not_emit_runtime_asserts": True}
+
+
 def compile_layers(model: nn.Module, compile: bool | str) -> None:
-    """Compile every decoder layer of the converted ``model`` (a no-op for ``compile=False``).
-    The layers' hand-written backwards recompute small pieces with ``torch.autograd.grad``, which
-    dynamo traces only with ``torch._dynamo.config.trace_autograd_ops`` on: it is turned on for
-    the process."""
+    """Compile every decoder layer of the converted ``model`` (a no-op for ``compile=False``):
+    each layer becomes an instance of :func:`compiled_class` of its class."""
     if compile is False:
         return
-    state = find_model_state(model)
-    modules = state.policy.modules
-    torch._dynamo.config.trace_autograd_ops = True
+    modules = find_model_state(model).policy.modules
     backend = "inductor" if compile is True else compile
-    options = INDUCTOR_OPTIONS if backend == "inductor" else None
     for layer in getattr(getattr(model, modules.base_model), modules.layers):
-        layer.compile(backend=backend, fullgraph=True, options=options)
+        layer.__class__ = compiled_class(type(layer), backend)
+
+
+@cache
+def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
+    """A subclass of the decoder layer class ``cls`` whose ``forward`` is ``cls.forward``
+    compiled (one function per class, so the layers of a kind share its graphs). What runs
+    around the forward stays eager, outside the graph: the module's hooks (FSDP2's gathers) and
+    Hugging Face's activation checkpointing, which wraps the subclass's forward (a layer class's
+    subclass is checkpointed by its outermost forward), so the recompute runs the compiled
+    forward again. Before each call it tells the graph what only the eager code can see
+    (:class:`traced.Outside`). Shapes are static (``dynamic=False``: a round's shard sizes are
+    Python numbers): each new sequence length compiles one graph per kind of layer."""
+    if getattr(cls, "compiled_by", None) is not None:
+        raise ValueError(f"{cls.__name__} is compiled already (by {cls.compiled_by!r})")
+    options = INDUCTOR_OPTIONS if backend == "inductor" else None
+    compiled = torch.compile(cls.forward, backend=backend, fullgraph=True, dynamic=False,
+                             options=options)
+
+    def forward(self, *args, **kwargs):
+        traced.Outside.in_backward = torch._C._current_graph_task_id() != -1
+        try:
+            with torch._dynamo.config.patch(DYNAMO_OPTIONS):
+                return compiled(self, *args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+            limit = torch._dynamo.config.recompile_limit
+            raise RuntimeError(
+                f"{cls.__name__} is compiled for {limit} input shapes already "
+                f"(torch._dynamo.config.recompile_limit = {limit}) and this call needs another: "
+                f"each new sequence length compiles the layer once more. Pad batches to a few "
+                f"lengths (a collator's pad_to_multiple_of, packed rows of one length) or raise "
+                f"that limit") from err
+
+    return type(f"Compiled{cls.__name__}", (cls,), {"forward": forward, "compiled_by": backend,
+                                                    "__module__": cls.__module__})
+
+
+def compiled_by(layer: nn.Module) -> str | None:
+    """The backend that compiled ``layer`` (:func:`compile_layers`), or None."""
+    return getattr(type(layer), "compiled_by", None)

@@ -1,6 +1,6 @@
 """Schedule "expert" (docs/moe.md (a)): each rank owns E/D whole experts; a token's routed copies
 go to their experts' owners by one all-to-all and come back by another (:func:`dispatch_combine`),
-the experts running on the rows they received a tile at a time (:class:`_TiledExpertsFn`)."""
+the experts running on the rows they received a tile at a time (:func:`_experts_forward`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ...distributed import comm
+from ...distributed import comm, opaque
 from ..tiles import grad_accumulator, token_tiles
 from .experts import expert_views, glu, glu_backward
 from .spec import MoESpec
@@ -32,14 +33,19 @@ class _Splits:
         return [sum(col) for col in zip(*self.received)]
 
 
+def _uniform_counts(n: int, num_experts: int) -> list[int]:
+    """Routed copies per expert of uniform routing: ``tsp simulate``'s, where routing has no
+    values."""
+    return [n // num_experts + (e < n % num_experts) for e in range(num_experts)]
+
+
 def _splits(experts: torch.Tensor, spec: MoESpec, group) -> _Splits:
     """The splits of this rank's top-k ``experts`` [N, k]: per-expert counts, then one
     all-to-all of them (E/D counts to and from every rank). Under fake tensors (``tsp
-    simulate``), where routing has no values, those of uniform routing."""
+    simulate``), those of uniform routing."""
     D, E, per = spec.tsp_size, spec.num_experts, spec.local_experts
     if is_fake(experts):
-        n, me = experts.numel(), dist.get_rank(group)
-        sent = [n // E + (e < n % E) for e in range(E)]
+        sent, me = _uniform_counts(experts.numel(), E), dist.get_rank(group)
         received = [sent[me * per:(me + 1) * per] for _ in range(D)]
     else:
         counts = torch.bincount(experts.reshape(-1), minlength=E)
@@ -50,59 +56,182 @@ def _splits(experts: torch.Tensor, spec: MoESpec, group) -> _Splits:
                    [sum(row) for row in received], received)
 
 
-class _TiledExpertsFn(torch.autograd.Function):
+def _experts_forward(rows: torch.Tensor, sizes: list[int], tile: int, spec: MoESpec,
+                     experts: Sequence[torch.Tensor]) -> torch.Tensor:
     """This rank's experts on the rows they received, grouped by expert (``sizes`` rows each),
     ``tile`` rows at a time: each expert's gate, up and down projections (:func:`expert_views` of
     ``experts``: ``gate_up``, ``down`` and, with expert biases, ``gate_up_bias``, as Hugging Face
-    stores them) and its activation (:func:`glu`). The backward recomputes a tile's gate, up and
-    activation at a time, so only the rows are kept and the working set is a few [tile, F]
-    tensors, not the intermediates of every received row."""
+    stores them) and its activation (:func:`glu`). Only the rows are kept for the backward
+    (:func:`_experts_backward` recomputes a tile's gate, up and activation at a time), so the
+    working set is a few [tile, F] tensors, not the intermediates of every received row."""
+    out = rows.new_empty(rows.shape)
+    start = 0
+    for e, n in enumerate(sizes):
+        wg, wu, wd, bg, bu = expert_views(spec, experts, e)
+        for sl in token_tiles(n, tile):
+            r = rows[start + sl.start:start + sl.stop]
+            m = glu(F.linear(r, wg, bg), F.linear(r, wu, bu), spec)
+            out[start + sl.start:start + sl.stop] = F.linear(m, wd)
+            del r, m  # before the next tile's
+        start += n
+    return out
+
+
+def _experts_backward(rows: torch.Tensor, d_out: torch.Tensor, sizes: list[int], tile: int,
+                      spec: MoESpec, experts: Sequence[torch.Tensor]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(d_rows, the experts' gradients) of :func:`_experts_forward`."""
+    d_out = d_out.contiguous()
+    d_rows = torch.zeros_like(rows)
+    most = max((len(token_tiles(n, tile)) for n in sizes), default=1)
+    grads = [grad_accumulator(t.numel(), t.dtype, t.device, most).view(t.shape) for t in experts]
+    start = 0
+    for e, n in enumerate(sizes):
+        wg, wu, wd, bg, bu = expert_views(spec, experts, e)
+        dwg, dwu, dwd, dbg, dbu = expert_views(spec, grads, e)
+        for sl in token_tiles(n, tile):
+            rs = slice(start + sl.start, start + sl.stop)
+            r, dy = rows[rs], d_out[rs]
+            g, u = F.linear(r, wg, bg), F.linear(r, wu, bu)  # recomputed
+            dwd += dy.t() @ glu(g, u, spec)
+            dg, du = glu_backward(g, u, dy @ wd, spec)
+            del g, u
+            d_rows[rs] = dg @ wg + du @ wu
+            dwg += dg.t() @ r
+            dwu += du.t() @ r
+            if dbg is not None:
+                dbg += dg.sum(0)
+                dbu += du.sum(0)
+            del r, dy, dg, du  # before the next tile's
+        start += n
+    return d_rows, [g.to(t.dtype) for g, t in zip(grads, experts)]
+
+
+def _exchange(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]
+              ) -> torch.Tensor:
+    """Rows of ``x`` sent ``in_splits`` to each rank, received ``out_splits`` from each."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    comm.all_to_all(out, x.contiguous(), group, out_splits, in_splits)
+    return out
+
+
+class DispatchCombineFn(torch.autograd.Function):
+    """:func:`dispatch_combine` with its backward written out: the rows each expert receives,
+    and how many travel to each rank, depend on the routing, so under ``torch.compile`` the
+    forward and the backward each run as one opaque op (:mod:`tsp_core.distributed.opaque`),
+    with the same collectives in the same order as autograd would issue. Kept for backward: the
+    routing, the rows grouped by expert (the experts recompute their activations from them), the
+    rows that came back (the routing weights' gradient; with ``weight_input`` the input instead)
+    and the split sizes, as host tensors."""
 
     @staticmethod
-    def forward(ctx, rows, sizes: list[int], tile: int, spec: MoESpec, *experts):
-        out = rows.new_empty(rows.shape)
-        start = 0
-        for e, n in enumerate(sizes):
-            wg, wu, wd, bg, bu = expert_views(spec, experts, e)
-            for sl in token_tiles(n, tile):
-                r = rows[start + sl.start:start + sl.stop]
-                m = glu(F.linear(r, wg, bg), F.linear(r, wu, bu), spec)
-                out[start + sl.start:start + sl.stop] = F.linear(m, wd)
-                del r, m  # before the next tile's
-            start += n
-        ctx.sizes, ctx.tile, ctx.spec = sizes, tile, spec
-        ctx.save_for_backward(rows, *experts)
-        return out
+    def forward(ctx, x, weights, experts, spec: MoESpec, group, tile, *local_experts):
+        ctx.statics = (spec, group.group_name, tile)  # a name: a process group is not a constant
+        y, *kept = opaque.run("moe_dispatch_forward", ctx.statics,
+                              [x, weights, experts, *local_experts])
+        ctx.save_for_backward(weights, *kept, *local_experts)
+        # returned too: a size fixed by the routing must leave the traced forward as an output
+        ctx.mark_non_differentiable(*kept)
+        return y, *kept
 
     @staticmethod
-    def backward(ctx, d_out):
-        rows, *experts = ctx.saved_tensors
-        sizes, tile, spec = ctx.sizes, ctx.tile, ctx.spec
-        d_out = d_out.contiguous()
-        d_rows = torch.zeros_like(rows)
-        most = max((len(token_tiles(n, tile)) for n in sizes), default=1)
-        grads = [grad_accumulator(t.numel(), t.dtype, t.device, most).view(t.shape)
-                 for t in experts]
-        start = 0
-        for e, n in enumerate(sizes):
-            wg, wu, wd, bg, bu = expert_views(spec, experts, e)
-            dwg, dwu, dwd, dbg, dbu = expert_views(spec, grads, e)
-            for sl in token_tiles(n, tile):
-                rs = slice(start + sl.start, start + sl.stop)
-                r, dy = rows[rs], d_out[rs]
-                g, u = F.linear(r, wg, bg), F.linear(r, wu, bu)  # recomputed
-                dwd += dy.t() @ glu(g, u, spec)
-                dg, du = glu_backward(g, u, dy @ wd, spec)
-                del g, u
-                d_rows[rs] = dg @ wg + du @ wu
-                dwg += dg.t() @ r
-                dwu += du.t() @ r
-                if dbg is not None:
-                    dbg += dg.sum(0)
-                    dbu += du.sum(0)
-                del r, dy, dg, du  # before the next tile's
-            start += n
-        return (d_rows, None, None, None, *(g.to(t.dtype) for g, t in zip(grads, experts)))
+    def backward(ctx, dy, *_kept):
+        dx, dw, *grads = opaque.run("moe_dispatch_backward", ctx.statics,
+                                    [dy.contiguous(), *ctx.saved_tensors])
+        return (dx, dw, None, None, None, None, *grads)
+
+
+def _dispatch_forward(statics: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[y, order, grouped, by_expert, kept, splits, sizes] (:class:`DispatchCombineFn`)."""
+    spec, group, tile = statics[0], _resolve_process_group(statics[1]), statics[2]
+    x, weights, experts, *local_experts = tensors
+    k, per = spec.top_k, spec.local_experts
+    order = torch.argsort(experts.reshape(-1), stable=True)  # copies grouped by expert, then token
+    tokens = order // k
+    splits = _splits(experts, spec, group)
+    copies = x[tokens]
+    if spec.weight_input:  # Hugging Face scales the routed input in its own dtype
+        copies = copies * weights.reshape(-1)[order, None].to(x.dtype)
+    rows = _exchange(copies, group, splits.recv, splits.send)
+    del copies
+    # received: by source rank, then by local expert; the experts want them by expert
+    owner = torch.arange(per, device=x.device).repeat(spec.tsp_size)
+    counts = torch.tensor([c for row in splits.received for c in row], device=x.device)
+    expert_of_row = torch.repeat_interleave(owner, counts, output_size=rows.shape[0])
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    grouped = rows[by_expert]
+    del rows  # every [k T, h] buffer is dropped as soon as the next one exists
+    sizes = splits.per_expert
+    outs = _experts_forward(grouped, sizes, tile or max(sizes, default=1) or 1, spec,
+                            local_experts)
+    out_rows = outs.new_empty(outs.shape).index_copy(0, by_expert, outs)
+    del outs
+    back = _exchange(out_rows, group, splits.send, splits.recv)
+    del out_rows
+    kept = x if spec.weight_input else back
+    if not spec.weight_input:
+        back = back * weights.reshape(-1)[order, None]  # promoted as Hugging Face's product is
+    y = x.new_zeros(x.shape).index_add(0, tokens, back.to(x.dtype))
+    return [y, order, grouped, by_expert, kept, torch.tensor([splits.send, splits.recv]),
+            torch.tensor(sizes)]
+
+
+def _dispatch_forward_shapes(statics: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    spec = statics[0]
+    x, _, experts = tensors[:3]
+    received = opaque.dynamic_size(x)
+    return [x.new_empty(x.shape), experts.new_empty(experts.numel()),
+            x.new_empty(received, x.shape[1]), experts.new_empty(received),
+            x.new_empty(x.shape) if spec.weight_input else x.new_empty(experts.numel(), x.shape[1]),
+            torch.empty(2, spec.tsp_size, dtype=torch.int64),
+            torch.empty(spec.local_experts, dtype=torch.int64)]
+
+
+def _dispatch_backward(statics: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[dx, d_weights, *d_local_experts] (:class:`DispatchCombineFn`)."""
+    spec, group, tile = statics[0], _resolve_process_group(statics[1]), statics[2]
+    dy, weights, order, grouped, by_expert, kept, splits, sizes, *local_experts = tensors
+    if is_fake(order):  # tsp simulate: uniform routing
+        me, per = dist.get_rank(group), spec.local_experts
+        sent = _uniform_counts(order.numel(), spec.num_experts)
+        send = [sum(sent[r * per:(r + 1) * per]) for r in range(spec.tsp_size)]
+        recv, sizes = [sum(sent[me * per:(me + 1) * per])] * spec.tsp_size, [
+            n * spec.tsp_size for n in sent[me * per:(me + 1) * per]]
+    else:
+        (send, recv), sizes = splits.tolist(), sizes.tolist()
+    tokens = order // spec.top_k
+    w = weights.reshape(-1)[order, None]
+    d_back = dy[tokens]
+    d_w = None
+    if not spec.weight_input:  # the forward's back * w, promoted, cast to x's dtype
+        wide = d_back.to(torch.promote_types(kept.dtype, w.dtype))
+        d_w = (wide * kept).sum(-1)
+        d_back = (wide * w).to(kept.dtype)
+    d_out_rows = _exchange(d_back, group, recv, send)
+    del d_back
+    d_grouped, d_local = _experts_backward(grouped, d_out_rows[by_expert], sizes,
+                                           tile or max(sizes, default=1) or 1, spec,
+                                           local_experts)
+    d_rows = d_grouped.new_empty(d_grouped.shape).index_copy(0, by_expert, d_grouped)
+    del d_grouped
+    d_copies = _exchange(d_rows, group, send, recv)
+    del d_rows
+    if spec.weight_input:  # the forward's x[tokens] * w.to(x.dtype)
+        d_w = (d_copies * kept[tokens]).sum(-1)
+        d_copies = d_copies * w.to(kept.dtype)
+    dx = dy.new_zeros(dy.shape).index_add(0, tokens, d_copies)
+    dw = weights.new_zeros(order.numel()).index_copy(0, order, d_w.to(weights.dtype))
+    return [dx, dw.view(weights.shape), *d_local]
+
+
+def _dispatch_backward_shapes(statics: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    dy, weights = tensors[:2]
+    return [dy.new_empty(dy.shape), weights.new_empty(weights.shape),
+            *(t.new_empty(t.shape) for t in tensors[8:])]
+
+
+opaque.opaque("moe_dispatch_forward", _dispatch_forward, _dispatch_forward_shapes)
+opaque.opaque("moe_dispatch_backward", _dispatch_backward, _dispatch_backward_shapes)
 
 
 def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -114,30 +243,4 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     to their received rows ``tile`` at a time (None: all at once). Returns [N, h]: each token's
     weighted sum of its experts' outputs (with ``weight_input``, Llama 4: the sum of its experts'
     outputs of its weighted copies)."""
-    k, per = spec.top_k, spec.local_experts
-    order = torch.argsort(experts.reshape(-1), stable=True)  # copies grouped by expert, then token
-    tokens = order // k
-    splits = _splits(experts, spec, group)
-    copies = x[tokens]
-    if spec.weight_input:  # Hugging Face scales the routed input in its own dtype
-        copies = copies * weights.reshape(-1)[order, None].to(x.dtype)
-    rows = comm.all_to_all_rows(copies, group, splits.recv, splits.send)
-    del copies
-    # received: by source rank, then by local expert; the experts want them by expert
-    owner = torch.arange(per, device=x.device).repeat(spec.tsp_size)
-    counts = torch.tensor([c for row in splits.received for c in row], device=x.device)
-    expert_of_row = torch.repeat_interleave(owner, counts, output_size=rows.shape[0])
-    by_expert = torch.argsort(expert_of_row, stable=True)
-    grouped = rows[by_expert]
-    del rows  # every [k T, h] buffer is dropped as soon as the next one exists
-    sizes = splits.per_expert
-    outs = _TiledExpertsFn.apply(grouped, sizes, tile or max(sizes, default=1) or 1, spec,
-                                 *local_experts)
-    del grouped
-    out_rows = outs.new_empty(outs.shape).index_copy(0, by_expert, outs)
-    del outs
-    back = comm.all_to_all_rows(out_rows, group, splits.send, splits.recv)
-    del out_rows
-    if not spec.weight_input:
-        back = back * weights.reshape(-1)[order, None]  # promoted as Hugging Face's product is
-    return x.new_zeros(x.shape).index_add(0, tokens, back.to(x.dtype))
+    return DispatchCombineFn.apply(x, weights, experts, spec, group, tile, *local_experts)[0]

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ...distributed import comm
+from ...distributed import comm, opaque
 from ...distributed.mesh import TSPMesh
 from ...distributed.params import (
     REPLICATED,
@@ -64,8 +64,9 @@ class TSPMoE(TokenTiled, ShardedModule):
                                     f"the experts' intermediate size {intermediate_size}")
             raise ValueError(f"tsp_size ({mesh.size}) must divide the experts' intermediate size "
                              f"({intermediate_size}) under the ring schedule; {hint}")
-        self.spec = s = MoESpec(hidden_size, intermediate_size, num_experts, top_k, mesh.size,
-                                **options)
+        # one object per value: the layers of a kind then share one compiled graph (opaque)
+        self.spec = s = opaque.interned(MoESpec(hidden_size, intermediate_size, num_experts,
+                                                top_k, mesh.size, **options))
         check_router(s)
         fs = s.shared_intermediate_size
         if fs % mesh.size:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...distributed import comm
+from ...distributed import comm, traced
 from ..norm import unscaled_norm
 from .spec import MoESpec
 
@@ -18,7 +18,7 @@ def recomputing() -> bool:
     """Whether autograd's engine is running a backward on this thread: a forward called now is an
     activation checkpoint's recompute, whose router logits must not be kept (they would hold
     the recomputed graph, saved rows and expert activations included, past the step)."""
-    return torch._C._current_graph_task_id() != -1
+    return traced.in_backward()
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, spec: MoESpec,

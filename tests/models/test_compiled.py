@@ -1,0 +1,155 @@
+"""``parallelize(..., compile=...)``: each decoder layer compiled whole
+(``torch.compile(fullgraph=True)``), against eager TSP from the same weights and against the
+unmodified model on one process, at tsp 2, on every rank.
+
+With the ``aot_eager`` backend (dynamo's graph, forward and backward split by AOT autograd as
+inductor gets them, run without code generation), in float64: no graph break; one graph per
+kind of layer, none added after the first step; each step's loss and the first step's gradients
+equal to eager TSP's bit for bit, with the same collectives and bytes in the same order (the
+ranks' graphs differ, and a collective dropped, merged or moved on one rank only would hang
+them); losses to 1e-10, first gradients to 1e-10 and weights after the SGD steps to 1e-8 of the
+one-process model's, its loss computed from its logits. With inductor (``compile=True``), in
+float32: the losses of 4 SGD steps within 1e-6 of eager TSP's, the same collectives.
+
+The cases: Llama with one key/value head (each split over both ranks), Qwen3 (q/k norms),
+Mixtral under each MoE schedule (the routed experts run as opaque ops: their sizes depend on the
+routing), the expert schedule with token tiles, activation checkpointing and host offload on,
+and gpt-oss (attention sinks, sliding and full layers, expert biases)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from functools import partial
+
+import pytest
+import torch
+
+from tests.layers import test_moe
+from tests.support import dist_pool, gather, hf_models, parity
+
+CHECKPOINTED = {"tile_tokens": 4, "activation_offload": True}
+INDUCTOR_ENV = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
+
+
+def _case(name: str):
+    """(the model, parallelize's options, activation checkpointing on, the reference's loss,
+    the compiled graphs expected: one per kind of layer, and a checkpointed MoE layer's
+    recompute gets its own, which keeps no router logits)."""
+    moe_loss = test_moe.reference_loss
+    return {
+        "llama": (partial(hf_models.build, "llama", torch.float64, kv_heads=1), {}, False,
+                  hf_models.reference_loss, 1),
+        "qwen3": (partial(hf_models.build, "qwen3", torch.float64), {}, False,
+                  hf_models.reference_loss, 2),  # a full layer and a sliding one
+        "mixtral-ring": (partial(test_moe.build, "mixtral"), {"moe_schedule": "ring"}, False,
+                         moe_loss, 1),
+        "mixtral-expert": (partial(test_moe.build, "mixtral"), {"moe_schedule": "expert"},
+                           False, moe_loss, 1),
+        "mixtral-expert-offload": (partial(test_moe.build, "mixtral"),
+                                   {"moe_schedule": "expert", **CHECKPOINTED}, True, moe_loss, 2),
+        "gpt_oss": (partial(test_moe.build, "gpt_oss"), {}, False, moe_loss, 2),  # sliding, full
+    }[name]
+
+
+def _record(model, mesh, data, checkpointed: bool) -> dict:
+    """Each step's loss, collectives and compiled-graph count; the first step's gradients
+    (full shape); the weights after the SGD steps."""
+    import torch._dynamo as dynamo
+
+    import tsp_core
+    from tsp_core import comm
+
+    if checkpointed:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, logs, graphs, grads0 = [], [], [], None
+    for ids, labels in data:
+        batch = tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)
+        with comm.track() as stats:
+            loss = model(**batch).loss
+            loss.backward()
+        logs.append(stats.log)
+        graphs.append(dynamo.utils.counters["stats"]["unique_graphs"])
+        if grads0 is None:
+            grads0 = gather.full_grads(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, logs=logs, graphs=graphs, grads0=grads0,
+                weights=tsp_core.full_state_dict(model))
+
+
+def compiled_and_eager(name: str, backend: str, dtype: torch.dtype, steps: int) -> dict:
+    """Run on every rank: the case's eager TSP record, its compiled record and (float64) the
+    one-process model's, with the compiled run's graph breaks."""
+    import torch._dynamo as dynamo
+
+    import tsp_core
+    from tsp_core.models.compiled import compiled_by
+
+    build, options, checkpointed, reference_loss, _ = _case(name)
+    mesh = dist_pool.mesh(2)
+    ref = build().to(dtype)
+    data = parity.batches(ref.config.vocab_size, 2, 16, steps)
+    eager = _record(tsp_core.parallelize(copy.deepcopy(ref), mesh, **options), mesh, data,
+                    checkpointed)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    inductor_env = os.environ.get(INDUCTOR_ENV)
+    try:
+        model = tsp_core.parallelize(copy.deepcopy(ref), mesh, compile=backend, **options)
+        layers = list(model.model.layers)
+        assert all(compiled_by(layer) == backend for layer in layers), \
+            [type(layer).__name__ for layer in layers]
+        compiled = _record(model, mesh, data, checkpointed)
+    finally:  # inductor leaves this behind in the pool's process
+        if inductor_env is None:
+            os.environ.pop(INDUCTOR_ENV, None)
+        else:
+            os.environ[INDUCTOR_ENV] = inductor_env
+    breaks = dict(dynamo.utils.counters["graph_break"])
+    dynamo.reset()
+    want = None
+    if dtype == torch.float64:
+        want = parity.reference_record(ref, data, partial(torch.optim.SGD, lr=0.5),
+                                       reference_loss)
+    return dict(eager=eager, compiled=compiled, want=want, breaks=breaks)
+
+
+def _check(rank: int, name: str, res: dict, exact: bool) -> None:
+    eager, compiled = res["eager"], res["compiled"]
+    what = f"{name} rank {rank}"
+    assert res["breaks"] == {}, f"{what}: graph breaks {res['breaks']}"
+    kinds = _case(name)[4]
+    assert compiled["graphs"] == [kinds] * len(compiled["graphs"]), \
+        f"{what}: compiled graphs after each step {compiled['graphs']}, want {kinds} throughout"
+    for step, (a, b) in enumerate(zip(eager["logs"], compiled["logs"])):
+        assert a == b, f"{what} step {step}: collectives {b} vs eager {a}"
+    assert len(compiled["logs"][0]) > 0
+    if exact:
+        assert compiled["losses"] == eager["losses"], (what, compiled["losses"], eager["losses"])
+        for n, g in eager["grads0"].items():
+            assert torch.equal(compiled["grads0"][n], g), f"{what}: gradient of {n} differs"
+    else:
+        for step, (a, b) in enumerate(zip(compiled["losses"], eager["losses"])):
+            assert abs(a - b) <= 1e-6 * abs(b), f"{what} step {step}: loss {a!r} vs eager {b!r}"
+    if res["want"] is not None:
+        parity.compare(compiled, res["want"], parity.FLOAT64, f"{what} compiled")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mixtral-ring", "mixtral-expert-offload",
+                                  "gpt_oss"])
+def test_compiled_layers_match_eager_and_one_process(pools, name):
+    for rank, res in enumerate(pools.of(2).run(compiled_and_eager, name, "aot_eager",
+                                               torch.float64, 3)):
+        _check(rank, name, res, exact=True)
+
+
+@pytest.mark.parametrize("name", ["mixtral-expert"])
+def test_inductor_matches_eager_in_float32(pools, name):
+    for rank, res in enumerate(pools.of(2).run(compiled_and_eager, name, "inductor",
+                                               torch.float32, 4)):
+        _check(rank, name, res, exact=False)
