@@ -102,14 +102,14 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
 
     @property
     def _lightning_module(self) -> Any:
-        return self.__dict__.get("_tsp_lightning_module")
+        return self.__dict__.get("_checked_lightning_module")
 
     @_lightning_module.setter
     def _lightning_module(self, module: Any) -> None:
         """Where ``Trainer.fit`` (validate, test, predict) hands over the module, before any
         process group exists: a ``torch.compile``-wrapped one is refused here."""
         refuse_compiled_module(module)
-        self.__dict__["_tsp_lightning_module"] = module
+        self.__dict__["_checked_lightning_module"] = module
 
     def setup_environment(self) -> None:
         self._setup_tsp_environment(self.precision_plugin.precision, super().setup_environment)

@@ -9,12 +9,15 @@ equal to eager TSP's bit for bit, with the same collectives and bytes in the sam
 ranks' graphs differ, and a collective dropped, merged or moved on one rank only would hang
 them); losses to 1e-10, first gradients to 1e-10 and weights after the SGD steps to 1e-8 of the
 one-process model's, its loss computed from its logits. With inductor (``compile=True``), in
-float32: the losses of 4 SGD steps within 1e-6 of eager TSP's, the same collectives.
+float32: the losses of 4 SGD steps within 1e-6 of eager TSP's, the same collectives. After
+training, generation compiles nothing (its steps run eagerly); with ``aot_eager`` it gives eager's
+greedy tokens.
 
 The cases: Llama with one key/value head (each split over both ranks), Qwen3 (q/k norms),
 Mixtral under each MoE schedule (the routed experts run as opaque ops: their sizes depend on the
 routing), the expert schedule with token tiles, activation checkpointing and host offload on,
-and gpt-oss (attention sinks, sliding and full layers, expert biases)."""
+and gpt-oss (attention sinks, sliding and full layers, expert biases); and Llama under FSDP2
+(dp_shard 2 x tsp 2, its gathers' hooks eager around the compiled forward)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from tests.support import dist_pool, gather, hf_models, parity
 
 CHECKPOINTED = {"tile_tokens": 4, "activation_offload": True}
 INDUCTOR_ENV = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
+DP_SHARD = {"llama-fsdp2": 2}
 
 
 def _case(name: str):
@@ -49,6 +53,9 @@ def _case(name: str):
         "mixtral-expert-offload": (partial(test_moe.build, "mixtral"),
                                    {"moe_schedule": "expert", **CHECKPOINTED}, True, moe_loss, 2),
         "gpt_oss": (partial(test_moe.build, "gpt_oss"), {}, False, moe_loss, 2),  # sliding, full
+        # FSDP2 over dp_shard 2 (DP_SHARD), every replica given the same rows
+        "llama-fsdp2": (partial(hf_models.build, "llama", torch.float64, kv_heads=1), {}, False,
+                        hf_models.reference_loss, 1),
     }[name]
 
 
@@ -82,6 +89,16 @@ def _record(model, mesh, data, checkpointed: bool) -> dict:
                 weights=tsp_core.full_state_dict(model))
 
 
+def _generated(model) -> torch.Tensor:
+    """Greedy tokens after a prompt (generation runs a compiled model's layers eagerly)."""
+    import tsp_core
+
+    model.eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 6),
+                           generator=torch.Generator().manual_seed(3))
+    return tsp_core.generate(model, prompt, 4, eos_token_id=[])
+
+
 def compiled_and_eager(name: str, backend: str, dtype: torch.dtype, steps: int) -> dict:
     """Run on every rank: the case's eager TSP record, its compiled record and (float64) the
     one-process model's, with the compiled run's graph breaks."""
@@ -91,11 +108,12 @@ def compiled_and_eager(name: str, backend: str, dtype: torch.dtype, steps: int) 
     from tsp_core.models.compiled import compiled_by
 
     build, options, checkpointed, reference_loss, _ = _case(name)
-    mesh = dist_pool.mesh(2)
+    mesh = dist_pool.mesh(2, dp_shard=DP_SHARD.get(name))
     ref = build().to(dtype)
     data = parity.batches(ref.config.vocab_size, 2, 16, steps)
-    eager = _record(tsp_core.parallelize(copy.deepcopy(ref), mesh, **options), mesh, data,
-                    checkpointed)
+    eager_model = tsp_core.parallelize(copy.deepcopy(ref), mesh, **options)
+    eager = _record(eager_model, mesh, data, checkpointed)
+    eager["generated"] = _generated(eager_model)
     dynamo.reset()
     dynamo.utils.counters.clear()
     inductor_env = os.environ.get(INDUCTOR_ENV)
@@ -105,6 +123,8 @@ def compiled_and_eager(name: str, backend: str, dtype: torch.dtype, steps: int) 
         assert all(compiled_by(layer) == backend for layer in layers), \
             [type(layer).__name__ for layer in layers]
         compiled = _record(model, mesh, data, checkpointed)
+        compiled["generated"] = _generated(model)
+        compiled["graphs_after_generation"] = dynamo.utils.counters["stats"]["unique_graphs"]
     finally:  # inductor leaves this behind in the pool's process
         if inductor_env is None:
             os.environ.pop(INDUCTOR_ENV, None)
@@ -129,8 +149,10 @@ def _check(rank: int, name: str, res: dict, exact: bool) -> None:
     for step, (a, b) in enumerate(zip(eager["logs"], compiled["logs"])):
         assert a == b, f"{what} step {step}: collectives {b} vs eager {a}"
     assert len(compiled["logs"][0]) > 0
+    assert compiled["graphs_after_generation"] == kinds, f"{what}: generation compiled graphs"
     if exact:
         assert compiled["losses"] == eager["losses"], (what, compiled["losses"], eager["losses"])
+        assert torch.equal(compiled["generated"], eager["generated"]), what
         for n, g in eager["grads0"].items():
             assert torch.equal(compiled["grads0"][n], g), f"{what}: gradient of {n} differs"
     else:
@@ -146,6 +168,12 @@ def test_compiled_layers_match_eager_and_one_process(pools, name):
     for rank, res in enumerate(pools.of(2).run(compiled_and_eager, name, "aot_eager",
                                                torch.float64, 3)):
         _check(rank, name, res, exact=True)
+
+
+def test_compiled_layers_under_fsdp2(pools):
+    for rank, res in enumerate(pools.of(4).run(compiled_and_eager, "llama-fsdp2", "aot_eager",
+                                               torch.float64, 3)):
+        _check(rank, "llama-fsdp2", res, exact=True)
 
 
 @pytest.mark.parametrize("name", ["mixtral-expert"])

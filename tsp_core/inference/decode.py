@@ -170,14 +170,26 @@ def _takes_kv(module: nn.Module) -> bool:
     return isinstance(module, TSPAttention) and module.parts.takes_kv
 
 
+_open_modes = 0  # _mode contexts open on this process
+
+
+def generating() -> bool:
+    """Whether a generation's prefill or decode forward is running (compiled decoder layers run
+    eagerly then: :mod:`tsp_core.models.compiled`)."""
+    return _open_modes > 0
+
+
 @contextlib.contextmanager
 def _mode(modules: list[nn.Module], state: Any):
     """Run the model's forward with ``state`` telling these TSP modules what to do instead."""
+    global _open_modes
     for m in modules:
         m.tsp_decode = state
+    _open_modes += 1
     try:
         yield
     finally:
+        _open_modes -= 1
         for m in modules:
             m.tsp_decode = None
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..distributed import traced
 from ..distributed.model_state import find_model_state
+from ..inference.decode import generating
 
 # Inductor's scheduler moves nodes for locality and peak memory; in a backward graph that moved
 # the ranks' collectives apart (each rank's graph differs, so each moved them differently, and
@@ -58,7 +59,8 @@ def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
     subclass is checkpointed by its outermost forward), so the recompute runs the compiled
     forward again. Before each call it tells the graph what only the eager code can see
     (:class:`traced.Outside`). Shapes are static (``dynamic=False``: a round's shard sizes are
-    Python numbers): each new sequence length compiles one graph per kind of layer."""
+    Python numbers): each new sequence length compiles one graph per kind of layer. A
+    generation's prefill and decode steps run the layer eagerly."""
     if getattr(cls, "compiled_by", None) is not None:
         raise ValueError(f"{cls.__name__} is compiled already (by {cls.compiled_by!r})")
     options = INDUCTOR_OPTIONS if backend == "inductor" else None
@@ -66,6 +68,8 @@ def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
                              options=options)
 
     def forward(self, *args, **kwargs):
+        if generating():  # eager: a decode step's cache and positions change at every token
+            return cls.forward(self, *args, **kwargs)
         traced.Outside.in_backward = torch._C._current_graph_task_id() != -1
         try:
             with torch._dynamo.config.patch(DYNAMO_OPTIONS):
