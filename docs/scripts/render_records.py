@@ -475,7 +475,8 @@ def long_context_llama8b(load: Loader) -> str:
 
 def long_context_llama8b_lora(load: Loader) -> str:
     """long-context.md: the longest Llama-3.1-8B sequence with LoRA (bf16 base, float32 adapters)
-    on 8 x 80 GB, without and with offload, beside full fine-tuning's rows at the same GPUs."""
+    on 8 x 80 GB (with offload too when LORA_RECORDS holds such rows), beside full fine-tuning's
+    rows at the same GPUs."""
     lines = ["| fine-tuning | offload | tokens | GPU peak GiB | of the limit (90% of the GPU) | "
              "host GiB per node | gradients GiB | optimizer states GiB | activations GiB | fits |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -504,27 +505,30 @@ def lora_note(load: Loader) -> str:
         over = next((r for r in mine if r["seq"] > fit["seq"]), None)
         return fit, over
 
+    def per_token(r: dict) -> str:
+        return f"{r['breakdown']['activations'] / r['seq']:,.0f}"
+
     (lo, lo_over), (fo, _) = longest(True, False), longest(False, False)
     text = (
         f"Without offload LoRA fits {lo['seq']:,} tokens ({lo_over['seq']:,} does not), "
-        f"{lo['seq'] / fo['seq'] - 1:.1%} more than full fine-tuning's {fo['seq']:,} (searched "
+        f"{lo['seq'] / fo['seq'] - 1:+.1%} against full fine-tuning's {fo['seq']:,} (searched "
         f"in steps of 131,072 tokens): the AdamW states shrink from "
         f"{gib(fo, 'optimizer_states'):.2f} to {gib(lo, 'optimizer_states'):.2f} GiB per rank, "
-        f"but most of the peak is the activations, which grow with the tokens.")
+        f"while the activations, most of the peak, take {per_token(lo)} bytes per token of the "
+        f"sequence against full fine-tuning's {per_token(fo)}.")
     if not any(r.get("lora") and r.get("activation_offload") for r in rows):
         return para(text)
     (lw, lw_over), (fw, _) = longest(True, True), longest(False, True)
     return para(text + (
-        f" With offload LoRA fits {lw['seq']:,} tokens ({lw_over['seq']:,} does not), fewer "
-        f"than full fine-tuning's {fw['seq']:,}: it holds {gib(lw, 'activations'):.2f} GiB of "
-        f"activations at {lw['seq']:,} tokens against full fine-tuning's "
-        f"{gib(fw, 'activations'):.2f} GiB at {fw['seq']:,}, so it keeps more per token than "
-        f"full fine-tuning does, more than the optimizer states it saves."))
+        f" With offload LoRA fits {lw['seq']:,} tokens ({lw_over['seq']:,} does not), "
+        f"{lw['seq'] / fw['seq'] - 1:+.1%} against full fine-tuning's {fw['seq']:,}: it holds "
+        f"{gib(lw, 'activations'):.2f} GiB of activations at {lw['seq']:,} tokens against full "
+        f"fine-tuning's {gib(fw, 'activations'):.2f} GiB at {fw['seq']:,} ({per_token(lw)} and "
+        f"{per_token(fw)} bytes per token of the sequence)."))
 
 
 # LoRA's rows and full fine-tuning's beside them on 8 x 80 GB (long_context_llama8b_lora)
-LORA_RECORDS = ("simulate-llama8b-1.5m", "simulate-llama8b-lora16-1.55m",
-                "simulate-llama8b-5.75m-offload", "simulate-llama8b-lora16-5.56m-offload")
+LORA_RECORDS = ("simulate-llama8b-1.5m", "simulate-llama8b-lora16-1.55m")
 
 
 # the records behind long_context_llama8b, in the table's order, with their GPU's memory (GB)
