@@ -8,10 +8,12 @@ kind of layer, none added after the first step; each step's loss and the first s
 equal to eager TSP's bit for bit, with the same collectives and bytes in the same order (the
 ranks' graphs differ, and a collective dropped, merged or moved on one rank only would hang
 them); losses to 1e-10, first gradients to 1e-10 and weights after the SGD steps to 1e-8 of the
-one-process model's, its loss computed from its logits. With inductor (``compile=True``), in
-float32: the losses of 4 SGD steps within 1e-6 of eager TSP's, the same collectives. After
-training, generation compiles nothing (its steps run eagerly); with ``aot_eager`` it gives eager's
-greedy tokens.
+one-process model's, its loss computed from its logits. After training, generation compiles
+nothing (its steps run eagerly) and gives eager's greedy tokens.
+
+Inductor (``compile=True``) is not run here: its kernel builds take minutes on a CPU and starve
+the suite's other worker. ``compiled_and_eager(name, "inductor", torch.float32, 4)`` with
+``_check(..., exact=False)`` checks a case by hand (losses of 4 SGD steps within 1e-6 of eager's).
 
 The cases: Llama with one key/value head (each split over both ranks), Qwen3 (q/k norms),
 Mixtral under each MoE schedule (the routed experts run as opaque ops: their sizes depend on the
@@ -174,10 +176,3 @@ def test_compiled_layers_under_fsdp2(pools):
     for rank, res in enumerate(pools.of(4).run(compiled_and_eager, "llama-fsdp2", "aot_eager",
                                                torch.float64, 3)):
         _check(rank, "llama-fsdp2", res, exact=True)
-
-
-@pytest.mark.parametrize("name", ["mixtral-expert"])
-def test_inductor_matches_eager_in_float32(pools, name):
-    for rank, res in enumerate(pools.of(2).run(compiled_and_eager, name, "inductor",
-                                               torch.float32, 4)):
-        _check(rank, name, res, exact=False)

@@ -20,7 +20,6 @@ graph holds as a constant, the same for every layer of a kind."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +41,6 @@ _PIECES: dict[str, _Opaque] = {}
 _STATICS: list[tuple] = []
 _KEYS: dict[tuple, int] = {}
 _INTERNED: dict[Hashable, Hashable] = {}
-_SIZES: dict[int, tuple[weakref.ref, torch.SymInt]] = {}  # by the input's id, while it lives
 
 
 def opaque(name: str, fn: Piece, shapes: Piece) -> None:
@@ -65,16 +63,9 @@ def interned(static: Hashable) -> Hashable:
     return _INTERNED.setdefault(static, static)
 
 
-def dynamic_size(of: torch.Tensor) -> torch.SymInt:
-    """A size known only from the data, for a piece's ``shapes`` while tracing: the same symbol
-    each time the shapes are asked of the same (fake) input ``of`` (inductor re-runs the shapes
-    of a graph's ops, and a new symbol for the same output does not compare to the old)."""
-    known = _SIZES.get(id(of))
-    if known is not None and known[0]() is of:
-        return known[1]
-    size = torch.library.get_ctx().new_dynamic_size()
-    _SIZES[id(of)] = (weakref.ref(of, lambda _: _SIZES.pop(id(of), None)), size)
-    return size
+def dynamic_size() -> torch.SymInt:
+    """A size known only from the data, for a piece's ``shapes`` while tracing."""
+    return torch.library.get_ctx().new_dynamic_size()
 
 
 @torch._dynamo.assume_constant_result  # run while tracing, its result a constant of the graph

@@ -28,7 +28,7 @@ given T (the traffic model's formula); they cross at about T* = 9 E F / (4 k).
 What the backward keeps under "expert": this rank's expert weights, the router logits of its own
 tokens and, as autograd saves them, the rows its experts received (about k times its own token
 count when routing is balanced) and the combined outputs (the experts' activations are
-recomputed, :class:`_TiledExpertsFn`); under "ring": its own
+recomputed, :class:`.dispatch.RoutedExpertsFn`); under "ring": its own
 slices, its tokens and their routing (activations recomputed per slice, as the dense MLP). Under
 ``FakeTensorMode`` (``tsp simulate``), where routing has no values, the splits are those of uniform
 routing.

@@ -115,41 +115,44 @@ def _exchange(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int
     return out
 
 
-class DispatchCombineFn(torch.autograd.Function):
-    """:func:`dispatch_combine` with its backward written out: the rows each expert receives,
-    and how many travel to each rank, depend on the routing, so under ``torch.compile`` the
-    forward and the backward each run as one opaque op (:mod:`tsp_core.distributed.opaque`),
-    with the same collectives in the same order as autograd would issue. Kept for backward: the
-    routing, the rows grouped by expert (the experts recompute their activations from them), the
-    rows that came back (the routing weights' gradient; with ``weight_input`` the input instead)
-    and the split sizes, as host tensors."""
+class RoutedExpertsFn(torch.autograd.Function):
+    """The middle of :func:`dispatch_combine`: this rank's routed copies of its tokens x [N, h]
+    (``order``: the top-k slots grouped by expert, then token; with ``weight_input`` scaled by
+    their ``weights`` first) sent to their experts' owners, the experts applied, the outputs
+    sent back: [N k, h] in ``order``. How many rows each expert gets, and how many travel to each
+    rank, depend on the routing, so under ``torch.compile`` the forward and the backward each run
+    as one opaque op (:mod:`tsp_core.distributed.opaque`), with the collectives autograd would
+    issue, in its order. Kept for backward: the received rows grouped by expert (the experts
+    recompute their activations from them), their order, the split sizes (host tensors), and with
+    ``weight_input`` the input and the weights; the combine after it (weights, sum) is plain
+    autograd, so what came back is freed before this backward runs."""
 
     @staticmethod
-    def forward(ctx, x, weights, experts, spec: MoESpec, group, tile, *local_experts):
-        ctx.statics = (spec, group.group_name, tile)  # a name: a process group is not a constant
-        y, *kept = opaque.run("moe_dispatch_forward", ctx.statics,
-                              [x, weights, experts, *local_experts])
-        ctx.save_for_backward(weights, *kept, *local_experts)
+    def forward(ctx, x, weights, order, experts, spec: MoESpec, group, tile, *local_experts):
+        ctx.statics = (spec, group.group_name, tile)  # a name: a process group is no constant
+        back, *kept = opaque.run("moe_dispatch_forward", ctx.statics,
+                                 [x, weights, order, experts, *local_experts])
+        inputs = [x, weights] if spec.weight_input else []
+        ctx.save_for_backward(order, *kept, *inputs, *local_experts)
         # returned too: a size fixed by the routing must leave the traced forward as an output
         ctx.mark_non_differentiable(*kept)
-        return y, *kept
+        return back, *kept
 
     @staticmethod
-    def backward(ctx, dy, *_kept):
+    def backward(ctx, d_back, *_kept):
+        spec = ctx.statics[0]
         dx, dw, *grads = opaque.run("moe_dispatch_backward", ctx.statics,
-                                    [dy.contiguous(), *ctx.saved_tensors])
-        return (dx, dw, None, None, None, None, *grads)
+                                    [d_back.contiguous(), *ctx.saved_tensors])
+        return (dx, dw if spec.weight_input else None, None, None, None, None, None, *grads)
 
 
 def _dispatch_forward(statics: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[y, order, grouped, by_expert, kept, splits, sizes] (:class:`DispatchCombineFn`)."""
+    """[back, grouped, by_expert, splits, sizes] (:class:`RoutedExpertsFn`)."""
     spec, group, tile = statics[0], _resolve_process_group(statics[1]), statics[2]
-    x, weights, experts, *local_experts = tensors
-    k, per = spec.top_k, spec.local_experts
-    order = torch.argsort(experts.reshape(-1), stable=True)  # copies grouped by expert, then token
-    tokens = order // k
+    x, weights, order, experts, *local_experts = tensors
+    per = spec.local_experts
     splits = _splits(experts, spec, group)
-    copies = x[tokens]
+    copies = x[order // spec.top_k]
     if spec.weight_input:  # Hugging Face scales the routed input in its own dtype
         copies = copies * weights.reshape(-1)[order, None].to(x.dtype)
     rows = _exchange(copies, group, splits.recv, splits.send)
@@ -167,67 +170,65 @@ def _dispatch_forward(statics: tuple, tensors: list[torch.Tensor]) -> list[torch
     out_rows = outs.new_empty(outs.shape).index_copy(0, by_expert, outs)
     del outs
     back = _exchange(out_rows, group, splits.send, splits.recv)
-    del out_rows
-    kept = x if spec.weight_input else back
-    if not spec.weight_input:
-        back = back * weights.reshape(-1)[order, None]  # promoted as Hugging Face's product is
-    y = x.new_zeros(x.shape).index_add(0, tokens, back.to(x.dtype))
-    return [y, order, grouped, by_expert, kept, torch.tensor([splits.send, splits.recv]),
+    return [back, grouped, by_expert, torch.tensor([splits.send, splits.recv]),
             torch.tensor(sizes)]
 
 
 def _dispatch_forward_shapes(statics: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     spec = statics[0]
-    x, _, experts = tensors[:3]
-    received = opaque.dynamic_size(x)
-    return [x.new_empty(x.shape), experts.new_empty(experts.numel()),
-            x.new_empty(received, x.shape[1]), experts.new_empty(received),
-            x.new_empty(x.shape) if spec.weight_input else x.new_empty(experts.numel(), x.shape[1]),
-            torch.empty(2, spec.tsp_size, dtype=torch.int64),
+    x, order = tensors[0], tensors[2]
+    received = opaque.dynamic_size()
+    return [x.new_empty(order.numel(), x.shape[1]), x.new_empty(received, x.shape[1]),
+            order.new_empty(received), torch.empty(2, spec.tsp_size, dtype=torch.int64),
             torch.empty(spec.local_experts, dtype=torch.int64)]
 
 
 def _dispatch_backward(statics: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[dx, d_weights, *d_local_experts] (:class:`DispatchCombineFn`)."""
+    """[dx, d_weights (None without ``weight_input``), *d_local_experts]
+    (:class:`RoutedExpertsFn`)."""
     spec, group, tile = statics[0], _resolve_process_group(statics[1]), statics[2]
-    dy, weights, order, grouped, by_expert, kept, splits, sizes, *local_experts = tensors
+    d_back, order, grouped, by_expert, splits, sizes, *rest = tensors
+    x, weights = rest[:2] if spec.weight_input else (None, None)
+    local_experts = rest[2:] if spec.weight_input else rest
     if is_fake(order):  # tsp simulate: uniform routing
         me, per = dist.get_rank(group), spec.local_experts
         sent = _uniform_counts(order.numel(), spec.num_experts)
         send = [sum(sent[r * per:(r + 1) * per]) for r in range(spec.tsp_size)]
-        recv, sizes = [sum(sent[me * per:(me + 1) * per])] * spec.tsp_size, [
-            n * spec.tsp_size for n in sent[me * per:(me + 1) * per]]
+        recv = [sum(sent[me * per:(me + 1) * per])] * spec.tsp_size
+        sizes = [n * spec.tsp_size for n in sent[me * per:(me + 1) * per]]
     else:
         (send, recv), sizes = splits.tolist(), sizes.tolist()
-    tokens = order // spec.top_k
-    w = weights.reshape(-1)[order, None]
-    d_back = dy[tokens]
-    d_w = None
-    if not spec.weight_input:  # the forward's back * w, promoted, cast to x's dtype
-        wide = d_back.to(torch.promote_types(kept.dtype, w.dtype))
-        d_w = (wide * kept).sum(-1)
-        d_back = (wide * w).to(kept.dtype)
-    d_out_rows = _exchange(d_back, group, recv, send)
-    del d_back
-    d_grouped, d_local = _experts_backward(grouped, d_out_rows[by_expert], sizes,
+    d_out = _exchange(d_back, group, recv, send)[by_expert]
+    d_grouped, d_local = _experts_backward(grouped, d_out, sizes,
                                            tile or max(sizes, default=1) or 1, spec,
                                            local_experts)
+    del d_out
     d_rows = d_grouped.new_empty(d_grouped.shape).index_copy(0, by_expert, d_grouped)
     del d_grouped
     d_copies = _exchange(d_rows, group, send, recv)
     del d_rows
+    tokens = order // spec.top_k
+    dw = None
     if spec.weight_input:  # the forward's x[tokens] * w.to(x.dtype)
-        d_w = (d_copies * kept[tokens]).sum(-1)
-        d_copies = d_copies * w.to(kept.dtype)
-    dx = dy.new_zeros(dy.shape).index_add(0, tokens, d_copies)
-    dw = weights.new_zeros(order.numel()).index_copy(0, order, d_w.to(weights.dtype))
-    return [dx, dw.view(weights.shape), *d_local]
+        w = weights.reshape(-1)[order, None]
+        d_w = (d_copies * x[tokens]).sum(-1)
+        d_copies = d_copies * w.to(x.dtype)
+        dw = weights.new_zeros(order.numel()).index_copy(0, order, d_w.to(weights.dtype))
+        dw = dw.view(weights.shape)
+    n = x.shape[0] if x is not None else order.numel() // spec.top_k
+    dx = d_copies.new_zeros(n, d_copies.shape[1]).index_add(0, tokens, d_copies)
+    return [dx, dw if dw is not None else dx.new_empty(0), *d_local]
 
 
 def _dispatch_backward_shapes(statics: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    dy, weights = tensors[:2]
-    return [dy.new_empty(dy.shape), weights.new_empty(weights.shape),
-            *(t.new_empty(t.shape) for t in tensors[8:])]
+    spec = statics[0]
+    d_back, order = tensors[0], tensors[1]
+    rest = tensors[6:]
+    weights = rest[1] if spec.weight_input else None
+    local = rest[2:] if spec.weight_input else rest
+    return [d_back.new_empty(order.numel() // spec.top_k, d_back.shape[1]),
+            weights.new_empty(weights.shape) if weights is not None else d_back.new_empty(0),
+            *(t.new_empty(t.shape) for t in local)]
 
 
 opaque.opaque("moe_dispatch_forward", _dispatch_forward, _dispatch_forward_shapes)
@@ -243,4 +244,9 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     to their received rows ``tile`` at a time (None: all at once). Returns [N, h]: each token's
     weighted sum of its experts' outputs (with ``weight_input``, Llama 4: the sum of its experts'
     outputs of its weighted copies)."""
-    return DispatchCombineFn.apply(x, weights, experts, spec, group, tile, *local_experts)[0]
+    order = torch.argsort(experts.reshape(-1), stable=True)  # copies grouped by expert, then token
+    back = RoutedExpertsFn.apply(x, weights, order, experts, spec, group, tile,
+                                 *local_experts)[0]
+    if not spec.weight_input:
+        back = back * weights.reshape(-1)[order, None]  # promoted as Hugging Face's product is
+    return x.new_zeros(x.shape).index_add(0, order // spec.top_k, back.to(x.dtype))
