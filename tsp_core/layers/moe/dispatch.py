@@ -16,6 +16,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from ...distributed import comm, opaque
 from ..tiles import grad_accumulator, token_tiles
 from .experts import expert_views, glu, glu_backward
+from .routing import uniform_counts
 from .spec import MoESpec
 
 
@@ -33,19 +34,13 @@ class _Splits:
         return [sum(col) for col in zip(*self.received)]
 
 
-def _uniform_counts(n: int, num_experts: int) -> list[int]:
-    """Routed copies per expert of uniform routing: ``tsp simulate``'s, where routing has no
-    values."""
-    return [n // num_experts + (e < n % num_experts) for e in range(num_experts)]
-
-
 def _splits(experts: torch.Tensor, spec: MoESpec, group) -> _Splits:
     """The splits of this rank's top-k ``experts`` [N, k]: per-expert counts, then one
     all-to-all of them (E/D counts to and from every rank). Under fake tensors (``tsp
     simulate``), those of uniform routing."""
     D, E, per = spec.tsp_size, spec.num_experts, spec.local_experts
     if is_fake(experts):
-        sent, me = _uniform_counts(experts.numel(), E), dist.get_rank(group)
+        sent, me = uniform_counts(experts.numel(), E), dist.get_rank(group)
         received = [sent[me * per:(me + 1) * per] for _ in range(D)]
     else:
         counts = torch.bincount(experts.reshape(-1), minlength=E)
@@ -192,7 +187,7 @@ def _dispatch_backward(statics: tuple, tensors: list[torch.Tensor]) -> list[torc
     local_experts = rest[2:] if spec.weight_input else rest
     if is_fake(order):  # tsp simulate: uniform routing
         me, per = dist.get_rank(group), spec.local_experts
-        sent = _uniform_counts(order.numel(), spec.num_experts)
+        sent = uniform_counts(order.numel(), spec.num_experts)
         send = [sum(sent[r * per:(r + 1) * per]) for r in range(spec.tsp_size)]
         recv = [sum(sent[me * per:(me + 1) * per])] * spec.tsp_size
         sizes = [n * spec.tsp_size for n in sent[me * per:(me + 1) * per]]

@@ -12,6 +12,7 @@ from ...distributed import comm, opaque
 from ...distributed.flat_pack import FlatPack
 from ..tiles import grad_accumulator, token_tiles
 from .experts import expert_views, glu, glu_backward
+from .routing import uniform_counts
 from .spec import MoESpec
 
 
@@ -21,8 +22,7 @@ def _routing(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     no values, the counts of uniform routing."""
     order = torch.argsort(experts.reshape(-1), stable=True)
     if is_fake(experts):
-        n = experts.numel()
-        sizes = [n // num_experts + (e < n % num_experts) for e in range(num_experts)]
+        sizes = uniform_counts(experts.numel(), num_experts)
     else:
         sizes = torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
     return order, torch.tensor(sizes, device="cpu")
@@ -32,8 +32,7 @@ def _by_expert(order: torch.Tensor, sizes: torch.Tensor, k: int, num_experts: in
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(tokens, top-k slots) routed to each expert, in token order, from :func:`_routing`."""
     if is_fake(order):
-        n = order.numel()
-        counts = [n // num_experts + (e < n % num_experts) for e in range(num_experts)]
+        counts = uniform_counts(order.numel(), num_experts)
     else:
         counts = sizes.tolist()
     return list(zip((order // k).split(counts), (order % k).split(counts)))

@@ -21,6 +21,12 @@ def recomputing() -> bool:
     return traced.in_backward()
 
 
+def uniform_counts(n: int, num_experts: int) -> list[int]:
+    """Routed copies per expert of ``n`` under uniform routing: ``tsp simulate``'s, where
+    routing has no values."""
+    return [n // num_experts + (e < n % num_experts) for e in range(num_experts)]
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor, spec: MoESpec,
                   bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
                   ) -> torch.Tensor:
