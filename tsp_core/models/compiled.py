@@ -35,7 +35,8 @@ def check_compile(compile: bool | str) -> None:
 #   which dynamo traces only with trace_autograd_ops;
 # - an opaque op's size fixed by the routing (tsp_core.distributed.opaque) would get a runtime
 #   assert in the graph, and inductor's re-inplacing pass fails on those asserts (it compares the
-#   old and new symbolic booleans by subtracting them); the op's own code checks its sizes.
+#   old and new symbolic booleans by subtracting them); the size comes from the op's eager code,
+#   which builds its outputs from the routing's counts.
 DYNAMO_OPTIONS = {"trace_autograd_ops": True, "do_not_emit_runtime_asserts": True}
 
 
