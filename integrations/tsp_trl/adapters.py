@@ -5,9 +5,10 @@ would (its checks, its ``get_peft_model`` arguments), and TRL is handed the Peft
 ``peft_config=None``: it then does with it what it does with the PeftModel it built itself
 (input gradients under gradient checkpointing, the fused head on the base model).
 
-DPOTrainer tells the two apart: a PeftModel given without ``peft_config`` gets a second, frozen
-"ref" adapter as its reference, one built from ``peft_config`` is its own reference with the
-adapter disabled. So TSPDPOTrainer hands TRL the model inside the converted PeftModel with the
+DPOTrainer tells the two apart: a PeftModel given without ``peft_config`` (and without
+``ref_model``) gets a second, frozen "ref" adapter as its reference, one built from
+``peft_config`` is its own reference with the adapter disabled; a ``ref_model`` given is the
+reference either way. So TSPDPOTrainer hands TRL the model inside the converted PeftModel with the
 ``peft_config``, and TRL's ``get_peft_model`` returns the PeftModel (:func:`built_peft_model`)."""
 
 from __future__ import annotations
@@ -45,20 +46,21 @@ def apply_peft_config(model: Any, peft_config: Any, args: Any) -> Any:
     return get_peft_model(model, peft_config, **kwargs)
 
 
-def refuse_peft_model(model: Any, peft_config: Any, trainer: str) -> None:
-    """A PeftModel handed to TRL's DPOTrainer without ``peft_config`` keeps its adapter as the
-    starting point: TRL adds a second, frozen adapter "ref" (a copy of "default") as the
-    reference, and TSP converts one adapter. Refused on every rank before any collective, with
-    the fix; with ``peft_config`` the reference is the model with its adapter disabled, which
-    TSP runs (:func:`built_peft_model`)."""
-    if peft_config is None and is_peft_model(model):
+def refuse_peft_model(model: Any, peft_config: Any, ref_model: Any, trainer: str) -> None:
+    """A PeftModel handed to TRL's DPOTrainer without ``peft_config`` or ``ref_model`` keeps its
+    adapter as the starting point: TRL adds a second, frozen adapter "ref" (a copy of
+    "default") as the reference, and TSP converts one adapter. Refused on every rank before any
+    collective, with the fix. With ``ref_model=`` TRL adds no adapter and scores the reference
+    with that model, which TSP converts on the policy's mesh; with ``peft_config`` the reference
+    is the model with its adapter disabled (:func:`built_peft_model`): both run."""
+    if peft_config is None and ref_model is None and is_peft_model(model):
         raise NotImplementedError(
-            f"{trainer} with a PeftModel (adapters {sorted(model.peft_config)}) and no "
-            f"peft_config is not supported under TSP yet: DPOTrainer would add a second "
-            f"adapter 'ref', a frozen copy of 'default', as the reference model, and TSP "
-            f"converts one adapter. Pass the base model with peft_config=LoraConfig(...) "
-            f"(the reference is then the base model, the adapter disabled), or run {trainer} "
-            f"with tsp_size=1 (docs/lora.md)")
+            f"{trainer} with a PeftModel (adapters {sorted(model.peft_config)}), no "
+            f"peft_config and no ref_model is not supported under TSP yet: DPOTrainer would add "
+            f"a second adapter 'ref', a frozen copy of 'default', as the reference model, and "
+            f"TSP converts one adapter. Pass the base model with peft_config=LoraConfig(...) "
+            f"(the reference is then the base model, the adapter disabled), pass the reference "
+            f"as ref_model=, or run {trainer} with tsp_size=1 (docs/lora.md)")
 
 
 @contextlib.contextmanager

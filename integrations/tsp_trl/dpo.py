@@ -9,7 +9,8 @@ its own tokens. The reference model is a TSP model on the same mesh (TRL builds 
 policy's path, or pass ``ref_model=``), or its log-probabilities are precomputed
 (``precompute_ref_log_probs``) by the TSP policy. With ``peft_config=`` (LoRA) the policy is
 the converted PeftModel and the reference is that model with its adapter disabled, as
-DPOTrainer's on one process (:class:`_DPOFromPeftConfig`)."""
+DPOTrainer's on one process (:class:`_DPOFromPeftConfig`), unless ``ref_model=`` is given: TRL
+then scores the reference with that model, and so does TSP (converted like any reference)."""
 
 from __future__ import annotations
 
@@ -61,8 +62,10 @@ class _DPOFromPeftConfig(DPOTrainer):
 class TSPDPOTrainer(TSPTrainer, _DPOFromPeftConfig):
     """``DPOTrainer`` with TSP when ``args.tsp_size`` > 1 (``TSPDPOConfig``); otherwise exactly
     ``DPOTrainer``. ``peft_config=`` (LoRA) is applied before the conversion, as DPOTrainer
-    applies it (its seed, its checks); a PeftModel without ``peft_config`` is refused (TRL's
-    reference for it would be a second adapter)."""
+    applies it (its seed, its checks); a PeftModel without ``peft_config`` trains with a
+    ``ref_model=`` (TRL's reference then), and without one is refused (TRL's reference for it
+    would be a second adapter). A ``ref_model=`` is the reference in every case, as in TRL: it
+    is converted on the policy's mesh, never replaced by the adapter disabled."""
 
     def __init__(self, model: Any = None, ref_model: Any = None,
                  args: TSPDPOConfig | None = None, **kwargs: Any) -> None:
@@ -70,7 +73,7 @@ class TSPDPOTrainer(TSPTrainer, _DPOFromPeftConfig):
         check_model_object(model, args, type(self).__name__)
         peft_config = kwargs.get("peft_config")
         if requested_tsp_size(args) != 1:
-            refuse_peft_model(model, peft_config, type(self).__name__)
+            refuse_peft_model(model, peft_config, ref_model, type(self).__name__)
             if peft_config is not None:
                 # DPOTrainer seeds torch with args.seed just before its get_peft_model: the
                 # adapters of one process, on every rank

@@ -45,12 +45,25 @@ class JobArgs:
     out: str = field(default="")
     mode: str = field(default="plain")
     rows: int = field(default=12)
+    ref_model: bool = field(default=False)
     case: list[str] = field(default_factory=list)
 
 
 def lora_config() -> LoraConfig:
     return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(PROJECTIONS),
                       task_type="CAUSAL_LM")
+
+
+def moved_reference(path: str) -> torch.nn.Module:
+    """``--ref_model true``: DPO's ``ref_model=``, the saved model with every weight moved by
+    0.2 x N(0, 1) from a fixed generator (the same on every process), so that the rewards tell
+    this reference from the policy with its adapter disabled (which is the saved model)."""
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return ref
 
 
 def base_weights(model: torch.nn.Module, tsp: bool) -> dict[str, torch.Tensor]:
@@ -69,10 +82,10 @@ def base_weights(model: torch.nn.Module, tsp: bool) -> dict[str, torch.Tensor]:
 def trainer_class(mode: str) -> type:
     """The trainer a mode runs: TRL's own for the references (no tsp_core import), else
     tsp_trl's."""
-    if mode in ("plain", "dpo_plain"):
+    if mode == "plain" or mode.startswith("dpo_plain"):
         from trl import DPOTrainer, SFTTrainer
 
-        return DPOTrainer if mode == "dpo_plain" else SFTTrainer
+        return DPOTrainer if mode.startswith("dpo_plain") else SFTTrainer
     from tsp_trl import TSPDPOTrainer, TSPSFTTrainer
 
     return TSPDPOTrainer if mode.startswith("dpo") else TSPSFTTrainer
@@ -113,9 +126,11 @@ def train(job: JobArgs, args: Any) -> None:
                              else sft_rows(vocab, job.rows, False))
     log = Rows()
     common = dict(train_dataset=data, processing_class=tokenizer, callbacks=[log])
-    if job.mode == "dpo_peft_model":
+    if job.ref_model:
+        common["ref_model"] = moved_reference(job.model_path)
+    elif job.mode == "dpo_peft_model":
         return refused(job, args, model, **common)
-    if job.mode == "peft_model":
+    if job.mode.endswith("peft_model"):
         set_seed(args.seed)  # the user's own seeding before their get_peft_model
         trainer = trainer_class(job.mode)(model=get_peft_model(model, lora_config()), args=args,
                                           **common)
@@ -128,7 +143,8 @@ def train(job: JobArgs, args: Any) -> None:
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     write(job, rank, {"rows": log.rows, "trainable": trainable, "class": type(model).__name__,
                       "ref_model": type(trainer.ref_model).__name__
-                      if getattr(trainer, "ref_model", None) is not None else None})
+                      if getattr(trainer, "ref_model", None) is not None else None,
+                      "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))})
     torch.save(base_weights(model, tsp), os.path.join(job.out, f"rank{rank}_base.pt"))
 
 
