@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", type=int, default=None, metavar="R",
                    help="--max-seq: PEFT's LoRA of rank R on the seven projections, the base "
                         "frozen (tsp only; default: full fine-tuning)")
+    p.add_argument("--qlora", action="store_true",
+                   help="--max-seq with --lora: the frozen base's seven projections 4-bit NF4 "
+                        "(QLoRA), kept and moved packed")
     p.add_argument("--host-gb", type=float, default=None,
                    help="--max-seq: host memory per node for the offloaded layer inputs, GB "
                         f"(1e9 bytes; default: 1.5 TiB, {HOST_GB:.0f} GB)")

@@ -242,7 +242,8 @@ def max_seq_main(args, shape, found) -> int:
         return SimulationRequest(spec.name, spec.tp, spec.cp, seq, args.model, args.layers,
                                  args.batch, "full", "adamw", "bfloat16",
                                  activation_offload=args.activation_offload,
-                                 lora=getattr(args, "lora", None))
+                                 lora=getattr(args, "lora", None),
+                                 qlora=getattr(args, "qlora", False))
 
     for spec in specs:  # refuse before any process starts
         check_request(request(spec, 2 * spec.degree))
@@ -268,6 +269,7 @@ def max_seq_main(args, shape, found) -> int:
           f"sequence x {args.batch} on all {d} GPUs (D = {d}); tsp simulate: full recompute, bf16 "
           f"AdamW" + ("; activation offload (every layout)" if args.activation_offload else "")
           + (f"; LoRA r={args.lora}, base frozen" if getattr(args, "lora", None) else "")
+          + ("; the base 4-bit NF4 (QLoRA)" if getattr(args, "qlora", False) else "")
           + "; tiles: tsp's MLP and loss (the baselines' are untiled)")
     print(f"fits: GPU peak <= {1 - args.headroom:.0%} of {cl.device.memory_gb:.0f} GB "
           f"({gpu_limit / 2**30:.2f} GiB)" + (

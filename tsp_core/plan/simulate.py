@@ -30,7 +30,9 @@ training step through GRPO's per-token loss, plus a frozen reference model of th
 out like the policy, resident, and its no-grad forward giving per-token log-probabilities; the
 record also carries the rollout's peak, computed (not simulated) from the measured resident state
 and the KV cache. With ``lora`` r the model is PEFT's ``PeftModel`` with LoRA of rank r on the
-seven projections, its base frozen (:mod:`tsp_core.plan.lora_sim`; TSP only).
+seven projections, its base frozen (:mod:`tsp_core.plan.lora_sim`; TSP only); with ``qlora``
+too, that base's projections are 4-bit NF4 shards, held, moved and dequantized per round as
+QLoRA training does.
 
 Each record owns the default process group of its process while it runs; :func:`simulate_many`
 runs records in ``jobs`` worker processes, each worker taking one record after another: every
@@ -221,6 +223,7 @@ class SimulationRequest:
     activation_offload: bool = False  # each checkpointed layer's input kept on the host
     step: str = "train"  # "train" or "grpo" (tsp_core.plan.grpo_sim.STEPS)
     lora: int | None = None  # LoRA rank, seven projections, base frozen (plan.lora_sim)
+    qlora: bool = False  # with lora: the base's projections 4-bit NF4 (QLoRA, plan.lora_sim)
 
 
 @dataclass
@@ -257,6 +260,7 @@ class MemoryRecord:
     lora: int | None = None
     # the trainable parameters' bytes on this rank: the adapters under LoRA (inside "parameters")
     trainable_bytes: int = 0
+    qlora: bool = False  # the base's projections NF4 shards (their bytes: "buffers")
 
     @property
     def peak_gib(self) -> float:
@@ -442,6 +446,8 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
             # TSP: parallelize applies FSDP2 on a dp_shard mesh
             pm = build(model, spec, mesh, tile_tokens=req.tile_tokens,
                        activation_offload=req.activation_offload)
+            if req.qlora:  # the NF4 shards QLoRA's conversion holds, in the float shards' place
+                lora_sim.quantize_base(model)
             ref = (grpo_sim.build_reference(_new_model(AutoModelForCausalLM, config, dtype), spec,
                                             mesh, req.tile_tokens) if grpo else None)
         if fsdp and spec.name != "tsp":
@@ -486,7 +492,7 @@ def simulate(req: SimulationRequest) -> MemoryRecord:
                         time.perf_counter() - start, phases, req.dp_shard, host_total(peak),
                         req.tile_tokens, req.activation_offload, req.step, reference,
                         grpo_sim.rollout_bytes(breakdown, kv) if grpo else 0, req.lora,
-                        trainable)
+                        trainable, req.qlora)
 
 
 def _new_model(auto, config, dtype: torch.dtype) -> torch.nn.Module:
@@ -507,7 +513,7 @@ def check_request(req: SimulationRequest) -> None:
 
     check_tile_tokens(req.tile_tokens)  # and a baseline's is refused by baselines.build
     check_step(req.step, req.dp_shard)
-    check_lora(req.lora, req.layout, req.dp_shard)
+    check_lora(req.lora, req.layout, req.dp_shard, req.qlora)
     if req.activation_offload and req.recompute == "none":
         raise ValueError("activation offload moves the checkpointed layer inputs to the host and "
                          "needs activation checkpointing: recompute 'full' or 'selective', not "
@@ -531,7 +537,11 @@ def simulate_many(requests: list[SimulationRequest], jobs: int = 2,
         futures = [pool.submit(_run_one, r) for r in requests]
         out = []
         for f in futures:
-            rec = f.result()
+            try:
+                rec = f.result()
+            except BaseException:  # a refused request: the rest are not waited for
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
             if progress is not None:
                 progress(rec)
             out.append(rec)

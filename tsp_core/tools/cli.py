@@ -105,7 +105,7 @@ def simulation_requests(args: argparse.Namespace) -> tuple[Any, list]:
     requests = [SimulationRequest(s.name, s.tp, s.cp, seq, args.model, args.layers, args.batch,
                                   args.recompute, args.optimizer, args.dtype, dp,
                                   args.tile_tokens if s.name == "tsp" else None, offload,
-                                  args.step, args.lora)
+                                  args.step, args.lora, args.qlora)
                 for degree in args.degree for seq in args.seq
                 for s in parse_layouts(args.layouts, degree) for dp in args.dp_shard]
     for r in requests:  # before any process starts
@@ -129,7 +129,8 @@ def simulate_main(args: argparse.Namespace) -> int:
           f"{args.batch}; recompute {args.recompute}; optimizer {args.optimizer}; "
           + (f"FSDP2 dp_shard {','.join(map(str, args.dp_shard))}; " if fsdp else "")
           + ("activation offload (every layout; host bytes apart); " if offload else "")
-          + (f"LoRA r={args.lora} on the seven projections, base frozen; " if args.lora else "")
+          + (f"LoRA r={args.lora} on the seven projections, base frozen"
+             + (" and 4-bit NF4 (QLoRA)" if args.qlora else "") + "; " if args.lora else "")
           + ("one GRPO step (policy + reference resident, reference's no-grad forward; rollout "
              "computed: resident state + KV cache); " if grpo else "")
           + f"tsp tiles {args.tile_tokens or 'from the sizes'} (the baselines' MLP and loss are "
@@ -289,6 +290,11 @@ def parser() -> argparse.ArgumentParser:
                           "down), the base frozen: gradients and AdamW moments of the adapters "
                           "alone (tsp only: the baselines' tensor-parallel styles cannot take a "
                           "PeftModel; default: full fine-tuning)")
+    sim.add_argument("--qlora", action="store_true",
+                     help="with --lora: the frozen base's seven projections 4-bit NF4 (QLoRA: "
+                          "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\")), "
+                          "each rank's shard kept and moved packed, dequantized per round; "
+                          "embeddings, norms and the LM head stay in --dtype")
     sim.add_argument("--tile-tokens", type=int, default=None,
                      help="tokens per tile of TSP's MLP, experts and loss (default: chosen from "
                           "the model's sizes; the baselines' are not tiled)")
