@@ -7,9 +7,10 @@ inductor gets them, run without code generation), in float64: no graph break; on
 kind of layer, none added after the first step; each step's loss and the first step's gradients
 equal to eager TSP's bit for bit, with the same collectives and bytes in the same order (the
 ranks' graphs differ, and a collective dropped, merged or moved on one rank only would hang
-them); losses to 1e-10, first gradients to 1e-10 and weights after the SGD steps to 1e-8 of the
-one-process model's, its loss computed from its logits. After training, generation compiles
-nothing (its steps run eagerly) and gives eager's greedy tokens.
+them), issued and waited for in eager's order (the next round's prefetch in flight while this
+round computes); losses to 1e-10, first gradients to 1e-10 and weights after the SGD steps to
+1e-8 of the one-process model's, its loss computed from its logits. After training, generation
+compiles nothing (its steps run eagerly) and gives eager's greedy tokens.
 
 Inductor (``compile=True``) is not run here: its kernel builds take minutes on a CPU and starve
 the suite's other worker. ``compiled_and_eager(name, "inductor", torch.float32, 4)`` with
@@ -23,8 +24,10 @@ and gpt-oss (attention sinks, sliding and full layers, expert biases); and Llama
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+from collections.abc import Iterator
 from functools import partial
 
 import pytest
@@ -61,6 +64,39 @@ def _case(name: str):
     }[name]
 
 
+@contextlib.contextmanager
+def _schedule() -> Iterator[list[str]]:
+    """The host's order of collectives issued and waited for: "issue <kind>" when one starts,
+    "wait" when the host waits for one (at once for a synchronous call). A compiled layer whose
+    collectives ran synchronously would wait before issuing the next round's prefetch, where
+    eager issues it first and computes meanwhile."""
+    from tsp_core.distributed import comm as raw
+
+    events: list[str] = []
+    record, run, wait = raw._record, raw._run, raw.Handle.wait
+
+    def issued(kind: str, nbytes: float) -> None:
+        events.append(f"issue {kind}")
+        record(kind, nbytes)
+
+    def ran(kind, nbytes, call, async_op, group=None):
+        handle = run(kind, nbytes, call, async_op, group)
+        if not async_op:
+            events.append("wait")
+        return handle
+
+    def waited(self) -> None:
+        if self._works:
+            events.append("wait")
+        wait(self)
+
+    raw._record, raw._run, raw.Handle.wait = issued, ran, waited
+    try:
+        yield events
+    finally:
+        raw._record, raw._run, raw.Handle.wait = record, run, wait
+
+
 def _record(model, mesh, data, checkpointed: bool) -> dict:
     """Each step's loss, collectives and compiled-graph count; the first step's gradients
     (full shape); the weights after the SGD steps."""
@@ -74,20 +110,21 @@ def _record(model, mesh, data, checkpointed: bool) -> dict:
             activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses, logs, graphs, grads0 = [], [], [], None
+    losses, logs, schedules, graphs, grads0 = [], [], [], [], None
     for ids, labels in data:
         batch = tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)
-        with comm.track() as stats:
+        with comm.track() as stats, _schedule() as events:
             loss = model(**batch).loss
             loss.backward()
         logs.append(stats.log)
+        schedules.append(events)
         graphs.append(dynamo.utils.counters["stats"]["unique_graphs"])
         if grads0 is None:
             grads0 = gather.full_grads(model)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return dict(losses=losses, logs=logs, graphs=graphs, grads0=grads0,
+    return dict(losses=losses, logs=logs, schedules=schedules, graphs=graphs, grads0=grads0,
                 weights=tsp_core.full_state_dict(model))
 
 
@@ -150,6 +187,8 @@ def _check(rank: int, name: str, res: dict, exact: bool) -> None:
         f"{what}: compiled graphs after each step {compiled['graphs']}, want {kinds} throughout"
     for step, (a, b) in enumerate(zip(eager["logs"], compiled["logs"])):
         assert a == b, f"{what} step {step}: collectives {b} vs eager {a}"
+    for step, (a, b) in enumerate(zip(eager["schedules"], compiled["schedules"])):
+        assert a == b, f"{what} step {step}: issues and waits {b} vs eager {a}"
     assert len(compiled["logs"][0]) > 0
     assert compiled["graphs_after_generation"] == kinds, f"{what}: generation compiled graphs"
     if exact:

@@ -162,7 +162,7 @@ def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, async_op: boo
     if d == 1:
         return _done(async_op)
     if traced.tracing():
-        return traced.finish(t, traced.broadcast(t, src, group), async_op)
+        return traced.broadcast(t, src, group, async_op)
     return _run("broadcast", _nbytes(t) * (d - 1) / d,
                 lambda a: dist.broadcast(t, group=group, group_src=src, async_op=a),
                 async_op, group)
@@ -174,7 +174,7 @@ def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup, async_op: bool =
     if d == 1:
         return _done(async_op)
     if traced.tracing():
-        return traced.finish(t, traced.reduce(t, dst, group), async_op)
+        return traced.reduce(t, dst, group, async_op)
     return _run("reduce", _nbytes(t) * (d - 1) / d,
                 lambda a: dist.reduce(t, group=group, group_dst=dst, async_op=a), async_op, group)
 
@@ -186,7 +186,7 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     if d == 1:
         return _done(async_op)
     if traced.tracing():
-        return traced.finish(t, traced.all_reduce(t, op.name, group), async_op)
+        return traced.all_reduce(t, op.name, group, async_op)
     return _run("all_reduce", 2 * _nbytes(t) * (d - 1) / d,
                 lambda a: dist.all_reduce(t, op=op, group=group, async_op=a), async_op, group)
 
@@ -199,7 +199,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
         out.copy_(inp.reshape(out.shape))
         return _done(async_op)
     if traced.tracing():
-        return traced.finish(out, traced.all_gather(inp, group), async_op)
+        return traced.all_gather(out, inp, group, async_op)
     return _run("all_gather", _nbytes(out) * (d - 1) / d,
                 lambda a: one_buffer_collective("all_gather_single", "all_gather_into_tensor")(
                     out.view(-1), inp.reshape(-1), group=group, async_op=a), async_op, group)
@@ -213,7 +213,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
         out.copy_(inp.reshape(out.shape))
         return _done(async_op)
     if traced.tracing():
-        return traced.finish(out, traced.reduce_scatter(inp, group), async_op)
+        return traced.reduce_scatter(out, inp, group, async_op)
     return _run("reduce_scatter", _nbytes(inp) * (d - 1) / d,
                 lambda a: one_buffer_collective("reduce_scatter_single", "reduce_scatter_tensor")(
                     out.view(-1), inp.reshape(-1), group=group, async_op=a), async_op, group)
@@ -235,8 +235,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
     outs = out_splits or [out.shape[0] // d] * d
     nbytes = max(sum(ins) - ins[me], sum(outs) - outs[me]) * row
     if traced.tracing():
-        return traced.finish(out, traced.all_to_all(out, inp, group, out_splits, in_splits),
-                             async_op)
+        return traced.all_to_all(out, inp, group, out_splits, in_splits, async_op)
     return _run("all_to_all", nbytes,
                 lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                                  async_op=a), async_op, group)
@@ -253,7 +252,7 @@ def ring_pass(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, 
     me = dist.get_rank(group)
     to, frm = ((me - 1) % d, (me + 1) % d) if reverse else ((me + 1) % d, (me - 1) % d)
     if traced.tracing():
-        return traced.finish(recv, traced.ring_pass(send, group, reverse, tag), async_op)
+        return traced.ring_pass(send, recv, group, reverse, tag, async_op)
     _record("ring_pass", _nbytes(send))
     checked = guard.before("ring_pass", group, _nbytes(send))
     ops = [dist.P2POp(dist.isend, send, group=group, group_peer=to, tag=tag),
