@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..distributed import traced
 from ..distributed.mesh import TSPMesh
 from ..distributed.params import REPLICATED, ShardedModule, ShardSpec, local, local_replicated
 from .dropout import RankDropoutModule
@@ -139,7 +140,8 @@ class AddLowRank(torch.autograd.Function):
     alone: written as ``y + (z @ B^T) * s``, autograd holds ``z B^T``, ``s z B^T`` and the sum
     beside ``y`` in the forward (three [tokens, out] tensors more) and ``s dy`` in the backward
     (one more). A ``y`` that is a view (which autograd lets no one change in place) gets one
-    addmm out of place. Keeps ``z`` and ``B`` (rank r) for the backward, never ``y``."""
+    addmm out of place, and so does a traced one (a compiled layer's graph is functional: the
+    compiler plans its buffers). Keeps ``z`` and ``B`` (rank r) for the backward, never ``y``."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, scaling: float
@@ -147,7 +149,7 @@ class AddLowRank(torch.autograd.Function):
         ctx.save_for_backward(z, b)
         ctx.scaling = scaling
         z2 = z.reshape(-1, z.shape[-1])
-        if y._is_view():
+        if traced.tracing() or y._is_view():
             return torch.addmm(y.reshape(-1, y.shape[-1]), z2, b.t(), alpha=scaling
                                ).view(y.shape)
         ctx.mark_dirty(y)
@@ -170,7 +172,9 @@ class LowRankInputs(torch.autograd.Function):
     ``sum_i s_i du_i A_i``, is added into the gradient the schedule returns for it, in place:
     computed apart (``x @ A^T`` in autograd), each share is a tensor of the input's size that
     autograd then adds to the schedule's out of place (two such tensors more at the backward's
-    peak). Keeps ``x`` (which the schedule keeps too) and the ``A_i`` for the backward."""
+    peak). Keeps ``x`` (which the schedule keeps too) and the ``A_i`` for the backward. Traced,
+    ``x`` passes as a copy: dynamo refuses a custom function's output view whose base the layer
+    changes in place later."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scalings: tuple[float, ...], *a: torch.Tensor):
@@ -178,7 +182,7 @@ class LowRankInputs(torch.autograd.Function):
         ctx.scalings = scalings
         x2 = x.reshape(-1, x.shape[-1])
         us = [(x2 @ ai.t()).mul_(si).view(*x.shape[:-1], -1) for ai, si in zip(a, scalings)]
-        return (x.view_as(x), *us)
+        return (x.clone() if traced.tracing() else x.view_as(x), *us)
 
     @staticmethod
     def backward(ctx, dx: torch.Tensor, *dus: torch.Tensor):
