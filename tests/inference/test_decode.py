@@ -5,10 +5,13 @@ tokens; Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Granite, OLMo 2, Phi-3, OLMo 
 EXAONE 4, SmolLM3 and GLM-4, each family's features switched on (tests/support/hf_models.py); world
 sizes 2 and 4); sampling draws the same tokens as HF with the same random state; every rank's KV
 cache, measured by MemTracker, is 1/D of HF's cache measured the same way; decode issues only the
-small per-layer activation collectives, no weight collective."""
+small per-layer activation collectives, no weight collective. A PEFT PeftModel with LoRA adapters
+against the same PeftModel on one process (float64, tsp 2 and 4: tokens, step logits to 1e-10,
+``disable_adapter()``, ``set_adapter``), and a QLoRA one (NF4 base, tsp 2, 1e-6)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -425,3 +428,143 @@ def test_kv_shared_layers_hold_no_cache(pools, tsp):
         assert pre_held == pre + B * slots * 8 + B * 8, (rank, pre_held)
         assert post == B * mine * per_slot, (rank, post, B * mine * per_slot)
         assert post_held == post + B * mine * 8 + B * 8, (rank, post_held)
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+
+def lora_generation(tsp: int, new: int = 8) -> list[list[int]]:
+    """A PeftModel (tests/models/test_lora.py's Llama with one key/value head, r 4 on all seven
+    projections, A and B random) with a second adapter "b" (r 2 on q, v and down), parallelized,
+    against the same PeftModel on one process (unmodified PEFT and Hugging Face): greedy tokens
+    of PEFT's generate and every step's float64 logits to 1e-10 with the default adapter, under
+    ``disable_adapter()`` (the base's) and after ``set_adapter("b")``. At tsp 2 also (what does
+    not depend on the degree, checked once): ``PeftModel.generate`` and seeded sampling give
+    PEFT's tokens, and a decode step moves the bytes it moves without adapters. Returns every
+    greedy case's tokens (the same on every rank)."""
+    from peft import LoraConfig
+
+    from tests.models.test_lora import peft_model
+
+    mesh = dist_pool.mesh(tsp)
+    ref = peft_model("llama")
+    torch.manual_seed(2)
+    ref.add_adapter("b", LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
+                                    target_modules=["q_proj", "v_proj", "down_proj"]))
+    ref.eval()
+    model = tsp_core.parallelize(copy.deepcopy(ref), mesh)
+    ids, mask = left_padded(ref.config.vocab_size, [7, 20])
+    seen = {}
+
+    def greedy(what: str) -> None:
+        want, ref_logits = hf_greedy(ref, ids, mask, new)
+        got, steps = tsp_core.generate(model, ids, new, attention_mask=mask, return_logits=True)
+        assert torch.equal(got, want), f"{what} D={tsp}: tokens differ\n{got}\n{want}"
+        for t, step in enumerate(steps):
+            assert_close(step, ref_logits[t], 1e-10, f"{what} D={tsp} step {t} logits")
+        seen[what] = (want.tolist(), ref_logits[0])
+
+    greedy("default")
+    with ref.disable_adapter(), model.disable_adapter():
+        greedy("disabled")
+    if tsp == 2:
+        same_traffic(model, ids, mask)
+    ref.set_adapter("b")
+    model.set_adapter("b")
+    greedy("b")
+    firsts = [logits for _, logits in seen.values()]  # each adapter changed the logits
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(firsts, firsts[1:] + firsts[:1]))
+    if tsp == 2:
+        lora_generation_api(ref, model, ids, mask, new, seen["b"][0])
+    return [tokens for tokens, _ in seen.values()]
+
+
+def same_traffic(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """One decode step with the active adapter (on all seven projections) issues the collectives
+    of a step with it disabled, kinds and bytes: o's and down's shares ride their all-reduce."""
+    _, cache = prefill(model, ids, mask)
+    logs = []
+    for step, off in enumerate((False, True)):
+        with comm.track() as s, (model.disable_adapter() if off else contextlib.nullcontext()):
+            decode_step(model, cache, torch.tensor([4, 7]), cache.lengths + step)
+        logs.append(s.log)
+    assert logs[0] == logs[1], f"the adapter changed decode's traffic: {logs}"
+
+
+def lora_generation_api(ref, model, ids: torch.Tensor, mask: torch.Tensor, new: int,
+                        greedy_b: list[list[int]]) -> None:
+    """With adapter "b" active: ``PeftModel.generate`` gives its greedy tokens and seeded
+    sampling PEFT's tokens."""
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=new)  # PeftModel.generate
+    assert torch.equal(got, torch.tensor(greedy_b)), (got, greedy_b)
+    opts = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    want = [None]
+    if dist.get_rank() == 0:  # one process's draw, sent to every rank
+        torch.manual_seed(11)
+        want = [ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **opts)]
+    dist.broadcast_object_list(want, src=0)
+    got = tsp_core.generate(model, ids, new, attention_mask=mask, seed=11, **opts)
+    assert torch.equal(got, want[0]) and got.tolist() != greedy_b, (got, want[0])
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+def test_lora_generation_matches_peft(pools, tsp):
+    outs = pools.of(tsp).run(lora_generation, tsp)
+    assert all(o == outs[0] for o in outs), "ranks generated different tokens"
+    default, disabled, b = outs[0]
+    assert default != disabled and b != disabled and b != default  # each adapter acts
+
+
+def greedy_by_hand(ref, ids: torch.Tensor, mask: torch.Tensor,
+                   new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and their step logits [new, B, V] from the reference's full forward on the
+    sequence so far, step by step, with autograd on: bitsandbytes' ``Linear4bit`` then
+    dequantizes its weight and multiplies (the path of its training forward, the one QLoRA's
+    parity holds to). Under ``no_grad`` in eval (Hugging Face's ``generate``) it runs its CPU
+    inference kernel instead, whose logits differ from that path's by up to 8e-3 relative
+    here, more than the margin between this model's top tokens."""
+    seqs, steps = ids, []
+    with torch.enable_grad():
+        for _ in range(new):
+            full = torch.cat([mask, mask.new_ones(mask.shape[0], seqs.shape[1] - ids.shape[1])], 1)
+            pos = (full.cumsum(1) - 1).clamp(min=0)
+            logits = ref(input_ids=seqs, attention_mask=full, position_ids=pos).logits[:, -1]
+            steps.append(logits.detach())
+            seqs = torch.cat([seqs, steps[-1].argmax(-1, keepdim=True)], dim=1)
+    return seqs, torch.stack(steps)
+
+
+def qlora_generation(path: str, new: int = 8) -> list[list[int]]:
+    """A QLoRA PeftModel (tests/models/test_qlora.py's: a Llama loaded 4-bit NF4, float32
+    compute, r 4 on all seven projections, A and B random) at tsp 2 against the same PeftModel
+    on one process (unmodified PEFT, Hugging Face, bitsandbytes): greedy tokens equal and every
+    step's logits to 1e-6, with the adapter and under ``disable_adapter()``."""
+    from tests.models.test_qlora import SMALL, qlora_model, save_base
+
+    mesh = dist_pool.mesh(2)
+    ids, mask = left_padded(SMALL["vocab_size"], [7, 20])
+    want = [None]
+    if dist.get_rank() == 0:  # one process's reference, sent to every rank
+        save_base(path, SMALL)
+        ref = qlora_model(path)
+        with ref.disable_adapter():
+            base = greedy_by_hand(ref, ids, mask, new)
+        want = [(greedy_by_hand(ref, ids, mask, new), base)]
+    dist.broadcast_object_list(want, src=0)  # and the saved base is there for every rank
+    model = tsp_core.parallelize(qlora_model(path).eval(), mesh)
+    out = []
+    for (tokens, logits), off in zip(want[0], (False, True)):
+        with model.disable_adapter() if off else contextlib.nullcontext():
+            got, steps = tsp_core.generate(model, ids, new, attention_mask=mask,
+                                           return_logits=True, eos_token_id=[])  # as by hand
+        what = "disabled" if off else "adapted"
+        assert torch.equal(got, tokens), f"QLoRA {what}: tokens differ\n{got}\n{tokens}"
+        for t, step in enumerate(steps):
+            assert_close(step, logits[t], 1e-6, f"QLoRA {what} step {t} logits")
+        out.append(got.tolist())
+    return out
+
+
+def test_qlora_generation_matches_bitsandbytes(pools, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    outs = pools.of(2).run(qlora_generation, str(tmp_path))
+    assert outs[0] == outs[1] and outs[0][0] != outs[0][1], outs[0]

@@ -21,6 +21,12 @@ Decode needs no weight to move: a TSP rank already holds what tensor parallelism
 The embedding (rows of the vocabulary: a masked lookup and an all-reduce) and the LM head (this
 rank's vocabulary logits, all-gathered) are the model's own vocabulary shards.
 
+LoRA adapters (a converted PeftModel) add their term with the replicated ``A`` and ``B`` and no
+collective of their own: q/k/v/gate/up add their rows of ``s B A x``, o/down add each rank's
+share before the all-reduce they make anyway (:func:`~tsp_core.layers.lora.decode_rows`,
+:func:`~tsp_core.layers.lora.decode_share`); a QLoRA base's NF4 shards are dequantized in place
+(:func:`decode_weights`).
+
 Prefill and every decode step run the model's own Hugging Face forward (embedding scale, norms,
 residuals, per-layer rotary embeddings: whatever the family does), with the TSP modules told what
 to do instead (``ShardedModule.tsp_decode``), so a family needs no decode code of its own.
@@ -43,7 +49,7 @@ from torch import nn
 
 from ..distributed import comm
 from ..distributed.mesh import TSPMesh
-from ..distributed.model_state import find_model_state
+from ..distributed.model_state import ATTRIBUTE, find_model_state
 from ..distributed.params import local
 from ..layers import rope
 from ..layers.attention import AttentionSpec, TSPAttention
@@ -51,9 +57,10 @@ from ..layers.attention.latent import TSPLatentAttention
 from ..layers.attention.rounds import gated, query_scale, scale_queries, split_gate
 from ..layers.linear_attention.decode import prefill as delta_net_prefill
 from ..layers.linear_attention.decode import step as delta_net_step
-from ..layers.lora import TSPLoRA
+from ..layers.lora import decode_rows, decode_share
 from ..layers.mlp import TSPGatedMLP, activate
 from ..layers.moe import TSPMoE
+from ..layers.nf4 import NF4Weight
 from ..layers.norm import NORMS
 from ..layers.vocab import TSPEmbedding, TSPLMHead
 from ..sequence import layout
@@ -135,17 +142,22 @@ class _Parts:
     vocab_size: int
 
 
+def converted(model: nn.Module) -> nn.Module:
+    """The converted model: ``model``, or the one a PEFT ``PeftModel`` wraps (its
+    ``base_model.model``). PEFT forwards attribute reads to it, so a PeftModel finds its TSP
+    state, but its own ``model`` attribute is not the policy's base model."""
+    if ATTRIBUTE in vars(model):
+        return model
+    inner = getattr(getattr(model, "base_model", None), "model", None)
+    return inner if isinstance(inner, nn.Module) and ATTRIBUTE in vars(inner) else model
+
+
 def decode_parts(model: nn.Module) -> _Parts:
+    model = converted(model)
     state = find_model_state(model)
     if state is None:
         raise ValueError(f"{type(model).__name__} was not parallelized with tsp_core.parallelize; "
                          f"generation needs a TSP model")
-    adapted = [n for n, m in model.named_modules() if isinstance(m, TSPLoRA)]
-    if adapted:  # the same modules on every rank: all raise here, before any collective
-        raise NotImplementedError(
-            f"generation with LoRA adapters under TSP is not supported yet ({len(adapted)} "
-            f"adapted projections, {adapted[0]} first; docs/lora.md): generate with the "
-            f"PeftModel on one process")
     policy, mesh = state.policy, state.mesh
     names, ffn = policy.modules, policy.ffn
     base = getattr(model, names.base_model)
@@ -274,6 +286,23 @@ def _logits(parts: _Parts, hidden: torch.Tensor) -> torch.Tensor:
     out = mine.new_empty(d, *mine.shape)
     comm.all_gather(out, mine.contiguous(), parts.mesh.group)
     return out.permute(1, 0, 2).reshape(mine.shape[0], -1)[:, :parts.vocab_size]
+
+
+# ------------------------------------------------------------------------------- weights
+
+def decode_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A TSP module's local tensors by their Hugging Face names, as a decode step computes with
+    them: a projection behind a LoRA adapter under its own name (PEFT's ``base_layer.`` left out;
+    the adapters' own tensors are not here, :func:`~tsp_core.layers.lora.decode_rows` and
+    :func:`~tsp_core.layers.lora.decode_share` add their terms), and a 4-bit NF4 shard (QLoRA,
+    :class:`~tsp_core.layers.nf4.NF4Weight`) dequantized by bitsandbytes' kernel, as the
+    schedules dequantize it per round: this rank's shard only, nothing moves."""
+    out = {n.replace(".base_layer.", "."): local(p) for n, p in module.named_parameters()
+           if ".lora_" not in n}
+    for path, holder in module.named_modules():
+        if isinstance(holder, NF4Weight):
+            out[f"{path.removesuffix('.base_layer')}.weight"] = holder.dequantized()
+    return out
 
 
 # ------------------------------------------------------------------------------- prefill
@@ -430,10 +459,12 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     spec, p = attn.spec, attn.parts
     nq, d = spec.local_heads, spec.head_dim
     B = x.shape[0]
-    w = {n: local(p) for n, p in attn.named_parameters()}
+    w = decode_weights(attn)
 
     def proj(name: str) -> torch.Tensor:                              # [B, this rank's rows]
-        return F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
+        y = F.linear(x, w[f"{name}_proj.weight"], w.get(f"{name}_proj.bias"))
+        lora = decode_rows(attn, f"{name}_proj", x)                   # its rows of s B A x
+        return y if lora is None else y + lora
 
     # values_from_keys (Gemma 4's attention_k_eq_v): the key projection's output is the values;
     # a KV-shared layer (KVSharing role "reuse") projects queries only and reads its source
@@ -495,7 +526,11 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
     comm.all_to_all(recv, send, group)
     parts_lse, parts_out = recv[..., d], recv[..., :d]               # [D, B, nq], [D, B, nq, d]
     merged = merge_heads(parts_lse, parts_out, w.get("sinks"))      # its heads' sinks, if any
-    y = gated(merged.to(x.dtype).reshape(B, nq * d), gate) @ w["o_proj.weight"].t()
+    heads_out = gated(merged.to(x.dtype).reshape(B, nq * d), gate)
+    y = heads_out @ w["o_proj.weight"].t()
+    lora = decode_share(attn, "o_proj", heads_out)  # summed over the head groups with y
+    if lora is not None:
+        y = y + lora
     comm.all_reduce(y, group)
     if "o_proj.bias" in w:
         y = y + w["o_proj.bias"]
@@ -503,10 +538,18 @@ def _attention_step(parts: _Parts, i: int, attn: TSPAttention, x: torch.Tensor, 
 
 
 def _mlp_step(parts: _Parts, mlp: TSPGatedMLP, x: torch.Tensor) -> torch.Tensor:
-    w = {n: local(p) for n, p in mlp.named_parameters()}
-    g = F.linear(x, w["gate_proj.weight"], w.get("gate_proj.bias"))
-    u = F.linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
-    y = (activate(g, mlp.spec.activation) * u) @ w["down_proj.weight"].t()
+    w = decode_weights(mlp)
+
+    def proj(name: str) -> torch.Tensor:                         # [B, this rank's channels]
+        y = F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+        lora = decode_rows(mlp, name, x)
+        return y if lora is None else y + lora
+
+    h = activate(proj("gate_proj"), mlp.spec.activation) * proj("up_proj")
+    y = h @ w["down_proj.weight"].t()
+    lora = decode_share(mlp, "down_proj", h)        # summed over the channel slices with y
+    if lora is not None:
+        y = y + lora
     comm.all_reduce(y, parts.mesh.group)
     if "down_proj.bias" in w:
         y = y + w["down_proj.bias"]

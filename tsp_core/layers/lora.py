@@ -463,3 +463,63 @@ def _input_side(x: torch.Tensor, adapters: list[TSPLoRA], tensors: list[list | N
     for i, u in zip(joined, us):
         tensors[i] = [u, adapters[i]._b().to(x.dtype)]
     return x, tensors
+
+
+# ------------------------------------------------- decode steps (tsp_core.inference.decode)
+
+def decode_adapter(module: nn.Module, name: str) -> tuple[TSPLoRA, ShardSpec, slice] | None:
+    """The active adapter on projection ``name`` of TSP module ``module`` in a decode step: (the
+    adapter, this rank's ShardSpec of the projection's base weight, the rows of ``B`` that are
+    the projection's); a fused projection's adapter (:class:`TSPFusedLoRA`) is found through
+    its part. None without one (disabled, merged, or the active adapter not on it)."""
+    for fused in getattr(module, "fused", {}):
+        m = getattr(module, fused, None)
+        if isinstance(m, TSPFusedLoRA) and m.active and name in m.rows:
+            return m, m.specs[name], m.rows[name]
+    m = getattr(module, name, None)
+    if isinstance(m, TSPLoRA) and m.active:
+        return m, m.base_spec, slice(None)
+    return None
+
+
+def _decode_ab(m: TSPLoRA, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The active adapter's full ``A``, ``B`` (replicated: this rank's copy) and scale."""
+    name = m.adapter
+    return (local(m.lora_A[name].weight).to(dtype), local(m.lora_B[name].weight).to(dtype),
+            m.scaling[name])
+
+
+def decode_rows(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor | None:
+    """This rank's rows of the adapter term ``s B A x`` of input-side projection ``name`` for a
+    decode step's ``x`` [B, in] (the same on every rank), zero in rows the base's shard pads:
+    what to add to ``x W_rows^T``. ``A`` and ``B`` are replicated and ``x`` is on every rank, so
+    nothing moves; None without an active adapter. No LoRA dropout: generation runs in eval
+    (training with dropout on is refused before it)."""
+    found = decode_adapter(module, name)
+    if found is None:
+        return None
+    m, spec, rows = found
+    a, b, s = _decode_ab(m, x.dtype)
+    b = b[rows]
+    if spec.dim is not None:  # rows of the output (q/k/v, gate/up)
+        b = b.narrow(0, spec.start, spec.length)
+    out = ((x @ a.t()) * s) @ b.t()
+    pad = spec.local_len - spec.length if spec.dim is not None else 0
+    return torch.nn.functional.pad(out, (0, pad)) if pad > 0 else out
+
+
+def decode_share(module: nn.Module, name: str, inp: torch.Tensor) -> torch.Tensor | None:
+    """This rank's share of the adapter term ``s B A inp`` of output-side projection ``name``
+    (o_proj, down_proj) in a decode step: ``inp`` [B, this rank's columns] (its heads' merged
+    output, its channels) through its columns of ``A``, then all of ``B``. The ranks' shares
+    sum to the term, so it is added to this rank's partial product before the projection's own
+    all-reduce: no byte and no collective more (an all-reduce of ``z`` [B, r] apart would be
+    one more collective per projection). None without an active adapter."""
+    found = decode_adapter(module, name)
+    if found is None:
+        return None
+    m, spec, _ = found
+    a, b, s = _decode_ab(m, inp.dtype)
+    if spec.dim is not None:
+        a = a.narrow(1, spec.start, spec.length)
+    return ((inp[:, :a.shape[1]] @ a.t()) * s) @ b.t()
