@@ -456,12 +456,7 @@ def lora_generation(tsp: int, new: int = 8) -> list[list[int]]:
     seen = {}
 
     def greedy(what: str) -> None:
-        want, ref_logits = hf_greedy(ref, ids, mask, new)
-        got, steps = tsp_core.generate(model, ids, new, attention_mask=mask, return_logits=True)
-        assert torch.equal(got, want), f"{what} D={tsp}: tokens differ\n{got}\n{want}"
-        for t, step in enumerate(steps):
-            assert_close(step, ref_logits[t], 1e-10, f"{what} D={tsp} step {t} logits")
-        seen[what] = (want.tolist(), ref_logits[0])
+        seen[what] = peft_greedy(ref, model, ids, mask, new, f"{what} D={tsp}")
 
     greedy("default")
     with ref.disable_adapter(), model.disable_adapter():
@@ -476,6 +471,18 @@ def lora_generation(tsp: int, new: int = 8) -> list[list[int]]:
     if tsp == 2:
         lora_generation_api(ref, model, ids, mask, new, seen["b"][0])
     return [tokens for tokens, _ in seen.values()]
+
+
+def peft_greedy(ref, model, ids: torch.Tensor, mask: torch.Tensor, new: int,
+                what: str) -> tuple[list[list[int]], torch.Tensor]:
+    """TSP's greedy tokens equal PEFT's ``generate`` on one process and every step's logits its
+    float64 ones to 1e-10; (the tokens, the first step's logits)."""
+    want, ref_logits = hf_greedy(ref, ids, mask, new)
+    got, steps = tsp_core.generate(model, ids, new, attention_mask=mask, return_logits=True)
+    assert torch.equal(got, want), f"{what}: tokens differ\n{got}\n{want}"
+    for t, step in enumerate(steps):
+        assert_close(step, ref_logits[t], 1e-10, f"{what} step {t} logits")
+    return want.tolist(), ref_logits[0]
 
 
 def same_traffic(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -512,6 +519,26 @@ def test_lora_generation_matches_peft(pools, tsp):
     assert all(o == outs[0] for o in outs), "ranks generated different tokens"
     default, disabled, b = outs[0]
     assert default != disabled and b != disabled and b != default  # each adapter acts
+
+
+def fused_lora_generation(tsp: int, new: int = 8) -> list[list[int]]:
+    """tests/models/test_lora.py's Phi-3 PeftModel (one key/value head; adapters on its fused
+    ``qkv_proj`` and ``gate_up_proj``, on o and down) against the same PeftModel on one process:
+    greedy tokens and step logits (1e-10), and the base's under ``disable_adapter()``."""
+    from tests.models.test_lora import peft_model
+
+    ref = peft_model("phi3").eval()
+    model = tsp_core.parallelize(copy.deepcopy(ref), dist_pool.mesh(tsp))
+    ids, mask = left_padded(ref.config.vocab_size, [7, 20])
+    adapted, _ = peft_greedy(ref, model, ids, mask, new, f"phi3 D={tsp}")
+    with ref.disable_adapter(), model.disable_adapter():
+        base, _ = peft_greedy(ref, model, ids, mask, new, f"phi3 disabled D={tsp}")
+    return [adapted, base]
+
+
+def test_fused_lora_generation_matches_peft(pools):
+    outs = pools.of(2).run(fused_lora_generation, 2)
+    assert outs[0] == outs[1] and outs[0][0] != outs[0][1], outs[0]
 
 
 def greedy_by_hand(ref, ids: torch.Tensor, mask: torch.Tensor,
