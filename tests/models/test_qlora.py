@@ -6,10 +6,13 @@ every rank's dequantized NF4 shard equal to bitsandbytes' dequantized full weigh
 bit; the base's loss (``disable_adapter()``); losses of 3 AdamW steps, the adapters' first
 gradients compared directly, the adapters after the steps; the packed base bytes unchanged; the
 bytes each attention round broadcasts and each MLP ring hop carries in the first step: the packed
-shards plus their absmax, by a formula written here. Double quantization at tsp 2: the shards
-bit for bit, one step's loss and gradients. 8-bit, a shard that cuts a quantization block, fewer
-key/value heads than ranks, a 4-bit model without adapters and merging into the 4-bit base are
-refused by name on every rank before any collective."""
+shards plus their absmax, by a formula written here. The same at dp 2 x tsp 2 (each replica its
+own rows, the reference the whole batch: the adapters' gradients summed over the replicas).
+Double quantization at tsp 2: the shards bit for bit, one step's loss and gradients. bf16
+compute (a bf16 base, ``bnb_4bit_compute_dtype=torch.bfloat16``) at tsp 2: within bf16's
+precision of the one-process bf16 model and computed in bf16. 8-bit, a shard that cuts a
+quantization block, fewer key/value heads than ranks, a 4-bit model without adapters and
+merging into the 4-bit base are refused by name on every rank before any collective."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import tsp_core
-from tests.support import dist_pool, parity
+from tests.support import dist_pool, parity, precision
 from tests.support.reference import relative_error
 
 pytest.importorskip("bitsandbytes")
@@ -34,32 +37,39 @@ SMALL = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_l
 WIDE = dict(SMALL, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
             num_hidden_layers=1)
 BLOCK = 64  # bitsandbytes' NF4 block: one float32 absmax per 64 weights
-# the adapters after 3 AdamW steps at lr 1e-3, absolute: the shards dequantize bit for bit, but
-# TSP sums o_proj's and down_proj's products round by round (float32 rounding: gradients agree
-# to ~2e-6 of their largest element), and AdamW divides each element by its own gradient's
-# size, so an element whose gradient is near that noise moves by a few % of lr differently
-# (measured 9.2e-6 at tsp 2); a wrong shard or a missing term moves them by lr or more
+# the adapters after 3 AdamW steps at lr 1e-3, absolute. The shards dequantize bit for bit, but
+# TSP sums in float32 in other orders (o's and down's products round by round, attention and the
+# input gradients round by round, each adapter's weight gradient over each rank's tokens), so
+# the first gradients agree to ~2e-6 of their largest element; AdamW's first update
+# lr g / (|g| + eps) turns a difference dg at an element whose |g| is near eps (1e-8) into
+# lr eps dg / (|g| + eps)^2. Measured at tsp 2: the worst element has g = 4.5e-8 and dg = 3e-9
+# (1.0e-5 predicted, 9.2e-6 seen). The one-process reference against itself with TSP's chunked
+# sums (o/down products and q/k/v/gate/up input gradients in 2 chunks, adapter weight gradients
+# over each rank's zigzag tokens) moves by 1.7e-6 the same way (g = 2.6e-8 there): float32
+# order alone; no order TSP can choose reproduces one GEMM's. A wrong shard or a missing term
+# moves the adapters by lr or more.
 ADAMW_TOL = 3e-5
 
 
-def save_base(path: str, config: dict) -> None:
-    """A random-init float32 Llama of ``config`` saved to ``path`` (nothing downloaded)."""
+def save_base(path: str, config: dict, dtype: torch.dtype = torch.float32) -> None:
+    """A random-init Llama of ``config`` saved to ``path`` in ``dtype`` (nothing downloaded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**config)).to(dtype).save_pretrained(path)
 
 
-def qlora_model(path: str, quant: dict | None = None):
-    """The saved Llama loaded 4-bit NF4 (float32 compute) with ``quant`` BitsAndBytesConfig
-    fields on top, r=4 LoRA on the seven projections, A and B random; in training mode."""
+def qlora_model(path: str, quant: dict | None = None, dtype: torch.dtype = torch.float32):
+    """The saved Llama loaded in ``dtype`` 4-bit NF4 (float32 compute) with ``quant``
+    BitsAndBytesConfig fields instead, r=4 LoRA on the seven projections, A and B random (PEFT
+    keeps them float32 over a bf16 base); in training mode."""
     from peft import LoraConfig, get_peft_model
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
     config = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                   bnb_4bit_compute_dtype=torch.float32)
     base = LlamaForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=BitsAndBytesConfig(**(quant or config)))
+        path, dtype=dtype, quantization_config=BitsAndBytesConfig(**(quant or config)))
     torch.manual_seed(1)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=ALL, init_lora_weights=False)
     return get_peft_model(base, lora).train()
@@ -76,6 +86,17 @@ def grads(model) -> dict[str, torch.Tensor]:
     from tsp_core.distributed.params import local
 
     return {n: local(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def replica_shard(mesh, rows: int = 2):
+    """What this rank's TSP model takes of a global batch: its data-parallel replica's ``rows``
+    rows, sharded over its TSP group (the one-process reference takes the whole batch)."""
+    replica = mesh.device_mesh.get_coordinate()[0]
+    mine = slice(replica * rows, (replica + 1) * rows)
+
+    def shard(batch: dict) -> dict:
+        return tsp_core.shard_batch({k: v[mine] for k, v in batch.items()}, mesh)
+    return shard
 
 
 def run(model, data, optimizer, shard=None) -> dict:
@@ -130,11 +151,12 @@ def check_shards_exact(model, ref) -> int:
 
 def qlora_parity(path: str, tsp: int, config: dict) -> dict:
     """Run on every rank: 3 AdamW steps of the converted QLoRA PeftModel against the
-    one-process one: losses to 1e-6, first adapter gradients to 1e-5 (relative), adapters
-    after the steps to :data:`ADAMW_TOL`; the dequantized shards and the packed bytes; what
-    was measured."""
+    one-process one (2 rows a data-parallel replica, the reference all of them): losses to
+    1e-6, first adapter gradients to 1e-5 (relative), adapters after the steps to
+    :data:`ADAMW_TOL`; the dequantized shards and the packed bytes; what was measured."""
     mesh, rank = dist_pool.mesh(tsp), dist.get_rank()
-    data = parity.batches(SMALL["vocab_size"], 2, 32, 3, middle_ignored=True)
+    data = parity.batches(SMALL["vocab_size"], 2 * mesh.dp_size, 32, 3, middle_ignored=True)
+    shard = replica_shard(mesh)
     worst = dict(loss=0.0, grad=0.0, adapter=0.0)
     losses = []
     for optimizer in (partial(torch.optim.AdamW, lr=1e-3),):
@@ -143,15 +165,15 @@ def qlora_parity(path: str, tsp: int, config: dict) -> dict:
         check_shards_exact(model, ref)
         ids, labels = data[0]
         with ref.disable_adapter(), model.disable_adapter():  # the 4-bit base alone
-            a = model(**tsp_core.shard_batch({"input_ids": ids, "labels": labels}, mesh)).loss
+            a = model(**shard({"input_ids": ids, "labels": labels})).loss
             b = ref(input_ids=ids, labels=labels).loss
         assert abs(a.item() - b.item()) <= 1e-6, f"rank {rank}: base loss {a.item()} vs {b.item()}"
         packed = {p: (h.weight.clone(), h.weight_absmax.clone())
                   for p, (h, _, _) in nf4_holders(model).items()}
         want = run(ref, data, optimizer)
-        got = run(model, data, optimizer, partial(tsp_core.shard_batch, mesh=mesh))
+        got = run(model, data, optimizer, shard)
         traffic = check_packed_traffic(got["log"], config, tsp)
-        what = f"rank {rank}, tsp {tsp}, {optimizer.func.__name__}"
+        what = f"rank {rank}, dp {mesh.dp_size} x tsp {tsp}, {optimizer.func.__name__}"
         for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
             worst["loss"] = max(worst["loss"], abs(a - b))
             assert abs(a - b) <= 1e-6, f"{what}, step {step}: loss {a!r} vs {b!r}"
@@ -171,8 +193,9 @@ def qlora_parity(path: str, tsp: int, config: dict) -> dict:
     return dict(losses=losses, worst=worst, traffic=traffic)
 
 
-@pytest.mark.parametrize("world,tsp,config", [(2, 2, SMALL), (4, 4, WIDE)],
-                         ids=["tsp2", "tsp4"])
+# (world size, tsp size, model): (4, 2) is dp 2 x tsp 2
+@pytest.mark.parametrize("world,tsp,config", [(2, 2, SMALL), (4, 4, WIDE), (4, 2, SMALL)],
+                         ids=["tsp2", "tsp4", "dp2xtsp2"])
 def test_qlora_matches_bitsandbytes_on_one_process(pools, tmp_path, world, tsp, config):
     save_base(str(tmp_path), config)
     figures = pools.of(world).run(qlora_parity, str(tmp_path), tsp, config)
@@ -237,6 +260,45 @@ def double_quant_step(path: str) -> dict:
 def test_double_quantization_dequantizes_exactly(pools, tmp_path):
     save_base(str(tmp_path), SMALL)
     pools.of(2).run(double_quant_step, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------ bf16 compute
+
+BF16 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def bf16_step(path: str) -> dict:
+    """Run on every rank: the base saved in bf16 and loaded 4-bit in bf16 with bf16 compute
+    (what QLoRA users run; PEFT keeps the adapters float32) at tsp 2 against the same on one
+    process, and the same codes computed in float32 (loaded in float32: the same bf16 values):
+    the shards bit for bit; two SGD steps' losses within 2 G and the adapters' first gradients
+    within G of bf16 one process's (tests/support/precision.py: two bf16 runs rounding in
+    different places differ by ~6 u), and at least 0.1 u from float32's (it computed in bf16).
+    The figures, in u."""
+    mesh, rank = dist_pool.mesh(2), dist.get_rank()
+    data = parity.batches(SMALL["vocab_size"], 2, 32, 2, middle_ignored=True)
+    sgd = partial(torch.optim.SGD, lr=0.5)
+    exact = run(qlora_model(path), data, sgd)
+    ref = qlora_model(path, BF16, torch.bfloat16)
+    model = tsp_core.parallelize(qlora_model(path, BF16, torch.bfloat16), mesh)
+    check_shards_exact(model, ref)
+    want = run(ref, data, sgd)
+    got = run(model, data, sgd, replica_shard(mesh))
+    assert sorted(got["grads"]) == sorted(want["grads"]), (rank, sorted(got["grads"]))
+    grads = precision.relative_error(got["grads"], want["grads"])
+    off = precision.relative_error(got["grads"], exact["grads"])
+    assert grads <= precision.G, f"rank {rank}: first gradients {grads / precision.U:.2f} u off"
+    assert off >= 0.1 * precision.U, f"rank {rank}: gradients {off:.1e} from float32's: not bf16"
+    worst = max(abs(a - b) / b for a, b in zip(got["losses"], want["losses"], strict=True))
+    assert worst <= 2 * precision.G, f"rank {rank}: losses {got['losses']} vs {want['losses']}"
+    return dict(grads=grads / precision.U, from_float32=off / precision.U,
+                losses=worst / precision.U)
+
+
+def test_bf16_compute_within_bf16_precision(pools, tmp_path):
+    save_base(str(tmp_path), SMALL, torch.bfloat16)
+    figures = pools.of(2).run(bf16_step, str(tmp_path))
+    print("u:", figures)
 
 
 # ------------------------------------------------------------------------------- refusals
