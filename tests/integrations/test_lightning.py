@@ -4,10 +4,11 @@ tsp 2 (processes started by Lightning), dp 2 x tsp 2 (also with fsdp=True: FSDP2
 data-parallel dim, each rank storing a quarter of the model) and tsp 4 with 1 and 2 key/value
 heads (torchrun), with TSP's logged figures equal to comm's counters; with activation_offload
 and checkpointed layers the losses and first gradients to 1e-10; bf16 trains like float32 within
-bf16's precision; a PEFT PeftModel at tsp 2 trains its adapters as on one process (to 1e-10, the
-base untouched); resume is exact; TSPStrategy(compile="aot_eager") compiles each decoder layer
-and trains as uncompiled bit for bit; bad configurations (trainer.fit(torch.compile(module))
-among them) fail fast everywhere."""
+bf16's precision; a PEFT PeftModel at tsp 2 and dp 2 x tsp 2 trains its adapters as on one
+process (to 1e-10, the base untouched), and under bf16-mixed and bf16-true within bf16's
+precision; resume is exact; TSPStrategy(compile="aot_eager") compiles each decoder layer and
+trains as uncompiled bit for bit; bad configurations (trainer.fit(torch.compile(module)) among
+them) fail fast everywhere."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from tests.jobs.lightning_job import SEQ, VOCAB, Sequences, global_batches
+from tests.jobs.lightning_job import MOMENTUM, SEQ, VOCAB, Sequences, global_batches
 from tests.support import hf_models, launch, metrics_check
 from tests.support.precision import G, U, relative_error
 from tests.support.reference import assert_close
@@ -118,6 +119,64 @@ def mean_batch_loss(model, ids: torch.Tensor) -> float:
     return sum(losses) / len(losses)
 
 
+# a PEFT PeftModel (rank-4 LoRA on the seven projections, hf_models.lora_model) under
+# strategy="tsp" at tsp 2, float64, SGD with momentum (a state per trained parameter), clipped;
+# at dp 2 x tsp 2 with 8 rows (LORA_DP2)
+LORA_RUN = ("--tsp-size", "2", "--kv-heads", "1", "--lora", "4", "--optimizer", "sgd-momentum",
+            "--lr", "0.5", "--clip", "0.5", "--record-grads")
+LORA = ("--devices", "2", *LORA_RUN, "--precision", "64-true")
+LORA_DP2 = ("--devices", "4", *LORA_RUN, "--precision", "64-true", "--rows", "8")
+# the PeftModel under bf16 (--precision bf16-mixed / bf16-true), plain SGD as the bf16 bounds
+# assume (tests/support/precision.py), one step on the learnable rows. On random rows the
+# adapters' gradients are sums that cancel (one process under autocast: 31 u from float32's,
+# 3.2 u on these rows); after the first step the adapters' path at lr 0.5 is chaotic (float32's
+# gradient norms 0.99, 1.18, 2.58, 0.59; one process under autocast ends 47 G of the movement
+# from float32's adapters after 4 steps), which no bound from bf16's precision covers
+LORA_BF16 = ("--devices", "2", *LORA_RUN, "--optimizer", "sgd", "--pattern", "--steps", "1")
+
+
+def peft_reference(dtype: torch.dtype, rows: int, dp: int, momentum: float = 0.0,
+                   pattern: bool = False, steps: int = 4) -> dict:
+    """The PeftModel of ``--lora 4`` trained by plain PEFT and torch on one process on the
+    global batches Lightning's shuffled sampler gives ``dp`` replicas of ``rows`` rows (of the
+    ``pattern``, :class:`Sequences`; ``steps`` clipped SGD steps at lr 0.5):
+    :func:`hf_models.sgd_reference`'s record, its weights named as TSP's full state dict names
+    them, with ``adapters`` (the trained names), ``init`` (the weights as built, by the same
+    names)."""
+    import functools
+
+    from tests.support.hf_models import lora_model
+
+    model = lora_model(hf_models.build("llama", dtype, kv_heads=1), 4)
+    hf_name = {n: n.replace(".base_layer.", ".") for n in model.state_dict()}
+    init = {hf_name[n]: t.clone() for n, t in model.state_dict().items()}
+    batches = global_batches(Sequences(rows, pattern).ids, dp, steps, True)
+    ref = hf_models.sgd_reference(model, batches, lr=0.5, clip=0.5, optimizer=functools.partial(
+        torch.optim.SGD, momentum=momentum))
+    ref["weights"] = {hf_name[n]: w for n, w in ref["weights"].items()}
+    ref["adapters"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    ref["init"] = init
+    assert len(ref["adapters"]) == 2 * 7 * 2 and sorted(ref["grads0"]) == ref["adapters"]
+    return ref
+
+
+def assert_peft_exact(runs: list[dict], ref: dict, what: str) -> None:
+    """Every rank's losses and logged losses, clipping norms, first gradients (the adapters'
+    alone) and adapters after the steps equal :func:`peft_reference`'s to 1e-10; the base
+    weights bit for bit as built; gradients and optimizer state for the adapters only, though
+    the optimizer was given every parameter."""
+    for r, run in enumerate(runs):
+        where = f"{what}, rank {r}: "
+        assert run["grad_names"] == run["state_names"] == ref["adapters"], \
+            f"{where}trained {run['grad_names']}, optimizer state {run['state_names']}"
+        hf_models.assert_matches_reference(run, ref, 1e-10, what=where)
+        hf_models.assert_matches_reference({"losses": run["logged"]}, ref, 1e-10,
+                                           what=f"{where}logged ", keys=("losses",))
+        for name, w in run["weights"].items():
+            if ".lora_" not in name:
+                assert torch.equal(w, ref["init"][name]), f"{where}base weight {name} moved"
+
+
 def test_trainer_matches_one_process(tmp_path):
     # tsp 2 with 1 key/value head (each rank holds half of its rows), processes started by
     # Lightning; then validate / test / predict, and export_hf. TSPStrategy(timeout=...) reaches
@@ -151,7 +210,7 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
     # Gemma 3 at tsp 4; the Trainer and Fabric at dp 2 x tsp 2 with fsdp=True (FSDP2 over the
     # data-parallel dim), also under bf16-true, bf16-mixed and with FSDP2's bf16
     # MixedPrecisionPolicy; the Trainer and Fabric at dp 2 x tsp 2 with activation_offload=True
-    # and checkpointed layers
+    # and checkpointed layers; a PeftModel at dp 2 x tsp 2
     common = ("--devices", "4", *SGD)
     dp2 = ("--tsp-size", "2", "--kv-heads", "1", "--rows", "8")
     fsdp = ("--devices", "4", "--optimizer", "sgd", "--lr", "0.5", "--clip", "0.5",
@@ -172,7 +231,8 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
                                 "--fsdp-mp", "bf16"]),
             "--case", " ".join(["trainer_offload", *common, *dp2, "--activation-offload"]),
             "--case", " ".join(["fabric_offload", "--mode", "fabric", *common, *dp2,
-                                "--activation-offload"]), torchrun=4)
+                                "--activation-offload"]),
+            "--case", " ".join(["trainer_lora_dp2", *LORA_DP2]), torchrun=4)
     dp2_ref = reference(1, rows=8, dp=2, shuffle=True)
     fabric_ref = reference(1, rows=8, dp=2, shuffle=False)
     cases = {"trainer_dp2": dp2_ref,
@@ -203,6 +263,12 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
         assert_storage(storage[name], share, wrapped, name)
     assert_fsdp_bf16(tmp_path)
     assert_logged_metrics(str(tmp_path / "trainer_dp2"), dp=2)
+    # a PeftModel at dp 2 x tsp 2: each replica its shuffled rows, the adapters' gradients
+    # summed over both replicas, as one process on the global batches
+    runs = full_run(str(tmp_path / "trainer_lora_dp2"))
+    assert len(runs) == 4
+    assert_peft_exact(runs, peft_reference(torch.float64, rows=8, dp=2, momentum=MOMENTUM),
+                      "lora dp 2 x tsp 2")
     # metrics=False: the logger gets the losses and nothing of TSP's
     with open(tmp_path / "trainer_tsp4_kv2" / "csv" / "version_0" / "metrics.csv") as f:
         header = f.readline()
@@ -301,13 +367,6 @@ BAD = {"tsp3": (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size
                           r"LightningModule.*TSPStrategy\(compile=True\)")}
 
 
-# a PEFT PeftModel (rank-4 LoRA on the seven projections, hf_models.lora_model) under
-# strategy="tsp" at tsp 2, float64, SGD with momentum (a state per trained parameter), clipped
-LORA = ("--devices", "2", "--tsp-size", "2", "--kv-heads", "1", "--lora", "4", "--precision",
-        "64-true", "--optimizer", "sgd-momentum", "--lr", "0.5", "--clip", "0.5",
-        "--record-grads")
-
-
 # TSPStrategy(compile="aot_eager") against the same run uncompiled: tsp 2, float64, clipped SGD
 COMPILED = ("--devices", "2", "--tsp-size", "2", "--kv-heads", "1", *SGD)
 
@@ -318,7 +377,8 @@ def two_processes(tmp_path_factory) -> str:
     at 0.5 (lr 0.5: each step moves the weights by 0.25; unclipped SGD on this model is erratic,
     gradient norms jump to 15) on rows of a repeated pattern, which a model can learn; the
     uninterrupted and the resumed run of :func:`test_resume_is_exact`; the packed batches of
-    :func:`test_packed_batches`; the PeftModel of :func:`test_peft_model_matches_one_process`;
+    :func:`test_packed_batches`; the PeftModel of :func:`test_peft_model_matches_one_process`
+    and, under bf16-mixed and bf16-true, of :func:`test_peft_model_bf16_precisions_train`;
     the eager and compiled runs (Trainer and Fabric) of
     :func:`test_compile_compiles_each_decoder_layer`;
     then every bad configuration of :data:`BAD`, each raising in the
@@ -338,6 +398,8 @@ def two_processes(tmp_path_factory) -> str:
                                 os.path.join(ckpts, "epoch=1.ckpt")]),
             "--case", "packed --devices 2 --packed --rows 2 --steps 1",
             "--case", " ".join(["lora", *LORA]),
+            "--case", " ".join(["lora_mixed", *LORA_BF16, "--precision", "bf16-mixed"]),
+            "--case", " ".join(["lora_true", *LORA_BF16, "--precision", "bf16-true"]),
             "--case", " ".join(["eager", *COMPILED]),
             "--case", " ".join(["compiled", *COMPILED, "--compile", "aot_eager"]),
             "--case", " ".join(["fabric_compiled", "--mode", "fabric", *COMPILED, "--compile",
@@ -465,37 +527,46 @@ def test_packed_batches(two_processes):
 def test_peft_model_matches_one_process(two_processes):
     # the LightningModule's model is a PeftModel; the strategy converts it with its adapters.
     # Against the same PeftModel (same seeds, same batches: Lightning's shuffled sampler, 2 rows
-    # a step) trained by plain PEFT and torch on one process: every rank's losses and logged
-    # losses, clipping norms, first gradients (the adapters' alone) and adapters after 4 steps
-    # to 1e-10; the base weights bit for bit as built; gradients and optimizer state for the
-    # adapters only, though the optimizer was given every parameter
-    import functools
-
-    from tests.jobs.lightning_job import MOMENTUM
-    from tests.support.hf_models import lora_model
-
-    init = hf_models.build("llama", torch.float64, kv_heads=1).state_dict()
-    model = lora_model(hf_models.build("llama", torch.float64, kv_heads=1), 4)
-    ref = hf_models.sgd_reference(model, global_batches(Sequences(4).ids, 1, 4, True), lr=0.5,
-                                  clip=0.5, optimizer=functools.partial(torch.optim.SGD,
-                                                                        momentum=MOMENTUM))
-    adapters = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    assert len(adapters) == 2 * 7 * 2 and sorted(ref["grads0"]) == adapters, ref["grads0"]
-    # TSP's full state dict names a base weight as the Hugging Face model does
-    ref["weights"] = {n.replace(".base_layer.", "."): w for n, w in ref["weights"].items()}
+    # a step) trained by plain PEFT and torch on one process (assert_peft_exact)
     runs = full_run(os.path.join(two_processes, "lora"))
     assert len(runs) == 2
-    for r, run in enumerate(runs):
-        what = f"lora, rank {r}: "
-        assert run["grad_names"] == run["state_names"] == adapters, \
-            f"{what}trained {run['grad_names']}, optimizer state {run['state_names']}"
-        hf_models.assert_matches_reference(run, ref, 1e-10, what=what)
-        hf_models.assert_matches_reference({"losses": run["logged"]}, ref, 1e-10,
-                                           what=f"{what}logged ", keys=("losses",))
-        for name, w in run["weights"].items():
-            if ".lora_" not in name:
-                base = name.removeprefix("base_model.model.")
-                assert torch.equal(w, init[base]), f"{what}base weight {name} moved"
+    assert_peft_exact(runs, peft_reference(torch.float64, rows=4, dp=1, momentum=MOMENTUM),
+                      "lora")
+
+
+def test_peft_model_bf16_precisions_train(two_processes):
+    # the PeftModel at tsp 2 under bf16-mixed and bf16-true, one clipped SGD step on the
+    # learnable rows (see LORA_BF16), against the float32 PeftModel on one process, by
+    # test_bf16_precisions_train's bounds over the adapters: first gradients within G = 9 u and
+    # at least 0.1 u off (computed in bf16), adapters within 2 G of float32's movement
+    # (bf16-true: + sqrt(2) u of |w|, stored in bf16), the norm and loss within 2 G; the base as
+    # built (bf16-true: rounded into bf16 once); gradients for the adapters only
+    ref = peft_reference(torch.float32, rows=4, dp=1, pattern=True, steps=1)
+    names = ref["adapters"]
+    moved = relative_error(ref["weights"], ref["init"], names)
+    stored = 2 ** 0.5 * U  # bf16-true: the adapters rounded into bf16 at the start and after
+    for precision, dtype, extra in (("mixed", torch.float32, 0.0),  # the step, independent
+                                    ("true", torch.bfloat16, stored)):
+        runs = full_run(os.path.join(two_processes, f"lora_{precision}"))
+        assert len(runs) == 2
+        for r, run in enumerate(runs):
+            what = f"lora bf16-{precision}, rank {r}"
+            assert run["grad_names"] == names, (what, run["grad_names"])  # SGD: no state
+            grads = relative_error(run["grads0"], ref["grads0"], names)
+            assert 0.1 * U <= grads <= G, f"{what}: first gradients {grads / U:.2f} u off"
+            weights = relative_error(run["weights"], ref["weights"], names)
+            assert weights <= 2 * G * moved + extra, \
+                f"{what}: adapters {weights:.2e} off (> 2 G of the movement {moved:.2e})"
+            for name, w in run["weights"].items():
+                want = ref["init"][name]
+                assert w.dtype == (dtype if ".lora_" in name else want.to(dtype).dtype), name
+                if ".lora_" not in name:
+                    assert torch.equal(w, want.to(dtype)), f"{what}: base weight {name} moved"
+            for key in ("norms", "losses"):
+                for step, (a, b) in enumerate(zip(run[key], ref[key], strict=True)):
+                    assert abs(a - b) <= 2 * G * b, f"{what} step {step}: {key} {a} vs {b}"
+        print(f"lora bf16-{precision}: gradients {grads / U:.2f} u, adapters "
+              f"{weights / moved / G:.2f} G of the movement {moved:.2e}")
 
 
 def test_reading_the_mesh_too_early_says_when_it_exists():
