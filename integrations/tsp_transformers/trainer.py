@@ -12,7 +12,8 @@ FSDP2 shards every rank's TSP shards over the world_size / tsp_size data-paralle
 Saving writes an ordinary Hugging Face checkpoint plus the optimizer as a
 ``tsp_core.save_checkpoint`` directory (Hugging Face names and shapes), so a run resumes at any
 TSP degree and data-parallel size; resuming and ``load_best_model_at_end`` read the weights
-shard-on-read from ``model.safetensors``.
+shard-on-read from ``model.safetensors``. Of a PeftModel the checkpoint holds PEFT's adapter
+files instead (the Trainer's own), which resuming reads back into its adapters at any degree.
 ``torch_compile`` compiles each decoder layer (``tsp_core.parallelize(..., compile=backend)``),
 never the whole model: the Trainer's dynamo plugin goes to ``TSPAccelerator``, which keeps
 Accelerate from compiling (``tsp_accelerate.compiling``); ``torch_compile_mode`` is refused.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_pt_utils import BatchRebalanceSampler
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 import tsp_core
 from tsp_accelerate import TSPAccelerator
@@ -70,6 +73,7 @@ from tsp_core.state.checkpoint import check_full_state_dict
 from tsp_core.state.resharding import MARKER as RESHARDABLE_MARKER
 from tsp_core.state.resharding import check_checkpoint
 from tsp_transformers.forward_guard import bypass_message, refuse_bypassed_forward
+from tsp_transformers.peft_resume import adapter_loader
 
 OPTIMIZER_DIR = "optimizer_dcp"
 # The oldest transformers whose Trainer sizes batches by the data-parallel replicas (it divides
@@ -264,6 +268,18 @@ def with_tsp_fields(args: TrainingArguments, cls: type) -> TSPTrainingArguments:
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
 
 
+def weights_loader(model: nn.Module, checkpoint: str) -> Callable[[], None]:
+    """Check the weights of a TSPTrainer checkpoint against the converted ``model`` (before
+    anything changes, every rank alike) and return what loads them: ``model.safetensors``, each
+    rank reading its own slices; of a PeftModel whose checkpoint holds PEFT's adapter files and
+    no ``model.safetensors`` (what ``save_model`` writes for it), those files into its adapters,
+    as the Trainer loads them into the active adapter (:mod:`tsp_transformers.peft_resume`)."""
+    if is_peft_model(model) and not os.path.isfile(os.path.join(checkpoint, SAFE_WEIGHTS_NAME)):
+        return adapter_loader(model, checkpoint)
+    check_full_state_dict(model, checkpoint)
+    return lambda: tsp_core.load_full_state_dict(model, checkpoint)
+
+
 class _OpenMetricsWindow(TrainerCallback):
     """Starts the trainer's metrics window when training starts (or resumes)."""
 
@@ -305,7 +321,8 @@ class TSPTrainer(Trainer):
             self._refuse_per_replica_token_counts(args)
             check_fp16_device("fp16" if args.fp16 and not args.deepspeed else None,
                               args.use_cpu or not torch.cuda.is_available(), type(self).__name__)
-        self._pending_weights: tuple[str, Any] | None = None  # see _load_from_checkpoint
+        # a checkpoint's weights, checked, and what loads them (see _load_from_checkpoint)
+        self._pending_weights: tuple[str, Callable[[], None]] | None = None
         self._flops_parameters: int | None = None
         self._choice_to_log = self.tsp_choice if self._tsp and self.tsp_choice.auto else None
         self._fsdp2 = self._tsp and getattr(args, "fsdp_plugin_args", None) is not None
@@ -567,7 +584,8 @@ class TSPTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._tsp:
             return super()._save_optimizer_and_scheduler(output_dir)
-        # the weights are in model.safetensors already: the optimizer alone, reshardable
+        # the weights are in model.safetensors (a PeftModel's adapters in PEFT's files)
+        # already: the optimizer alone, reshardable
         tsp_core.save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), self.model,
                                  self.optimizer, model_state=False)
         if self.args.should_save:
@@ -586,7 +604,7 @@ class TSPTrainer(Trainer):
             optimizer_dir = os.path.join(checkpoint, OPTIMIZER_DIR)
             check_checkpoint(optimizer_dir, self.model, self.optimizer, model_state=False)
             if self._pending_weights is not None:  # checked by _load_from_checkpoint
-                tsp_core.load_full_state_dict(self._pending_weights[1], self._pending_weights[0])
+                self._pending_weights[1]()
                 self._pending_weights = None
             tsp_core.load_checkpoint(optimizer_dir, self.model, self.optimizer,
                                      model_state=False)
@@ -608,12 +626,13 @@ class TSPTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         """The best checkpoint's ``model.safetensors``, each rank reading its own slices (the
-        Trainer's own ``load_state_dict`` of the full tensors does not fit sharded parameters)."""
+        Trainer's own ``load_state_dict`` of the full tensors does not fit sharded parameters);
+        of a PeftModel its adapter files (:func:`weights_loader`)."""
         if not self._tsp:
             return super()._load_best_model()
         hf_trainer.logger.info(f"Loading best model from {self.state.best_model_checkpoint} "
                                f"(score: {self.state.best_metric}).")
-        tsp_core.load_full_state_dict(self.model, self.state.best_model_checkpoint)
+        weights_loader(self.model, self.state.best_model_checkpoint)()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights, each rank reading its own slices (checked whole before any changes).
@@ -629,9 +648,9 @@ class TSPTrainer(Trainer):
             raise FileNotFoundError(f"{resume_from_checkpoint} holds {OPTIMIZER_DIR} but no "
                                     f"{SCHEDULER_NAME}: it cannot resume training; nothing was "
                                     f"loaded")
-        check_full_state_dict(model or self.model, resume_from_checkpoint)
+        load = weights_loader(model or self.model, resume_from_checkpoint)
         if os.path.isfile(os.path.join(resume_from_checkpoint, OPTIMIZER_DIR,
                                        RESHARDABLE_MARKER)):
-            self._pending_weights = (resume_from_checkpoint, model or self.model)
+            self._pending_weights = (resume_from_checkpoint, load)
             return
-        tsp_core.load_full_state_dict(model or self.model, resume_from_checkpoint)
+        load()

@@ -7,7 +7,8 @@ reports (total_flos, the steps and samples behind ``*_per_second``, the training
 model card, the saved config.json) is what the plain Trainer reports for the same global batch;
 the degree tsp_size="auto" chose is said under run_clm.py's logging; packed batches
 (DataCollatorWithFlattening: 4 float64 steps, every rank's losses, first gradients and weights
-against the unmodified model run on each document alone); resuming from a checkpoint is exact;
+against the unmodified model run on each document alone); resuming from a checkpoint is exact,
+and a LoRA run (a PeftModel) saved at tsp 2 resumes at tsp 4 with plain PEFT's steps and adapters;
 a Qwen2 checkpoint (with biases) loads shard-on-read into a TSP model with the plain model's
 logits; bf16=True (with and without gradient checkpointing) matches the plain Trainer in bf16 on
 one process within bf16's bounds; torch_compile_backend="aot_eager" compiles each decoder layer
@@ -19,6 +20,7 @@ import glob
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,17 +143,30 @@ REBALANCE = "--train_sampling_strategy batch_rebalance"  # the Trainer's sampler
 # mixed precision as a GPU user runs it: float32 weights, bf16 autocast (Accelerate's wrappers
 # around the model's forward), SGD's steps otherwise as above
 BF16 = "--dtype float32 --bf16 true"
+# a PeftModel (LoRA r 4, A and B random, seed 0) trained by AdamW (weight decay 0) at lr 1e-3
+# decaying linearly over the 4 steps, clipped at 0.5 (the norms are 0.52-1.8: it acts at every
+# step); "lora" (tsp 2) saves a checkpoint after step 2, which "lora_resumed" resumes at tsp 4
+LORA = "--lora 4 --optim adamw_torch --learning_rate 1e-3 --lr_scheduler_type linear"
+LORA_CHECKPOINT = os.path.join("o", "lora", "checkpoint-2")  # in two_processes' directory
+# the Trainer's own defaults in float32 (AdamW, linear decay, clipping at 1.0, shuffled rows), SGD's
+# overrides undone: "resume_full" saves a checkpoint after step 2, which "resumed" (a later case of
+# the same launch, so the same degree) resumes
+DEFAULTS = ("--dtype float32 --optim adamw_torch_fused --learning_rate 1e-3 --lr_scheduler_type "
+            "linear --max_grad_norm 1.0 --train_sampling_strategy random")
+RESUME_CHECKPOINT = os.path.join("o", "resume_full", "checkpoint-2")
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, saved_mqa) -> str:
+def two_processes(tmp_path_factory, saved_mqa, saved_llama) -> str:
     """One 2-process launch: TSPTrainer at tsp 2; the plain Trainer at dp 2 (what dp 2 x tsp 2
     must report); both again with batch_rebalance; tsp_size="auto" under run_clm.py's logging
     (planned for 24 tokens x 2 rows in 0.6 MB: 0.94 MB at D=1 does not fit 0.9 x 0.6 MB, 0.46 MB
     at D=2 does), one step; TSPTrainer given a plain TrainingArguments (the one switch);
     tsp_activation_offload with gradient checkpointing; bf16 (mixed precision), with and without
-    gradient checkpointing; packed batches (DataCollatorWithFlattening, 2 documents a step);
-    torch_compile with the aot_eager backend (last: it compiles)."""
+    gradient checkpointing; packed batches (DataCollatorWithFlattening, 2 documents a step); a
+    PeftModel (LoRA) saving a checkpoint after step 2; a run with the Trainer's defaults saving a
+    checkpoint after step 2, then resumed from it; torch_compile with the aot_eager backend
+    (last: it compiles)."""
     out = tmp_path_factory.mktemp("two_processes")
     proc = launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"),
                                       *SGD, "--out", str(out), "--case",
@@ -168,6 +183,12 @@ def two_processes(tmp_path_factory, saved_mqa) -> str:
                                       f"bf16_gc --tsp_size 2 {BF16} --gradient_checkpointing "
                                       "true",
                                       f"packed --tsp_size 2 {PACKED}",
+                                      f"lora --tsp_size 2 {LORA} --save_strategy steps "
+                                      "--save_steps 2",
+                                      f"resume_full --tsp_size 2 --model_path {saved_llama} "
+                                      f"{DEFAULTS} --save_strategy steps --save_steps 2",
+                                      f"resumed --tsp_size 2 --model_path {saved_llama} "
+                                      f"{DEFAULTS} --resume {out / RESUME_CHECKPOINT}",
                                       "compiled --tsp_size 2 --torch_compile_backend aot_eager"),
                       2, timeout=400)
     with open(out / "output.txt", "w") as f:
@@ -307,19 +328,22 @@ def test_auto_choice_is_said_under_run_clm_logging(two_processes):
         assert run["first_row"].get("tsp_size") == 2, (r, run["first_row"])
 
 
-def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_llama, saved_qwen3,
-                                                  two_processes):
-    # one torchrun launch of 4 processes, seven Trainer runs: dp 2 x tsp 2 (each data-parallel
-    # replica its own rows) with 1 key/value head, reporting what the plain Trainer on 2 processes
-    # reports, and again with batch_rebalance; tsp 4 with 1 and with 2, a Qwen3 (per-head
-    # q/k norms, head_dim 24, biases, a sliding layer) at tsp 4, packed rows at dp 2 x tsp 2
-    # (DataCollatorWithFlattening: each replica flattens its 2 documents), and (last:
-    # Accelerate's state stays FSDP for the process) FSDP2 dp_shard 2 x tsp 2 from
-    # TSPTrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}), evaluated before
-    # training too (the Trainer then prepares the model without its optimizer), with 2
-    # accumulated micro-batches of 1 row
-    # per step (FSDP2's gradient sync off for the first: Accelerate's no_sync) for dp2's batches
-    torchrun(*common(saved_mqa, tmp_path / "o"), *SGD, "--out", str(tmp_path), "--case",
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory, saved_mqa, saved_llama, saved_qwen3, two_processes) -> str:
+    """One torchrun launch of 4 processes, eight Trainer runs: dp 2 x tsp 2 (each data-parallel
+    replica its own rows) with 1 key/value head, reporting what the plain Trainer on 2
+    processes reports, and again with batch_rebalance; tsp 4 with 1 and with 2, a Qwen3
+    (per-head q/k norms, head_dim 24, biases, a sliding layer) at tsp 4, packed rows at
+    dp 2 x tsp 2 (DataCollatorWithFlattening: each replica flattens its 2 documents), the LoRA
+    run two_processes saved at tsp 2 resumed from its step-2 checkpoint at tsp 4, and (last:
+    Accelerate's state stays FSDP for the process) FSDP2 dp_shard 2 x tsp 2 from
+    TSPTrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}), evaluated before
+    training too (the Trainer then prepares the model without its optimizer), with 2
+    accumulated micro-batches of 1 row per step (FSDP2's gradient sync off for the first:
+    Accelerate's no_sync) for dp2's batches."""
+    out = tmp_path_factory.mktemp("four_processes")
+    checkpoint = os.path.join(two_processes, LORA_CHECKPOINT)
+    torchrun(*common(saved_mqa, out / "o"), *SGD, "--out", str(out), "--case",
              # TSP's logged figures, with an evaluation after step 2 and a checkpoint after
              # step 3 that must not count
              f"dp2 --tsp_size 2 {DP2}",
@@ -328,9 +352,15 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path, saved_mqa, saved_lla
              f"tsp4_kv2 --tsp_size 4 --model_path {saved_llama} --tsp_metrics false",
              f"qwen3 --tsp_size 4 --model_path {saved_qwen3}",
              f"packed_dp2 --tsp_size 2 {PACKED_DP2}",
+             f"lora_resumed --tsp_size 4 {LORA} --resume {checkpoint}",
              "fsdp --tsp_size 2 --rows 16 --fsdp full_shard --fsdp_config "
              "'{\"fsdp_version\": 2}' --eval_first true --per_device_train_batch_size 1 "
              "--gradient_accumulation_steps 2", procs=4)
+    return str(out)
+
+
+def test_data_parallel_and_tsp4_match_one_process(four_processes, two_processes):
+    tmp_path = Path(four_processes)
     from tests.jobs.trainer_job import packed_documents
 
     dp2 = reference(kv_heads=1, dp=2, rows=16)
@@ -432,21 +462,75 @@ def test_packed_batches_with_data_collator_with_flattening(two_processes):
             f"packed rows, rank {r}: eval_loss {run['eval_loss']} vs {ref['eval_loss']}"
 
 
-def test_resume_from_checkpoint_is_exact(tmp_path, saved_llama):
-    args = ["--tsp_size", "2"]
-    torchrun(*common(saved_llama, tmp_path / "a"), *args, "--save_strategy", "steps",
-             "--save_steps", "2", "--out", str(tmp_path / "ra"))
-    ckpt = tmp_path / "a" / "checkpoint-2"
-    assert (ckpt / "model.safetensors").exists() and (ckpt / "optimizer_dcp").is_dir()
-    torchrun(*common(saved_llama, tmp_path / "b"), *args, "--save_strategy", "no",
-             "--resume", str(ckpt), "--out", str(tmp_path / "rb"))
-    full, resumed = full_run(tmp_path / "ra"), full_run(tmp_path / "rb")
+def test_resume_from_checkpoint_is_exact(two_processes):
+    # the Trainer's defaults (float32 AdamW) at tsp 2, resumed at tsp 2 from checkpoint-2: every
+    # rank's steps 3-4 and final weights bit for bit
+    checkpoint = Path(two_processes) / RESUME_CHECKPOINT
+    assert (checkpoint / "model.safetensors").exists() and (checkpoint / "optimizer_dcp").is_dir()
+    full = full_run(os.path.join(two_processes, "resume_full"))
+    resumed = full_run(os.path.join(two_processes, "resumed"))
     assert len(full) == len(resumed) == 2
     for r, (a, b) in enumerate(zip(full, resumed)):  # every rank's losses and final weights
-        assert b["losses"] == a["losses"][2:], (r, a["losses"], b["losses"])
+        assert len(a["losses"]) == 4 and b["losses"] == a["losses"][2:], \
+            (r, a["losses"], b["losses"])
         assert sorted(b["weights"]) == sorted(a["weights"]), r
         for name, t in a["weights"].items():
             assert torch.equal(b["weights"][name], t), (r, name)
+
+
+class LinearDecayAdamW(torch.optim.AdamW):
+    """AdamW as the Trainer builds it for ``--optim adamw_torch`` (weight decay 0), its lr
+    decayed linearly to 0 over the 4 steps as ``--lr_scheduler_type linear`` decays it."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, lr=lr, weight_decay=0.0)
+        self.first_lr, self.taken = lr, 0
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["lr"] = self.first_lr * (1 - self.taken / 4)
+        self.taken += 1
+        return super().step(closure)
+
+
+def lora_reference() -> dict:
+    """Plain PEFT on one process, float64: the saved Llama (1 key/value head) as the job's
+    PeftModel (``hf_models.lora_model``, r 4, seed 0), :class:`LinearDecayAdamW` clipped at 0.5,
+    2 rows a step in order; the weights kept are the adapters'."""
+    data = torch.randint(0, 96, (8, 24), generator=torch.Generator().manual_seed(5))
+    model = hf_models.lora_model(hf_models.build("llama", torch.float64, kv_heads=1), 4, seed=0)
+    ref = hf_models.sgd_reference(model, list(data.split(2)), lr=1e-3, clip=0.5,
+                                  optimizer=LinearDecayAdamW)
+    ref["weights"] = {k: v for k, v in ref["weights"].items() if "lora_" in k}
+    return ref
+
+
+def test_lora_run_resumes_at_another_degree_exactly(two_processes, four_processes):
+    """A PeftModel's checkpoint holds PEFT's adapter files and the optimizer, no
+    model.safetensors; TSPTrainer resumes it as the Trainer resumes one (the adapter file into
+    the active adapter), here at tsp 4 from the step-2 checkpoint of a tsp 2 run. Against plain
+    PEFT on one process in float64, on every rank: the tsp 2 run's losses, gradient norms,
+    first adapter gradients and final adapters, and the resumed run's steps 3 and 4 (losses,
+    norms) and final adapters, to 1e-10 (the optimizer's moments and the lr schedule resumed
+    too: AdamW from fresh moments, or the lr of step 1, would move the adapters otherwise)."""
+    ref = lora_reference()
+    assert min(ref["norms"]) > 0.5 and len(ref["weights"]) == 28, (ref["norms"], ref["weights"])
+    checkpoint = Path(two_processes) / LORA_CHECKPOINT
+    assert (checkpoint / "adapter_model.safetensors").is_file() and \
+        not (checkpoint / "model.safetensors").exists(), sorted(os.listdir(checkpoint))
+    full = full_run(os.path.join(two_processes, "lora"))
+    assert len(full) == 2
+    for r, run in enumerate(full):
+        hf_models.assert_matches_reference({**run, "losses": run["exact_losses"]}, ref, 1e-10,
+                                           what=f"LoRA at tsp 2, rank {r}: ")
+    resumed = full_run(os.path.join(four_processes, "lora_resumed"))
+    assert len(resumed) == 4
+    steps_3_4 = {**ref, "losses": ref["losses"][2:], "norms": ref["norms"][2:]}
+    for r, run in enumerate(resumed):
+        assert run["tsp_size"] == 4, (r, run["tsp_size"])
+        hf_models.assert_matches_reference({**run, "losses": run["exact_losses"]}, steps_3_4,
+                                           1e-10, what=f"LoRA resumed at tsp 4, rank {r}: ",
+                                           keys=("losses", "norms", "weights"))
 
 
 def shard_on_read(tsp: int, path: str) -> int:

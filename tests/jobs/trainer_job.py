@@ -29,6 +29,10 @@ also records the Trainer's first log row (``first_row``).
 graph breaks; dynamo's ``trace_autograd_ops`` is restored and its caches reset afterwards, so
 the cases that follow in the same processes run as before.
 
+``--lora R``: the model trained is a PeftModel with a LoRA adapter of rank R on the seven
+projections (``hf_models.lora_model``, seeded with ``--seed``); the weights recorded are its
+adapters alone (``rank<R>_weights.pt``).
+
 ``--eval_first true``: ``evaluate()`` before ``train()`` too (``eval_loss0``). Under FSDP2
 (``--fsdp full_shard --fsdp_config '{"fsdp_version": 2}'``) every rank also records the bytes of
 parameter storage it holds and how its FSDP2 units were configured (``fsdp``)."""
@@ -77,6 +81,7 @@ class JobArgs:
     plain_args: bool = field(default=False)
     figures: bool = field(default=False)
     clm_logging: bool = field(default=False)
+    lora: int = field(default=0)
     case: list[str] = field(default_factory=list)
 
 
@@ -281,6 +286,8 @@ def run(job: JobArgs, args: TSPTrainingArguments) -> None:
     if job.clm_logging:
         configure_logging_as_run_clm(args)
     model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=getattr(torch, job.dtype))
+    if job.lora:
+        model = with_lora(model, job.lora, args.seed)
     if job.figures:
         model.config.architectures, model.config.dtype = None, None
     if job.packed:  # documents of different lengths, several per row
@@ -312,17 +319,44 @@ def run(job: JobArgs, args: TSPTrainingArguments) -> None:
     model = trainer.model
     if trainer.accelerator.is_fsdp2:
         extra["fsdp"] = {"storage": storage_bytes(model), "full": full_bytes, **fsdp_units(model)}
-    weights = (tsp_core.full_state_dict(model) if isinstance(model, TSPCausalLM)
-               else {k: v.detach().clone() for k, v in model.state_dict().items()})
+    weights = final_weights(model)
     rank = trainer.args.process_index
     os.makedirs(job.out, exist_ok=True)
     with open(os.path.join(job.out, f"rank{rank}.json"), "w") as f:
         json.dump({"losses": log.losses, "norms": log.norms, "eval_loss": metrics["eval_loss"],
                    "metric_rows": log.metric_rows, "step_counts": log.counters.steps,
-                   "tsp_size": get_mesh(model).size if isinstance(model, TSPCausalLM) else 1,
+                   "tsp_size": get_mesh(model).size if converted(model) else 1,
                    "mesh_timeouts": mesh_timeouts(model), "exact_losses": exact_losses,
                    "offload": offload_stats(model), **extra}, f)
     save_tensors(job.out, rank, weights, first.get("grads"))
+
+
+def with_lora(model, r: int, seed: int):
+    """``--lora R``: the model as a PeftModel with a LoRA adapter of rank R on the seven
+    projections (``hf_models.lora_model``: A and B random from ``seed``, the same on every rank
+    and in the test's one-process reference)."""
+    from tests.support.hf_models import lora_model
+
+    return lora_model(model, r, seed)
+
+
+def converted(model) -> bool:
+    """Whether ``model`` (or the model inside a PeftModel) is a TSP model."""
+    return isinstance(getattr(getattr(model, "base_model", None), "model", model), TSPCausalLM)
+
+
+def final_weights(model) -> dict:
+    """The full weights after training (every rank of a TSP group gathers); of a PeftModel its
+    adapters alone, by the PeftModel's parameter names (its base is frozen)."""
+    from tsp_core.models.lora import adapter_state_dict, is_peft_model
+
+    if is_peft_model(model):
+        if converted(model):
+            return adapter_state_dict(model)
+        return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    if isinstance(model, TSPCausalLM):
+        return tsp_core.full_state_dict(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def save_tensors(out: str, rank: int, weights: dict, grads: dict | None) -> None:
