@@ -45,9 +45,10 @@ BLOCK = 64  # bitsandbytes' NF4 block: one float32 absmax per 64 weights
 # lr eps dg / (|g| + eps)^2. Measured at tsp 2: the worst element has g = 4.5e-8 and dg = 3e-9
 # (1.0e-5 predicted, 9.2e-6 seen). The one-process reference against itself with TSP's chunked
 # sums (o/down products and q/k/v/gate/up input gradients in 2 chunks, adapter weight gradients
-# over each rank's zigzag tokens) moves by 1.7e-6 the same way (g = 2.6e-8 there): float32
-# order alone; no order TSP can choose reproduces one GEMM's. A wrong shard or a missing term
-# moves the adapters by lr or more.
+# over each rank's zigzag tokens) moves by 1.7e-6 the same way (g = 2.6e-8 there), and TSP with
+# the float32 base unquantized against plain PEFT by 1.6e-6 (the same element, g = 5.0e-8, dg =
+# 6e-10; first gradients 1.7e-6, here 2.0e-6): float32 order alone; no order TSP can choose
+# reproduces one GEMM's. A wrong shard or a missing term moves the adapters by lr or more.
 ADAMW_TOL = 3e-5
 
 
