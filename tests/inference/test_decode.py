@@ -436,11 +436,11 @@ def lora_generation(tsp: int, new: int = 8) -> list[list[int]]:
     """A PeftModel (tests/models/test_lora.py's Llama with one key/value head, r 4 on all seven
     projections, A and B random) with a second adapter "b" (r 2 on q, v and down), parallelized,
     against the same PeftModel on one process (unmodified PEFT and Hugging Face): greedy tokens
-    of PEFT's generate and every step's float64 logits to 1e-10 with the default adapter, under
-    ``disable_adapter()`` (the base's) and after ``set_adapter("b")``. At tsp 2 also (what does
-    not depend on the degree, checked once): ``PeftModel.generate`` and seeded sampling give
-    PEFT's tokens, and a decode step moves the bytes it moves without adapters. Returns every
-    greedy case's tokens (the same on every rank)."""
+    of PEFT's generate and every step's float64 logits to 1e-10 with the default adapter. At tsp
+    2 also (what does not depend on the degree, checked once): the same under
+    ``disable_adapter()`` (the base's) and after ``set_adapter("b")``, ``PeftModel.generate``
+    and seeded sampling give PEFT's tokens, and a decode step moves the bytes it moves without
+    adapters. Returns every greedy case's tokens (the same on every rank)."""
     from peft import LoraConfig
 
     from tests.models.test_lora import peft_model
@@ -459,17 +459,17 @@ def lora_generation(tsp: int, new: int = 8) -> list[list[int]]:
         seen[what] = peft_greedy(ref, model, ids, mask, new, f"{what} D={tsp}")
 
     greedy("default")
+    if tsp > 2:  # at tsp 4: one query head and a quarter of the key/value head per rank
+        return [seen["default"][0]]
     with ref.disable_adapter(), model.disable_adapter():
         greedy("disabled")
-    if tsp == 2:
-        same_traffic(model, ids, mask)
+    same_traffic(model, ids, mask)
     ref.set_adapter("b")
     model.set_adapter("b")
     greedy("b")
     firsts = [logits for _, logits in seen.values()]  # each adapter changed the logits
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(firsts, firsts[1:] + firsts[:1]))
-    if tsp == 2:
-        lora_generation_api(ref, model, ids, mask, new, seen["b"][0])
+    lora_generation_api(ref, model, ids, mask, new, seen["b"][0])
     return [tokens for tokens, _ in seen.values()]
 
 
@@ -517,8 +517,7 @@ def lora_generation_api(ref, model, ids: torch.Tensor, mask: torch.Tensor, new: 
 def test_lora_generation_matches_peft(pools, tsp):
     outs = pools.of(tsp).run(lora_generation, tsp)
     assert all(o == outs[0] for o in outs), "ranks generated different tokens"
-    default, disabled, b = outs[0]
-    assert default != disabled and b != disabled and b != default  # each adapter acts
+    assert len({str(tokens) for tokens in outs[0]}) == len(outs[0])  # each adapter acts
 
 
 def fused_lora_generation(tsp: int, new: int = 8) -> list[list[int]]:
