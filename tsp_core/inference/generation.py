@@ -170,7 +170,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
              pad_token_id: int | None = None, seed: int | None = None,
              return_logits: bool = False, min_p: float | None = None):
     """Generate up to ``max_new_tokens`` tokens after left-padded prompts ``input_ids`` [B, S]
-    (identical on every rank of the TSP group) on a model from :func:`tsp_core.parallelize`.
+    (identical on every rank of the TSP group) on a model from :func:`tsp_core.parallelize` (a
+    converted PEFT PeftModel too: its active adapter, as ``PeftModel.generate``).
 
     Returns the LongTensor [B, S + new] (prompts, then the new tokens; rows that stopped are
     padded with ``pad_token_id``), the same on every rank; with ``return_logits`` also the list
