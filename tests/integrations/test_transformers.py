@@ -784,3 +784,42 @@ def converted_model_keeps_its_degree(out: str) -> None:
 
 def test_a_converted_model_keeps_its_degree(pools, tmp_path):
     pools.of(2).run(converted_model_keeps_its_degree, str(tmp_path))
+
+
+def adapter_checkpoint_refusals(out: str) -> None:
+    """TSPTrainer's resume of a PeftModel (``peft_resume.adapter_loader``) refuses, on every rank
+    with no collective, an adapter file of another rank r (naming the shapes) and a directory
+    without adapter files or model.safetensors; a file of this model's shapes loads."""
+    import tsp_core
+    from tsp_core.models.lora import adapter_state_dict
+    from tsp_transformers.peft_resume import adapter_loader
+
+    model = tsp_core.parallelize(hf_models.lora_model(hf_models.build("llama", torch.float64),
+                                                      4, seed=0), dist_pool.mesh(2))
+    other_r, same = os.path.join(out, "r2"), os.path.join(out, "r4")
+    if dist.get_rank() == 0:
+        hf_models.lora_model(hf_models.build("llama", torch.float64), 2).save_pretrained(other_r)
+        hf_models.lora_model(hf_models.build("llama", torch.float64), 4, seed=3).save_pretrained(
+            same)
+        os.makedirs(os.path.join(out, "empty"))
+    dist.barrier()
+    with tsp_core.comm.track() as stats:
+        with pytest.raises(ValueError, match=r"r2/adapter_model.safetensors does not match this "
+                           r"PeftModel's adapter 'default': .*lora_A.weight has shape \(2, 64\) "
+                           r"in the file, \(4, 64\) here"):
+            adapter_loader(model, other_r)
+        with pytest.raises(FileNotFoundError, match="holds neither model.safetensors nor PEFT's "
+                                                    "adapter_model.safetensors"):
+            adapter_loader(model, os.path.join(out, "empty"))
+        adapter_loader(model, same)()
+    assert dict(stats.calls) == {}, stats.calls
+    want = hf_models.lora_model(hf_models.build("llama", torch.float64), 4, seed=3)
+    got = adapter_state_dict(model)
+    for name, t in want.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(got[name], t), name
+    dist.barrier()
+
+
+def test_adapter_checkpoint_refusals(pools, tmp_path):
+    pools.of(2).run(adapter_checkpoint_refusals, str(tmp_path))
