@@ -17,6 +17,7 @@ merging into the 4-bit base are refused by name on every rank before any collect
 from __future__ import annotations
 
 import contextlib
+import warnings
 from functools import partial
 
 import pytest
@@ -268,20 +269,39 @@ def test_double_quantization_dequantizes_exactly(pools, tmp_path):
 BF16 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
 
+def lora_state(model) -> dict[str, torch.Tensor]:
+    """A PeftModel's adapters as its state dict names them (copies)."""
+    return {n: t.clone() for n, t in model.state_dict().items() if ".lora_" in n}
+
+
+def same_adapters(model, lora: dict[str, torch.Tensor]):
+    """``model`` with the adapters ``lora``: PEFT rounds them into bf16 (keeping float32) when
+    the compute dtype is bf16, so a float32-compute model's differ from the start."""
+    missing = set(lora) - set(model.state_dict())
+    assert not missing, sorted(missing)
+    model.load_state_dict(lora, strict=False)
+    return model
+
+
 def bf16_step(path: str) -> dict:
     """Run on every rank: the base saved in bf16 and loaded 4-bit in bf16 with bf16 compute
     (what QLoRA users run; PEFT keeps the adapters float32) at tsp 2 against the same on one
-    process, and the same codes computed in float32 (loaded in float32: the same bf16 values):
-    the shards bit for bit; two SGD steps' losses within 2 G and the adapters' first gradients
-    within G of bf16 one process's (tests/support/precision.py: two bf16 runs rounding in
-    different places differ by ~6 u), and at least 0.1 u from float32's (it computed in bf16).
-    The figures, in u."""
+    process, and the same codes and adapters computed in float32 (loaded in float32: the same
+    bf16 values): the shards bit for bit; two SGD steps' losses within 2 G and the adapters'
+    first gradients within G of bf16 one process's (tests/support/precision.py: two bf16 runs
+    rounding in different places differ by ~6 u), and at least 0.1 u from float32's (it
+    computed in bf16). The base loaded in float32 with bf16 compute: TSP warns that it computes
+    in float32, and does (first gradients within 1e-5 of float32's). The figures, in u."""
     mesh, rank = dist_pool.mesh(2), dist.get_rank()
     data = parity.batches(SMALL["vocab_size"], 2, 32, 2, middle_ignored=True)
     sgd = partial(torch.optim.SGD, lr=0.5)
-    exact = run(qlora_model(path), data, sgd)
     ref = qlora_model(path, BF16, torch.bfloat16)
-    model = tsp_core.parallelize(qlora_model(path, BF16, torch.bfloat16), mesh)
+    lora = lora_state(ref)
+    exact = run(same_adapters(qlora_model(path), lora), data, sgd)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = tsp_core.parallelize(qlora_model(path, BF16, torch.bfloat16), mesh)
+    assert not [w for w in seen if "bnb_4bit_compute_dtype" in str(w.message)], seen
     check_shards_exact(model, ref)
     want = run(ref, data, sgd)
     got = run(model, data, sgd, replica_shard(mesh))
@@ -292,8 +312,15 @@ def bf16_step(path: str) -> dict:
     assert off >= 0.1 * precision.U, f"rank {rank}: gradients {off:.1e} from float32's: not bf16"
     worst = max(abs(a - b) / b for a, b in zip(got["losses"], want["losses"], strict=True))
     assert worst <= 2 * precision.G, f"rank {rank}: losses {got['losses']} vs {want['losses']}"
+    # loaded in float32 with bf16 compute: TSP computes in float32 (the model's dtype), says so
+    with pytest.warns(UserWarning, match=r"bnb_4bit_compute_dtype=torch.bfloat16 differs from "
+                                         r"the dtype the base was loaded in \(torch.float32\)"):
+        model = tsp_core.parallelize(same_adapters(qlora_model(path, BF16), lora), mesh)
+    f32 = precision.relative_error(run(model, data[:1], sgd, replica_shard(mesh))["grads"],
+                                   exact["grads"])
+    assert f32 <= 1e-5, f"rank {rank}: float32-loaded, bf16 compute: {f32:.1e} from float32's"
     return dict(grads=grads / precision.U, from_float32=off / precision.U,
-                losses=worst / precision.U)
+                losses=worst / precision.U, float32_loaded=f32)
 
 
 def test_bf16_compute_within_bf16_precision(pools, tmp_path):

@@ -14,6 +14,7 @@ dequantize per round (tsp_core/layers/nf4.py)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -109,7 +110,23 @@ def read_quantized(model: nn.Module, policy: DecoderPolicy) -> QuantizedBase | N
         q = Quantized(place, model.get_submodule(parent_path), name, module)
         refuse_state(q)
         found.append(q)
+    warn_compute_dtype(found)
     return QuantizedBase(found) if found else None
+
+
+def warn_compute_dtype(found: list[Quantized]) -> None:
+    """Warn when ``bnb_4bit_compute_dtype`` differs from the dtype the base was loaded in:
+    bitsandbytes then computes each 4-bit projection in the compute dtype, between casts, while
+    TSP computes in the model's dtype (a round's shards and input share one dtype), so the two
+    differ by that dtype's rounding (bf16 compute on a float32 model: adapter gradients 1.2 u of
+    bf16 apart at tsp 2)."""
+    pairs = sorted({(str(q.layer.compute_dtype), str(q.state.dtype)) for q in found
+                    if q.layer.compute_dtype not in (None, q.state.dtype)})
+    for compute, stored in pairs:
+        warnings.warn(f"bnb_4bit_compute_dtype={compute} differs from the dtype the base was "
+                      f"loaded in ({stored}): bitsandbytes computes each 4-bit projection in "
+                      f"{compute}, TSP computes it in {stored}, the model's dtype; load the base "
+                      f"with dtype={compute} to compute in {compute} ({DOCS})", stacklevel=3)
 
 
 def absmax_of(state: Any) -> torch.Tensor:
