@@ -68,12 +68,18 @@ def dynamic_size() -> torch.SymInt:
     return torch.library.get_ctx().new_dynamic_size()
 
 
-@torch._dynamo.assume_constant_result  # run while tracing, its result a constant of the graph
 def _key(*statics: Hashable) -> int:
     if statics not in _KEYS:
         _KEYS[statics] = len(_STATICS)
         _STATICS.append(statics)
     return _KEYS[statics]
+
+
+def prepare_tracing() -> None:
+    """Before anything is compiled: :func:`_key` runs while tracing and its result is a
+    constant of the graph (dynamo's ``assume_constant_result``). Not done at import: importing
+    dynamo costs every process about a second of CPU."""
+    torch._dynamo.assume_constant_result(_key)
 
 
 @torch.library.custom_op("tsp_opaque::run", mutates_args=())

@@ -11,7 +11,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from ..distributed import traced
+from ..distributed import opaque, traced
 from ..distributed.model_state import find_model_state
 from ..inference.decode import generating
 
@@ -65,6 +65,7 @@ def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
     if getattr(cls, "compiled_by", None) is not None:
         raise ValueError(f"{cls.__name__} is compiled already (by {cls.compiled_by!r})")
     options = INDUCTOR_OPTIONS if backend == "inductor" else None
+    opaque.prepare_tracing()
     compiled = torch.compile(cls.forward, backend=backend, fullgraph=True, dynamic=False,
                              options=options)
 
