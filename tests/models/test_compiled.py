@@ -10,7 +10,9 @@ ranks' graphs differ, and a collective dropped, merged or moved on one rank only
 them), issued and waited for in eager's order (the next round's prefetch in flight while this
 round computes); losses to 1e-10, first gradients to 1e-10 and weights after the SGD steps to
 1e-8 of the one-process model's, its loss computed from its logits. After training, generation
-compiles nothing (its steps run eagerly) and gives eager's greedy tokens.
+compiles nothing (its steps run eagerly) and gives eager's greedy tokens. Selective activation
+checkpointing is refused on every case's compiled layers, enabled after ``parallelize`` and
+before it.
 
 Inductor (``compile=True``) is not run here: its kernel builds take minutes on a CPU and starve
 the suite's other worker. ``compiled_and_eager(name, "inductor", torch.float32, 4)`` with
@@ -19,8 +21,10 @@ the suite's other worker. ``compiled_and_eager(name, "inductor", torch.float32, 
 The cases: Llama with one key/value head (each split over both ranks), Qwen3 (q/k norms),
 Mixtral under each MoE schedule (the routed experts run as opaque ops: their sizes depend on the
 routing), the expert schedule with token tiles, activation checkpointing and host offload on,
-and gpt-oss (attention sinks, sliding and full layers, expert biases); and Llama under FSDP2
-(dp_shard 2 x tsp 2, its gathers' hooks eager around the compiled forward)."""
+gpt-oss (attention sinks, sliding and full layers, expert biases), one Gated DeltaNet layer
+(Qwen3.5's linear attention) and one multi-head latent attention layer (DeepSeek-V3's, with its
+dense MLP); and Llama under FSDP2 (dp_shard 2 x tsp 2, its gathers' hooks eager around the
+compiled forward)."""
 
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import pytest
 import torch
 
 from tests.layers import test_moe
+from tests.models import test_deepseek_v3
 from tests.support import dist_pool, gather, hf_models, parity
 
 CHECKPOINTED = {"tile_tokens": 4, "activation_offload": True}
@@ -61,7 +66,43 @@ def _case(name: str):
         # FSDP2 over dp_shard 2 (DP_SHARD), every replica given the same rows
         "llama-fsdp2": (partial(hf_models.build, "llama", torch.float64, kv_heads=1), {}, False,
                         hf_models.reference_loss, 1),
+        # one layer each: Qwen3.5's Gated DeltaNet, DeepSeek-V3's MLA (with its dense MLP)
+        "gated_deltanet": (partial(_first_layer, hf_models.build, "qwen3_5-linear",
+                                   torch.float64), {}, False, hf_models.reference_loss, 1),
+        "mla": (partial(_first_layer, test_deepseek_v3.build), {}, False,
+                hf_models.reference_loss, 1),
     }[name]
+
+
+def _first_layer(build, *args):
+    """The model ``build(*args)`` gives, cut to its first decoder layer: one compiled graph."""
+    model = build(*args)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:1]
+    return model
+
+
+def _selective_refused(model, ref, mesh, backend: str, options: dict) -> list[str]:
+    """The errors of selective activation checkpointing enabled on the compiled ``model``, and
+    on a copy of ``ref`` then given to ``parallelize(compile=backend)`` ("not refused" for none):
+    tsp_core.models.compiled.refuse_selective_checkpointing."""
+    import tsp_core
+    from tsp_core.plan.simulate import recompute_kwargs
+
+    def error(call) -> str:
+        try:
+            call()
+        except ValueError as err:
+            return str(err)
+        return "not refused"
+
+    kwargs = {"activation_checkpointing_kwargs": recompute_kwargs("selective")}
+    before = copy.deepcopy(ref)
+    before.activation_checkpointing_enable(**kwargs)
+    return [error(partial(model.activation_checkpointing_enable, **kwargs)),
+            error(partial(tsp_core.parallelize, before, mesh, compile=backend, **options))]
 
 
 @contextlib.contextmanager
@@ -164,6 +205,8 @@ def compiled_and_eager(name: str, backend: str, dtype: torch.dtype, steps: int) 
         compiled = _record(model, mesh, data, checkpointed)
         compiled["generated"] = _generated(model)
         compiled["graphs_after_generation"] = dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled["selective"] = _selective_refused(model, ref, mesh, backend, options)
+        compiled["layer_classes"] = [type(layer).__name__ for layer in layers]
     finally:  # inductor leaves this behind in the pool's process
         if inductor_env is None:
             os.environ.pop(INDUCTOR_ENV, None)
@@ -191,6 +234,12 @@ def _check(rank: int, name: str, res: dict, exact: bool) -> None:
         assert a == b, f"{what} step {step}: issues and waits {b} vs eager {a}"
     assert len(compiled["logs"][0]) > 0
     assert compiled["graphs_after_generation"] == kinds, f"{what}: generation compiled graphs"
+    after, before = compiled["selective"]  # enabled after parallelize(compile=), and before
+    for msg, layer in ((after, compiled["layer_classes"][0]),
+                       (before, compiled["layer_classes"][0].removeprefix("Compiled"))):
+        assert msg.startswith(f"{layer}: selective activation checkpointing") and \
+            "cannot run on a layer compiled by parallelize(..., compile=...)" in msg, \
+            f"{what}: {msg}"
     if exact:
         assert compiled["losses"] == eager["losses"], (what, compiled["losses"], eager["losses"])
         assert torch.equal(compiled["generated"], eager["generated"]), what
@@ -204,7 +253,7 @@ def _check(rank: int, name: str, res: dict, exact: bool) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mixtral-ring", "mixtral-expert-offload",
-                                  "gpt_oss"])
+                                  "gpt_oss", "gated_deltanet", "mla"])
 def test_compiled_layers_match_eager_and_one_process(pools, name):
     for rank, res in enumerate(pools.of(2).run(compiled_and_eager, name, "aot_eager",
                                                torch.float64, 3)):

@@ -7,9 +7,11 @@ recompiles them. The layers' collectives are traced as ordered ops
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import noop_context_fn
 
 from ..distributed import opaque, traced
 from ..distributed.model_state import find_model_state
@@ -47,7 +49,10 @@ def compile_layers(model: nn.Module, compile: bool | str) -> None:
         return
     modules = find_model_state(model).policy.modules
     backend = "inductor" if compile is True else compile
-    for layer in getattr(getattr(model, modules.base_model), modules.layers):
+    layers = list(getattr(getattr(model, modules.base_model), modules.layers))
+    for layer in layers:
+        refuse_selective_checkpointing(layer, getattr(layer, CHECKPOINT_FUNC, None))
+    for layer in layers:
         layer.__class__ = compiled_class(type(layer), backend)
 
 
@@ -58,10 +63,11 @@ def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
     around the forward stays eager, outside the graph: the module's hooks (FSDP2's gathers) and
     Hugging Face's activation checkpointing, which wraps the subclass's forward (a layer class's
     subclass is checkpointed by its outermost forward), so the recompute runs the compiled
-    forward again. Before each call it tells the graph what only the eager code can see
-    (:class:`traced.Outside`). Shapes are static (``dynamic=False``: a round's shard sizes are
-    Python numbers): each new sequence length compiles one graph per kind of layer. A
-    generation's prefill and decode steps run the layer eagerly."""
+    forward again; selective checkpointing is refused (:func:`refuse_selective_checkpointing`),
+    enabled before compiling or after. Before each call it tells the graph what only the eager
+    code can see (:class:`traced.Outside`). Shapes are static (``dynamic=False``: a round's
+    shard sizes are Python numbers): each new sequence length compiles one graph per kind of
+    layer. A generation's prefill and decode steps run the layer eagerly."""
     if getattr(cls, "compiled_by", None) is not None:
         raise ValueError(f"{cls.__name__} is compiled already (by {cls.compiled_by!r})")
     options = INDUCTOR_OPTIONS if backend == "inductor" else None
@@ -85,8 +91,52 @@ def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
                 f"lengths (a collator's pad_to_multiple_of, packed rows of one length) or raise "
                 f"that limit") from err
 
-    return type(f"Compiled{cls.__name__}", (cls,), {"forward": forward, "compiled_by": backend,
-                                                    "__module__": cls.__module__})
+    return type(f"Compiled{cls.__name__}", (cls,), {
+        "forward": forward, "compiled_by": backend, "__module__": cls.__module__,
+        CHECKPOINT_FUNC: property(_checkpoint_func, _set_checkpoint_func)})
+
+
+# where Hugging Face's activation_checkpointing_enable puts each layer's checkpoint function
+# (functools.partial of torch.utils.checkpoint.checkpoint with its keyword arguments)
+CHECKPOINT_FUNC = "_gradient_checkpointing_func"
+
+
+def _checkpoint_func(layer: nn.Module) -> Any:
+    """The checkpoint function Hugging Face set on ``layer`` (an instance attribute before
+    the layer was compiled, or through :func:`_set_checkpoint_func` after)."""
+    try:
+        return layer.__dict__[CHECKPOINT_FUNC]
+    except KeyError:
+        raise AttributeError(CHECKPOINT_FUNC) from None
+
+
+def _set_checkpoint_func(layer: nn.Module, func: Any) -> None:
+    """A compiled layer's checkpoint function is set when activation checkpointing is enabled
+    (on every rank, before any collective): a selective one is refused there."""
+    refuse_selective_checkpointing(layer, func)
+    layer.__dict__[CHECKPOINT_FUNC] = func
+
+
+def refuse_selective_checkpointing(layer: nn.Module, func: Any) -> None:
+    """Raise for selective activation checkpointing (a ``context_fn``) on a compiled layer,
+    which neither order can run (docs/design.md "Compiled layers"). Around the compiled forward
+    (Hugging Face's order, as for full checkpointing) the policy is a dispatch mode that must run
+    each op of the graph: the traced collectives are ordered-effect ops it has no rule for, and
+    an inductor kernel would hide the matmuls it saves. Inside the graph (torchtitan's order)
+    AOT autograd's partitioner recomputes the rounds' broadcasts and K/V all-gathers in the
+    backward on the forward's effect token, which is no tensor at run time; saving their results
+    instead would keep other ranks' weight shards and keys/values, which the memory rules
+    forbid."""
+    keywords = getattr(func, "keywords", None) or {}
+    if keywords.get("context_fn", noop_context_fn) is noop_context_fn:
+        return
+    raise ValueError(
+        f"{type(layer).__name__}: selective activation checkpointing "
+        f"(activation_checkpointing_kwargs with a context_fn) cannot run on a layer compiled "
+        f"by parallelize(..., compile=...): its policy cannot see the compiled graph's ops, "
+        f"and inside the graph the backward would recompute the layer's collectives. Enable "
+        f"full checkpointing (activation_checkpointing_kwargs={{'use_reentrant': False}}) "
+        f"with compile, or parallelize with compile=False to keep the selective policy")
 
 
 def compiled_by(layer: nn.Module) -> str | None:

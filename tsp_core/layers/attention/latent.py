@@ -97,11 +97,16 @@ class LatentSpec:
         """Channels of the latent each token contributes: ``[c_kv | k_rope]``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def __post_init__(self) -> None:
+        # built here, not in the compiled forward: dynamo cannot construct AttentionParts' parts
+        object.__setattr__(self, "_attention", AttentionSpec(
+            self.hidden_size, self.num_heads, self.num_heads, self.padded_dim, self.tsp_size,
+            self.layout, AttentionParts(scale=self.scale)))
+
     @property
     def attention(self) -> AttentionSpec:
         """The causal pattern's spec, for the row groups' flash pieces (tsp_core.layers.flash)."""
-        return AttentionSpec(self.hidden_size, self.num_heads, self.num_heads, self.padded_dim,
-                             self.tsp_size, self.layout, AttentionParts(scale=self.scale))
+        return self._attention
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool

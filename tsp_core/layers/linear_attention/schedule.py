@@ -202,7 +202,7 @@ def _prepare(x: torch.Tensor, halo: torch.Tensor, u: _Unit, w: list[torch.Tensor
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     cd = compute_dtype(x.dtype)
     beta = torch.sigmoid(F.linear(xu, wb))
-    g = -a_log.to(cd).exp() * F.softplus(F.linear(xu, wa).to(cd) + dt_bias)
+    g = -a_log.to(cd).exp() * Softplus.apply(F.linear(xu, wa).to(cd) + dt_bias)
     if valid is not None:
         beta, g = beta * valid[..., None].to(beta.dtype), g * valid[..., None].to(g.dtype)
     rep = nv // nk
@@ -211,6 +211,25 @@ def _prepare(x: torch.Tensor, halo: torch.Tensor, u: _Unit, w: list[torch.Tensor
     q, k = l2norm(q), l2norm(k)
     z = F.linear(xu, wz).reshape(R, T, nv, dv)
     return _Prepared(q * dk ** -0.5, k, v, g, beta, z)
+
+
+class Softplus(torch.autograd.Function):
+    """``F.softplus`` (its numbers, forward and backward) whose backward takes the gradient
+    contiguous. The gradient arrives transposed (from the decay's transpose in
+    :func:`_prepare`); on that and a contiguous input, a compiled graph's fake
+    ``softplus_backward`` takes the input's layout and the CPU kernel the gradient's, so the
+    compiled backward's view of the result failed at run time (Gated DeltaNet under
+    ``parallelize(..., compile=...)``)."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(u)
+        return F.softplus(u)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        u, = ctx.saved_tensors
+        return torch.ops.aten.softplus_backward(grad.contiguous(), u.contiguous(), 1, 20)
 
 
 def _output(p: _Prepared, state: torch.Tensor, w: list[torch.Tensor], norm_w: torch.Tensor,
