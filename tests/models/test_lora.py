@@ -317,8 +317,9 @@ def peft_behaviour(path: str) -> None:
     adapter saved by PEFT's ``save_pretrained`` with ``state_dict=tsp_core.full_state_dict``
     loads into the unmodified base with plain PEFT and
     gives the reference's logits; under ``disable_adapter()`` it gives the base model's loss (the
-    reference's, adapter disabled), then the adapted one again; generation is refused by name
-    before any collective; ``unload()`` leaves the TSP base
+    reference's, adapter disabled), then the adapted one again; PEFT's per-row
+    ``adapter_names=`` is refused by name before any collective (TSP's adapters would ignore
+    it); ``unload()`` leaves the TSP base
     model; ``merge_and_unload()`` a TSP model with the adapted loss whose full state is the
     reference's ``merge_and_unload()`` one (1e-12)."""
     from peft import PeftModel
@@ -361,6 +362,13 @@ def peft_behaviour(path: str) -> None:
             assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
         got.append(losses(model, True))
     assert abs(base - adapted) > 1e-3  # the adapters change the loss
+    model.eval()  # PEFT takes adapter_names= in eval mode only (evaluation, generation)
+    with tsp_core.comm.track() as stats, pytest.raises(
+            NotImplementedError, match=r"adapter_names= \(PEFT's per-row adapter choice\) is not "
+                                       r"supported under TSP: every row runs the active adapter"):
+        model(**batch, adapter_names=["__base__", "__base__"])  # would give the adapted rows
+    assert not dict(stats.calls), (dist.get_rank(), dict(stats.calls))
+    model.train()
     for g, want in zip(got, [adapted, base, adapted]):
         assert abs(g - want) <= 1e-10 * abs(want), (got, adapted, base)
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)

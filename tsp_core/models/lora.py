@@ -128,6 +128,8 @@ class PeftAdapters:
         # PEFT's set_adapter reaches the layers of its tuner_layer_cls: ours too
         tuner = self.peft_model.base_model
         tuner.tuner_layer_cls = (type(tuner).tuner_layer_cls, tuner_class(), tuner_class(True))
+        # PEFT's per-call adapter choices hook its own layers, which TSP's are not
+        tuner._enable_peft_forward_hooks = MethodType(refuse_per_call_adapters, tuner)
 
     def restore_requires_grad(self) -> None:
         """Every parameter's ``requires_grad`` as PEFT set it (the TSP modules' parameters are
@@ -173,6 +175,22 @@ def adapter_state_dict(model: nn.Module) -> dict[str, Any]:
     return {f"{prefix}.{name}": t
             for prefix, m in model.named_modules() if isinstance(m, TSPLoRA)
             for name, t in m.full_tensors().items()}
+
+
+@contextlib.contextmanager
+def refuse_per_call_adapters(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
+    """The converted tuner's ``_enable_peft_forward_hooks``, which PEFT enters around each
+    forward and ``generate``. PEFT's ``adapter_names=`` (an adapter per row) and
+    ``alora_offsets=`` work by hooks on its own LoRA layers; TSP's adapters are not those, so the
+    choice would be ignored and the active adapter applied to every row. Refused instead, on
+    every rank before the forward's first collective."""
+    given = [k for k in ("adapter_names", "alora_offsets") if kwargs.get(k) is not None]
+    if given:
+        raise NotImplementedError(
+            f"{' and '.join(given)}= (PEFT's per-row adapter choice) is not supported under TSP: "
+            f"every row runs the active adapter. Choose it with set_adapter(name), or "
+            f"disable_adapter() for the base (docs/lora.md)")
+    yield
 
 
 def save_pretrained(model: nn.Module, save_directory: str, *args: Any, **kwargs: Any) -> None:
