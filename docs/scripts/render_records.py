@@ -475,60 +475,96 @@ def long_context_llama8b(load: Loader) -> str:
 
 def long_context_llama8b_lora(load: Loader) -> str:
     """long-context.md: the longest Llama-3.1-8B sequence with LoRA (bf16 base, float32 adapters)
-    on 8 x 80 GB (with offload too when LORA_RECORDS holds such rows), beside full fine-tuning's
-    rows at the same GPUs."""
+    and QLoRA (the base's projections NF4) on 8 x 80 GB, without and with offload, beside full
+    fine-tuning's rows at the same GPUs."""
     lines = ["| fine-tuning | offload | tokens | GPU peak GiB | of the limit (90% of the GPU) | "
-             "host GiB per node | gradients GiB | optimizer states GiB | activations GiB | fits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "host GiB per node | weights GiB | gradients GiB | optimizer states GiB | "
+             "activations GiB | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     cmds = []
     for name, r in ((n, r) for n in LORA_RECORDS for r in sim_rows(load, n)):
         limit, offload, host, fits = llama8b_fit(r, 80)
-        tuning = f"LoRA r={r['lora']}" if r.get("lora") else "full"
-        lines.append(f"| {tuning} | {'yes' if offload else 'no'} | {r['seq']:,} | {gib(r):.2f} | "
-                     f"{r['peak_bytes'] / limit:.1%} | {host / GIB:.0f} | "
-                     f"{gib(r, 'gradients'):.2f} | {gib(r, 'optimizer_states'):.2f} | "
-                     f"{gib(r, 'activations'):.2f} | {'yes' if fits else 'no'} |")
+        lines.append(f"| {tuning(r)} | {'yes' if offload else 'no'} | {r['seq']:,} | "
+                     f"{gib(r):.2f} | {r['peak_bytes'] / limit:.1%} | {host / GIB:.0f} | "
+                     f"{weights(r) / GIB:.2f} | {gib(r, 'gradients'):.2f} | "
+                     f"{gib(r, 'optimizer_states'):.2f} | {gib(r, 'activations'):.2f} | "
+                     f"{'yes' if fits else 'no'} |")
         if r.get("lora") and command(load, name) not in cmds:
             cmds.append(command(load, name))
-    return ("\n".join(lines) + "\n\n" + lora_note(load) + "\nThe LoRA commands:\n\n"
+    kinds = "LoRA and QLoRA" if any("--qlora" in c.split() for c in cmds) else "LoRA"
+    return ("\n".join(lines) + "\n\n" + lora_note(load) + f"\nThe {kinds} commands:\n\n"
             + code("\n".join(cmds)))
 
 
+def tuning(r: dict) -> str:
+    """A row's fine-tuning: full, LoRA r=R or QLoRA r=R."""
+    if not r.get("lora"):
+        return "full"
+    return f"{'QLoRA' if r.get('qlora') else 'LoRA'} r={r['lora']}"
+
+
+def weights(r: dict) -> int:
+    """A row's resident weights: its parameters and buffers (QLoRA's NF4 shards are buffers)."""
+    return r["breakdown"]["parameters"] + r["breakdown"].get("buffers", 0)
+
+
 def lora_note(load: Loader) -> str:
-    """The LoRA rows against full fine-tuning's, in words."""
+    """The LoRA and QLoRA rows against full fine-tuning's, in words: each fine-tuning's longest
+    fitting row, without offload and with it, and why the next length does not fit (a simulated
+    row that does not, or, bound by the host, the host bytes one step more would take)."""
     rows = [r for n in LORA_RECORDS for r in sim_rows(load, n)]
 
-    def longest(lora: bool, offload: bool) -> tuple[dict, dict | None]:
-        mine = sorted((r for r in rows if bool(r.get("lora")) == lora
+    def longest(kind: str, offload: bool) -> tuple[dict, str] | None:
+        mine = sorted((r for r in rows if tuning(r).split()[0] == kind
                        and bool(r.get("activation_offload")) == offload), key=lambda r: r["seq"])
-        fit = [r for r in mine if llama8b_fit(r, 80)[3]][-1]
+        fit = [r for r in mine if llama8b_fit(r, 80)[3]]
+        if not fit:
+            return None
+        fit = fit[-1]
         over = next((r for r in mine if r["seq"] > fit["seq"]), None)
-        return fit, over
+        if over is not None:
+            return fit, f"{over['seq']:,} does not"
+        step, host = 2 * fit["degree"], llama8b_fit(fit, 80)[2]
+        more = host / fit["seq"] * (fit["seq"] + step) - 1.5 * 2**40
+        return fit, (f"bound by the host: its layer inputs take {host / GIB:,.0f} GiB per node, "
+                     f"and {fit['seq'] + step:,} tokens, one step more, would take "
+                     f"{more / MIB:,.0f} MiB more than 1.5 TiB")
 
     def per_token(r: dict) -> str:
         return f"{r['breakdown']['activations'] / r['seq']:,.0f}"
 
-    (lo, lo_over), (fo, _) = longest(True, False), longest(False, False)
+    (fo, _), (lo, lo_why) = longest("full", False), longest("LoRA", False)
     text = (
-        f"Without offload LoRA fits {lo['seq']:,} tokens ({lo_over['seq']:,} does not), "
+        f"Without offload LoRA fits {lo['seq']:,} tokens ({lo_why}), "
         f"{lo['seq'] / fo['seq'] - 1:+.1%} against full fine-tuning's {fo['seq']:,} (searched "
         f"in steps of 131,072 tokens): the AdamW states shrink from "
         f"{gib(fo, 'optimizer_states'):.2f} to {gib(lo, 'optimizer_states'):.2f} GiB per rank, "
         f"while the activations, most of the peak, take {per_token(lo)} bytes per token of the "
         f"sequence against full fine-tuning's {per_token(fo)}.")
-    if not any(r.get("lora") and r.get("activation_offload") for r in rows):
-        return para(text)
-    (lw, lw_over), (fw, _) = longest(True, True), longest(False, True)
-    return para(text + (
-        f" With offload LoRA fits {lw['seq']:,} tokens ({lw_over['seq']:,} does not), "
-        f"{lw['seq'] / fw['seq'] - 1:+.1%} against full fine-tuning's {fw['seq']:,}: it holds "
-        f"{gib(lw, 'activations'):.2f} GiB of activations at {lw['seq']:,} tokens against full "
-        f"fine-tuning's {gib(fw, 'activations'):.2f} GiB at {fw['seq']:,} ({per_token(lw)} and "
-        f"{per_token(fw)} bytes per token of the sequence)."))
+    if found := longest("QLoRA", False):
+        qo, qo_why = found
+        text += (f" QLoRA fits {qo['seq']:,} tokens ({qo_why}), "
+                 f"{qo['seq'] / lo['seq'] - 1:+.1%} against LoRA: its weights take "
+                 f"{weights(qo) / GIB:.2f} GiB per rank against LoRA's {weights(lo) / GIB:.2f} "
+                 f"(the base's projections as NF4 shards: "
+                 f"{qo['breakdown'].get('buffers', 0) / GIB:.2f} GiB).")
+    fw = longest("full", True)
+    for kind in ("LoRA", "QLoRA"):
+        if (found := longest(kind, True)) and fw:
+            (w, why), full = found, fw[0]
+            limit = llama8b_fit(w, 80)[0]
+            text += (f" With offload {kind} fits {w['seq']:,} tokens ({why}; full fine-tuning: "
+                     f"{full['seq']:,}, bound by the GPU), its GPU peak {gib(w):.2f} GiB, "
+                     f"{w['peak_bytes'] / limit:.1%} of the limit, with "
+                     f"{per_token(w)} bytes of activations per token of the sequence (full "
+                     f"fine-tuning: {per_token(full)}).")
+    return para(text)
 
 
-# LoRA's rows and full fine-tuning's beside them on 8 x 80 GB (long_context_llama8b_lora)
-LORA_RECORDS = ("simulate-llama8b-1.5m", "simulate-llama8b-lora16-1.55m")
+# LoRA's and QLoRA's rows and full fine-tuning's beside them on 8 x 80 GB, without offload, then
+# with it (long_context_llama8b_lora)
+LORA_RECORDS = ("simulate-llama8b-1.5m", "simulate-llama8b-lora16-1.55m",
+                "simulate-llama8b-5.75m-offload", "simulate-llama8b-lora16-6m-offload")
 
 
 # the records behind long_context_llama8b, in the table's order, with their GPU's memory (GB)
