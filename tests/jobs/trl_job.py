@@ -27,7 +27,8 @@ the same kind (another seed); its metrics go to ``rank<R>.json`` under "eval".
 every rank records what the trainer ran with (``precision``).
 
 Every rank also writes the full gradients of the first step before clipping
-(``rank<R>_grads0.pt``)."""
+(``rank<R>_grads0.pt``). With ``--torch_compile_backend`` (the config's own argument) it also
+records ``compiled``: which decoder layers were compiled and dynamo's graph breaks."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from trl import DPOTrainer, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import tsp_core
-from tests.jobs.trainer_job import record_first_gradients, save_tensors
+from tests.jobs.trainer_job import compiled_layers, record_first_gradients, save_tensors
 from tests.jobs.trl_rows import LOGGED, Rows, preference_rows, run_cases, sft_rows  # noqa: F401
 from tsp_core.models import TSPCausalLM
 from tsp_transformers import TSPTrainer
@@ -117,6 +118,9 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
     precision = {"bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing}
     os.makedirs(job.out, exist_ok=True)
     extra = {}
+    if args.torch_compile:  # this case's graphs and breaks alone
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
     try:
         if job.mode == "logits_loss":
             trainer = LogitsLossTrainer(
@@ -131,6 +135,9 @@ def train(job: JobArgs, args: TSPSFTConfig | TSPDPOConfig) -> None:
                                     callbacks=[log])
         first = record_first_gradients(trainer)
         trainer.train()
+        if args.torch_compile:
+            extra["compiled"] = {"layers": compiled_layers(trainer.model),
+                                 "breaks": dict(torch._dynamo.utils.counters["graph_break"])}
         if eval_data is not None:
             extra["eval"] = {k: v for k, v in trainer.evaluate().items()
                              if k.startswith("eval_") and isinstance(v, (int, float))}
