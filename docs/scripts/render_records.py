@@ -533,6 +533,9 @@ def lora_note(load: Loader) -> str:
     def per_token(r: dict) -> str:
         return f"{r['breakdown']['activations'] / r['seq']:,.0f}"
 
+    def temps(r: dict) -> int:
+        return r["breakdown"]["temporaries"]
+
     (fo, _), (lo, lo_why) = longest("full", False), longest("LoRA", False)
     text = (
         f"Without offload LoRA fits {lo['seq']:,} tokens ({lo_why}), "
@@ -548,23 +551,29 @@ def lora_note(load: Loader) -> str:
                  f"{weights(qo) / GIB:.2f} GiB per rank against LoRA's {weights(lo) / GIB:.2f} "
                  f"(the base's projections as NF4 shards: "
                  f"{qo['breakdown'].get('buffers', 0) / GIB:.2f} GiB).")
-    fw = longest("full", True)
-    for kind in ("LoRA", "QLoRA"):
-        if (found := longest(kind, True)) and fw:
-            (w, why), full = found, fw[0]
-            limit = llama8b_fit(w, 80)[0]
-            text += (f" With offload {kind} fits {w['seq']:,} tokens ({why}; full fine-tuning: "
-                     f"{full['seq']:,}, bound by the GPU), its GPU peak {gib(w):.2f} GiB, "
-                     f"{w['peak_bytes'] / limit:.1%} of the limit, with "
-                     f"{per_token(w)} bytes of activations per token of the sequence (full "
-                     f"fine-tuning: {per_token(full)}).")
+    (full, _), (lw, why) = longest("full", True), longest("LoRA", True)
+    limit = llama8b_fit(lw, 80)[0]
+    text += (f" With offload LoRA fits {lw['seq']:,} tokens ({why}; full fine-tuning: "
+             f"{full['seq']:,}, bound by the GPU), its GPU peak {gib(lw):.2f} GiB, "
+             f"{lw['peak_bytes'] / limit:.1%} of the limit, with {per_token(lw)} bytes of "
+             f"activations per token of the sequence (full fine-tuning: {per_token(full)}).")
+    if found := longest("QLoRA", True):
+        (qw, _) = found
+        text += (f" QLoRA with offload fits {qw['seq']:,} tokens too, bound by the host alike, "
+                 f"its GPU peak {gib(qw):.2f} GiB ({qw['peak_bytes'] / limit:.1%}), "
+                 f"{(lw['peak_bytes'] - qw['peak_bytes']) / GIB:.2f} GiB below LoRA's: its "
+                 f"weights take {weights(qw) / GIB:.2f} GiB against LoRA's "
+                 f"{weights(lw) / GIB:.2f} (the NF4 shards "
+                 f"{qw['breakdown'].get('buffers', 0) / GIB:.2f}), and its temporaries at the "
+                 f"peak {(temps(lw) - temps(qw)) / MIB:.0f} MiB less.")
     return para(text)
 
 
 # LoRA's and QLoRA's rows and full fine-tuning's beside them on 8 x 80 GB, without offload, then
 # with it (long_context_llama8b_lora)
 LORA_RECORDS = ("simulate-llama8b-1.5m", "simulate-llama8b-lora16-1.55m",
-                "simulate-llama8b-5.75m-offload", "simulate-llama8b-lora16-6m-offload")
+                "simulate-llama8b-5.75m-offload", "simulate-llama8b-lora16-6m-offload",
+                "simulate-llama8b-qlora16-6m-offload")
 
 
 # the records behind long_context_llama8b, in the table's order, with their GPU's memory (GB)
