@@ -572,8 +572,8 @@ def lora_note(load: Loader) -> str:
 # LoRA's and QLoRA's rows and full fine-tuning's beside them on 8 x 80 GB, without offload, then
 # with it (long_context_llama8b_lora)
 LORA_RECORDS = ("simulate-llama8b-1.5m", "simulate-llama8b-lora16-1.55m",
-                "simulate-llama8b-qlora16-1.7m", "simulate-llama8b-5.75m-offload", "simulate-llama8b-lora16-6m-offload",
-                "simulate-llama8b-qlora16-6m-offload")
+                "simulate-llama8b-qlora16-1.7m", "simulate-llama8b-5.75m-offload",
+                "simulate-llama8b-lora16-6m-offload", "simulate-llama8b-qlora16-6m-offload")
 
 
 # the records behind long_context_llama8b, in the table's order, with their GPU's memory (GB)
