@@ -7,7 +7,7 @@ dp 2 x tsp 2 (TSP_SIZE from the launch environment), tsp 4 with 1 and 2 key/valu
 FSDP2 dp_shard 2 x tsp 2 from an accelerate config file and from code (each rank holding 1/4 of
 the model); with ``mixed_precision="bf16"`` at dp 2 x tsp 2 it matches the plain Accelerator in
 bf16 on one process within bf16's bounds; a PEFT PeftModel (LoRA) at dp 2 x tsp 2 matches it on
-one process in float64, its base weights unchanged; with ``dynamo_backend="aot_eager"`` each
+one process in float64, its base weights unchanged; with ``dynamo_backend="eager"`` each
 decoder layer is compiled and dp 2 x tsp 2 trains as eager bit for bit; dynamo options per-layer
 compilation cannot honour are refused."""
 
@@ -95,7 +95,7 @@ def reference(kv_heads: int, rows_per_step: int, dtype=torch.float64, clip: floa
 
 
 def assert_compiled_as_eager(out, ref: dict) -> None:
-    """The compiled case: TSPAccelerator(dynamo_backend="aot_eager") at dp 2 x tsp 2 compiled
+    """The compiled case: TSPAccelerator(dynamo_backend="eager") at dp 2 x tsp 2 compiled
     each decoder layer (compile_layers' mark) with no graph break and handed back the TSP model
     itself (no OptimizedModule: Accelerate compiled nothing whole), and every rank's losses,
     first gradients and final weights are the eager dp2 case's bit for bit, and the unmodified
@@ -128,7 +128,7 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
     # FSDP2 dp_shard 2 x tsp 2 from that config file with the script unchanged (and a
     # save_state/load_state round trip), and from code (ParallelismConfig + plugin, with
     # activation_offload=True and checkpointed layers: the switch reaches parallelize); last,
-    # dynamo_backend="aot_eager" at dp 2 x tsp 2 (each decoder layer compiled). float64,
+    # dynamo_backend="eager" at dp 2 x tsp 2 (each decoder layer compiled). float64,
     # SGD at lr 0.5, clipping at 0.5 (norms 1.3-2.3: it acts at every step), so the weights
     # check the gradients' directions and the norms their sizes; the first gradients are
     # compared too.
@@ -148,7 +148,7 @@ def test_data_parallel_and_tsp4_match_one_process(tmp_path):
                   "--case", f"bf16 {BF16}",
                   "--case", f"lora {sgd} --kv-heads 1 --tsp-size 2 --lora 4",
                   "--case", f"compiled {sgd} --kv-heads 1 --tsp-size 2 --dynamo-backend "
-                  f"aot_eager"],
+                  f"eager"],
                  TSP_SIZE="2")
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 2" in stdout, stdout
     assert "processes 4, distributed DistributedType.MULTI_CPU, TSP degree 4" in stdout, stdout

@@ -6,7 +6,7 @@ heads (torchrun), with TSP's logged figures equal to comm's counters; with activ
 and checkpointed layers the losses and first gradients to 1e-10; bf16 trains like float32 within
 bf16's precision; a PEFT PeftModel at tsp 2 and dp 2 x tsp 2 trains its adapters as on one
 process (to 1e-10, the base untouched), and under bf16-mixed and bf16-true within bf16's
-precision; resume is exact; TSPStrategy(compile="aot_eager") compiles each decoder layer and
+precision; resume is exact; TSPStrategy(compile="eager") compiles each decoder layer and
 trains as uncompiled bit for bit; bad configurations (trainer.fit(torch.compile(module)) among
 them) fail fast everywhere."""
 
@@ -367,7 +367,7 @@ BAD = {"tsp3": (["--tsp-size", "3"], r"tsp_size \(3\) must divide the world size
                           r"LightningModule.*TSPStrategy\(compile=True\)")}
 
 
-# TSPStrategy(compile="aot_eager") against the same run uncompiled: tsp 2, float64, clipped SGD
+# TSPStrategy(compile="eager") against the same run uncompiled: tsp 2, float64, clipped SGD
 COMPILED = ("--devices", "2", "--tsp-size", "2", "--kv-heads", "1", *SGD)
 
 
@@ -401,9 +401,9 @@ def two_processes(tmp_path_factory) -> str:
             "--case", " ".join(["lora_mixed", *LORA_BF16, "--precision", "bf16-mixed"]),
             "--case", " ".join(["lora_true", *LORA_BF16, "--precision", "bf16-true"]),
             "--case", " ".join(["eager", *COMPILED]),
-            "--case", " ".join(["compiled", *COMPILED, "--compile", "aot_eager"]),
+            "--case", " ".join(["compiled", *COMPILED, "--compile", "eager"]),
             "--case", " ".join(["fabric_compiled", "--mode", "fabric", *COMPILED, "--compile",
-                                "aot_eager"]), *bad,
+                                "eager"]), *bad,
             torchrun=2)
     return str(out)
 
@@ -483,7 +483,7 @@ def doc_by_doc_loss(docs: list[list[int]], model) -> float:
 
 
 def test_compile_compiles_each_decoder_layer(two_processes):
-    # TSPStrategy(compile="aot_eager") at tsp 2, float64, 4 clipped SGD steps: on every rank
+    # TSPStrategy(compile="eager") at tsp 2, float64, 4 clipped SGD steps: on every rank
     # each decoder layer was compiled (compile_layers' mark) with no graph break, the module was
     # not compiled whole (no Lightning compiler mark, the strategy's model the LightningModule
     # itself), and the losses, logged losses, clipping norms, first gradients and final weights
@@ -502,7 +502,7 @@ def test_compile_compiles_each_decoder_layer(two_processes):
             for name, t in want[key].items():
                 assert torch.equal(run[key][name], t), f"rank {r}: {key} {name} differs"
     assert_every_rank(runs, reference(1, rows=4, dp=1, shuffle=True), "compile, tsp 2")
-    # TSPFabricStrategy(compile="aot_eager"): the layers compiled, Fabric's module not compiled
+    # TSPFabricStrategy(compile="eager"): the layers compiled, Fabric's module not compiled
     # whole, one process's numbers (Fabric hands the loss back in float32: 1e-7)
     runs = full_run(os.path.join(two_processes, "fabric_compiled"))
     assert len(runs) == 2

@@ -11,7 +11,7 @@ against the unmodified model run on each document alone); resuming from a checkp
 and a LoRA run (a PeftModel) saved at tsp 2 resumes at tsp 4 with plain PEFT's steps and adapters;
 a Qwen2 checkpoint (with biases) loads shard-on-read into a TSP model with the plain model's
 logits; bf16=True (with and without gradient checkpointing) matches the plain Trainer in bf16 on
-one process within bf16's bounds; torch_compile_backend="aot_eager" compiles each decoder layer
+one process within bf16's bounds; torch_compile_backend="eager" compiles each decoder layer
 and trains as eager TSP bit for bit; fp16=True and a torch_compile_mode are refused."""
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def two_processes(tmp_path_factory, saved_mqa, saved_llama) -> str:
     tsp_activation_offload with gradient checkpointing; bf16 (mixed precision), with and without
     gradient checkpointing; packed batches (DataCollatorWithFlattening, 2 documents a step); a
     PeftModel (LoRA) saving a checkpoint after step 2; a run with the Trainer's defaults saving a
-    checkpoint after step 2, then resumed from it; torch_compile with the aot_eager backend
+    checkpoint after step 2, then resumed from it; torch_compile with the eager backend
     (last: it compiles)."""
     out = tmp_path_factory.mktemp("two_processes")
     proc = launch.run(launch.torchrun(2, launch.EXIT_CLEANLY, JOB, *common(saved_mqa, out / "o"),
@@ -189,7 +189,7 @@ def two_processes(tmp_path_factory, saved_mqa, saved_llama) -> str:
                                       f"{DEFAULTS} --save_strategy steps --save_steps 2",
                                       f"resumed --tsp_size 2 --model_path {saved_llama} "
                                       f"{DEFAULTS} --resume {out / RESUME_CHECKPOINT}",
-                                      "compiled --tsp_size 2 --torch_compile_backend aot_eager"),
+                                      "compiled --tsp_size 2 --torch_compile_backend eager"),
                       2, timeout=400)
     with open(out / "output.txt", "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -297,7 +297,7 @@ def test_bf16_matches_one_process_in_bf16(two_processes, one_process):
 
 
 def test_torch_compile_compiles_each_decoder_layer(two_processes):
-    # TrainingArguments(torch_compile_backend="aot_eager") at tsp 2, float64, 4 clipped SGD
+    # TrainingArguments(torch_compile_backend="eager") at tsp 2, float64, 4 clipped SGD
     # steps: on every rank each decoder layer was compiled (compile_layers' mark) with no graph
     # break, the model the Trainer trained was the TSP model itself (not an OptimizedModule:
     # no whole-model compile by the Trainer or Accelerate), and the losses compute_loss returned,

@@ -23,7 +23,7 @@ gets them from saving alone.
 logger at WARNING with a handler on stdout, transformers at INFO on the main process); every rank
 also records the Trainer's first log row (``first_row``).
 
-``--torch_compile_backend aot_eager`` (the Trainer's own argument): every rank also records
+``--torch_compile_backend eager`` (the Trainer's own argument): every rank also records
 ``compiled``: which decoder layers were compiled, the class of every model
 ``compute_loss`` was given (an ``OptimizedModule`` would be a whole-model compile), and dynamo's
 graph breaks; dynamo's ``trace_autograd_ops`` is restored and its caches reset afterwards, so

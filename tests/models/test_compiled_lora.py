@@ -7,7 +7,8 @@ each step's loss, the adapters' first gradients, the collectives (bytes and orde
 issues and waits of them bit for bit; no graph break; two graphs, unchanged after the first step
 (the first layer's input needs no gradient under the frozen embedding, the later layers' does);
 the base's loss under ``disable_adapter()`` equal. The float64 LoRA run's losses and first
-adapter gradients against the unmodified PeftModel on one process, to 1e-10."""
+adapter gradients against the unmodified PeftModel on one process, to 1e-10. The suite runs the
+LoRA case; the QLoRA case is run by hand (its parameter below)."""
 
 from __future__ import annotations
 
@@ -132,7 +133,9 @@ def _check(rank: int, kind: str, res: dict) -> None:
         assert err <= 1e-10, f"{what}: gradient of {name} off the one process's by {err:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["lora", "qlora"])
+# "qlora" runs by hand (test_adapters_in_compiled_layers_match_eager(pools, tmp_path, "qlora"):
+# its compile costs the suite about half a minute more; the LoRA layers are the same)
+@pytest.mark.parametrize("kind", ["lora"])
 def test_adapters_in_compiled_layers_match_eager(pools, tmp_path, kind):
     if kind == "qlora":
         test_qlora.save_base(str(tmp_path), test_qlora.SMALL)
