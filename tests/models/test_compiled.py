@@ -233,9 +233,9 @@ def _check(rank: int, name: str, res: dict, exact: bool) -> None:
         f"{what}: compiled graphs after each step {compiled['graphs']}, want {kinds} throughout"
     for step, (a, b) in enumerate(zip(eager["logs"], compiled["logs"])):
         assert a == b, f"{what} step {step}: collectives {b} vs eager {a}"
-    for step, (a, b) in enumerate(zip(eager["schedules"], compiled["schedules"])):
-        # inductor's scheduler places the wait ops itself (seen both sooner and later)
-        assert a == b or not exact, f"{what} step {step}: issues and waits {b} vs eager {a}"
+    if exact:  # inductor's scheduler places the wait ops itself (seen sooner and later)
+        for step, (a, b) in enumerate(zip(eager["schedules"], compiled["schedules"])):
+            assert a == b, f"{what} step {step}: issues and waits {b} vs eager {a}"
     assert len(compiled["logs"][0]) > 0
     assert compiled["graphs_after_generation"] == kinds, f"{what}: generation compiled graphs"
     after, before = compiled["selective"]  # enabled after parallelize(compile=), and before
